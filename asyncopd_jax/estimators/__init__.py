@@ -1,0 +1,52 @@
+"""Pure JAX estimators for on-policy distillation.
+
+Every function here is a pure function of arrays (no model, no config), computes in
+fp32 whatever the input dtype, and follows one alignment convention: per-position
+inputs are response-local and target-aligned (``[B, T]``, ``[B, T, K]`` or
+``[B, T, N]``; index t describes the distribution of response token t). Estimators
+return per-token values ``[B, T]``; reduce them with :func:`token_mean` or, across
+micro-batches and devices, with :func:`token_sum` / :func:`normalized_token_sum`.
+
+Names state the KL direction: ``forward_kl_*`` is KL(teacher ‖ student) and
+``reverse_kl_*`` is KL(student ‖ teacher).
+"""
+
+from asyncopd_jax.estimators.candidates import sample_candidates
+from asyncopd_jax.estimators.forward_kl import forward_kl_dense, forward_kl_mc, forward_kl_topk
+from asyncopd_jax.estimators.logprobs import gather_logprobs, gather_logprobs_from_hidden
+from asyncopd_jax.estimators.logspace import LOG_RATIO_CLIP, expectation, importance_ratio, with_tail
+from asyncopd_jax.estimators.reductions import normalized_token_sum, token_mean, token_sum
+from asyncopd_jax.estimators.reverse_kl import reverse_kl_dense, reverse_kl_mc, reverse_kl_topk
+from asyncopd_jax.estimators.stabilisers import (
+    clipped_surrogate,
+    decoupled_ppo_loss,
+    m2po_clip,
+    m2po_threshold,
+    ppo_clip_loss,
+    truncated_is_loss,
+)
+
+__all__ = [
+    "LOG_RATIO_CLIP",
+    "clipped_surrogate",
+    "decoupled_ppo_loss",
+    "expectation",
+    "forward_kl_dense",
+    "forward_kl_mc",
+    "forward_kl_topk",
+    "gather_logprobs",
+    "gather_logprobs_from_hidden",
+    "importance_ratio",
+    "m2po_clip",
+    "m2po_threshold",
+    "normalized_token_sum",
+    "ppo_clip_loss",
+    "reverse_kl_dense",
+    "reverse_kl_mc",
+    "reverse_kl_topk",
+    "sample_candidates",
+    "token_mean",
+    "token_sum",
+    "truncated_is_loss",
+    "with_tail",
+]

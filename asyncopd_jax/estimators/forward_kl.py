@@ -1,0 +1,108 @@
+"""Forward KL, KL(teacher ‖ student): teacher-weighted, robust to stale rollouts.
+
+Per response position t with prefix s, teacher q, student π_θ:
+
+    ℓ_F(θ; s) = Σ_v q(v|s) [log q(v|s) − log π_θ(v|s)]
+    ∇ℓ_F      = −Σ_v q(v|s) ∇log π_θ(v|s)
+
+The weights q depend on neither θ nor the behaviour policy μ, so staleness only changes
+which prefixes are visited. All inputs are response-local and target-aligned: index t
+describes the distribution of response token t given the tokens before it. Everything is
+computed in fp32 whatever the input dtype, and the teacher never receives a gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from asyncopd_jax.estimators.logspace import expectation, importance_ratio, with_tail
+
+Array = jax.Array
+
+
+def forward_kl_dense(student_logits: Array, teacher_logits: Array) -> Array:
+    """Exact per-token forward KL from full-vocabulary logits.
+
+    ``KL(q ‖ π_θ) = Σ_v q(v) [log q(v) − log π_θ(v)]``, with ``q = softmax(teacher_logits)``
+    and ``π_θ = softmax(student_logits)``.
+
+    Args:
+      student_logits: ``[B, T, V]``.
+      teacher_logits: ``[B, T, V]`` (stop-gradient).
+
+    Returns:
+      ``[B, T]`` fp32, ≥ 0.
+    """
+    student_logp = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
+    teacher_logp = jax.nn.log_softmax(
+        jax.lax.stop_gradient(teacher_logits).astype(jnp.float32), axis=-1
+    )
+    return expectation(teacher_logp, teacher_logp - student_logp)
+
+
+def forward_kl_topk(student_logp: Array, teacher_logp: Array, *, tail: bool = True) -> Array:
+    """Forward KL on the teacher's top-K support ``S_q`` (plus, by default, one tail bucket).
+
+    ``tail=False`` is the plain truncation of ``estimators.md``:
+
+        Σ_{v∈S_q} q(v) [log q(v) − log π_θ(v)]
+
+    It drops the teacher's tail, and its gradient ``−Σ_{v∈S_q} q(v) ∇log π_θ(v)`` does
+    not vanish at π_θ = q: it keeps pushing the student's mass into ``S_q``.
+    ``tail=True`` (default) adds the tail bucket, ``q̄ = 1 − q(S_q)``, ``π̄ = 1 − π_θ(S_q)``:
+
+        Σ_{v∈S_q} q(v) [log q(v) − log π_θ(v)] + q̄ [log q̄ − log π̄]
+
+    the exact KL between the two distributions coarse-grained to ``S_q`` + "other": ≥ 0,
+    0 with 0 gradient at π_θ = q, and still ≤ the full KL (biased low). With ``K = V``
+    both forms equal :func:`forward_kl_dense` in value and gradient.
+
+    Args:
+      student_logp: ``[B, T, K]`` student log-probs (full-vocabulary normalised) on the
+        teacher's top-K ids (distinct).
+      teacher_logp: ``[B, T, K]`` teacher log-probs on the same ids (stop-gradient).
+      tail: add the tail bucket.
+
+    Returns:
+      ``[B, T]`` fp32.
+    """
+    teacher_logp = jax.lax.stop_gradient(teacher_logp).astype(jnp.float32)
+    student_logp = student_logp.astype(jnp.float32)
+    if tail:
+        teacher_logp, student_logp = with_tail(teacher_logp), with_tail(student_logp)
+    return expectation(teacher_logp, teacher_logp - student_logp)
+
+
+def forward_kl_mc(student_logp: Array, teacher_logp: Array, *, control_variate: bool = False) -> Array:
+    """Monte-Carlo forward KL over N samples drawn from the teacher.
+
+    With ``v_1..v_N ~ q`` i.i.d. and ``r_n = π_θ(v_n) / q(v_n)``:
+
+    * default: ``(1/N) Σ_n [log q(v_n) − log π_θ(v_n)]`` = ``(1/N) Σ_n −log r_n``, an
+      unbiased estimate of ``KL(q ‖ π_θ)`` whose gradient ``−(1/N) Σ_n ∇log π_θ(v_n)``
+      is unbiased for ``∇ℓ_F``. At π_θ = q the value is 0 but a single draw's gradient
+      is not (it is 0 only in expectation).
+    * ``control_variate=True``: ``(1/N) Σ_n [(r_n − 1) − log r_n]`` (the "k3" form,
+      adding ``r − 1``, whose mean under q is 0). Still unbiased in value and gradient
+      (``−(1/N) Σ_n (1 − r_n) ∇log π_θ(v_n)``) when q has full support, ≥ 0 per sample,
+      and exactly 0 with 0 gradient at π_θ = q; but its variance grows with
+      ``Σ_v π_θ(v)² / q(v)``, i.e. when the student puts mass where the teacher has
+      little.
+
+    No importance weight on the samples is needed: they come from q itself.
+
+    Args:
+      student_logp: ``[B, T, N]`` student log-probs on the teacher's samples.
+      teacher_logp: ``[B, T, N]`` teacher log-probs on the same samples (stop-gradient).
+      control_variate: use the k3 form.
+
+    Returns:
+      ``[B, T]`` fp32 (averaged over the sample axis).
+    """
+    teacher_logp = jax.lax.stop_gradient(teacher_logp).astype(jnp.float32)
+    log_ratio = student_logp.astype(jnp.float32) - teacher_logp
+    per_sample = -log_ratio
+    if control_variate:
+        per_sample = per_sample + importance_ratio(student_logp, teacher_logp) - 1.0
+    return jnp.mean(per_sample, axis=-1)

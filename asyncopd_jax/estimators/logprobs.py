@@ -1,0 +1,157 @@
+"""Log-probabilities of given token ids: dense, and chunked + fused from hidden states.
+
+The learner needs the student's log-probs only on a few cached ids per position (the
+sampled token, N Monte-Carlo candidates, a top-K support), never the ``[B, T, V]``
+logits themselves. :func:`gather_logprobs_from_hidden` fuses the LM head, the
+log-softmax and the gather over chunks of positions with a custom VJP that recomputes
+each chunk's logits in the backward pass, so that neither pass holds more than
+``[chunk_size, V]`` logits at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def _with_support_axis(ids: Array, batch_ndim: int) -> tuple[Array, bool]:
+    """``[B, T]`` ids → ``[B, T, 1]`` (and remember to squeeze); ``[B, T, K]`` unchanged."""
+    if ids.ndim == batch_ndim:
+        return ids[..., None], True
+    if ids.ndim == batch_ndim + 1:
+        return ids, False
+    raise ValueError(
+        f"ids must have shape [B, T] or [B, T, K] matching the logits' leading axes; got "
+        f"ids.ndim={ids.ndim} for {batch_ndim} leading axes"
+    )
+
+
+def gather_logprobs(logits: Array, ids: Array, temperature: float = 1.0) -> Array:
+    """``log softmax(logits / τ)[ids]`` in fp32.
+
+    ``log p(v) = z_v / τ − logsumexp_u(z_u / τ)``, computed without materialising the
+    full log-softmax.
+
+    Args:
+      logits: ``[B, T, V]`` (any float dtype).
+      ids: ``[B, T]`` or ``[B, T, K]`` integer ids in ``[0, V)``.
+      temperature: ``τ > 0``; use the sampler's temperature for the student so that
+        ratios against behaviour log-probs compare the same distribution.
+
+    Returns:
+      ``[B, T]`` or ``[B, T, K]`` fp32, matching ``ids``.
+    """
+    scaled = logits.astype(jnp.float32) / temperature
+    support, squeeze = _with_support_axis(ids, logits.ndim - 1)
+    picked = jnp.take_along_axis(scaled, support, axis=-1)
+    logp = picked - jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+    return logp[..., 0] if squeeze else logp
+
+
+def _chunk_logits(hidden: Array, lm_head: Array, temperature: float) -> Array:
+    """``[C, H] @ [H, V]`` with fp32 accumulation, divided by the temperature."""
+    logits = jnp.dot(hidden, lm_head, preferred_element_type=jnp.float32)
+    return logits / temperature
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused_gather(hidden: Array, lm_head: Array, ids: Array, chunk_size: int, temperature: float) -> Array:
+    """``[n, c, H], [H, V], [n, c, K] → [n, c, K]`` log-probs, chunk by chunk."""
+    logp, _ = _fused_gather_fwd(hidden, lm_head, ids, chunk_size, temperature)
+    return logp
+
+
+def _fused_gather_fwd(hidden, lm_head, ids, chunk_size, temperature):
+    def one_chunk(_, xs):
+        h, idx = xs
+        logits = _chunk_logits(h, lm_head, temperature)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        return None, (jnp.take_along_axis(logits, idx, axis=-1) - lse[:, None], lse)
+
+    _, (logp, lse) = jax.lax.scan(one_chunk, None, (hidden, ids))
+    return logp, (hidden, lm_head, ids, lse)
+
+
+def _fused_gather_bwd(chunk_size, temperature, residuals, g):
+    # d logp[r, k] / d z[r, v] = (1[v = ids[r, k]] − softmax(z)[r, v]) / τ, so
+    # dz[r] = (scatter_add(g[r] at ids[r]) − softmax(z[r]) · Σ_k g[r, k]) / τ.
+    # Scatter-add (not set) so that duplicate ids accumulate.
+    hidden, lm_head, ids, lse = residuals
+    rows = jnp.arange(hidden.shape[1])[:, None]
+
+    def one_chunk(d_head, xs):
+        h, idx, chunk_lse, chunk_g = xs
+        logits = _chunk_logits(h, lm_head, temperature)
+        probs = jnp.exp(logits - chunk_lse[:, None])
+        d_logits = -probs * jnp.sum(chunk_g, axis=-1, keepdims=True)
+        d_logits = d_logits.at[rows, idx].add(chunk_g) / temperature
+        d_hidden = jnp.dot(d_logits, lm_head.T.astype(jnp.float32)).astype(hidden.dtype)
+        d_head = d_head + jnp.dot(h.T.astype(jnp.float32), d_logits)
+        return d_head, d_hidden
+
+    d_head0 = jnp.zeros(lm_head.shape, jnp.float32)
+    d_head, d_hidden = jax.lax.scan(one_chunk, d_head0, (hidden, ids, lse, g.astype(jnp.float32)))
+    return d_hidden, d_head.astype(lm_head.dtype), None
+
+
+_fused_gather.defvjp(_fused_gather_fwd, _fused_gather_bwd)
+
+
+def gather_logprobs_from_hidden(
+    hidden: Array,
+    lm_head: Array,
+    ids: Array,
+    chunk_size: int = 256,
+    temperature: float = 1.0,
+) -> Array:
+    """``log softmax(hidden @ lm_head / τ)[ids]`` without ever holding ``[B, T, V]``.
+
+    Same values and gradients (w.r.t. ``hidden`` and ``lm_head``) as
+    ``gather_logprobs(hidden @ lm_head, ids, τ)``, but the ``B·T`` positions are
+    processed in chunks of ``chunk_size`` rows under ``lax.scan``: the forward keeps only
+    the per-row log-normaliser, and the backward recomputes each chunk's logits (one
+    extra matmul) to form ``dz = (onehot(ids)·g − softmax(z)·Σg) / τ``. Peak memory is
+    ``O(chunk_size · V)`` in both passes, plus the ``[H, V]`` weight gradient (fp32
+    accumulator) that any path needs. Duplicate ids in a row are handled (their
+    gradients add up).
+
+    Args:
+      hidden: ``[B, T, H]`` final hidden states, target-aligned (row t predicts token t).
+      lm_head: ``[H, V]`` output projection (transpose of a tied embedding if tied).
+      ids: ``[B, T]`` or ``[B, T, K]`` integer ids.
+      chunk_size: rows per chunk (static); positions are padded up to a multiple.
+      temperature: ``τ > 0`` (static).
+
+    Returns:
+      ``[B, T]`` or ``[B, T, K]`` fp32, matching ``ids``.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if hidden.shape[-1] != lm_head.shape[0]:
+        raise ValueError(
+            f"hidden size mismatch: hidden has H={hidden.shape[-1]}, lm_head has shape "
+            f"{lm_head.shape} (expected [H, V])"
+        )
+    batch_shape = hidden.shape[:-1]
+    support, squeeze = _with_support_axis(ids, len(batch_shape))
+    rows = 1
+    for d in batch_shape:
+        rows *= d
+    chunk = min(chunk_size, max(rows, 1))
+    n_chunks = -(-rows // chunk)
+    pad = n_chunks * chunk - rows
+    flat_hidden = jnp.pad(hidden.reshape(rows, hidden.shape[-1]), ((0, pad), (0, 0)))
+    flat_ids = jnp.pad(support.reshape(rows, support.shape[-1]).astype(jnp.int32), ((0, pad), (0, 0)))
+    logp = _fused_gather(
+        flat_hidden.reshape(n_chunks, chunk, -1),
+        lm_head,
+        flat_ids.reshape(n_chunks, chunk, -1),
+        chunk,
+        float(temperature),
+    )
+    logp = logp.reshape(n_chunks * chunk, -1)[:rows].reshape(*batch_shape, support.shape[-1])
+    return logp[..., 0] if squeeze else logp

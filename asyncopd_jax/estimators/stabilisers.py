@@ -1,0 +1,245 @@
+"""Stabilisers from asynchronous RL, as pure per-token losses.
+
+All functions are elementwise over per-token (``[B, T]``) or per-candidate
+(``[B, T, N]``) arrays and return a loss of the same shape, to be reduced with
+:func:`asyncopd_jax.estimators.token_mean` (after a mean over ``N`` where present).
+Notation: π_θ the current policy (``logp``, the only input with a gradient), μ the
+behaviour policy that sampled the token, ``A`` a detached advantage. For on-policy
+distillation the per-token advantage is the reward ``log q − log μ`` (stale signal) or
+``log q − log π_θ`` (recomputed); see :mod:`asyncopd_jax.estimators.reverse_kl`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from asyncopd_jax.estimators.logspace import importance_ratio
+
+Array = jax.Array
+
+ClipEps = float | tuple[float, float]
+
+
+def clip_bounds(clip_eps: ClipEps) -> tuple[float, float]:
+    """``ε`` or ``(ε_low, ε_high)`` → ratio bounds ``(1 − ε_low, 1 + ε_high)``."""
+    low, high = (clip_eps, clip_eps) if isinstance(clip_eps, (int, float)) else clip_eps
+    if not (0.0 <= low < 1.0 and high >= 0.0):
+        raise ValueError(f"clip_eps must satisfy 0 <= eps_low < 1 and eps_high >= 0, got {clip_eps!r}")
+    return 1.0 - low, 1.0 + high
+
+
+def clipped_surrogate(
+    ratio: Array,
+    advantages: Array,
+    ratio_low: Array | float,
+    ratio_high: Array | float,
+    dual_clip: float | None = None,
+) -> Array:
+    """The PPO pessimistic surrogate for a given ratio and clip range.
+
+    ``L = max(−A r, −A clip(r, r_low, r_high))``; with dual clip ``c > 1``, where
+    ``A < 0``: ``L = min(−c A, L)`` (caps the loss of a token whose ratio exploded).
+
+    Args:
+      ratio: ``[B, T]`` or ``[B, T, N]`` importance ratio, carrying the gradient.
+      advantages: same shape, detached here.
+      ratio_low, ratio_high: clip range (scalars or broadcastable arrays).
+      dual_clip: ``c > 1`` or ``None``.
+
+    Returns:
+      Per-element loss, fp32, same shape as ``ratio``.
+    """
+    adv = jax.lax.stop_gradient(advantages).astype(jnp.float32)
+    loss = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, ratio_low, ratio_high))
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        loss = jnp.where(adv < 0, jnp.minimum(loss, -dual_clip * adv), loss)
+    return loss
+
+
+def ppo_clip_loss(
+    logp: Array,
+    behavior_logp: Array,
+    advantages: Array,
+    *,
+    clip_eps: ClipEps = 0.2,
+    dual_clip: float | None = None,
+) -> Array:
+    """PPO clipped surrogate with the behaviour policy as base.
+
+    ``r = π_θ / μ``; ``L = max(−A r, −A clip(r, 1 − ε_low, 1 + ε_high))``; optional dual
+    clip ``c``: where ``A < 0``, ``L = min(−c A, L)``.
+
+    Args:
+      logp: ``[B, T]`` or ``[B, T, N]`` log π_θ (differentiated).
+      behavior_logp: same shape, log μ (stop-gradient).
+      advantages: same shape (stop-gradient).
+      clip_eps: ``ε`` or ``(ε_low, ε_high)``.
+      dual_clip: ``c > 1`` or ``None``.
+
+    Returns:
+      Per-element loss, fp32, same shape as ``logp``.
+    """
+    ratio = importance_ratio(logp, jax.lax.stop_gradient(behavior_logp))
+    return clipped_surrogate(ratio, advantages, *clip_bounds(clip_eps), dual_clip)
+
+
+def decoupled_ppo_loss(
+    logp: Array,
+    proximal_logp: Array,
+    behavior_logp: Array,
+    advantages: Array,
+    *,
+    clip_eps: ClipEps = 0.2,
+    dual_clip: float | None = None,
+    behavior_weight_cap: float | None = 5.0,
+) -> Array:
+    """AReaL's decoupled PPO: trust region around π_prox, off-policy weight π_prox / μ.
+
+    ``r = π_θ / π_prox`` is clipped around 1 (PPO surrogate ``L_clip``); the loss is
+    weighted by ``w = π_prox / μ``: ``L = w · L_clip``. Tokens with ``w > cap`` are masked
+    out (loss 0, no gradient), as in AReaL; keep them in the token count of the mean.
+    π_prox is the policy at the start of this learner step (a no-grad forward before
+    the first optimizer step).
+
+    Args:
+      logp: ``[B, T]`` or ``[B, T, N]`` log π_θ (differentiated).
+      proximal_logp: same shape, log π_prox (stop-gradient).
+      behavior_logp: same shape, log μ (stop-gradient).
+      advantages: same shape (stop-gradient).
+      clip_eps: ``ε`` or ``(ε_low, ε_high)``.
+      dual_clip: ``c > 1`` or ``None``.
+      behavior_weight_cap: the cap on ``w``; ``None`` keeps every token.
+
+    Returns:
+      Per-element loss, fp32, same shape as ``logp``.
+    """
+    proximal_logp = jax.lax.stop_gradient(proximal_logp)
+    ratio = importance_ratio(logp, proximal_logp)
+    loss = clipped_surrogate(ratio, advantages, *clip_bounds(clip_eps), dual_clip)
+    weight = importance_ratio(proximal_logp, jax.lax.stop_gradient(behavior_logp))
+    if behavior_weight_cap is None:
+        return weight * loss
+    return jnp.where(weight <= behavior_weight_cap, weight * loss, 0.0)
+
+
+def truncated_is_loss(
+    logp: Array,
+    behavior_logp: Array,
+    advantages: Array,
+    *,
+    cap: float = 2.0,
+) -> Array:
+    """Policy gradient with a truncated importance weight ``min(π_θ / μ, c)``.
+
+    Gradient: ``−min(π_θ/μ, c) · A · ∇log π_θ``. Surrogate: ``L = −sg[min(ρ, c)] · A ·
+    exp(log π_θ − sg[log π_θ])`` (value ``−min(ρ, c) · A``). Truncation bounds the
+    variance at the price of a bias towards μ on tokens with ``ρ > c``.
+
+    Args:
+      logp: ``[B, T]`` or ``[B, T, N]`` log π_θ (differentiated).
+      behavior_logp: same shape, log μ (stop-gradient).
+      advantages: same shape (stop-gradient).
+      cap: ``c > 0``.
+
+    Returns:
+      Per-element loss, fp32, same shape as ``logp``.
+    """
+    if cap <= 0:
+        raise ValueError(f"truncated_is_loss: cap must be > 0, got {cap}")
+    logp = logp.astype(jnp.float32)
+    detached = jax.lax.stop_gradient(logp)
+    weight = jnp.minimum(importance_ratio(detached, jax.lax.stop_gradient(behavior_logp)), cap)
+    score = importance_ratio(logp, detached)  # value 1, gradient ∇log π_θ
+    return -jax.lax.stop_gradient(advantages).astype(jnp.float32) * weight * score
+
+
+def m2po_threshold(
+    logp: Array,
+    behavior_logp: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    second_moment_budget: float = 0.04,
+) -> Array:
+    """M2PO's adaptive log-ratio bound τ, computed on device (sort + prefix sums).
+
+    With ``δ = log μ − log π_θ``, select the valid tokens whose ratio moves against the
+    sign of the advantage, i.e. ``A · δ > 0`` (``A > 0`` and ``π_θ < μ``, or ``A < 0``
+    and ``π_θ > μ``). Return the largest ``τ`` with
+
+        mean_selected(min(δ², τ²)) ≤ budget,
+
+    or ``+inf`` when the selected tokens are already within budget (or none is
+    selected). ``f(τ) = mean(min(δ², τ²))`` is continuous and increasing in τ, so with
+    the selected ``δ²`` sorted ascending as ``s_1 ≤ … ≤ s_M`` the solution is
+    ``τ² = (M · budget − Σ_{i≤k} s_i) / (M − k)`` for the unique k whose interval
+    ``[s_k, s_{k+1}]`` contains it.
+
+    Args:
+      logp: ``[B, T]`` or ``[B, T, N]`` log π_θ.
+      behavior_logp: same shape, log μ.
+      advantages: same shape.
+      mask: same shape; valid tokens.
+      second_moment_budget: the budget on the second moment of the clipped log-ratio.
+
+    Returns:
+      fp32 scalar τ ≥ 0 (or ``+inf``); no gradient.
+    """
+    logp = jax.lax.stop_gradient(logp).astype(jnp.float32)
+    delta = jax.lax.stop_gradient(behavior_logp).astype(jnp.float32) - logp
+    adv = jax.lax.stop_gradient(advantages).astype(jnp.float32)
+    selected = mask.astype(bool) & (adv * delta > 0)
+    count = jnp.sum(selected).astype(jnp.float32)
+    sq = jnp.sort(jnp.where(selected, delta * delta, jnp.inf).ravel())  # selected first
+    size = sq.shape[0]
+    k = jnp.arange(size, dtype=jnp.float32)  # number of entries left unclipped
+    finite_sq = jnp.where(jnp.isfinite(sq), sq, 0.0)
+    prefix = jnp.cumsum(finite_sq) - finite_sq  # Σ_{i<k} s_i
+    tau_sq = (count * second_moment_budget - prefix) / jnp.maximum(count - k, 1.0)
+    lower = jnp.concatenate([jnp.zeros((1,), jnp.float32), sq[:-1]])
+    valid = (k < count) & (tau_sq >= lower) & (tau_sq <= sq)
+    solved = jnp.sqrt(jnp.max(jnp.where(valid, tau_sq, 0.0)))
+    within_budget = jnp.sum(finite_sq) <= count * second_moment_budget
+    return jnp.where(within_budget | (count == 0), jnp.inf, solved)
+
+
+def m2po_clip(
+    logp: Array,
+    behavior_logp: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    second_moment_budget: float = 0.04,
+    min_low_margin: float = 0.3,
+    min_high_margin: float = 0.5,
+    dual_clip: float | None = None,
+) -> Array:
+    """PPO surrogate with M2PO's adaptive, second-moment-budgeted clip range.
+
+    τ from :func:`m2po_threshold`; the ratio ``r = π_θ / μ`` is clipped to
+    ``[min(e^−τ, 1 − m_low), max(e^τ, 1 + m_high)]``: the range never gets narrower than
+    the minimum margins ``m_low, m_high``. Everything runs on device inside jit.
+
+    Args:
+      logp: ``[B, T]`` or ``[B, T, N]`` log π_θ (differentiated).
+      behavior_logp: same shape, log μ (stop-gradient).
+      advantages: same shape (stop-gradient).
+      mask: same shape; the tokens over which τ is chosen.
+      second_moment_budget: see :func:`m2po_threshold`.
+      min_low_margin, min_high_margin: ``m_low ∈ [0, 1)``, ``m_high ≥ 0``.
+      dual_clip: ``c > 1`` or ``None``.
+
+    Returns:
+      Per-element loss, fp32, same shape as ``logp``.
+    """
+    ratio_floor, ratio_ceiling = clip_bounds((min_low_margin, min_high_margin))
+    tau = m2po_threshold(
+        logp, behavior_logp, advantages, mask, second_moment_budget=second_moment_budget
+    )
+    low = jnp.minimum(jnp.exp(-tau), ratio_floor)
+    high = jnp.maximum(jnp.exp(tau), ratio_ceiling)
+    ratio = importance_ratio(logp, jax.lax.stop_gradient(behavior_logp))
+    return clipped_surrogate(ratio, advantages, low, high, dual_clip)

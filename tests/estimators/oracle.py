@@ -1,0 +1,62 @@
+"""NumPy (float64) reference implementations the estimator tests compare against."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    m = np.max(x, axis=axis, keepdims=True)
+    return x - m - np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True))
+
+
+def kl(p_logp: np.ndarray, q_logp: np.ndarray) -> np.ndarray:
+    """KL(p ‖ q) over the last axis."""
+    p = np.exp(p_logp)
+    with np.errstate(invalid="ignore"):  # 0 · (−inf) is masked just below
+        return np.sum(np.where(p > 0, p * (p_logp - q_logp), 0.0), axis=-1)
+
+
+def coarse_grain(logp: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Full log-probs [..., V] → log-probs of (ids[0], …, ids[K−1], everything else)."""
+    support = np.take_along_axis(logp, ids, -1)
+    tail = np.log1p(-np.sum(np.exp(support), axis=-1, keepdims=True))
+    return np.concatenate([support, tail], axis=-1)
+
+
+def reverse_kl_grad_wrt_logits(student_logits: np.ndarray, teacher_logits: np.ndarray) -> np.ndarray:
+    """∂ KL(softmax(z) ‖ q) / ∂z_j = p_j (log p_j − log q_j − KL)."""
+    lp, lq = log_softmax(student_logits), log_softmax(teacher_logits)
+    value = kl(lp, lq)[..., None]
+    return np.exp(lp) * (lp - lq - value)
+
+
+def forward_kl_grad_wrt_logits(student_logits: np.ndarray, teacher_logits: np.ndarray) -> np.ndarray:
+    """∂ KL(q ‖ softmax(z)) / ∂z_j = p_j − q_j."""
+    return np.exp(log_softmax(student_logits)) - np.exp(log_softmax(teacher_logits))
+
+
+def ppo_clip(logp, behavior_logp, adv, low, high, dual_clip=None):
+    r = np.exp(np.asarray(logp, np.float64) - behavior_logp)
+    loss = np.maximum(-adv * r, -adv * np.clip(r, low, high))
+    if dual_clip is not None:
+        loss = np.where(adv < 0, np.minimum(loss, -dual_clip * adv), loss)
+    return loss
+
+
+def m2po_tau(logp, behavior_logp, adv, mask, budget):
+    """Largest τ with mean(min(δ², τ²)) ≤ budget over the selected tokens, by bisection."""
+    delta = np.asarray(behavior_logp, np.float64) - logp
+    sel = (np.asarray(mask) > 0) & (adv * delta > 0)
+    sq = (delta * delta)[sel]
+    if sq.size == 0 or sq.mean() <= budget:
+        return np.inf
+    lo, hi = 0.0, float(np.sqrt(sq.max()))
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if np.mean(np.minimum(sq, mid * mid)) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -1,0 +1,118 @@
+"""Properties every public estimator keeps: zero at student = teacher, jit, vmap, bf16."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import asyncopd_jax.estimators as est
+
+B, T, V, N = 2, 4, 9, 5
+
+
+def _inputs(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    student_logits = rng.normal(scale=2.0, size=(B, T, V)).astype(np.float32)
+    teacher_logits = rng.normal(scale=2.0, size=(B, T, V)).astype(np.float32)
+    behavior_logits = (student_logits + rng.normal(size=(B, T, V))).astype(np.float32)
+    ids = rng.integers(0, V, size=(B, T, N))
+    return student_logits, teacher_logits, behavior_logits, ids
+
+
+def _support(ids):
+    """Distinct ids per position derived from the random ids: (ids[..., 0] + k) mod V."""
+    return (ids[..., :1] + jnp.arange(N)) % V
+
+
+def _estimators() -> dict[str, Callable]:
+    """Each entry maps (student_logits, teacher_logits, behavior_logits, ids) → [B, T]."""
+    g = est.gather_logprobs
+
+    def mc(**kw):
+        return lambda s, q, mu, ids: est.reverse_kl_mc(g(s, ids), g(mu, ids), g(q, ids), **kw)
+
+    def stabiliser(fn, **kw):
+        # OPD reward on the candidates: the recomputed signal log q − log π_θ.
+        def run(s, q, mu, ids):
+            lp = g(s, ids)
+            return jnp.mean(fn(lp, g(mu, ids), jax.lax.stop_gradient(g(q, ids) - lp), **kw), axis=-1)
+
+        return run
+
+    def decoupled(s, q, mu, ids):
+        lp = g(s, ids)
+        prox = jax.lax.stop_gradient(lp)
+        return jnp.mean(est.decoupled_ppo_loss(lp, prox, g(mu, ids), jax.lax.stop_gradient(g(q, ids) - lp)), -1)
+
+    def m2po(s, q, mu, ids):
+        lp = g(s, ids)
+        adv = jax.lax.stop_gradient(g(q, ids) - lp)
+        return jnp.mean(est.m2po_clip(lp, g(mu, ids), adv, jnp.ones(ids.shape, bool)), -1)
+
+    return {
+        "forward_kl_dense": lambda s, q, mu, ids: est.forward_kl_dense(s, q),
+        "reverse_kl_dense": lambda s, q, mu, ids: est.reverse_kl_dense(s, q),
+        # Top-K supports are distinct ids: the first K of a random permutation.
+        "forward_kl_topk": lambda s, q, mu, ids: est.forward_kl_topk(g(s, _support(ids)), g(q, _support(ids))),
+        "reverse_kl_topk": lambda s, q, mu, ids: est.reverse_kl_topk(g(s, _support(ids)), g(q, _support(ids))),
+        # The plain forward MC gradient is 0 only in expectation (see test_forward_kl).
+        "forward_kl_mc": lambda s, q, mu, ids: est.forward_kl_mc(g(s, ids), g(q, ids), control_variate=True),
+        "reverse_kl_mc": mc(),
+        "reverse_kl_mc_clipped": mc(clip_eps=0.2),
+        "reverse_kl_mc_no_is": mc(importance_sampling=False),
+        "ppo_clip": stabiliser(est.ppo_clip_loss, dual_clip=3.0),
+        "truncated_is": stabiliser(est.truncated_is_loss),
+        "decoupled_ppo": decoupled,
+        "m2po": m2po,
+    }
+
+
+ESTIMATORS = _estimators()
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_zero_value_and_zero_gradient_when_student_equals_teacher(name):
+    s, _, mu, ids = _inputs()
+    fn = ESTIMATORS[name]
+    value, grad = jax.value_and_grad(lambda z: fn(z, s, mu, ids).sum())(s)
+    np.testing.assert_allclose(fn(s, s, mu, ids), 0.0, atol=1e-5)
+    np.testing.assert_allclose(grad, 0.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_shape_jit_and_vmap(name):
+    s, q, mu, ids = _inputs(1)
+    fn = ESTIMATORS[name]
+    eager = fn(s, q, mu, ids)
+    assert eager.shape == (B, T) and eager.dtype == jnp.float32
+    assert np.all(np.isfinite(eager))
+    np.testing.assert_allclose(jax.jit(fn)(s, q, mu, ids), eager, rtol=1e-5, atol=1e-6)
+    if name != "m2po":  # m2po's threshold pools the whole batch, so it is not per-row
+        stacked = [np.stack([x, x[::-1]]) for x in (s, q, mu, ids)]
+        batched = jax.vmap(fn)(*stacked)
+        np.testing.assert_allclose(batched[0], eager, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(batched[1], fn(s[::-1], q[::-1], mu[::-1], ids[::-1]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_bf16_inputs_are_computed_in_fp32(name):
+    s, q, mu, ids = _inputs(2)
+    fn = ESTIMATORS[name]
+    as_bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (s, q, mu)]
+    got = fn(*as_bf16, ids)
+    # Same bf16-rounded numbers, upcast first: any bf16 arithmetic inside would differ.
+    want = fn(*[x.astype(jnp.float32) for x in as_bf16], ids)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_all_zero_mask_reduces_every_estimator_to_zero():
+    s, q, mu, ids = _inputs(3)
+    mask = jnp.zeros((B, T), bool)
+    for fn in ESTIMATORS.values():
+        value, grad = jax.value_and_grad(lambda z: est.token_mean(fn(z, q, mu, ids), mask))(s)
+        assert value == 0.0 and np.all(np.asarray(grad) == 0.0)

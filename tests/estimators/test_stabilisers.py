@@ -1,0 +1,119 @@
+"""Stabilisers against NumPy oracles, in value and gradient, on [B, T] and [B, T, N]."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from asyncopd_jax.estimators import (
+    decoupled_ppo_loss,
+    m2po_clip,
+    m2po_threshold,
+    ppo_clip_loss,
+    truncated_is_loss,
+)
+from tests.estimators import oracle
+
+
+def _problem(shape, seed=0, spread=0.5):
+    rng = np.random.default_rng(seed)
+    behavior = np.log(rng.uniform(0.05, 0.9, size=shape)).astype(np.float32)
+    logp = (behavior + rng.normal(scale=spread, size=shape)).astype(np.float32)
+    adv = rng.normal(size=shape).astype(np.float32)
+    return logp, behavior, adv
+
+
+SHAPES = [(3, 5), (3, 5, 4)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_ppo_clip_value_and_gradient(shape, dual_clip):
+    logp, behavior, adv = _problem(shape)
+    loss, grad = jax.value_and_grad(
+        lambda lp: ppo_clip_loss(lp, behavior, adv, clip_eps=(0.2, 0.28), dual_clip=dual_clip).sum()
+    )(logp)
+    per = ppo_clip_loss(logp, behavior, adv, clip_eps=(0.2, 0.28), dual_clip=dual_clip)
+    want = oracle.ppo_clip(logp, behavior, adv, 0.8, 1.28, dual_clip)
+    assert per.shape == shape
+    np.testing.assert_allclose(per, want, rtol=1e-5, atol=1e-6)
+    # Gradient: −A r where the unclipped term is active, 0 where a clip binds.
+    r = np.exp(logp.astype(np.float64) - behavior)
+    active = np.isclose(want, -adv * r, rtol=1e-6) & ~((r < 0.8) & (adv < 0)) & ~((r > 1.28) & (adv > 0))
+    np.testing.assert_allclose(grad, np.where(active, -adv * r, 0.0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decoupled_ppo_weights_and_masks(shape):
+    logp, behavior, adv = _problem(shape, seed=1, spread=1.0)
+    proximal = (logp - 0.1).astype(np.float32)
+    per = decoupled_ppo_loss(logp, proximal, behavior, adv, clip_eps=0.2, behavior_weight_cap=2.0)
+    weight = np.exp(proximal.astype(np.float64) - behavior)
+    want = weight * oracle.ppo_clip(logp, proximal, adv, 0.8, 1.2)
+    want = np.where(weight <= 2.0, want, 0.0)
+    assert (weight > 2.0).any() and (weight <= 2.0).any()  # both branches exercised
+    np.testing.assert_allclose(per, want, rtol=1e-5, atol=1e-6)
+    grad = jax.grad(
+        lambda lp: decoupled_ppo_loss(lp, proximal, behavior, adv, behavior_weight_cap=2.0).sum()
+    )(logp)
+    np.testing.assert_array_equal(np.asarray(grad)[weight > 2.0], 0.0)
+    # No gradient flows into the proximal or behaviour log-probs.
+    g_prox = jax.grad(lambda p: decoupled_ppo_loss(logp, p, behavior, adv).sum())(proximal)
+    np.testing.assert_array_equal(g_prox, 0.0)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_truncated_is(shape):
+    logp, behavior, adv = _problem(shape, seed=2, spread=1.0)
+    loss_fn = lambda lp: truncated_is_loss(lp, behavior, adv, cap=1.5)  # noqa: E731
+    weight = np.minimum(np.exp(logp.astype(np.float64) - behavior), 1.5)
+    np.testing.assert_allclose(loss_fn(logp), -adv * weight, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda lp: loss_fn(lp).sum())(logp), -adv * weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("budget", [0.01, 0.04, 10.0])
+def test_m2po_threshold_matches_bisection(shape, budget):
+    logp, behavior, adv = _problem(shape, seed=3, spread=0.4)
+    mask = np.random.default_rng(4).uniform(size=shape) > 0.2
+    tau = jax.jit(lambda *a: m2po_threshold(*a, second_moment_budget=budget))(logp, behavior, adv, mask)
+    want = oracle.m2po_tau(logp, behavior, adv, mask, budget)
+    if np.isinf(want):
+        assert np.isinf(tau)
+    else:
+        np.testing.assert_allclose(tau, want, rtol=1e-4)
+        # The defining property, checked directly.
+        delta = (behavior - logp)[(mask > 0) & (adv * (behavior - logp) > 0)]
+        np.testing.assert_allclose(np.mean(np.minimum(delta**2, float(tau) ** 2)), budget, rtol=1e-3)
+
+
+def test_m2po_clip_uses_adaptive_range_with_floors():
+    logp, behavior, adv = _problem((4, 16), seed=5, spread=1.0)
+    mask = np.ones_like(logp, bool)
+    tau = float(m2po_threshold(logp, behavior, adv, mask, second_moment_budget=0.04))
+    low, high = min(np.exp(-tau), 0.7), max(np.exp(tau), 1.5)
+    got = jax.jit(lambda *a: m2po_clip(*a))(logp, behavior, adv, mask)
+    np.testing.assert_allclose(got, oracle.ppo_clip(logp, behavior, adv, low, high), rtol=1e-5, atol=1e-6)
+
+
+def test_m2po_with_empty_mask_does_not_clip_and_is_finite():
+    logp, behavior, adv = _problem((2, 3), seed=6)
+    mask = np.zeros_like(logp, bool)
+    assert np.isinf(m2po_threshold(logp, behavior, adv, mask))
+    loss, grad = jax.value_and_grad(lambda lp: m2po_clip(lp, behavior, adv, mask).sum())(logp)
+    assert np.isfinite(loss) and np.all(np.isfinite(grad))
+    r = np.exp(logp.astype(np.float64) - behavior)
+    np.testing.assert_allclose(m2po_clip(logp, behavior, adv, mask), -adv * r, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_clip_arguments_raise():
+    logp, behavior, adv = _problem((2, 3))
+    with pytest.raises(ValueError, match="clip_eps"):
+        ppo_clip_loss(logp, behavior, adv, clip_eps=1.5)
+    with pytest.raises(ValueError, match="dual_clip"):
+        ppo_clip_loss(logp, behavior, adv, dual_clip=0.5)
+    with pytest.raises(ValueError, match="cap"):
+        truncated_is_loss(logp, behavior, adv, cap=0.0)
+    assert jnp.all(jnp.isfinite(ppo_clip_loss(logp, behavior, adv)))
