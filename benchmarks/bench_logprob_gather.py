@@ -1,0 +1,120 @@
+"""Value + gradient of the chunked, fused log-prob gather against the dense path.
+
+Both paths compute ``Σ g · log softmax(hidden @ lm_head)[ids]`` and its gradient with
+respect to ``hidden`` and ``lm_head``, at a realistic shape (Qwen-size vocabulary). The
+dense path materialises ``[T, V]`` logits (and their softmax and cotangent in the
+backward); the chunked path holds ``[chunk, V]`` at a time and recomputes logits in the
+backward (one extra matmul).
+
+Memory is XLA's compiled buffer assignment (``memory_analysis``: temporaries + outputs),
+minus the ``[H, V]`` weight gradient that both paths must return; the peak RSS of a fresh
+process running each path is printed beside it as a cross-check. Time is the median
+wall time of ``--repeats`` runs after one warm-up. Ratios are chunked / dense, measured
+in the same run.
+
+    python benchmarks/bench_logprob_gather.py            # V=151936, H=2048, T=2048, K=64
+    python benchmarks/bench_logprob_gather.py --small    # a quick smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from asyncopd_jax.estimators import gather_logprobs, gather_logprobs_from_hidden
+
+
+def make_inputs(t: int, h: int, v: int, k: int):
+    key_h, key_w, key_i, key_g = jax.random.split(jax.random.key(0), 4)
+    hidden = jax.random.normal(key_h, (1, t, h), jnp.float32)
+    lm_head = jax.random.normal(key_w, (h, v), jnp.float32) / np.sqrt(h)
+    ids = jax.random.randint(key_i, (1, t, k), 0, v)
+    cotangent = jax.random.normal(key_g, (1, t, k), jnp.float32)
+    return hidden, lm_head, ids, cotangent
+
+
+def make_step(path: str, chunk: int):
+    def loss(hidden, lm_head, ids, cotangent):
+        if path == "dense":
+            logp = gather_logprobs(hidden @ lm_head, ids)
+        else:
+            logp = gather_logprobs_from_hidden(hidden, lm_head, ids, chunk)
+        return jnp.sum(logp * cotangent)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def measure(path: str, args) -> dict:
+    inputs = make_inputs(args.t, args.h, args.v, args.k)
+    step = make_step(path, args.chunk)
+    compiled = step.lower(*inputs).compile()
+    mem = compiled.memory_analysis()
+    weight_grad = args.h * args.v * 4
+    beyond = mem.temp_size_in_bytes + mem.output_size_in_bytes - weight_grad
+    jax.block_until_ready(compiled(*inputs))  # warm-up
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*inputs))
+        times.append(time.perf_counter() - start)
+    return {
+        "path": path,
+        "xla_bytes_beyond_weight_grad": int(beyond),
+        "xla_temp_bytes": int(mem.temp_size_in_bytes),
+        "seconds": statistics.median(times),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--t", type=int, default=2048, help="positions (B·T)")
+    parser.add_argument("--h", type=int, default=2048, help="hidden size")
+    parser.add_argument("--v", type=int, default=151_936, help="vocabulary")
+    parser.add_argument("--k", type=int, default=64, help="cached ids per position")
+    parser.add_argument("--chunk", type=int, default=256, help="rows per chunk")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--small", action="store_true", help="T=256, H=256, V=32000")
+    parser.add_argument("--child", choices=["dense", "chunked"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.small:
+        args.t, args.h, args.v = 256, 256, 32_000
+    if args.child:
+        print(json.dumps(measure(args.child, args)))
+        return
+
+    # Each path in a fresh process, so that peak RSS belongs to that path alone.
+    flags = [f"--t={args.t}", f"--h={args.h}", f"--v={args.v}", f"--k={args.k}",
+             f"--chunk={args.chunk}", f"--repeats={args.repeats}"]
+    results = {}
+    for path in ("dense", "chunked"):
+        out = subprocess.run([sys.executable, __file__, f"--child={path}", *flags],
+                             check=True, capture_output=True, text=True).stdout
+        results[path] = json.loads(out.strip().splitlines()[-1])
+
+    gib = 2**30
+    print(f"shape: T={args.t} H={args.h} V={args.v} K={args.k} chunk={args.chunk} fp32, "
+          f"jax {jax.__version__} on {jax.devices()[0].platform}")
+    print(f"weight gradient (both paths): {args.h * args.v * 4 / gib:.2f} GiB")
+    print(f"{'path':8} {'XLA mem beyond dW (GiB)':>24} {'peak RSS (GiB)':>15} {'time (s)':>9}")
+    for path, r in results.items():
+        print(f"{path:8} {r['xla_bytes_beyond_weight_grad'] / gib:24.3f} "
+              f"{r['peak_rss_bytes'] / gib:15.2f} {r['seconds']:9.2f}")
+    d, c = results["dense"], results["chunked"]
+    mem_ratio = c["xla_bytes_beyond_weight_grad"] / d["xla_bytes_beyond_weight_grad"]
+    print(f"memory ratio chunked/dense (beyond dW): {mem_ratio:.3f}  (target <= 0.25)")
+    print(f"peak RSS ratio chunked/dense:           {c['peak_rss_bytes'] / d['peak_rss_bytes']:.3f}")
+    print(f"time ratio chunked/dense:               {c['seconds'] / d['seconds']:.3f}  (target <= 1.5)")
+
+
+if __name__ == "__main__":
+    main()

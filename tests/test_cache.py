@@ -1,0 +1,169 @@
+"""The data contracts: shape checks, pytree behaviour, and estimators by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import asyncopd_jax.estimators as est
+from asyncopd_jax.cache import (
+    ESTIMATORS,
+    EstimatorOptions,
+    RolloutBatch,
+    StudentLogProbs,
+    TeacherScoreCache,
+    evaluate_estimator,
+    get_estimator,
+    required_ids,
+    student_logprobs,
+)
+
+B, P, T, V, N, K = 2, 3, 5, 13, 4, 3
+
+
+def _world(seed: int = 0, teacher_equals_student: bool = False):
+    """Student/behaviour/teacher logits [B, T, V] and a full batch + cache built from them."""
+    rng = np.random.default_rng(seed)
+    student = rng.normal(scale=1.5, size=(B, T, V)).astype(np.float32)
+    behavior = (student + rng.normal(scale=0.5, size=(B, T, V))).astype(np.float32)
+    teacher = student if teacher_equals_student else rng.normal(scale=1.5, size=(B, T, V)).astype(np.float32)
+    k0, k1, k2 = jax.random.split(jax.random.key(seed), 3)
+    tokens, token_mu = est.sample_candidates(k0, behavior, 1)
+    cand, cand_mu = est.sample_candidates(k1, behavior, N)
+    samples, _ = est.sample_candidates(k2, teacher, N)
+    student_topk = jnp.argsort(-behavior, axis=-1)[..., :K]
+    teacher_topk = jnp.argsort(-teacher, axis=-1)[..., :K]
+    mask = np.ones((B, T), bool)
+    mask[1, 3:] = False
+    batch = RolloutBatch(
+        prompt_tokens=jnp.ones((B, P), jnp.int32),
+        prompt_mask=jnp.ones((B, P), bool),
+        response_tokens=tokens[..., 0],
+        response_mask=jnp.asarray(mask),
+        behavior_logp=token_mu[..., 0],
+        token_version=jnp.asarray([[3, 3, 4, 4, 5], [5, 5, 5, 0, 0]], jnp.int32),
+        candidate_ids=cand,
+        candidate_behavior_logp=cand_mu,
+        student_topk_ids=student_topk,
+    )
+    g = est.gather_logprobs
+    cache = TeacherScoreCache(
+        token_logp=g(teacher, batch.response_tokens),
+        candidate_logp=g(teacher, cand),
+        student_topk_logp=g(teacher, student_topk),
+        topk_ids=teacher_topk,
+        topk_logp=g(teacher, teacher_topk),
+        sample_ids=samples,
+        sample_logp=g(teacher, samples),
+    )
+    return student, teacher, batch, cache
+
+
+def test_shape_errors_name_the_field():
+    _, _, batch, cache = _world()
+    with pytest.raises(ValueError, match=r"RolloutBatch.behavior_logp must have shape \[2, 5\]"):
+        dataclasses.replace(batch, behavior_logp=jnp.zeros((B, T + 1)))
+    with pytest.raises(ValueError, match="RolloutBatch.candidate_behavior_logp must have shape"):
+        dataclasses.replace(batch, candidate_behavior_logp=jnp.zeros((B, T)))
+    with pytest.raises(ValueError, match="candidate_ids, candidate_behavior_logp go together"):
+        dataclasses.replace(batch, candidate_behavior_logp=None)
+    with pytest.raises(ValueError, match="disagree on the number of ids"):
+        dataclasses.replace(cache, topk_logp=jnp.zeros((B, T, K + 1)))
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        dataclasses.replace(batch, prompt_tokens=jnp.zeros((B + 1, P), jnp.int32))
+
+
+def test_pytree_through_jit_and_vmap():
+    _, _, batch, cache = _world()
+    leaves = jax.tree_util.tree_leaves(batch)
+    assert len(leaves) == 9
+    doubled = jax.jit(lambda b: jax.tree_util.tree_map(lambda x: x * 2, b))(batch)
+    assert isinstance(doubled, RolloutBatch)
+    per_row = jax.vmap(lambda b: b.newest_version)(batch)  # validation is relative: vmap works
+    np.testing.assert_array_equal(per_row, [5, 5])
+    np.testing.assert_array_equal(batch.oldest_version, [3, 5])  # masked tokens ignored
+    without = TeacherScoreCache(token_logp=cache.token_logp)
+    assert len(jax.tree_util.tree_leaves(without)) == 1
+
+
+def test_required_ids_and_one_fused_gather():
+    student, _, batch, cache = _world(1)
+    ids = required_ids("reverse_kl_mc", batch, cache)
+    assert set(ids) == {"token", "candidates"}
+    scored = student_logprobs(ids, lambda i: est.gather_logprobs(student, i))
+    np.testing.assert_allclose(scored.token, est.gather_logprobs(student, batch.response_tokens), rtol=1e-6)
+    np.testing.assert_allclose(scored.candidates, est.gather_logprobs(student, batch.candidate_ids), rtol=1e-6)
+    with pytest.raises(ValueError, match="needs TeacherScoreCache.sample_ids"):
+        required_ids("forward_kl_mc", batch, TeacherScoreCache(token_logp=cache.token_logp))
+    with pytest.raises(ValueError, match="unknown estimator 'kl'; allowed: decoupled_ppo"):
+        get_estimator("kl")
+
+
+def _all_logprobs(student, batch, cache):
+    ids = {"token": batch.response_tokens, "candidates": batch.candidate_ids, "student_topk": batch.student_topk_ids,
+           "teacher_topk": cache.topk_ids, "teacher_samples": cache.sample_ids}
+    return student_logprobs(ids, lambda i: est.gather_logprobs(student, i))
+
+
+def test_named_estimators_match_the_functions_they_name():
+    student, _, batch, cache = _world(2)
+    s = _all_logprobs(student, batch, cache)
+    direct = {
+        "forward_kl_topk": est.forward_kl_topk(s.teacher_topk, cache.topk_logp),
+        "forward_kl_mc": est.forward_kl_mc(s.teacher_samples, cache.sample_logp),
+        "reverse_kl_topk": est.reverse_kl_topk(s.student_topk, cache.student_topk_logp),
+        "reverse_kl_mc": est.reverse_kl_mc(s.candidates, batch.candidate_behavior_logp, cache.candidate_logp),
+        "reverse_kl_mc_stale": est.reverse_kl_mc(
+            s.candidates, batch.candidate_behavior_logp, cache.candidate_logp, recompute=False
+        ),
+        "ppo_clip": est.ppo_clip_loss(s.token, batch.behavior_logp, cache.token_logp - batch.behavior_logp),
+    }
+    for name, want in direct.items():
+        got, metrics = jax.jit(evaluate_estimator, static_argnums=0)(name, batch, cache, s)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(metrics["loss"], est.token_mean(want, batch.response_mask), rtol=1e-6)
+
+
+# The stale signal log μ − log q is not 0 at teacher = student (μ is an older student).
+UNBIASED = sorted(n for n in ESTIMATORS if not n.endswith("_stale"))
+
+
+@pytest.mark.parametrize("name", UNBIASED)
+def test_every_named_estimator_is_zero_when_teacher_equals_student_and_alignment_matters(name):
+    """Teacher = student (at the learner's own weights): 0 loss, 0 gradient. Shifting the
+    teacher rows by one position (an off-by-one cache) must break that."""
+    student, teacher, batch, cache = _world(3, teacher_equals_student=True)
+    options = EstimatorOptions(control_variate=True, stabiliser_signal="recompute")
+
+    def loss(logits, cache):
+        s = _all_logprobs(logits, batch, cache)
+        values, _ = evaluate_estimator(name, batch, cache, s, proximal=s, options=options)
+        return est.token_mean(values, batch.response_mask)
+
+    value, grad = jax.value_and_grad(loss)(student, cache)
+    np.testing.assert_allclose(value, 0.0, atol=1e-5)
+    np.testing.assert_allclose(grad, 0.0, atol=1e-5)
+
+    shifted = jnp.roll(jnp.asarray(teacher), 1, axis=1)  # row t now scores token t − 1
+    _, _, _, shifted_cache = _world(3, teacher_equals_student=True)
+    g = est.gather_logprobs
+    shifted_cache = TeacherScoreCache(
+        token_logp=g(shifted, batch.response_tokens), candidate_logp=g(shifted, batch.candidate_ids),
+        student_topk_logp=g(shifted, batch.student_topk_ids), topk_ids=cache.topk_ids,
+        topk_logp=g(shifted, cache.topk_ids), sample_ids=cache.sample_ids, sample_logp=g(shifted, cache.sample_ids),
+    )
+    _, grad = jax.value_and_grad(loss)(student, shifted_cache)
+    assert np.abs(np.asarray(grad)).max() > 1e-3
+
+
+def test_missing_inputs_are_clear_errors():
+    student, _, batch, cache = _world(4)
+    s = _all_logprobs(student, batch, cache)
+    with pytest.raises(ValueError, match="needs proximal log-probs"):
+        evaluate_estimator("decoupled_ppo", batch, cache, s)
+    with pytest.raises(ValueError, match="needs StudentLogProbs.candidates"):
+        evaluate_estimator("reverse_kl_mc", batch, cache, StudentLogProbs(token=s.token))
