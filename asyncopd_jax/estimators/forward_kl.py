@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from asyncopd_jax.estimators.logspace import expectation, importance_ratio, with_tail
+from asyncopd_jax.estimators.logspace import dense_logprobs, expectation, importance_ratio, with_tail
 
 Array = jax.Array
 
@@ -34,10 +34,7 @@ def forward_kl_dense(student_logits: Array, teacher_logits: Array) -> Array:
     Returns:
       ``[B, T]`` fp32, ≥ 0.
     """
-    student_logp = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
-    teacher_logp = jax.nn.log_softmax(
-        jax.lax.stop_gradient(teacher_logits).astype(jnp.float32), axis=-1
-    )
+    student_logp, teacher_logp = dense_logprobs(student_logits, teacher_logits)
     return expectation(teacher_logp, teacher_logp - student_logp)
 
 

@@ -76,6 +76,30 @@ def _fused_gather_fwd(hidden, lm_head, ids, chunk_size, temperature):
     return logp, (hidden, lm_head, ids, lse)
 
 
+# Columns of the [H, V] weight gradient updated per step in the backward pass: each row
+# chunk's contribution h^T · dz is added slice by slice into the accumulator, so that no
+# second [H, V] temporary (a whole h^T · dz product) ever exists beside it.
+_WEIGHT_GRAD_COLUMNS = 8192
+
+
+def _add_weight_grad(d_head: Array, h: Array, d_logits: Array) -> Array:
+    """``d_head += h^T · d_logits``, in column slices, in place in the loop carry."""
+    vocab = d_head.shape[1]
+    width = min(_WEIGHT_GRAD_COLUMNS, vocab)
+    h_t = h.T.astype(jnp.float32)
+
+    def add_slice(j, acc):
+        # The last slice is clamped to end at V; columns a previous slice covered are masked.
+        start = jnp.minimum(j * width, vocab - width)
+        cols = start + jnp.arange(width)
+        update = jnp.dot(h_t, jax.lax.dynamic_slice_in_dim(d_logits, start, width, axis=1))
+        update = jnp.where(cols[None, :] >= j * width, update, 0.0)
+        current = jax.lax.dynamic_slice_in_dim(acc, start, width, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(acc, current + update, start, axis=1)
+
+    return jax.lax.fori_loop(0, -(-vocab // width), add_slice, d_head)
+
+
 def _fused_gather_bwd(chunk_size, temperature, residuals, g):
     # d logp[r, k] / d z[r, v] = (1[v = ids[r, k]] − softmax(z)[r, v]) / τ, so
     # dz[r] = (scatter_add(g[r] at ids[r]) − softmax(z[r]) · Σ_k g[r, k]) / τ.
@@ -90,8 +114,7 @@ def _fused_gather_bwd(chunk_size, temperature, residuals, g):
         d_logits = -probs * jnp.sum(chunk_g, axis=-1, keepdims=True)
         d_logits = d_logits.at[rows, idx].add(chunk_g) / temperature
         d_hidden = jnp.dot(d_logits, lm_head.T.astype(jnp.float32)).astype(hidden.dtype)
-        d_head = d_head + jnp.dot(h.T.astype(jnp.float32), d_logits)
-        return d_head, d_hidden
+        return _add_weight_grad(d_head, h, d_logits), d_hidden
 
     d_head0 = jnp.zeros(lm_head.shape, jnp.float32)
     d_head, d_hidden = jax.lax.scan(one_chunk, d_head0, (hidden, ids, lse, g.astype(jnp.float32)))

@@ -31,6 +31,21 @@ def importance_ratio(logp: Array, base_logp: Array, log_clip: float = LOG_RATIO_
     return jnp.exp(jnp.clip(log_ratio, -log_clip, log_clip))
 
 
+def dense_logprobs(student_logits: Array, teacher_logits: Array) -> tuple[Array, Array]:
+    """fp32 ``(log π_θ, log q)`` over the vocabulary; the teacher side is stop-gradient.
+
+    Args:
+      student_logits: ``[B, T, V]``.
+      teacher_logits: ``[B, T, V]``.
+
+    Returns:
+      Two ``[B, T, V]`` fp32 arrays of log-probabilities.
+    """
+    student_logp = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
+    teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits).astype(jnp.float32), axis=-1)
+    return student_logp, teacher_logp
+
+
 def expectation(logp: Array, values: Array, axis: int = -1) -> Array:
     """``Σ_v exp(logp_v) · values_v`` over ``axis``, with ``0 · anything = 0``.
 

@@ -118,3 +118,18 @@ def test_bad_shapes_raise_clear_errors():
         gather_logprobs(hidden @ head, ids[..., None])
     with pytest.raises(ValueError, match="chunk_size"):
         gather_logprobs_from_hidden(hidden, head, ids, 0)
+
+
+def test_chunked_gradient_with_vocabulary_not_a_multiple_of_the_weight_grad_slice():
+    """The weight gradient is accumulated in column slices; the last one overlaps and is masked."""
+    from asyncopd_jax.estimators.logprobs import _WEIGHT_GRAD_COLUMNS
+
+    rng = np.random.default_rng(5)
+    v = 2 * _WEIGHT_GRAD_COLUMNS + 77
+    hidden = rng.normal(size=(1, 6, 4)).astype(np.float32)
+    head = (rng.normal(size=(4, v)) / 2).astype(np.float32)
+    ids = rng.integers(0, v, size=(1, 6, 3))
+    ids[0, 0] = [v - 1, v - 1, _WEIGHT_GRAD_COLUMNS]  # ids in the overlapped slice, duplicated
+    dense = jax.grad(lambda w: gather_logprobs(hidden @ w, ids).sum())(head)
+    chunked = jax.grad(lambda w: gather_logprobs_from_hidden(hidden, w, ids, 4).sum())(head)
+    np.testing.assert_allclose(chunked, dense, rtol=1e-4, atol=1e-7)

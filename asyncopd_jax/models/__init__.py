@@ -1,0 +1,18 @@
+"""Flax NNX decoders (Llama / Qwen2 / Qwen3) loaded from local Hugging Face directories."""
+
+from asyncopd_jax.models.config import SUPPORTED_MODEL_TYPES, DecoderConfig
+from asyncopd_jax.models.decoder import Decoder, KVCache
+from asyncopd_jax.models.hf_checkpoint import from_pretrained, save_pretrained
+from asyncopd_jax.models.tokenizer import check_same_vocabulary, encode_prompts, load_tokenizer
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "Decoder",
+    "DecoderConfig",
+    "KVCache",
+    "check_same_vocabulary",
+    "encode_prompts",
+    "from_pretrained",
+    "load_tokenizer",
+    "save_pretrained",
+]

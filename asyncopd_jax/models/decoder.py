@@ -1,0 +1,233 @@
+"""The Llama / Qwen2 / Qwen3 decoder in Flax NNX, with a functional KV cache.
+
+One forward serves training, prefill and decode: tokens are written into KV-cache slots
+``[write_slot, write_slot + S)`` and attend, causally by slot, to every valid slot at or
+before their own. A plain forward is a prefill into an empty cache of length S.
+
+Shapes: B batch, S tokens in this call, C cache slots, H hidden, V vocabulary,
+``N_q`` query heads, ``N_kv`` key/value heads, ``G = N_q / N_kv``, D head dim.
+Module and parameter names follow Hugging Face, so checkpoint names map one to one
+(``kernel`` is stored ``[in, out]``, the transpose of a torch ``weight``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from asyncopd_jax.models.config import DecoderConfig, rope_inverse_frequencies
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Per-layer keys and values ``[B, C, N_kv, D]`` and which slots hold a real token ``[B, C]``."""
+
+    keys: tuple[Array, ...]
+    values: tuple[Array, ...]
+    valid: Array
+
+    @classmethod
+    def empty(cls, config: DecoderConfig, batch: int, slots: int, dtype: jnp.dtype) -> KVCache:
+        shape = (batch, slots, config.num_key_value_heads, config.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
+        return cls(keys=zeros, values=zeros, valid=jnp.zeros((batch, slots), bool))
+
+    @property
+    def slots(self) -> int:
+        return self.valid.shape[1]
+
+
+def _dense(cfg_in: int, cfg_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype,
+        kernel_init=nnx.initializers.normal(0.02), rngs=rngs,
+    )
+
+
+class RMSNorm(nnx.Module):
+    """``y = w · x / sqrt(mean(x²) + ε)``, normalised in fp32 (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: Array) -> Array:
+        xf = x.astype(jnp.float32)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+def rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotary embedding, "rotate half" layout: ``x·cos + rotate_half(x)·sin``.
+
+    Args:
+      x: ``[B, S, N, D]``.
+      cos, sin: ``[B, S, D]`` fp32.
+    """
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    out = x.astype(jnp.float32) * cos[:, :, None] + rotated.astype(jnp.float32) * sin[:, :, None]
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, config: DecoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = _dense(c.hidden_size, c.num_attention_heads * c.head_dim, c.qkv_bias, dtype, rngs)
+        self.k_proj = _dense(c.hidden_size, c.num_key_value_heads * c.head_dim, c.qkv_bias, dtype, rngs)
+        self.v_proj = _dense(c.hidden_size, c.num_key_value_heads * c.head_dim, c.qkv_bias, dtype, rngs)
+        self.o_proj = _dense(c.num_attention_heads * c.head_dim, c.hidden_size, c.o_proj_bias, dtype, rngs)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+        self.qk_norm = c.qk_norm
+
+    def __call__(
+        self, x: Array, cos: Array, sin: Array, keys: Array, values: Array, mask: Array, write_slot: Array
+    ) -> tuple[Array, Array, Array]:
+        """``x [B, S, H]`` → output ``[B, S, H]`` and the updated ``keys, values [B, C, N_kv, D]``.
+
+        ``mask [B, S, C]`` says which cache slots each query may attend to.
+        """
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), write_slot, axis=1)
+        values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), write_slot, axis=1)
+
+        groups = self.num_heads // self.num_kv_heads
+        q = q.reshape(b, s, self.num_kv_heads, groups, self.head_dim)
+        scores = jnp.einsum("bskgd,bckd->bkgsc", q, keys, preferred_element_type=jnp.float32)
+        scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+        out = jnp.einsum("bkgsc,bckd->bskgd", probs, values).reshape(b, s, self.num_heads * self.head_dim)
+        return self.o_proj(out.astype(x.dtype)), keys, values
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) · up(x))``."""
+
+    def __init__(self, config: DecoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        c = config
+        self.gate_proj = _dense(c.hidden_size, c.intermediate_size, c.mlp_bias, dtype, rngs)
+        self.up_proj = _dense(c.hidden_size, c.intermediate_size, c.mlp_bias, dtype, rngs)
+        self.down_proj = _dense(c.intermediate_size, c.hidden_size, c.mlp_bias, dtype, rngs)
+
+    def __call__(self, x: Array) -> Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: DecoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype, rngs)
+
+    def __call__(self, x, cos, sin, keys, values, mask, write_slot):
+        attn, keys, values = self.self_attn(self.input_layernorm(x), cos, sin, keys, values, mask, write_slot)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), keys, values
+
+
+class Decoder(nnx.Module):
+    """A causal language model of the Llama / Qwen2 / Qwen3 family.
+
+    ``model(input_ids)`` returns fp32 logits ``[B, S, V]``; row s is the distribution of
+    token s + 1. Use :meth:`forward` for the KV-cache path and :meth:`hidden_states` +
+    :meth:`lm_head_weight` for the fused log-prob gather.
+    """
+
+    def __init__(self, config: DecoderConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
+            embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
+        )
+        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = _dense(config.hidden_size, config.vocab_size, False, dtype, rngs)
+
+    # --- the KV-cache forward -------------------------------------------------------
+
+    def forward(
+        self, tokens: Array, positions: Array, token_valid: Array, cache: KVCache, write_slot: Array | int
+    ) -> tuple[Array, KVCache]:
+        """Run ``tokens [B, S]`` written into cache slots ``[write_slot, write_slot + S)``.
+
+        Args:
+          tokens: ``[B, S]`` int ids.
+          positions: ``[B, S]`` int RoPE positions.
+          token_valid: ``[B, S]`` bool; False marks padding, which no query attends to.
+          cache: the cache to write into (``C ≥ write_slot + S`` slots).
+          write_slot: first slot written (scalar, may be traced).
+
+        Returns:
+          ``(hidden [B, S, H] after the final norm, updated cache)``.
+        """
+        b, s = tokens.shape
+        write_slot = jnp.asarray(write_slot, jnp.int32)
+        valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, token_valid.astype(bool), write_slot, axis=1)
+        query_slots = write_slot + jnp.arange(s)
+        causal = jnp.arange(cache.slots)[None, :] <= query_slots[:, None]  # [S, C]
+        mask = causal[None] & valid[:, None, :]  # [B, S, C]
+
+        inv_freq = jnp.asarray(rope_inverse_frequencies(self.config))
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
+        angles = jnp.concatenate([angles, angles], axis=-1)
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+        x = self.embed_tokens(tokens)
+        keys, values = [], []
+        for layer, k, v in zip(self.layers, cache.keys, cache.values):
+            x, k, v = layer(x, cos, sin, k, v, mask, write_slot)
+            keys.append(k)
+            values.append(v)
+        return self.norm(x), KVCache(tuple(keys), tuple(values), valid)
+
+    def hidden_states(self, tokens: Array, positions: Array | None = None, attention_mask: Array | None = None) -> Array:
+        """Final hidden states ``[B, S, H]`` of a plain causal forward.
+
+        ``attention_mask [B, S]`` (1 = real token) excludes padding from attention;
+        ``positions`` default to ``cumsum(mask) − 1`` (left padding gets the positions a
+        single unpadded sequence would have).
+        """
+        b, s = tokens.shape
+        mask = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
+        if positions is None:
+            positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+        cache = KVCache.empty(self.config, b, s, self.dtype)
+        hidden, _ = self.forward(tokens, positions, mask, cache, 0)
+        return hidden
+
+    def lm_head_weight(self) -> Array:
+        """``[H, V]`` output projection (the embedding's transpose when tied)."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def logits(self, hidden: Array) -> Array:
+        """``[..., H]`` hidden states → fp32 logits ``[..., V]``."""
+        return jnp.dot(hidden, self.lm_head_weight(), preferred_element_type=jnp.float32)
+
+    def __call__(self, input_ids: Array, positions: Array | None = None, attention_mask: Array | None = None) -> Array:
+        """``[B, S]`` ids → fp32 logits ``[B, S, V]`` (causal; see :meth:`hidden_states`)."""
+        return self.logits(self.hidden_states(input_ids, positions, attention_mask))
