@@ -37,12 +37,16 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str], *, ch
     use_template = bool(tokenizer.chat_template) if chat_template is None else chat_template
     if use_template and not tokenizer.chat_template:
         raise ValueError("chat_template=True, but the tokenizer has no chat template")
-    if use_template:
-        return [
-            list(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True, add_generation_prompt=True))
-            for p in prompts
-        ]
-    return [tokenizer.encode(p) for p in prompts]
+    if not use_template:
+        return [tokenizer.encode(p) for p in prompts]
+    encoded = []
+    for prompt in prompts:
+        out = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True
+        )
+        # transformers >= 5 returns a BatchEncoding here, older versions a list of ids.
+        encoded.append(list(out["input_ids"] if hasattr(out, "keys") else out))
+    return encoded
 
 
 def check_same_vocabulary(
