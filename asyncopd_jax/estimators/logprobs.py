@@ -128,7 +128,7 @@ def gather_logprobs_from_hidden(
     hidden: Array,
     lm_head: Array,
     ids: Array,
-    chunk_size: int = 256,
+    chunk_size: int = 512,
     temperature: float = 1.0,
 ) -> Array:
     """``log softmax(hidden @ lm_head / τ)[ids]`` without ever holding ``[B, T, V]``.

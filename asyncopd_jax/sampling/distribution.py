@@ -1,0 +1,91 @@
+"""The sampling distribution, exactly: temperature, optional top-k / top-p, log-probs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How the student samples (static: part of the compiled decode loop).
+
+    Attributes:
+      temperature: ``τ > 0`` samples from ``softmax(z / τ)``; ``0`` is greedy.
+      top_p: nucleus truncation (1.0 = off).
+      top_k: keep the k most likely ids (0 = off).
+      max_new_tokens: response length limit T.
+      stop_token_ids: ids that end a response (the stop token is part of it).
+      num_candidates: N Monte-Carlo candidates per position (0 = none).
+      student_topk: record the sampling student's top-K ids per position (0 = none).
+      chunk_steps: decode steps between checks for new weights (interruptible generation).
+      allow_truncated_mc: permit MC candidates with top-p / top-k (the estimators then
+        target the truncated distribution, which is rarely what you want).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    num_candidates: int = 0
+    student_topk: int = 0
+    chunk_steps: int = 32
+    allow_truncated_mc: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0, "temperature", self.temperature, ">= 0"),
+            (0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]"),
+            (self.top_k >= 0, "top_k", self.top_k, ">= 0 (0 = off)"),
+            (self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, ">= 1"),
+            (self.num_candidates >= 0, "num_candidates", self.num_candidates, ">= 0"),
+            (self.student_topk >= 0, "student_topk", self.student_topk, ">= 0"),
+            (self.chunk_steps >= 1, "chunk_steps", self.chunk_steps, ">= 1"),
+        ]
+        for ok, field, value, allowed in checks:
+            if not ok:
+                raise ValueError(f"sampling.{field} = {value!r} is invalid; allowed: {allowed}")
+        if self.num_candidates and self.temperature == 0:
+            raise ValueError("sampling.num_candidates > 0 needs temperature > 0: greedy decoding has no distribution to draw from")
+        if self.num_candidates and self.truncated and not self.allow_truncated_mc:
+            raise ValueError(
+                f"sampling.top_p={self.top_p} / top_k={self.top_k} truncate the sampling distribution, so Monte-Carlo "
+                "candidates and behaviour log-probs no longer describe the untruncated student the estimators "
+                "assume; set top_p=1.0 and top_k=0, or sampling.allow_truncated_mc=true to opt in"
+            )
+
+    @property
+    def truncated(self) -> bool:
+        return self.top_p < 1.0 or self.top_k > 0
+
+
+def sampling_logprobs(logits: Array, params: SamplingParams) -> Array:
+    """Log-probs of the distribution the sampler actually draws from: ``[..., V]`` fp32.
+
+    ``log softmax(z / τ)``, then (if configured) ids outside the top-k and outside the
+    smallest set whose probability reaches top-p are set to −inf and the rest
+    renormalised. Greedy (``τ = 0``) is the point mass on the argmax (log-prob 0).
+    """
+    logits = logits.astype(jnp.float32)
+    if params.temperature == 0:
+        best = jnp.argmax(logits, axis=-1)
+        return jnp.where(jnp.arange(logits.shape[-1]) == best[..., None], 0.0, -jnp.inf)
+    logp = jax.nn.log_softmax(logits / params.temperature, axis=-1)
+    if params.top_k:
+        kth = jax.lax.top_k(logp, params.top_k)[0][..., -1:]
+        logp = jnp.where(logp >= kth, logp, -jnp.inf)
+    if params.top_p < 1.0:
+        sorted_logp = jnp.sort(logp, axis=-1)[..., ::-1]
+        mass_before = jnp.cumsum(jnp.exp(sorted_logp), axis=-1) - jnp.exp(sorted_logp)
+        # The smallest kept log-prob: the last id whose preceding mass is still < top_p.
+        n_keep = jnp.sum(mass_before < params.top_p, axis=-1, keepdims=True)
+        threshold = jnp.take_along_axis(sorted_logp, n_keep - 1, axis=-1)
+        logp = jnp.where(logp >= threshold, logp, -jnp.inf)
+    if params.truncated:
+        logp = jax.nn.log_softmax(logp, axis=-1)
+    return logp
