@@ -7,9 +7,13 @@ backward); the chunked path holds ``[chunk, V]`` at a time and recomputes logits
 backward (one extra matmul).
 
 Memory is XLA's compiled buffer assignment (``memory_analysis``: temporaries + outputs),
-minus the ``[H, V]`` weight gradient that both paths must return. As a cross-check, each
-path runs in a fresh process whose resident memory is sampled every 2 ms during the
-timed steps: the peak above the level just before a step, minus the weight gradient.
+minus the ``[H, V]`` weight gradient that both paths must return: the measure the target
+is on. As a cross-check, each path runs in a fresh process whose resident memory is
+sampled every 2 ms during its first (warm-up) and timed steps: the peak above the level
+just before a step, minus the weight gradient. Resident memory also holds what XLA:CPU's
+runtime keeps outside its buffer assignment (about one extra [H, V] buffer on a first
+run here, seen even for ``w * 2``) and memory its allocator keeps for reuse, so that
+ratio is an upper bound, not the figure of merit.
 Time is the median wall time of ``--repeats`` runs after one warm-up. Ratios are
 chunked / dense, measured in the same run.
 

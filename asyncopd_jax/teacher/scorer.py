@@ -1,0 +1,140 @@
+"""Teacher scoring: one forward over prompt + response fills the finite score cache.
+
+The teacher's hidden states are aligned to the response the same way everywhere in this
+project (response-local, target-aligned): row t is the hidden state at sequence position
+``P − 1 + t``, the one that predicts response token t. The first response token is thus
+scored from the last prompt position, and the final EOS token from the position before
+it. Log-probs are then computed over chunks of ``chunk_size`` response positions, so the
+``[B, T, V]`` logits never exist at once; only ``[B, chunk, V]`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
+from asyncopd_jax.estimators import sample_candidates
+from asyncopd_jax.models.decoder import Decoder
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringParams:
+    """What the teacher stores per response position.
+
+    Attributes:
+      topk: the teacher's own top-K ids and log-probs (0 = none).
+      num_samples: ids sampled from the teacher for forward-KL Monte Carlo (0 = none).
+      temperature: the teacher distribution ``softmax(z / τ)`` (1.0 = the model's own).
+      chunk_size: response positions per chunk of ``[B, chunk, V]`` logits.
+      store_dtype: ``"float32"`` or ``"bfloat16"`` for the stored log-probs.
+    """
+
+    topk: int = 0
+    num_samples: int = 0
+    temperature: float = 1.0
+    chunk_size: int = 128
+    store_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.store_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"teacher.store_dtype = {self.store_dtype!r} is invalid; allowed: float32, bfloat16")
+        for field in ("topk", "num_samples"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"teacher.{field} must be >= 0, got {getattr(self, field)}")
+        if self.chunk_size < 1 or self.temperature <= 0:
+            raise ValueError("teacher.chunk_size must be >= 1 and teacher.temperature > 0")
+
+
+def response_aligned(hidden: Array, prompt_slots: int, response_len: int) -> Array:
+    """``[B, P + T, H]`` states of prompt + response → ``[B, T, H]``, row t predicting token t."""
+    return jax.lax.slice_in_dim(hidden, prompt_slots - 1, prompt_slots - 1 + response_len, axis=1)
+
+
+def score_hidden(
+    hidden: Array, lm_head: Array, batch: RolloutBatch, key: Array, params: ScoringParams
+) -> TeacherScoreCache:
+    """Fill a :class:`TeacherScoreCache` from target-aligned teacher hidden states.
+
+    Args:
+      hidden: ``[B, T, H]`` teacher hidden states, row t predicting response token t.
+      lm_head: ``[H, V]`` teacher output projection.
+      batch: the rollout (its response tokens, MC candidates, student top-K ids are scored).
+      key: PRNG key for the teacher samples.
+      params: what to store.
+
+    Returns:
+      The cache, log-probs in ``params.store_dtype``.
+    """
+    b, t, _ = hidden.shape
+    chunk = min(params.chunk_size, t)
+    n_chunks = -(-t // chunk)
+    pad = n_chunks * chunk - t
+
+    def by_chunks(x: Array | None) -> Array | None:
+        """``[B, T, ...]`` → ``[n_chunks, B, chunk, ...]`` (padded)."""
+        if x is None:
+            return None
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(b, n_chunks, chunk, *x.shape[2:]), 1, 0)
+
+    def one_chunk(xs):
+        h, index, token, candidates, student_topk = xs
+        logits = jnp.dot(h, lm_head, preferred_element_type=jnp.float32) / params.temperature
+        logp = jax.nn.log_softmax(logits, axis=-1)  # [B, chunk, V]
+        gather = functools.partial(jnp.take_along_axis, logp, axis=-1)
+        out = {"token_logp": gather(token[..., None])[..., 0]}
+        if candidates is not None:
+            out["candidate_logp"] = gather(candidates)
+        if student_topk is not None:
+            out["student_topk_logp"] = gather(student_topk)
+        if params.topk:
+            out["topk_logp"], out["topk_ids"] = jax.lax.top_k(logp, params.topk)
+        if params.num_samples:
+            out["sample_ids"], out["sample_logp"] = sample_candidates(
+                jax.random.fold_in(key, index), logp, params.num_samples
+            )
+        return out
+
+    xs = (by_chunks(hidden), jnp.arange(n_chunks), by_chunks(batch.response_tokens),
+          by_chunks(batch.candidate_ids), by_chunks(batch.student_topk_ids))
+    chunks = jax.lax.map(one_chunk, xs)
+    store = jnp.dtype(params.store_dtype)
+
+    def unchunk(x: Array) -> Array:
+        x = jnp.moveaxis(x, 0, 1).reshape(b, n_chunks * chunk, *x.shape[3:])[:, :t]
+        return x.astype(jnp.int32) if jnp.issubdtype(x.dtype, jnp.integer) else x.astype(store)
+
+    return TeacherScoreCache(**{name: unchunk(value) for name, value in chunks.items()})
+
+
+class TeacherScorer:
+    """Runs a teacher :class:`Decoder` over rollouts and returns their score cache.
+
+    Args:
+      model: the teacher (split once; its weights are fixed).
+      params: what to store.
+    """
+
+    def __init__(self, model: Decoder, params: ScoringParams):
+        self.graphdef, self.state = nnx.split(model)
+        self.params = params
+        self._score = jax.jit(self._score_fn)
+
+    def _score_fn(self, state, batch: RolloutBatch, key) -> TeacherScoreCache:
+        model: Decoder = nnx.merge(self.graphdef, state)
+        ids = jnp.concatenate([batch.prompt_tokens, batch.response_tokens], axis=1)
+        mask = jnp.concatenate([batch.prompt_mask, batch.response_mask], axis=1)
+        hidden = model.hidden_states(ids, attention_mask=mask)
+        aligned = response_aligned(hidden, batch.prompt_tokens.shape[1], batch.response_tokens.shape[1])
+        return score_hidden(aligned, model.lm_head_weight(), batch, key, self.params)
+
+    def score(self, batch: RolloutBatch, key: Array | None = None) -> TeacherScoreCache:
+        """Score one rollout batch (``key`` seeds the teacher samples)."""
+        return self._score(self.state, batch, jax.random.key(0) if key is None else key)

@@ -1,0 +1,105 @@
+"""Teacher scoring on real rollouts: alignment (with a negative control), chunking, precision."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from asyncopd_jax.cache import EstimatorOptions, evaluate_estimator, required_ids, student_logprobs
+from asyncopd_jax.estimators import gather_logprobs_from_hidden
+from asyncopd_jax.sampling import Sampler, SamplingParams
+from asyncopd_jax.teacher import ScoringParams, TeacherScorer, response_aligned, score_hidden
+from tests.tiny_models import tiny_decoder
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+ESTIMATORS = ["reverse_kl_mc", "reverse_kl_pg", "reverse_kl_topk", "forward_kl_topk", "forward_kl_mc"]
+
+
+@pytest.fixture(scope="module")
+def world():
+    model = tiny_decoder(0, scale=0.7)
+    graphdef, state = nnx.split(model)
+    params = SamplingParams(temperature=1.0, max_new_tokens=9, num_candidates=8, student_topk=6, chunk_steps=4)
+    batch = Sampler(graphdef, params).generate(state, PROMPTS, jax.random.key(1))
+    return model, batch
+
+
+def _hidden(model, batch, prompt_slots=None):
+    ids = jnp.concatenate([batch.prompt_tokens, batch.response_tokens], axis=1)
+    mask = jnp.concatenate([batch.prompt_mask, batch.response_mask], axis=1)
+    p = batch.prompt_tokens.shape[1] if prompt_slots is None else prompt_slots
+    return response_aligned(model.hidden_states(ids, attention_mask=mask), p, batch.response_tokens.shape[1])
+
+
+def _losses(model, batch, cache):
+    """Per-token values of each estimator with the student = the sampling model = the teacher."""
+    hidden, head = _hidden(model, batch), model.lm_head_weight()
+    out = {}
+    for name in ESTIMATORS:
+        ids = required_ids(name, batch, cache)
+        student = student_logprobs(ids, lambda i: gather_logprobs_from_hidden(hidden, head, i, chunk_size=4))
+        values, _ = evaluate_estimator(name, batch, cache, student, options=EstimatorOptions(control_variate=True))
+        out[name] = np.asarray(values)
+    return out
+
+
+def test_teacher_equals_student_gives_zero_kl_and_a_shifted_cache_does_not(world):
+    model, batch = world
+    params = ScoringParams(topk=6, num_samples=8, chunk_size=4)
+    cache = TeacherScorer(model, params).score(batch, jax.random.key(2))
+    mask = np.asarray(batch.response_mask)
+    for name, values in _losses(model, batch, cache).items():
+        np.testing.assert_allclose(values[mask], 0.0, atol=1e-5, err_msg=name)
+
+    # Negative control: teacher rows one position late (row t scores token t + 1's context).
+    shifted_hidden = _hidden(model, batch, prompt_slots=batch.prompt_tokens.shape[1] + 1)
+    shifted = score_hidden(shifted_hidden, model.lm_head_weight(), batch, jax.random.key(2), params)
+    for name, values in _losses(model, batch, shifted).items():
+        assert np.abs(values[mask]).mean() > 5e-3, name  # 500× the tolerance above
+        assert np.abs(values[:, 0]).max() > 1e-3, name  # the first response token is scored too
+
+
+def test_first_and_last_tokens_are_scored_from_the_right_positions(world):
+    model, batch = world
+    cache = TeacherScorer(model, ScoringParams(chunk_size=5)).score(batch)
+    ids = jnp.concatenate([batch.prompt_tokens, batch.response_tokens], axis=1)
+    mask = jnp.concatenate([batch.prompt_mask, batch.response_mask], axis=1)
+    logp = np.asarray(jax.nn.log_softmax(model(ids, attention_mask=mask), axis=-1))
+    p = batch.prompt_tokens.shape[1]
+    tokens, resp_mask = np.asarray(batch.response_tokens), np.asarray(batch.response_mask)
+    for row in range(len(PROMPTS)):
+        last = int(resp_mask[row].sum()) - 1
+        for t in (0, last):  # first response token: from the last prompt position
+            want = logp[row, p - 1 + t, tokens[row, t]]
+            np.testing.assert_allclose(cache.token_logp[row, t], want, atol=1e-5)
+
+
+def test_chunk_size_does_not_change_scores(world):
+    model, batch = world
+    a = TeacherScorer(model, ScoringParams(topk=3, num_samples=2, chunk_size=2)).score(batch, jax.random.key(3))
+    b = TeacherScorer(model, ScoringParams(topk=3, num_samples=2, chunk_size=64)).score(batch, jax.random.key(3))
+    for field in ("token_logp", "candidate_logp", "student_topk_logp", "topk_logp"):
+        np.testing.assert_allclose(getattr(a, field), getattr(b, field), atol=1e-6, err_msg=field)
+    np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
+    np.testing.assert_allclose(a.sample_logp, np.take_along_axis(
+        np.asarray(jax.nn.log_softmax(_hidden(model, batch) @ model.lm_head_weight(), axis=-1)), np.asarray(a.sample_ids), -1
+    ), atol=1e-5)
+
+
+def test_bf16_storage_error_is_within_bf16_rounding(world):
+    model, batch = world
+    fp32 = TeacherScorer(model, ScoringParams(topk=6, chunk_size=4)).score(batch)
+    bf16 = TeacherScorer(model, ScoringParams(topk=6, chunk_size=4, store_dtype="bfloat16")).score(batch)
+    assert bf16.topk_logp.dtype == jnp.bfloat16 and bf16.topk_ids.dtype == jnp.int32
+    exact, rounded = np.asarray(fp32.topk_logp), np.asarray(bf16.topk_logp, np.float32)
+    # bf16 keeps 8 significant bits: round-to-nearest has relative error ≤ 2^-8.
+    assert np.all(np.abs(rounded - exact) <= np.abs(exact) * 2.0**-8 + 1e-7)
+    assert np.abs(rounded - exact).max() > 0  # it really was rounded
+
+
+def test_scoring_params_errors():
+    with pytest.raises(ValueError, match="teacher.store_dtype = 'float16' is invalid; allowed: float32, bfloat16"):
+        ScoringParams(store_dtype="float16")
