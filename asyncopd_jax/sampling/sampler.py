@@ -119,9 +119,11 @@ class Sampler:
             # Randomness depends only on (key, step): chunking and weight swaps do not
             # change which draws a step gets.
             step_key = jax.random.fold_in(key, c.step)
-            k_token, k_cand = jax.random.split(step_key)
             logp_all = sampling_logprobs(c.next_logits, p)  # [B, V]
-            token = jax.random.categorical(k_token, logp_all, axis=-1).astype(jnp.int32)
+            # The token and the N candidates are N + 1 i.i.d. draws from one inverse CDF:
+            # B · (N + 1) uniforms per step instead of B · V Gumbel noises.
+            draws, _ = sample_candidates(step_key, logp_all, 1 + p.num_candidates)
+            token = draws[:, 0]
             active = ~c.done
             token = jnp.where(active, token, self.pad_id)
             token_logp = jnp.take_along_axis(logp_all, token[:, None], axis=-1)[:, 0]
@@ -134,9 +136,9 @@ class Sampler:
                 mask=upd(c.mask, active),
             )
             if p.num_candidates:
-                cand, cand_logp = sample_candidates(k_cand, logp_all, p.num_candidates)
+                cand = draws[:, 1:]
                 fields["candidate_ids"] = upd(c.candidate_ids, cand)
-                fields["candidate_logp"] = upd(c.candidate_logp, cand_logp)
+                fields["candidate_logp"] = upd(c.candidate_logp, jnp.take_along_axis(logp_all, cand, axis=-1))
             if p.student_topk:
                 fields["topk_ids"] = upd(c.topk_ids, jax.lax.top_k(c.next_logits, p.student_topk)[1].astype(jnp.int32))
             finished = active & (jnp.isin(token, stop_ids) | (t + 1 >= p.max_new_tokens))

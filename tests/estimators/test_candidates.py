@@ -27,6 +27,25 @@ def test_frequencies_match_probabilities_chi_square(temperature):
     np.testing.assert_allclose(logp[0, 0], np.log(probs[np.asarray(ids[0, 0])]), rtol=1e-5)
 
 
+def test_two_level_sampling_with_many_blocks_and_an_empty_block():
+    """V = 300 (block width 24, 13 blocks, the last one partial); a whole block has mass 0."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(scale=1.5, size=300).astype(np.float32)
+    logits[48:72] = -np.inf  # block 2 entirely
+    logits[[5, 150, 299]] = -np.inf
+    n = 200_000
+    ids, logp = sample_candidates(jax.random.key(5), jnp.asarray(logits)[None], n)
+    probs = np.exp(oracle.log_softmax(logits.astype(np.float64)))
+    counts = np.bincount(np.asarray(ids).ravel(), minlength=300)
+    assert counts[probs == 0].sum() == 0
+    expected = n * probs
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big & (probs > 0)].sum())
+    exp = np.append(expected[big], expected[~big & (probs > 0)].sum())
+    assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+    np.testing.assert_allclose(logp[0], np.log(probs[np.asarray(ids[0])]), rtol=1e-5, atol=1e-6)
+
+
 def test_shapes_determinism_and_independence_across_positions():
     logits = jax.random.normal(jax.random.key(1), (3, 4, 50))
     ids, logp = sample_candidates(jax.random.key(2), logits, 6, 1.0)
