@@ -1,10 +1,7 @@
 """Teacher scoring: one forward over prompt + response fills the finite score cache.
 
-The teacher's hidden states are aligned to the response the same way everywhere in this
-project (response-local, target-aligned): row t is the hidden state at sequence position
-``P − 1 + t``, the one that predicts response token t. The first response token is thus
-scored from the last prompt position, and the final EOS token from the position before
-it. Log-probs are then computed over chunks of ``chunk_size`` response positions, so the
+The teacher's hidden states are aligned by :mod:`asyncopd_jax.alignment`, as the
+learner's are: row t predicts response token t. Log-probs are then computed over chunks of ``chunk_size`` response positions, so the
 ``[B, T, V]`` logits never exist at once; only ``[B, chunk, V]`` does.
 """
 
@@ -17,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from asyncopd_jax.alignment import response_hidden
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.estimators import sample_candidates
 from asyncopd_jax.models.decoder import Decoder
@@ -50,11 +48,6 @@ class ScoringParams:
                 raise ValueError(f"teacher.{field} must be >= 0, got {getattr(self, field)}")
         if self.chunk_size < 1 or self.temperature <= 0:
             raise ValueError("teacher.chunk_size must be >= 1 and teacher.temperature > 0")
-
-
-def response_aligned(hidden: Array, prompt_slots: int, response_len: int) -> Array:
-    """``[B, P + T, H]`` states of prompt + response → ``[B, T, H]``, row t predicting token t."""
-    return jax.lax.slice_in_dim(hidden, prompt_slots - 1, prompt_slots - 1 + response_len, axis=1)
 
 
 def score_hidden(
@@ -129,11 +122,7 @@ class TeacherScorer:
 
     def _score_fn(self, state, batch: RolloutBatch, key) -> TeacherScoreCache:
         model: Decoder = nnx.merge(self.graphdef, state)
-        ids = jnp.concatenate([batch.prompt_tokens, batch.response_tokens], axis=1)
-        mask = jnp.concatenate([batch.prompt_mask, batch.response_mask], axis=1)
-        hidden = model.hidden_states(ids, attention_mask=mask)
-        aligned = response_aligned(hidden, batch.prompt_tokens.shape[1], batch.response_tokens.shape[1])
-        return score_hidden(aligned, model.lm_head_weight(), batch, key, self.params)
+        return score_hidden(response_hidden(model, batch), model.lm_head_weight(), batch, key, self.params)
 
     def score(self, batch: RolloutBatch, key: Array | None = None) -> TeacherScoreCache:
         """Score one rollout batch (``key`` seeds the teacher samples)."""

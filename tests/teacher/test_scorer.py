@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,8 @@ from flax import nnx
 from asyncopd_jax.cache import EstimatorOptions, evaluate_estimator, required_ids, student_logprobs
 from asyncopd_jax.estimators import gather_logprobs_from_hidden
 from asyncopd_jax.sampling import Sampler, SamplingParams
-from asyncopd_jax.teacher import ScoringParams, TeacherScorer, response_aligned, score_hidden
+from asyncopd_jax.alignment import response_aligned
+from asyncopd_jax.teacher import ScoringParams, TeacherScorer, score_hidden
 from tests.tiny_models import tiny_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
@@ -20,10 +23,16 @@ ESTIMATORS = ["reverse_kl_mc", "reverse_kl_pg", "reverse_kl_topk", "forward_kl_t
 
 @pytest.fixture(scope="module")
 def world():
+    """Rollouts in which row 0 ends with a stop ("EOS") token before the length limit."""
     model = tiny_decoder(0, scale=0.7)
     graphdef, state = nnx.split(model)
     params = SamplingParams(temperature=1.0, max_new_tokens=9, num_candidates=8, student_topk=6, chunk_steps=4)
+    free = Sampler(graphdef, params).generate(state, PROMPTS, jax.random.key(1))
+    eos = int(free.response_tokens[0, 4])  # draws depend only on (key, step): same prefix below
+    params = dataclasses.replace(params, stop_token_ids=(eos,))
     batch = Sampler(graphdef, params).generate(state, PROMPTS, jax.random.key(1))
+    length = int(batch.response_mask[0].sum())
+    assert length < 9 and int(batch.response_tokens[0, length - 1]) == eos
     return model, batch
 
 
@@ -60,6 +69,8 @@ def test_teacher_equals_student_gives_zero_kl_and_a_shifted_cache_does_not(world
     for name, values in _losses(model, batch, shifted).items():
         assert np.abs(values[mask]).mean() > 5e-3, name  # 500× the tolerance above
         assert np.abs(values[:, 0]).max() > 1e-3, name  # the first response token is scored too
+        eos_at = int(mask[0].sum()) - 1
+        assert abs(values[0, eos_at]) > 1e-4, name  # and so is the final stop token
 
 
 def test_first_and_last_tokens_are_scored_from_the_right_positions(world):
@@ -71,7 +82,7 @@ def test_first_and_last_tokens_are_scored_from_the_right_positions(world):
     p = batch.prompt_tokens.shape[1]
     tokens, resp_mask = np.asarray(batch.response_tokens), np.asarray(batch.response_mask)
     for row in range(len(PROMPTS)):
-        last = int(resp_mask[row].sum()) - 1
+        last = int(resp_mask[row].sum()) - 1  # row 0: the stop token
         for t in (0, last):  # first response token: from the last prompt position
             want = logp[row, p - 1 + t, tokens[row, t]]
             np.testing.assert_allclose(cache.token_logp[row, t], want, atol=1e-5)

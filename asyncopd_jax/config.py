@@ -1,0 +1,290 @@
+"""Typed, validated run configuration: frozen dataclasses ⇄ YAML, with ``a.b=c`` overrides.
+
+Every field is checked up front: an unknown field names itself and the allowed fields,
+a bad value names the field and the allowed values. There are no silent fallbacks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from asyncopd_jax.cache import ESTIMATORS, EstimatorOptions
+
+
+class ConfigError(ValueError):
+    """A configuration problem, naming the field at fault."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """The built-in synthetic task (see :mod:`asyncopd_jax.tasks`)."""
+
+    name: Literal["arith"] = "arith"
+    difficulty: int = 3  # operands per problem
+    max_value: int = 99  # operands are drawn from [0, max_value]
+    eval_prompts: int = 256
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """A model directory in the Hugging Face layout; ``builtin:NAME`` for a shipped one."""
+
+    path: str = ""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    num_candidates: int = 4
+    student_topk: int = 0
+    chunk_steps: int = 8
+    allow_truncated_mc: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringConfig:
+    topk: int = 0
+    num_samples: int = 0
+    temperature: float = 1.0
+    chunk_size: int = 64
+    store_dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorConfig:
+    name: str = "reverse_kl_mc"
+    mc_clip_eps: float | None = None
+    topk_tail: bool = True
+    control_variate: bool = False
+    ppo_clip_eps: float = 0.2
+    dual_clip: float | None = None
+    behavior_weight_cap: float | None = 5.0
+    tis_cap: float = 2.0
+    m2po_budget: float = 0.04
+    stabiliser_signal: Literal["stale", "recompute"] = "stale"
+
+    def options(self) -> EstimatorOptions:
+        return EstimatorOptions(
+            mc_clip_eps=self.mc_clip_eps, topk_tail=self.topk_tail, control_variate=self.control_variate,
+            ppo_clip_eps=self.ppo_clip_eps, dual_clip=self.dual_clip, behavior_weight_cap=self.behavior_weight_cap,
+            tis_cap=self.tis_cap, m2po_budget=self.m2po_budget, stabiliser_signal=self.stabiliser_signal,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = 1e-3
+    warmup_steps: int = 10
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    final_lr_fraction: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh of the learner: ``data × fsdp`` devices (−1: all remaining devices)."""
+
+    data: int = -1
+    fsdp: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    batch_size: int = 32  # prompts per rollout batch (B)
+    mini_batches: int = 1  # optimizer steps per rollout batch
+    micro_batches: int = 1  # gradient accumulation inside one optimizer step
+    logprob_chunk: int = 512
+    mesh: MeshConfig = MeshConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+    """Rollout/learning overlap: ``sync`` (η = 0), ``n_step_off``, ``fully_async`` (bound η)."""
+
+    mode: Literal["sync", "n_step_off", "fully_async"] = "fully_async"
+    max_staleness: int = 2  # η, in optimizer steps
+    n_step: int = 1  # for n_step_off: rollouts run at most n batches ahead
+    rollout_workers: int = 1
+    snapshot_in_memory: bool = True  # hand weights over in-process instead of through Orbax
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100  # optimizer steps
+    eval_every: int = 25
+    checkpoint_every: int = 25
+    log_every: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"
+    output_dir: str = "runs"
+    seed: int = 0
+    task: TaskConfig = TaskConfig()
+    student: ModelSource = ModelSource()
+    teacher: ModelSource = ModelSource()
+    sampling: SamplingConfig = SamplingConfig()
+    scoring: ScoringConfig = ScoringConfig()
+    estimator: EstimatorConfig = EstimatorConfig()
+    optim: OptimConfig = OptimConfig()
+    learner: LearnerConfig = LearnerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    train: TrainConfig = TrainConfig()
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+def _validate(cfg: RunConfig) -> None:
+    """Cross-field checks, each naming the fields involved."""
+    if cfg.estimator.name not in ESTIMATORS:
+        raise ConfigError(f"estimator.name = {cfg.estimator.name!r} is invalid; allowed: {', '.join(sorted(ESTIMATORS))}")
+    s = cfg.sampling
+    needs_mc = cfg.estimator.name.startswith("reverse_kl_mc")
+    if needs_mc and s.num_candidates < 1:
+        raise ConfigError(f"estimator.name = {cfg.estimator.name!r} needs sampling.num_candidates >= 1")
+    if cfg.estimator.name == "reverse_kl_topk" and s.student_topk < 1:
+        raise ConfigError("estimator.name = 'reverse_kl_topk' needs sampling.student_topk >= 1")
+    if cfg.estimator.name == "forward_kl_topk" and cfg.scoring.topk < 1:
+        raise ConfigError("estimator.name = 'forward_kl_topk' needs scoring.topk >= 1")
+    if cfg.estimator.name == "forward_kl_mc" and cfg.scoring.num_samples < 1:
+        raise ConfigError("estimator.name = 'forward_kl_mc' needs scoring.num_samples >= 1")
+    uses_mc = needs_mc or s.num_candidates > 0
+    if uses_mc and (s.top_p < 1.0 or s.top_k > 0) and not s.allow_truncated_mc:
+        raise ConfigError(
+            f"sampling.top_p = {s.top_p} / sampling.top_k = {s.top_k} truncate the distribution that Monte-Carlo "
+            "estimators need untruncated; use top_p: 1.0 and top_k: 0, or set sampling.allow_truncated_mc: true"
+        )
+    sch = cfg.schedule
+    if sch.mode == "sync" and sch.max_staleness != 0:
+        object.__setattr__(cfg, "schedule", dataclasses.replace(sch, max_staleness=0))  # sync means η = 0
+    for field, value, ok, allowed in [
+        ("schedule.max_staleness", sch.max_staleness, sch.max_staleness >= 0, ">= 0"),
+        ("schedule.n_step", sch.n_step, sch.n_step >= 1, ">= 1"),
+        ("schedule.rollout_workers", sch.rollout_workers, sch.rollout_workers >= 1, ">= 1"),
+        ("learner.batch_size", cfg.learner.batch_size, cfg.learner.batch_size >= 1, ">= 1"),
+        ("learner.mini_batches", cfg.learner.mini_batches,
+         cfg.learner.mini_batches >= 1 and cfg.learner.batch_size % cfg.learner.mini_batches == 0,
+         "a divisor of learner.batch_size"),
+        ("learner.micro_batches", cfg.learner.micro_batches,
+         cfg.learner.micro_batches >= 1
+         and (cfg.learner.batch_size // max(cfg.learner.mini_batches, 1)) % cfg.learner.micro_batches == 0,
+         "a divisor of learner.batch_size / learner.mini_batches"),
+        ("train.steps", cfg.train.steps, cfg.train.steps >= 1, ">= 1"),
+        ("optim.learning_rate", cfg.optim.learning_rate, cfg.optim.learning_rate > 0, "> 0"),
+    ]:
+        if not ok:
+            raise ConfigError(f"{field} = {value!r} is invalid; allowed: {allowed}")
+
+
+# --- dict / YAML ⇄ dataclasses -----------------------------------------------------
+
+
+def _from_dict(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown config field {where}{unknown[0]}; allowed in {prefix or 'the top level'}: "
+                          f"{', '.join(fields)}")
+    kwargs = {name: _coerce(hints[name], value, f"{prefix}.{name}" if prefix else name) for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(f"{prefix or 'config'}: {err}") from None
+
+
+def _coerce(tp: Any, value: Any, field: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _from_dict(tp, value, field)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{field} = {value!r} is invalid; allowed: {', '.join(map(str, allowed))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, field)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if errors else f"{field} = {value!r} is invalid")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{field} = {value!r} is invalid; allowed: true, false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{field} = {value!r} is invalid; allowed: an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{field} = {value!r} is invalid; allowed: a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{field} = {value!r} is invalid; allowed: a string")
+        return value
+    return value
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The resolved config as plain data (for ``config.yaml``)."""
+    return dataclasses.asdict(cfg)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b=c`` overrides (values parsed as YAML scalars) to a config mapping."""
+    data = yaml.safe_load(yaml.safe_dump(data)) or {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        key, raw = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML config (or start from defaults), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+    return _from_dict(RunConfig, apply_overrides(data, list(overrides)), "")
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,29 @@
+"""The learner: train state, sharded micro-batched train step, losses, optimizer."""
+
+from asyncopd_jax.learner.optimizer import learning_rate_schedule, make_optimizer
+from asyncopd_jax.learner.sharding import batch_shardings, make_mesh, param_spec, state_shardings
+from asyncopd_jax.learner.step import (
+    LearnerBatch,
+    PolicyLoss,
+    SFTLoss,
+    TrainState,
+    create_train_state,
+    make_proximal_fn,
+    make_train_step,
+)
+
+__all__ = [
+    "LearnerBatch",
+    "PolicyLoss",
+    "SFTLoss",
+    "TrainState",
+    "batch_shardings",
+    "create_train_state",
+    "learning_rate_schedule",
+    "make_mesh",
+    "make_optimizer",
+    "make_proximal_fn",
+    "make_train_step",
+    "param_spec",
+    "state_shardings",
+]

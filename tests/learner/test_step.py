@@ -1,0 +1,114 @@
+"""The train step: exact under micro-batching, identical sharded and unsharded, losses fall."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from asyncopd_jax.config import MeshConfig, OptimConfig
+from asyncopd_jax.learner import (
+    LearnerBatch,
+    PolicyLoss,
+    SFTLoss,
+    create_train_state,
+    make_mesh,
+    make_optimizer,
+    make_proximal_fn,
+    make_train_step,
+)
+from asyncopd_jax.sampling import Sampler, SamplingParams
+from asyncopd_jax.teacher import ScoringParams, TeacherScorer
+from tests.tiny_models import tiny_decoder
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15], [16, 17], [18, 19, 20, 21], [22], [23, 24]]
+
+
+@pytest.fixture(scope="module")
+def learner_batch() -> LearnerBatch:
+    """8 rollouts of uneven lengths from a student, scored by a different teacher."""
+    student, teacher = tiny_decoder(0, scale=0.7), tiny_decoder(1, scale=0.7)
+    graphdef, state = nnx.split(student)
+    free = Sampler(graphdef, SamplingParams(max_new_tokens=8, num_candidates=4)).generate(state, PROMPTS, jax.random.key(0))
+    stop = int(free.response_tokens[0, 2])
+    params = SamplingParams(max_new_tokens=8, num_candidates=4, student_topk=3, stop_token_ids=(stop,))
+    rollout = Sampler(graphdef, params).generate(state, PROMPTS, jax.random.key(0))
+    lengths = np.asarray(rollout.response_mask.sum(1))
+    assert len(set(lengths.tolist())) > 1  # uneven: a mean of micro-batch means would differ
+    cache = TeacherScorer(teacher, ScoringParams(topk=4, num_samples=3)).score(rollout, jax.random.key(1))
+    return LearnerBatch(rollout=rollout, cache=cache)
+
+
+def _run(loss, batch, micro_batches=1, mesh=None, steps=1, estimator_needs_proximal=False, optimizer=None):
+    # Adam's first step is ≈ lr · sign(g): it magnifies rounding in tiny gradients, so the
+    # exactness tests compare plain SGD steps (parameter change = gradient).
+    optimizer = optimizer or make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=0, schedule="constant"), 10)
+    graphdef, state = create_train_state(tiny_decoder(0, scale=0.7), optimizer, mesh)
+    step = make_train_step(graphdef, optimizer, loss, micro_batches=micro_batches, mesh=mesh, state_example=state)
+    history = []
+    for _ in range(steps):
+        if estimator_needs_proximal:
+            batch = LearnerBatch(batch.rollout, batch.cache, make_proximal_fn(graphdef, loss)(state.params, batch))
+        state, metrics = step(state, batch)
+        history.append(jax.device_get(metrics))
+    return jax.device_get(state), history
+
+
+def _assert_params_close(a, b, **tol):
+    for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)):
+        np.testing.assert_allclose(x, y, **tol)
+
+
+@pytest.mark.parametrize("estimator", ["reverse_kl_mc", "forward_kl_topk"])
+def test_micro_batch_split_does_not_change_the_step(learner_batch, estimator):
+    loss = PolicyLoss(estimator)
+    one, m1 = _run(loss, learner_batch, micro_batches=1, optimizer=optax.sgd(1.0))
+    four, m4 = _run(loss, learner_batch, micro_batches=4, optimizer=optax.sgd(1.0))
+    _assert_params_close(one, four, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(m1[0]["loss"], m4[0]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m1[0]["reverse_kl_signal"], m4[0]["reverse_kl_signal"], rtol=1e-5)
+    assert int(one.step) == 1  # the policy version counts optimizer steps
+
+
+def test_sharded_step_equals_single_device(learner_batch):
+    assert jax.device_count() == 8, "tests run with 8 virtual CPU devices (see tests/conftest.py)"
+    loss = PolicyLoss("reverse_kl_mc")
+    single, ms = _run(loss, learner_batch, steps=2, optimizer=optax.sgd(1.0))
+    mesh = make_mesh(MeshConfig(data=4, fsdp=2))
+    sharded, mm = _run(loss, learner_batch, mesh=mesh, steps=2, optimizer=optax.sgd(1.0))
+    _assert_params_close(single, sharded, rtol=1e-5, atol=1e-7)
+    # And with the real optimizer (AdamW + clipping), loosely: its first steps are ≈ sign(g).
+    adam_single, _ = _run(loss, learner_batch, steps=2)
+    adam_sharded, _ = _run(loss, learner_batch, mesh=mesh, steps=2)
+    _assert_params_close(adam_single, adam_sharded, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ms[-1]["loss"], mm[-1]["loss"], rtol=1e-5)
+
+
+def test_losses_fall(learner_batch):
+    for loss, steps in [(SFTLoss(), 15), (PolicyLoss("reverse_kl_mc"), 15), (PolicyLoss("forward_kl_topk"), 15)]:
+        _, history = _run(loss, learner_batch, steps=steps)
+        first, last = history[0]["loss"], history[-1]["loss"]
+        assert last < first - 0.05 * abs(first), (loss, first, last)
+
+
+def test_decoupled_ppo_with_proximal_log_probs(learner_batch):
+    loss = PolicyLoss("decoupled_ppo")
+    _, history = _run(loss, learner_batch, steps=2, estimator_needs_proximal=True)
+    assert np.isfinite(history[-1]["loss"])
+
+
+def test_mesh_errors():
+    with pytest.raises(ValueError, match="does not fit the 8 devices"):
+        make_mesh(MeshConfig(data=3, fsdp=2))
+
+
+def test_parameters_and_moments_are_fsdp_sharded():
+    mesh = make_mesh(MeshConfig(data=4, fsdp=2))
+    optimizer = make_optimizer(OptimConfig(), 10)
+    _, state = create_train_state(tiny_decoder(0), optimizer, mesh)
+    specs = [leaf.sharding.spec for leaf in jax.tree_util.tree_leaves(state) if leaf.ndim == 2]
+    assert specs and all("fsdp" in tuple(spec) for spec in specs)
+    assert all(len(leaf.sharding.device_set) == 8 for leaf in jax.tree_util.tree_leaves(state))
