@@ -121,6 +121,15 @@ class ScheduleConfig:
     rollout_workers: int = 1
     snapshot_in_memory: bool = True  # hand weights over in-process instead of through Orbax
 
+    def eta(self, mini_batches: int) -> int:
+        """The staleness bound in optimizer steps: 0 for ``sync``; for ``n_step_off``
+        rollouts run ``n_step`` batches (of ``mini_batches`` steps) ahead."""
+        if self.mode == "sync":
+            return 0
+        if self.mode == "n_step_off":
+            return self.n_step * mini_batches
+        return self.max_staleness
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -171,8 +180,6 @@ def _validate(cfg: RunConfig) -> None:
             "estimators need untruncated; use top_p: 1.0 and top_k: 0, or set sampling.allow_truncated_mc: true"
         )
     sch = cfg.schedule
-    if sch.mode == "sync" and sch.max_staleness != 0:
-        object.__setattr__(cfg, "schedule", dataclasses.replace(sch, max_staleness=0))  # sync means η = 0
     for field, value, ok, allowed in [
         ("schedule.max_staleness", sch.max_staleness, sch.max_staleness >= 0, ">= 0"),
         ("schedule.n_step", sch.n_step, sch.n_step >= 1, ">= 1"),
