@@ -1,0 +1,146 @@
+"""The staleness buffer between rollout workers and the learner.
+
+Versions count optimizer steps. The learner consumes rollout batches of B samples; each
+batch drives ``mini_batches`` optimizer steps, so after ``c`` consumed batches the
+learner is at version ``v = c · mini_batches``. Two rules bound staleness:
+
+* **Capacity (AReaL).** A new rollout may start only while
+  ``accepted + running < (η_b + c + 1) · B``, with ``η_b = ⌊η / mini_batches⌋`` the bound
+  in batches (with one step per batch this is AReaL's ``(η + v + 1) · B``). Producers
+  therefore never run more than ``η_b + 1`` batches ahead of the learner; ``η = 0`` is
+  synchronous training (a batch starts only after the previous one was trained on).
+* **Drop on consume.** When the learner takes a batch at version ``v``, samples whose
+  oldest token version is below ``v − η`` are dropped, and samples with a version above
+  ``v`` (from the future: a bug upstream) are refused; both are counted and their
+  capacity released. Staleness is measured when the learner takes the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class RolloutGroup:
+    """A group of samples produced together (one sampler call), with their teacher scores."""
+
+    batch: Any  # RolloutBatch with G rows
+    cache: Any  # TeacherScoreCache with G rows
+    oldest_version: int
+    newest_version: int
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return int(np.shape(self.batch.response_tokens)[0])
+
+
+class PipelineStopped(RuntimeError):
+    """Raised in every waiting thread once the run stops (cleanly or with an error)."""
+
+
+class StalenessBuffer:
+    """Thread-safe capacity control and staleness-filtered hand-over of rollout groups."""
+
+    def __init__(self, batch_size: int, eta: int, mini_batches: int = 1):
+        self.batch_size = batch_size
+        self.eta = eta
+        self.eta_batches = eta // mini_batches
+        self._cond = threading.Condition()
+        self._ready: deque[RolloutGroup] = deque()
+        self._started = 0  # accepted (ever, minus dropped) + running, in samples
+        self._consumed_batches = 0
+        self._error: BaseException | None = None
+        self._stopped = False
+        self.dropped_stale = 0
+        self.dropped_future = 0
+
+    # --- producers -----------------------------------------------------------------
+
+    def capacity(self) -> int:
+        """Samples that may still start under the capacity rule."""
+        return (self.eta_batches + self._consumed_batches + 1) * self.batch_size - self._started
+
+    def acquire(self, n: int, timeout: float | None = None) -> None:
+        """Block until ``n`` more samples may start, then count them as running."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._stopped or self.capacity() >= n, timeout)
+            self._raise_if_stopped()
+            if not ok:
+                raise TimeoutError("no rollout capacity within the timeout")
+            self._started += n
+
+    def put(self, group: RolloutGroup) -> None:
+        with self._cond:
+            self._raise_if_stopped()
+            self._ready.append(group)
+            self._cond.notify_all()
+
+    def release(self, n: int) -> None:
+        """Return capacity of samples that were started but will never be put."""
+        with self._cond:
+            self._started -= n
+            self._cond.notify_all()
+
+    # --- the learner -----------------------------------------------------------------
+
+    def take(self, version: int, timeout: float | None = None) -> list[RolloutGroup]:
+        """Block until B fresh-enough samples are ready; return their groups.
+
+        Groups older than ``version − η`` are dropped and groups from the future refused
+        (counted in ``dropped_stale`` / ``dropped_future``). Raises the first worker error.
+        """
+        taken: list[RolloutGroup] = []
+        n = 0
+        with self._cond:
+            while n < self.batch_size:
+                ok = self._cond.wait_for(lambda: self._stopped or bool(self._ready), timeout)
+                self._raise_if_stopped()
+                if not ok:
+                    raise TimeoutError(f"no rollouts arrived within {timeout} s")
+                group = self._ready.popleft()
+                if group.newest_version > version:
+                    self.dropped_future += group.size
+                    self._started -= group.size
+                elif group.oldest_version < version - self.eta:
+                    self.dropped_stale += group.size
+                    self._started -= group.size
+                else:
+                    taken.append(group)
+                    n += group.size
+                self._cond.notify_all()
+        if n != self.batch_size:
+            raise RuntimeError(f"rollout groups do not add up to the batch size: {n} != {self.batch_size}")
+        return taken
+
+    def finish_batch(self) -> None:
+        """The learner has trained on one more batch: capacity for one more opens."""
+        with self._cond:
+            self._consumed_batches += 1
+            self._cond.notify_all()
+
+    # --- stopping --------------------------------------------------------------------
+
+    def fail(self, error: BaseException) -> None:
+        """Stop everything; every waiting and future call raises (with ``error`` as cause)."""
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._stopped = True
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def _raise_if_stopped(self) -> None:
+        if self._error is not None:
+            raise PipelineStopped(f"the run stopped: {type(self._error).__name__}: {self._error}") from self._error
+        if self._stopped:
+            raise PipelineStopped("the run stopped")
