@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 
 from asyncopd_jax.cache import ESTIMATORS, EstimatorOptions
+from asyncopd_jax.sampling.distribution import SamplingParams
+from asyncopd_jax.teacher.scorer import ScoringParams
 
 
 class ConfigError(ValueError):
@@ -38,27 +40,6 @@ class ModelSource:
 
     path: str = ""
     dtype: Literal["float32", "bfloat16"] = "float32"
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 32
-    num_candidates: int = 4
-    student_topk: int = 0
-    chunk_steps: int = 8
-    allow_truncated_mc: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class ScoringConfig:
-    topk: int = 0
-    num_samples: int = 0
-    temperature: float = 1.0
-    chunk_size: int = 64
-    store_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +128,8 @@ class RunConfig:
     task: TaskConfig = TaskConfig()
     student: ModelSource = ModelSource()
     teacher: ModelSource = ModelSource()
-    sampling: SamplingConfig = SamplingConfig()
-    scoring: ScoringConfig = ScoringConfig()
+    sampling: SamplingParams = SamplingParams(max_new_tokens=32, num_candidates=4, chunk_steps=8)
+    scoring: ScoringParams = ScoringParams(chunk_size=64)
     estimator: EstimatorConfig = EstimatorConfig()
     optim: OptimConfig = OptimConfig()
     learner: LearnerConfig = LearnerConfig()
@@ -173,12 +154,6 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError("estimator.name = 'forward_kl_topk' needs scoring.topk >= 1")
     if cfg.estimator.name == "forward_kl_mc" and cfg.scoring.num_samples < 1:
         raise ConfigError("estimator.name = 'forward_kl_mc' needs scoring.num_samples >= 1")
-    uses_mc = needs_mc or s.num_candidates > 0
-    if uses_mc and (s.top_p < 1.0 or s.top_k > 0) and not s.allow_truncated_mc:
-        raise ConfigError(
-            f"sampling.top_p = {s.top_p} / sampling.top_k = {s.top_k} truncate the distribution that Monte-Carlo "
-            "estimators need untruncated; use top_p: 1.0 and top_k: 0, or set sampling.allow_truncated_mc: true"
-        )
     sch = cfg.schedule
     for field, value, ok, allowed in [
         ("schedule.max_staleness", sch.max_staleness, sch.max_staleness >= 0, ">= 0"),
@@ -218,7 +193,8 @@ def _from_dict(cls: type, data: Any, prefix: str) -> Any:
     except ConfigError:
         raise
     except ValueError as err:
-        raise ConfigError(f"{prefix or 'config'}: {err}") from None
+        message = str(err)
+        raise ConfigError(message if message.startswith(prefix) else f"{prefix or 'config'}: {message}") from None
 
 
 def _coerce(tp: Any, value: Any, field: str) -> Any:
@@ -253,6 +229,11 @@ def _coerce(tp: Any, value: Any, field: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{field} = {value!r} is invalid; allowed: a number")
         return float(value)
+    if origin is tuple:
+        (item, *_) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{field} = {value!r} is invalid; allowed: a list")
+        return tuple(_coerce(item, v, f"{field}[{i}]") for i, v in enumerate(value))
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{field} = {value!r} is invalid; allowed: a string")

@@ -18,10 +18,16 @@ BATCH_AXES = ("data", "fsdp")
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
-    """A ``(data, fsdp)`` mesh over ``devices`` (default: all); −1 takes the remainder."""
+    """A ``(data, fsdp)`` mesh over ``devices`` (default: all); −1 takes the remainder.
+
+    With explicit sizes whose product is smaller than the device count, the first
+    ``data · fsdp`` devices are used (e.g. ``data: 1, fsdp: 1`` for one device).
+    """
     devices = list(jax.devices() if devices is None else devices)
     fsdp = len(devices) // max(cfg.data, 1) if cfg.fsdp == -1 else cfg.fsdp
     data = len(devices) // fsdp if cfg.data == -1 else cfg.data
+    if 0 < data * fsdp < len(devices) and cfg.data != -1 and cfg.fsdp != -1:
+        devices = devices[: data * fsdp]
     if data * fsdp != len(devices) or data < 1 or fsdp < 1:
         raise ValueError(
             f"learner.mesh data={cfg.data} × fsdp={cfg.fsdp} does not fit the {len(devices)} devices "

@@ -88,7 +88,7 @@ class OrbaxSnapshotStore:
     """
 
     def __init__(self, root: str | Path, abstract_params: nnx.State, keep: int = 4):
-        self.root = Path(root)
+        self.root = Path(root).resolve()  # Orbax wants absolute paths
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep = max(keep, 1)
         default = jax.sharding.SingleDeviceSharding(jax.devices()[0])

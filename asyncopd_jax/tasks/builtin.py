@@ -1,22 +1,27 @@
-"""The built-in task's models and batches: presets, tokenisation, evaluation with the verifier."""
+"""The built-in task wired to models and tokenizers: presets, batches, held-out accuracy.
+
+The task itself (:mod:`asyncopd_jax.tasks.arith`) is text; here it meets token ids.
+Prompts go through the run's tokenizer (its chat template if it has one), responses are
+decoded and checked by the verifier, so the same task runs with the built-in character
+tokenizer or with a Hugging Face model's own.
+"""
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from transformers import PreTrainedTokenizerBase
 
 from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.config import TaskConfig
-from asyncopd_jax.models import Decoder, DecoderConfig
+from asyncopd_jax.models import Decoder, DecoderConfig, encode_prompts
 from asyncopd_jax.sampling import Sampler, SamplingParams, left_pad
 from asyncopd_jax.tasks.arith import Problem, max_response_chars, random_solution, sample_problems, verify
-from asyncopd_jax.tasks.tokenizer import EOS_ID, PAD_ID, build_tokenizer
+from asyncopd_jax.tasks.tokenizer import EOS_ID, PAD_ID
 
-VOCAB_SIZE = 32  # 19 tokens, padded
+VOCAB_SIZE = 32  # the character tokenizer's 19 tokens, padded
 
 
 def model_config(size: str) -> DecoderConfig:
@@ -37,59 +42,74 @@ def new_model(size: str, seed: int) -> Decoder:
     return Decoder(model_config(size), rngs=nnx.Rngs(seed))
 
 
-def prompt_slots(task: TaskConfig) -> int:
-    return len(Problem((task.max_value,) * task.difficulty).prompt)
+class TaskData:
+    """The built-in task seen through one tokenizer."""
+
+    def __init__(self, task: TaskConfig, tokenizer: PreTrainedTokenizerBase):
+        self.task, self.tokenizer = task, tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else PAD_ID
+        self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else EOS_ID
+        worst = Problem((task.max_value,) * task.difficulty)
+        self.prompt_slots = len(self.encode([worst])[0])
+        self.max_new_tokens = len(tokenizer.encode(worst.solution(tuple(range(task.difficulty))))) + 1
+        self.eval_problems = sample_problems(
+            np.random.default_rng(task.seed + 12345), task.eval_prompts, task.difficulty, task.max_value, held_out=True
+        )
+
+    def encode(self, problems: list[Problem]) -> list[list[int]]:
+        return encode_prompts(self.tokenizer, [p.prompt for p in problems])
+
+    def train_prompts(self, rng: np.random.Generator, n: int) -> tuple[list[list[int]], list[Problem]]:
+        problems = sample_problems(rng, n, self.task.difficulty, self.task.max_value, held_out=False)
+        return self.encode(problems), problems
+
+    def decode(self, batch: RolloutBatch) -> list[str]:
+        tokens, mask = np.asarray(batch.response_tokens), np.asarray(batch.response_mask)
+        return [self.tokenizer.decode([int(t) for t in row[m] if t != self.eos_id], skip_special_tokens=True)
+                for row, m in zip(tokens, mask)]
+
+    def rewards(self, problems: list[Problem], batch: RolloutBatch) -> list[bool]:
+        return [verify(p, r) for p, r in zip(problems, self.decode(batch))]
+
+    def sft_batch(self, rng: np.random.Generator, batch_size: int) -> RolloutBatch:
+        """Training problems with uniformly random solution orders (teacher SFT data)."""
+        problems = sample_problems(rng, batch_size, self.task.difficulty, self.task.max_value, held_out=False)
+        prompts, mask = left_pad(self.encode(problems), self.pad_id, self.prompt_slots)
+        responses = np.full((batch_size, self.max_new_tokens), self.pad_id, np.int32)
+        response_mask = np.zeros(responses.shape, bool)
+        for row, p in enumerate(problems):
+            ids = self.tokenizer.encode(random_solution(rng, p)) + [self.eos_id]
+            responses[row, : len(ids)] = ids
+            response_mask[row, : len(ids)] = True
+        return RolloutBatch(
+            prompt_tokens=jnp.asarray(prompts), prompt_mask=jnp.asarray(mask),
+            response_tokens=jnp.asarray(responses), response_mask=jnp.asarray(response_mask),
+            behavior_logp=jnp.zeros(responses.shape, jnp.float32), token_version=jnp.zeros(responses.shape, jnp.int32),
+        )
+
+    def accuracy(self, model_or_state, graphdef: nnx.GraphDef | None = None, *, seed: int = 0) -> float:
+        """Fraction of the held-out problems solved with greedy decoding."""
+        if graphdef is None:
+            graphdef, state = nnx.split(model_or_state)
+        else:
+            state = model_or_state
+        params = SamplingParams(temperature=0.0, max_new_tokens=self.max_new_tokens, stop_token_ids=(self.eos_id,),
+                                chunk_steps=self.max_new_tokens)
+        sampler = _cached_sampler(graphdef, params, self.pad_id)
+        batch = sampler.generate(state, self.encode(self.eval_problems), jax.random.key(seed),
+                                 prompt_slots=self.prompt_slots)
+        return float(np.mean(self.rewards(self.eval_problems, batch)))
 
 
-def max_new_tokens(task: TaskConfig) -> int:
-    return max_response_chars(task.difficulty, task.max_value) + 1  # + <eos>
+_SAMPLERS: dict = {}
 
 
-def encode(problems: list[Problem]) -> list[list[int]]:
-    tokenizer = build_tokenizer()
-    return [tokenizer.encode(p.prompt) for p in problems]
+def _cached_sampler(graphdef, params: SamplingParams, pad_id: int) -> Sampler:
+    """One compiled evaluation sampler per (architecture, parameters)."""
+    key = (graphdef, params, pad_id)
+    if key not in _SAMPLERS:
+        _SAMPLERS[key] = Sampler(graphdef, params, pad_id=pad_id)
+    return _SAMPLERS[key]
 
 
-def sft_batch(rng: np.random.Generator, task: TaskConfig, batch_size: int) -> RolloutBatch:
-    """Training problems with uniformly random solution orders, as a RolloutBatch."""
-    tokenizer = build_tokenizer()
-    problems = sample_problems(rng, batch_size, task.difficulty, task.max_value, held_out=False)
-    prompts, mask = left_pad(encode(problems), PAD_ID, prompt_slots(task))
-    t = max_new_tokens(task)
-    responses = np.full((batch_size, t), PAD_ID, np.int32)
-    response_mask = np.zeros((batch_size, t), bool)
-    for row, p in enumerate(problems):
-        ids = tokenizer.encode(random_solution(rng, p)) + [EOS_ID]
-        responses[row, : len(ids)] = ids
-        response_mask[row, : len(ids)] = True
-    zeros = np.zeros((batch_size, t), np.float32)
-    return RolloutBatch(
-        prompt_tokens=jnp.asarray(prompts), prompt_mask=jnp.asarray(mask), response_tokens=jnp.asarray(responses),
-        response_mask=jnp.asarray(response_mask), behavior_logp=jnp.asarray(zeros),
-        token_version=jnp.zeros((batch_size, t), jnp.int32),
-    )
-
-
-def eval_problems(task: TaskConfig) -> list[Problem]:
-    return sample_problems(np.random.default_rng(task.seed + 12345), task.eval_prompts, task.difficulty,
-                           task.max_value, held_out=True)
-
-
-def responses_text(batch: RolloutBatch) -> list[str]:
-    tokenizer = build_tokenizer()
-    tokens, mask = np.asarray(batch.response_tokens), np.asarray(batch.response_mask)
-    return [tokenizer.decode([int(t) for t in row[m] if t != EOS_ID]) for row, m in zip(tokens, mask)]
-
-
-def accuracy(model: Decoder, task: TaskConfig, *, temperature: float = 0.0, seed: int = 0,
-             problems: list[Problem] | None = None) -> float:
-    """Fraction of held-out problems the model solves (greedy by default)."""
-    problems = eval_problems(task) if problems is None else problems
-    graphdef, state = nnx.split(model)
-    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens(task), stop_token_ids=(EOS_ID,),
-                            chunk_steps=max_new_tokens(task))
-    batch = Sampler(graphdef, params, pad_id=PAD_ID).generate(
-        state, encode(problems), jax.random.key(seed), prompt_slots=prompt_slots(task))
-    return float(np.mean([verify(p, r) for p, r in zip(problems, responses_text(batch))]))
-
-
+__all__ = ["TaskData", "VOCAB_SIZE", "max_response_chars", "model_config", "new_model"]

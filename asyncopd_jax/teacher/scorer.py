@@ -42,12 +42,12 @@ class ScoringParams:
 
     def __post_init__(self) -> None:
         if self.store_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"teacher.store_dtype = {self.store_dtype!r} is invalid; allowed: float32, bfloat16")
+            raise ValueError(f"scoring.store_dtype = {self.store_dtype!r} is invalid; allowed: float32, bfloat16")
         for field in ("topk", "num_samples"):
             if getattr(self, field) < 0:
-                raise ValueError(f"teacher.{field} must be >= 0, got {getattr(self, field)}")
+                raise ValueError(f"scoring.{field} must be >= 0, got {getattr(self, field)}")
         if self.chunk_size < 1 or self.temperature <= 0:
-            raise ValueError("teacher.chunk_size must be >= 1 and teacher.temperature > 0")
+            raise ValueError("scoring.chunk_size must be >= 1 and scoring.temperature > 0")
 
 
 def score_hidden(

@@ -102,7 +102,8 @@ def test_decoupled_ppo_with_proximal_log_probs(learner_batch):
 
 def test_mesh_errors():
     with pytest.raises(ValueError, match="does not fit the 8 devices"):
-        make_mesh(MeshConfig(data=3, fsdp=2))
+        make_mesh(MeshConfig(data=3, fsdp=3))
+    assert make_mesh(MeshConfig(data=1, fsdp=1)).devices.size == 1
 
 
 def test_parameters_and_moments_are_fsdp_sharded():

@@ -112,5 +112,5 @@ def test_bf16_storage_error_is_within_bf16_rounding(world):
 
 
 def test_scoring_params_errors():
-    with pytest.raises(ValueError, match="teacher.store_dtype = 'float16' is invalid; allowed: float32, bfloat16"):
+    with pytest.raises(ValueError, match="scoring.store_dtype = 'float16' is invalid; allowed: float32, bfloat16"):
         ScoringParams(store_dtype="float16")

@@ -1,0 +1,124 @@
+"""The ``asyncopd`` command: ``train``, ``sft`` and ``eval``.
+
+    asyncopd train                                  # the embedded demo (configs/demo.yaml)
+    asyncopd train --config my.yaml --set learner.batch_size=64 --set schedule.mode=sync
+    asyncopd train --resume runs/demo               # continue a stopped or killed run
+    asyncopd sft --model teacher --steps 1000 --out asyncopd_jax/tasks/assets/teacher
+    asyncopd eval --model builtin:student
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from asyncopd_jax.config import ConfigError, OptimConfig, TaskConfig, load_config
+
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+
+
+def _train(args: argparse.Namespace) -> None:
+    from asyncopd_jax.pipeline.trainer import Trainer
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        config_file = run_dir / "config.yaml"
+        if not config_file.is_file():
+            raise ConfigError(f"cannot resume: {config_file} does not exist")
+        cfg = load_config(config_file, args.set)
+        cfg = cfg.__class__(**{**cfg.__dict__, "name": run_dir.name, "output_dir": str(run_dir.parent)})
+    else:
+        config_file = args.config or DEMO_CONFIG
+        if args.config is None and not DEMO_CONFIG.is_file():
+            raise ConfigError(f"the embedded demo config {DEMO_CONFIG} is missing (install the project with pip install -e .)")
+        cfg = load_config(config_file, args.set)
+    print(f"asyncopd train: {cfg.name} ({cfg.estimator.name}, {cfg.schedule.mode}) → {Path(cfg.output_dir) / cfg.name}")
+    summary = Trainer(cfg, resume=bool(args.resume), progress=not args.no_progress).run()
+    rows = [("teacher", summary["teacher_accuracy"]), ("student before", summary["student_before"]),
+            ("student after", summary["student_after"])]
+    print(f"\nheld-out accuracy ({cfg.task.eval_prompts} problems, greedy):")
+    for name, value in rows:
+        print(f"  {name:15} {value:6.1%}")
+    ratio = summary["student_after"] / max(summary["teacher_accuracy"], 1e-9)
+    print(f"  student after / teacher = {ratio:.1%}")
+    print(f"wrote {Path(cfg.output_dir) / cfg.name}/: config.yaml metrics.jsonl trace.json checkpoints/ report.png")
+
+
+def _sft(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    from asyncopd_jax.learner.sft import train_sft
+    from asyncopd_jax.models import save_pretrained
+    from asyncopd_jax.tasks.builtin import TaskData, new_model
+    from asyncopd_jax.tasks.tokenizer import build_tokenizer
+
+    task = load_config(None, [f"task.{kv}" for kv in args.task]).task if args.task else TaskConfig()
+    tokenizer = build_tokenizer()
+    data = TaskData(task, tokenizer)
+    rng = np.random.default_rng(args.seed)
+    batches = iter(lambda: data.sft_batch(rng, args.batch_size), None)
+    optim = OptimConfig(learning_rate=args.lr, warmup_steps=50, schedule="cosine", final_lr_fraction=0.05,
+                        weight_decay=0.01)
+
+    def log(step, metrics, graphdef, params):
+        if step % max(args.steps // 10, 1) == 0 or step == args.steps:
+            print(f"step {step:5d}  nll {metrics['loss']:.4f}  {metrics['seconds']:.0f} s", flush=True)
+
+    model = train_sft(new_model(args.model, args.seed), batches, args.steps, optim, on_step=log)
+    accuracy = data.accuracy(model)
+    save_pretrained(model, args.out)
+    tokenizer.save_pretrained(args.out)
+    print(f"held-out accuracy (greedy, {task.eval_prompts} problems): {accuracy:.1%}; saved to {args.out}")
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from asyncopd_jax.pipeline.trainer import load_model_and_tokenizer
+    from asyncopd_jax.tasks.builtin import TaskData
+
+    task = load_config(None, [f"task.{kv}" for kv in args.task]).task if args.task else TaskConfig()
+    model, tokenizer = load_model_and_tokenizer(args.model, "float32")
+    print(f"held-out accuracy of {args.model} (greedy, {task.eval_prompts} problems): "
+          f"{TaskData(task, tokenizer).accuracy(model):.1%}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asyncopd", description="Asynchronous on-policy distillation in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="distil a student from a teacher (default: the built-in demo)")
+    train.add_argument("--config", type=Path, help=f"YAML config (default: {DEMO_CONFIG.name})")
+    train.add_argument("--set", action="append", default=[], metavar="A.B=C", help="override a config field")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue runs/<name> from its last checkpoint")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(fn=_train)
+
+    sft = sub.add_parser("sft", help="train a built-in model on the built-in task by supervised fine-tuning")
+    sft.add_argument("--model", choices=["teacher", "student"], required=True)
+    sft.add_argument("--steps", type=int, default=1000)
+    sft.add_argument("--batch-size", type=int, default=64)
+    sft.add_argument("--lr", type=float, default=3e-3)
+    sft.add_argument("--seed", type=int, default=0)
+    sft.add_argument("--task", action="append", default=[], metavar="FIELD=VALUE", help="task config field")
+    sft.add_argument("--out", type=Path, required=True, help="output directory (Hugging Face layout)")
+    sft.set_defaults(fn=_sft)
+
+    ev = sub.add_parser("eval", help="held-out accuracy of a model on the built-in task")
+    ev.add_argument("--model", required=True, help="builtin:NAME or a Hugging Face directory")
+    ev.add_argument("--task", action="append", default=[], metavar="FIELD=VALUE", help="task config field")
+    ev.set_defaults(fn=_eval)
+
+    args = parser.parse_args(argv)
+    try:
+        args.fn(args)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"asyncopd {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nasyncopd {args.command}: interrupted; resume with --resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

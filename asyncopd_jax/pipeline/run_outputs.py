@@ -1,0 +1,133 @@
+"""What a run writes under ``runs/<name>/``: config, metrics, trace, checkpoints, report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from asyncopd_jax.config import RunConfig, save_config
+
+
+class RunDir:
+    """``config.yaml``, ``metrics.jsonl``, ``trace.json``, ``checkpoints/``, ``report.png``, ``summary.json``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).resolve()  # Orbax wants absolute paths
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.metrics_file = self.path / "metrics.jsonl"
+        self._checkpoints: ocp.CheckpointManager | None = None
+
+    def write_config(self, cfg: RunConfig) -> None:
+        save_config(cfg, self.path / "config.yaml")
+
+    # --- metrics -----------------------------------------------------------------------
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        with self.metrics_file.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_file.is_file():
+            return []
+        return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
+
+    def truncate_metrics(self, last_step: int) -> None:
+        """Keep records up to ``last_step``: a resumed run repeats nothing after its checkpoint."""
+        kept = [r for r in self.read_metrics() if r.get("step", 0) <= last_step]
+        self.metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    def read_summary(self) -> dict[str, Any]:
+        path = self.path / "summary.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    # --- checkpoints -------------------------------------------------------------------
+
+    @property
+    def checkpoints(self) -> ocp.CheckpointManager:
+        if self._checkpoints is None:
+            self._checkpoints = ocp.CheckpointManager(
+                self.path / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+            )
+        return self._checkpoints
+
+    def save_checkpoint(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+        """The train state (as a flat dict of its leaves) and loop metadata, at ``step``."""
+        leaves = jax.tree_util.tree_leaves(state)
+        flat = {f"{i:05d}": leaf for i, leaf in enumerate(leaves)}
+        self.checkpoints.save(
+            step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)), force=True
+        )
+        self.checkpoints.wait_until_finished()
+
+    def latest_checkpoint(self) -> int | None:
+        return self.checkpoints.latest_step()
+
+    def restore_checkpoint(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """Restore onto the structure, shapes and shardings of ``abstract_state``."""
+        step = self.latest_checkpoint() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.path / 'checkpoints'} to resume from")
+        leaves, treedef = jax.tree_util.tree_flatten(abstract_state)
+        target = {f"{i:05d}": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for i, x in enumerate(leaves)}
+        restored = self.checkpoints.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+        )
+        flat = restored["state"]
+        return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in sorted(flat)]), dict(restored["meta"])
+
+    def close(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.wait_until_finished()
+            self._checkpoints.close()
+
+    # --- report ------------------------------------------------------------------------
+
+    def write_report(self, title: str) -> Path:
+        """``report.png``: loss, KL signal, accuracy and staleness against optimizer steps."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        records = self.read_metrics()
+        steps = np.array([r["step"] for r in records])
+        fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+        panels = [
+            (axes[0, 0], "loss", "estimator loss"),
+            (axes[0, 1], "reverse_kl_signal", "reverse-KL signal  E[log π − log q] on sampled tokens"),
+            (axes[1, 1], "staleness_mean", "mean token staleness (optimizer steps)"),
+        ]
+        for ax, key, label in panels:
+            ys = np.array([r.get(key, np.nan) for r in records], float)
+            ax.plot(steps, ys, lw=1)
+            ax.set_title(label, fontsize=10)
+            ax.set_xlabel("optimizer step")
+        ax = axes[1, 0]
+        summary = self.read_summary()
+        evals = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
+        if "student_before" in summary:
+            evals = [(0, summary["student_before"])] + evals
+        if evals:
+            ax.plot(*zip(*evals), marker="o", label="student (held-out, greedy)")
+        if "teacher_accuracy" in summary:
+            ax.axhline(summary["teacher_accuracy"], color="k", ls="--", label="teacher")
+        train = np.array([r.get("rollout_accuracy", np.nan) for r in records], float)
+        ax.plot(steps, train, lw=0.8, alpha=0.6, label="student rollouts (sampled)")
+        ax.set_ylim(0, 1.02)
+        ax.set_title("accuracy", fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.legend(fontsize=8)
+        fig.suptitle(title)
+        fig.tight_layout()
+        out = self.path / "report.png"
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        return out

@@ -1,0 +1,252 @@
+"""The OPD run: rollout workers, teacher scoring, staleness buffer, learner, snapshots.
+
+    workers (threads) ──▶ StalenessBuffer ──▶ learner (jit, mesh) ──▶ SnapshotStore ──┐
+        ▲                                                                             │
+        └──────────────── newest snapshot between decode chunks ◀─────────────────────┘
+
+One :class:`Trainer` builds every component from a :class:`RunConfig`, runs optimizer
+steps until ``train.steps``, and writes ``runs/<name>/``. The three schedules differ only
+in the staleness bound η the buffer enforces (``sync``: 0; ``n_step_off``: n batches;
+``fully_async``: ``schedule.max_staleness``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from asyncopd_jax.cache import RolloutBatch, get_estimator
+from asyncopd_jax.config import RunConfig
+from asyncopd_jax.learner import (
+    LearnerBatch,
+    PolicyLoss,
+    create_train_state,
+    make_mesh,
+    make_optimizer,
+    make_proximal_fn,
+    make_train_step,
+)
+from asyncopd_jax.learner.optimizer import learning_rate_schedule
+from asyncopd_jax.models import Decoder, check_same_vocabulary, from_pretrained, load_tokenizer
+from asyncopd_jax.pipeline.rollout import RolloutPool
+from asyncopd_jax.pipeline.run_outputs import RunDir
+from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore, OrbaxSnapshotStore
+from asyncopd_jax.pipeline.staleness import StalenessBuffer
+from asyncopd_jax.pipeline.trace import Tracer
+from asyncopd_jax.sampling import Sampler
+from asyncopd_jax.tasks.assets import resolve_model_path
+from asyncopd_jax.tasks.builtin import TaskData
+from asyncopd_jax.teacher import TeacherScorer
+
+
+def _concat(items: list) -> Any:
+    return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=0), *items)
+
+
+def _rows(tree: Any, start: int, stop: int) -> Any:
+    return jax.tree_util.tree_map(lambda x: x[start:stop], tree)
+
+
+def load_model_and_tokenizer(path: str, dtype: str) -> tuple[Decoder, Any]:
+    directory = resolve_model_path(path)
+    return from_pretrained(directory, dtype=dtype), load_tokenizer(directory)
+
+
+class Trainer:
+    """Builds and runs one OPD run (``resume=True`` continues from its last checkpoint)."""
+
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, progress: bool = True):
+        self.cfg = cfg
+        self.progress = progress
+        self.run_dir = RunDir(Path(cfg.output_dir) / cfg.name)
+        self.tracer = Tracer()
+
+        student, tokenizer = load_model_and_tokenizer(cfg.student.path, cfg.student.dtype)
+        teacher, teacher_tokenizer = load_model_and_tokenizer(cfg.teacher.path, cfg.teacher.dtype)
+        check_same_vocabulary(tokenizer, teacher_tokenizer, student_vocab_size=student.config.vocab_size,
+                              teacher_vocab_size=teacher.config.vocab_size)
+        self.teacher = teacher
+        self.data = TaskData(cfg.task, tokenizer)
+
+        learner = cfg.learner
+        self.eta = cfg.schedule.eta(learner.mini_batches)
+        self.mesh = make_mesh(learner.mesh)
+        self.optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+        self.lr = learning_rate_schedule(cfg.optim, cfg.train.steps)
+        self.graphdef, self.state = create_train_state(student, self.optimizer, self.mesh)
+        self.loss = PolicyLoss(cfg.estimator.name, cfg.estimator.options(), cfg.sampling.temperature,
+                               learner.logprob_chunk)
+        self.train_step = make_train_step(self.graphdef, self.optimizer, self.loss, micro_batches=learner.micro_batches,
+                                          mesh=self.mesh, state_example=self.state)
+        self.needs_proximal = get_estimator(cfg.estimator.name).needs_proximal
+        self.proximal = make_proximal_fn(self.graphdef, self.loss) if self.needs_proximal else None
+
+        # The sampler stops at the tokenizer's EOS and at every EOS id of the model's config.
+        stop = tuple(dict.fromkeys((*cfg.sampling.stop_token_ids, self.data.eos_id, *student.config.eos_token_ids)))
+        self.sampling = dataclasses.replace(cfg.sampling, stop_token_ids=stop)
+        self.scoring = cfg.scoring
+        self.start_step, self.worker_index = 0, 0
+        if resume:
+            self._resume()
+        else:
+            self.run_dir.write_config(cfg)
+            if self.run_dir.metrics_file.exists():
+                self.run_dir.metrics_file.unlink()
+
+    # --- set-up ------------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        self.state, meta = self.run_dir.restore_checkpoint(self.state)
+        self.start_step = int(meta["step"])
+        self.worker_index = int(meta.get("worker_index", 0))
+        self.run_dir.truncate_metrics(self.start_step)
+
+    def _snapshot_store(self):
+        keep = self.eta + 2
+        if self.cfg.schedule.snapshot_in_memory:
+            return InMemorySnapshotStore(keep=keep)
+        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state.params)
+        return OrbaxSnapshotStore(self.run_dir.path / "snapshots", abstract, keep=keep)
+
+    # --- evaluation ---------------------------------------------------------------------
+
+    def evaluate_student(self) -> float:
+        with self.tracer.span("eval"):
+            return self.data.accuracy(jax.device_get(self.state.params), self.graphdef)
+
+    # --- the run ------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        summary = self.run_dir.read_summary()
+        if "teacher_accuracy" not in summary:
+            summary = {"teacher_accuracy": self.data.accuracy(self.teacher), "student_before": self.evaluate_student()}
+            self.run_dir.write_summary(summary)
+
+        B = cfg.learner.batch_size
+        workers = cfg.schedule.rollout_workers
+        group = B // workers if B % workers == 0 else B
+        buffer = StalenessBuffer(B, self.eta, cfg.learner.mini_batches)
+        snapshots = self._snapshot_store()
+        version = int(self.state.step)
+        snapshots.publish(version, self.state.params)
+        snapshots.wait_for(version)
+        sampler = Sampler(self.graphdef, self.sampling, pad_id=self.data.pad_id)
+        pool = RolloutPool(
+            sampler=sampler, scorer=TeacherScorer(self.teacher, self.scoring), snapshots=snapshots, buffer=buffer,
+            prompts=self.data.train_prompts, group_size=group, workers=workers,
+            seed=cfg.seed * 1_000_003 + self.worker_index, prompt_slots=self.data.prompt_slots, tracer=self.tracer,
+        )
+        pool.start()
+        bar = _progress(self.start_step, cfg.train.steps, enabled=self.progress)
+        step = self.start_step
+        samples_seen = tokens_seen = 0
+        t_start = time.perf_counter()
+        try:
+            while step < cfg.train.steps:
+                with self.tracer.span("wait_for_rollouts"):
+                    groups = buffer.take(version)
+                batch = _concat([g.batch for g in groups])
+                cache = _concat([g.cache for g in groups])
+                problems = [p for g in groups for p in g.info["problems"]]
+                rollout_acc = float(np.mean(self.data.rewards(problems, batch)))
+                stale = _staleness(batch, version)
+                proximal = None
+                if self.needs_proximal:
+                    with self.tracer.span("proximal"):
+                        proximal = self.proximal(self.state.params, LearnerBatch(batch, cache))
+                per_mini = B // cfg.learner.mini_batches
+                for m in range(cfg.learner.mini_batches):
+                    if step >= cfg.train.steps:
+                        break
+                    lb = LearnerBatch(_rows(batch, m * per_mini, (m + 1) * per_mini),
+                                      _rows(cache, m * per_mini, (m + 1) * per_mini),
+                                      None if proximal is None else _rows(proximal, m * per_mini, (m + 1) * per_mini))
+                    with self.tracer.span("learn", step=step):
+                        self.state, metrics = self.train_step(self.state, lb)
+                        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    step += 1
+                    samples_seen += per_mini
+                    tokens_seen += int(metrics["tokens"])
+                    elapsed = time.perf_counter() - t_start
+                    record = {
+                        "step": step, **metrics, "lr": float(self.lr(step - 1)),
+                        "staleness_mean": stale["mean"], "staleness_max": stale["max"],
+                        "staleness_hist": stale["hist"], "rollout_accuracy": rollout_acc,
+                        "samples_per_s": samples_seen / elapsed, "tokens_per_s": tokens_seen / elapsed,
+                        "dropped_stale": buffer.dropped_stale, "dropped_future": buffer.dropped_future,
+                        "time": elapsed,
+                    }
+                    if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
+                        record["eval_accuracy"] = self.evaluate_student()
+                    self.run_dir.append_metrics(record)
+                    bar.update(record)
+                version = int(self.state.step)
+                with self.tracer.span("publish", version=version):
+                    snapshots.publish(version, self.state.params)
+                buffer.finish_batch()
+                if step % cfg.train.checkpoint_every == 0 or step >= cfg.train.steps:
+                    self._checkpoint(step, pool)
+        except KeyboardInterrupt:
+            self._checkpoint(step, pool)
+            raise
+        finally:
+            buffer.stop()
+            pool.join(timeout=120)
+            snapshots.close()
+            bar.close()
+            self.tracer.write(self.run_dir.path / "trace.json")
+        summary = {**summary, "student_after": self.evaluate_student(), "steps": step,
+                   "dropped_stale": buffer.dropped_stale, "dropped_future": buffer.dropped_future,
+                   "stage_seconds": self.tracer.totals()}
+        self.run_dir.write_summary(summary)
+        self.run_dir.write_report(f"{cfg.name}: {cfg.estimator.name}, {cfg.schedule.mode} (η = {self.eta})")
+        self.run_dir.close()
+        return summary
+
+    def _checkpoint(self, step: int, pool: RolloutPool) -> None:
+        with self.tracer.span("checkpoint", step=step):
+            self.run_dir.save_checkpoint(step, self.state, {"step": step, "worker_index": pool._counter + self.worker_index})
+        self.tracer.write(self.run_dir.path / "trace.json")
+
+
+def _staleness(batch: RolloutBatch, version: int) -> dict[str, Any]:
+    mask = np.asarray(batch.response_mask)
+    ages = version - np.asarray(batch.token_version)[mask]
+    hist = np.bincount(np.maximum(ages, 0)).tolist() if ages.size else []
+    return {"mean": float(ages.mean()) if ages.size else 0.0, "max": int(ages.max()) if ages.size else 0, "hist": hist}
+
+
+class _progress:
+    """A tqdm bar showing loss, KL signal, staleness and accuracy (silent when disabled)."""
+
+    def __init__(self, start: int, total: int, enabled: bool):
+        self.bar = None
+        self.last_eval = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+    def update(self, record: dict[str, Any]) -> None:
+        if self.bar is None:
+            return
+        self.last_eval = record.get("eval_accuracy", self.last_eval)
+        post = {"loss": f"{record['loss']:.4f}", "kl": f"{record.get('reverse_kl_signal', 0.0):.3f}",
+                "stale": f"{record['staleness_mean']:.2f}", "acc": f"{record['rollout_accuracy']:.2f}"}
+        if self.last_eval is not None:
+            post["eval"] = f"{self.last_eval:.2f}"
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+

@@ -1,0 +1,106 @@
+"""End to end on tiny models: every schedule learns; stop + resume loses and repeats nothing;
+a crashing worker stops the run with its error."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from asyncopd_jax.config import load_config
+from asyncopd_jax.models import save_pretrained
+from asyncopd_jax.pipeline.staleness import PipelineStopped
+from asyncopd_jax.pipeline.trainer import Trainer
+from asyncopd_jax.tasks.builtin import new_model
+from asyncopd_jax.tasks.tokenizer import save_tokenizer
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A teacher and a (different) student for the built-in task, saved in HF layout."""
+    root = tmp_path_factory.mktemp("models")
+    for name, seed in (("teacher", 1), ("student", 2)):
+        save_pretrained(new_model("student", seed), root / name)
+        save_tokenizer(root / name)
+    return root
+
+
+def _config(models, tmp_path, **sets):
+    overrides = {
+        "name": "t", "output_dir": str(tmp_path), "student.path": str(models / "student"),
+        "teacher.path": str(models / "teacher"), "task.eval_prompts": 16, "sampling.max_new_tokens": 12,
+        "sampling.num_candidates": 4, "sampling.chunk_steps": 4, "learner.batch_size": 8,
+        "learner.mesh": "{data: 1, fsdp: 1}", "optim.learning_rate": 0.01, "optim.warmup_steps": 0,
+        "optim.schedule": "constant", "train.steps": 12, "train.eval_every": 100, "train.checkpoint_every": 4,
+        **sets,
+    }
+    return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def _kl_start_end(records, k=3):
+    kl = [r["reverse_kl_signal"] for r in records]
+    return np.mean(kl[:k]), np.mean(kl[-k:])
+
+
+@pytest.mark.parametrize("mode,extra", [
+    ("sync", {}),
+    ("n_step_off", {"schedule.n_step": 1}),
+    ("fully_async", {"schedule.max_staleness": 2, "schedule.rollout_workers": 2}),
+])
+def test_every_schedule_reduces_the_kl_to_the_teacher(models, tmp_path, mode, extra):
+    cfg = _config(models, tmp_path, **{"schedule.mode": mode, **extra})
+    summary = Trainer(cfg, progress=False).run()
+    run = tmp_path / "t"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    start, end = _kl_start_end(records)
+    assert end < 0.7 * start, (mode, start, end)
+    eta = cfg.schedule.eta(cfg.learner.mini_batches)
+    assert all(r["staleness_max"] <= eta for r in records)
+    if mode == "sync":
+        assert all(r["staleness_max"] == 0 for r in records)
+    for name in ("config.yaml", "trace.json", "report.png", "summary.json"):
+        assert (run / name).is_file(), name
+    trace = json.loads((run / "trace.json").read_text())["traceEvents"]
+    assert {"rollout", "score", "learn", "publish"} <= {e["name"] for e in trace}
+    assert summary["steps"] == 12 and 0.0 <= summary["student_after"] <= 1.0
+
+
+def test_resume_after_a_crash_continues_without_loss_or_repetition(models, tmp_path, monkeypatch):
+    cfg = _config(models, tmp_path, **{"schedule.mode": "fully_async", "train.steps": 10})
+    trainer = Trainer(cfg, progress=False)
+    real_step = trainer.train_step
+    calls = {"n": 0}
+
+    def crashing_step(state, batch):
+        calls["n"] += 1
+        if calls["n"] == 7:  # steps 1-6 done, last checkpoint at step 4
+            raise RuntimeError("simulated crash")
+        return real_step(state, batch)
+
+    trainer.train_step = crashing_step
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        trainer.run()
+    run = tmp_path / "t"
+    before = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert before == [1, 2, 3, 4, 5, 6]
+
+    resumed = Trainer(cfg, resume=True, progress=False)
+    assert resumed.start_step == 4
+    summary = resumed.run()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 11))  # 5 and 6 redone once, nothing lost
+    assert summary["steps"] == 10
+
+
+def test_a_crashing_worker_stops_the_run_cleanly(models, tmp_path):
+    cfg = _config(models, tmp_path, **{"schedule.mode": "fully_async", "schedule.rollout_workers": 2})
+    trainer = Trainer(cfg, progress=False)
+
+    def broken_prompts(rng, n):
+        raise ValueError("prompt source exploded")
+
+    trainer.data.train_prompts = broken_prompts
+    with pytest.raises(PipelineStopped, match="prompt source exploded"):
+        trainer.run()

@@ -1,0 +1,55 @@
+"""The command line: bad input is a clear one-line error (exit 2), never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncopd_jax.cli import main
+from asyncopd_jax.models import save_pretrained
+from asyncopd_jax.tasks.builtin import new_model
+from asyncopd_jax.tasks.tokenizer import save_tokenizer
+from tests.models.test_tokenizer import make_tokenizer
+
+
+def _error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_unknown_field_and_wrong_estimator(capsys):
+    assert "unknown config field train.stpes" in _error(capsys, ["train", "--set", "train.stpes=3"])
+    err = _error(capsys, ["train", "--set", "estimator.name=forward_kl"])
+    assert "estimator.name = 'forward_kl' is invalid; allowed:" in err and "reverse_kl_mc" in err
+
+
+def test_top_p_with_an_mc_estimator(capsys):
+    assert "allow_truncated_mc" in _error(capsys, ["train", "--set", "sampling.top_p=0.95"])
+
+
+def test_missing_model_directory(capsys, tmp_path):
+    err = _error(capsys, ["train", "--set", f"student.path={tmp_path / 'nowhere'}", "--set", f"output_dir={tmp_path}"])
+    assert f"model directory not found: {tmp_path / 'nowhere'}" in err
+    assert "no built-in model 'tutor'" in _error(capsys, ["eval", "--model", "builtin:tutor"])
+
+
+def test_mismatched_vocabularies(capsys, tmp_path):
+    save_pretrained(new_model("student", 0), tmp_path / "student")
+    save_tokenizer(tmp_path / "student")
+    save_pretrained(new_model("student", 1), tmp_path / "teacher")
+    make_tokenizer(tmp_path / "teacher", ["x", "y"])  # another vocabulary
+    err = _error(capsys, ["train", "--set", f"student.path={tmp_path / 'student'}",
+                          "--set", f"teacher.path={tmp_path / 'teacher'}", "--set", f"output_dir={tmp_path}"])
+    assert "teacher and student vocabularies differ" in err
+
+
+def test_resume_without_a_run(capsys, tmp_path):
+    assert "cannot resume" in _error(capsys, ["train", "--resume", str(tmp_path / "runs" / "x")])
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert all(c in out for c in ("train", "sft", "eval"))
