@@ -25,7 +25,9 @@ def test_unknown_field_and_wrong_estimator(capsys):
 
 
 def test_top_p_with_an_mc_estimator(capsys):
-    assert "allow_truncated_mc" in _error(capsys, ["train", "--set", "sampling.top_p=0.95"])
+    err = _error(capsys, ["train", "--set", "estimator.name=reverse_kl_mc", "--set", "sampling.num_candidates=4",
+                          "--set", "sampling.top_p=0.95"])
+    assert "allow_truncated_mc" in err
 
 
 def test_missing_model_directory(capsys, tmp_path):

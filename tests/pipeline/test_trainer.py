@@ -18,20 +18,19 @@ from asyncopd_jax.tasks.tokenizer import save_tokenizer
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """A teacher and a (different) student for the built-in task, saved in HF layout."""
+    """The shipped teacher, and a freshly initialised student saved in HF layout."""
     root = tmp_path_factory.mktemp("models")
-    for name, seed in (("teacher", 1), ("student", 2)):
-        save_pretrained(new_model("student", seed), root / name)
-        save_tokenizer(root / name)
+    save_pretrained(new_model("student", 2), root / "student")
+    save_tokenizer(root / "student")
     return root
 
 
 def _config(models, tmp_path, **sets):
     overrides = {
         "name": "t", "output_dir": str(tmp_path), "student.path": str(models / "student"),
-        "teacher.path": str(models / "teacher"), "task.eval_prompts": 16, "sampling.max_new_tokens": 12,
+        "teacher.path": "builtin:teacher", "task.eval_prompts": 16, "sampling.max_new_tokens": 12,
         "sampling.num_candidates": 4, "sampling.chunk_steps": 4, "learner.batch_size": 8,
-        "learner.mesh": "{data: 1, fsdp: 1}", "optim.learning_rate": 0.01, "optim.warmup_steps": 0,
+        "learner.mesh": "{data: 1, fsdp: 1}", "optim.learning_rate": 0.01, "estimator.name": "forward_kl_topk", "scoring.topk": 8, "optim.warmup_steps": 0,
         "optim.schedule": "constant", "train.steps": 12, "train.eval_every": 100, "train.checkpoint_every": 4,
         **sets,
     }
@@ -39,7 +38,8 @@ def _config(models, tmp_path, **sets):
 
 
 def _kl_start_end(records, k=3):
-    kl = [r["reverse_kl_signal"] for r in records]
+    """Mean forward KL(teacher ‖ student) (the loss of forward_kl_topk) over the first and last k steps."""
+    kl = [r["loss"] for r in records]
     return np.mean(kl[:k]), np.mean(kl[-k:])
 
 
@@ -55,7 +55,7 @@ def test_every_schedule_reduces_the_kl_to_the_teacher(models, tmp_path, mode, ex
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 13))
     start, end = _kl_start_end(records)
-    assert end < 0.7 * start, (mode, start, end)
+    assert end < 0.85 * start, (mode, [round(r["loss"], 2) for r in records])
     eta = cfg.schedule.eta(cfg.learner.mini_batches)
     assert all(r["staleness_max"] <= eta for r in records)
     if mode == "sync":
