@@ -33,6 +33,7 @@ def run(mode: str, args, out: Path):
         f"name={mode}", f"output_dir={out}", f"schedule.mode={mode}", "schedule.max_staleness=2",
         f"learner.batch_size={args.batch}", f"train.steps={args.steps}", f"train.eval_every={10**6}",
         f"train.checkpoint_every={10**6}", "task.eval_prompts=16", f"schedule.rollout_workers={args.workers}",
+        *args.set,
     ]
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml", sets)
     trainer = Trainer(cfg, progress=False)
@@ -81,15 +82,18 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the rate (compilation)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--set", action="append", default=[], metavar="A.B=C", help="config override for both runs")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         sync_rate, t_roll, t_learn = run("sync", args, Path(tmp))
-        async_rate, _, _ = run("fully_async", args, Path(tmp))
+        async_rate, t_roll_async, t_learn_async = run("fully_async", args, Path(tmp))
     bound = (t_roll + t_learn) / max(t_roll, t_learn)
     speedup = async_rate / sync_rate
     print(f"workload: built-in task, batch {args.batch}, {args.steps} steps (first {args.skip} skipped), "
           f"{args.workers} rollout worker(s), {jax.devices()[0].platform} ({jax.device_count()} device(s))")
     print(f"stage times per batch (sync run): rollout + scoring {t_roll:.3f} s, learn + publish {t_learn:.3f} s")
+    print(f"stage times per batch (async run, overlapping): rollout + scoring {t_roll_async:.3f} s, "
+          f"learn + publish {t_learn_async:.3f} s")
     print(f"sync        {sync_rate:8.1f} samples/s")
     print(f"fully_async {async_rate:8.1f} samples/s  (η = 2)")
     print(f"speed-up async / sync: {speedup:.2f}x  (target >= 1.5)")

@@ -19,19 +19,29 @@ def test_demo_config_loads_and_overrides_apply():
     ("nonsense=1", r"unknown config field nonsense; allowed in the top level: name, output_dir"),
     ("estimator.name=kl", r"estimator.name = 'kl' is invalid; allowed: decoupled_ppo, forward_kl_mc"),
     ("schedule.mode=async", r"schedule.mode = 'async' is invalid; allowed: sync, n_step_off, fully_async"),
-    ("sampling.top_p=0.9", r"sampling.top_p=0.9 .*truncate the sampling distribution.*allow_truncated_mc"),
     ("learner.batch_size=lots", r"learner.batch_size = 'lots' is invalid; allowed: an integer"),
     ("learner.mini_batches=3", r"learner.mini_batches = 3 is invalid; allowed: a divisor of learner.batch_size"),
-    ("sampling.num_candidates=0", r"estimator.name = 'reverse_kl_mc' needs sampling.num_candidates >= 1"),
+    ("estimator.name=reverse_kl_topk", r"estimator.name = 'reverse_kl_topk' needs sampling.student_topk >= 1"),
 ])
 def test_bad_fields_name_themselves(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(DEMO_CONFIG, [override])
 
 
+MC = ["estimator.name=reverse_kl_mc", "sampling.num_candidates=4"]
+
+
 def test_truncated_sampling_with_mc_needs_an_explicit_opt_in():
-    cfg = load_config(DEMO_CONFIG, ["sampling.top_p=0.9", "sampling.allow_truncated_mc=true"])
+    with pytest.raises(ConfigError, match=r"sampling.top_p=0.9 .*truncate the sampling distribution.*allow_truncated_mc"):
+        load_config(DEMO_CONFIG, [*MC, "sampling.top_p=0.9"])
+    cfg = load_config(DEMO_CONFIG, [*MC, "sampling.top_p=0.9", "sampling.allow_truncated_mc=true"])
     assert cfg.sampling.allow_truncated_mc
+    load_config(DEMO_CONFIG, ["sampling.top_p=0.9"])  # no MC candidates: truncation is allowed
+
+
+def test_mc_estimators_need_candidates():
+    with pytest.raises(ConfigError, match=r"estimator.name = 'reverse_kl_mc' needs sampling.num_candidates >= 1"):
+        load_config(DEMO_CONFIG, ["estimator.name=reverse_kl_mc", "sampling.num_candidates=0"])
 
 
 def test_missing_config_file(tmp_path):

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from asyncopd_jax.cache import RolloutBatch, get_estimator
 from asyncopd_jax.config import RunConfig
@@ -33,7 +34,7 @@ from asyncopd_jax.learner import (
     make_train_step,
 )
 from asyncopd_jax.learner.optimizer import learning_rate_schedule
-from asyncopd_jax.models import Decoder, check_same_vocabulary, from_pretrained, load_tokenizer
+from asyncopd_jax.models import Decoder, check_same_vocabulary, from_pretrained, load_tokenizer, save_pretrained
 from asyncopd_jax.pipeline.rollout import RolloutPool
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore, OrbaxSnapshotStore
@@ -202,6 +203,9 @@ class Trainer:
             snapshots.close()
             bar.close()
             self.tracer.write(self.run_dir.path / "trace.json")
+        student = nnx.merge(self.graphdef, jax.device_get(self.state.params))
+        save_pretrained(student, self.run_dir.path / "student")  # Hugging Face layout
+        self.data.tokenizer.save_pretrained(self.run_dir.path / "student")
         summary = {**summary, "student_after": self.evaluate_student(), "steps": step,
                    "dropped_stale": buffer.dropped_stale, "dropped_future": buffer.dropped_future,
                    "stage_seconds": self.tracer.totals()}
