@@ -7,7 +7,6 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 
 from asyncopd_jax.models import DecoderConfig, from_pretrained, save_pretrained
