@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.fn(args)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"asyncopd {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -63,6 +63,12 @@ class RolloutPool:
         for t in self._threads:
             t.join(timeout)
 
+    @property
+    def groups_started(self) -> int:
+        """Rollout groups started so far (each seeds its prompts and sampling keys)."""
+        with self._lock:
+            return self._counter
+
     def _next_index(self) -> int:
         with self._lock:
             self._counter += 1

@@ -96,9 +96,14 @@ class Trainer:
         if resume:
             self._resume()
         else:
+            if (self.run_dir.path / "checkpoints").is_dir() and any((self.run_dir.path / "checkpoints").iterdir()):
+                raise FileExistsError(
+                    f"{self.run_dir.path} already holds a run with checkpoints; continue it with "
+                    f"--resume {self.run_dir.path}, or start another with --set name=<new name>"
+                )
+            for stale in ("metrics.jsonl", "summary.json"):
+                (self.run_dir.path / stale).unlink(missing_ok=True)
             self.run_dir.write_config(cfg)
-            if self.run_dir.metrics_file.exists():
-                self.run_dir.metrics_file.unlink()
 
     # --- set-up ------------------------------------------------------------------------
 
@@ -216,7 +221,8 @@ class Trainer:
 
     def _checkpoint(self, step: int, pool: RolloutPool) -> None:
         with self.tracer.span("checkpoint", step=step):
-            self.run_dir.save_checkpoint(step, self.state, {"step": step, "worker_index": pool._counter + self.worker_index})
+            meta = {"step": step, "worker_index": pool.groups_started + self.worker_index}
+            self.run_dir.save_checkpoint(step, self.state, meta)
         self.tracer.write(self.run_dir.path / "trace.json")
 
 

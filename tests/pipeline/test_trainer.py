@@ -93,6 +93,8 @@ def test_resume_after_a_crash_continues_without_loss_or_repetition(models, tmp_p
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 11))  # 5 and 6 redone once, nothing lost
     assert summary["steps"] == 10
+    with pytest.raises(FileExistsError, match="already holds a run with checkpoints; continue it with --resume"):
+        Trainer(cfg, progress=False)  # a fresh run must not overwrite it
 
 
 def test_a_crashing_worker_stops_the_run_cleanly(models, tmp_path):
