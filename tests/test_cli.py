@@ -55,3 +55,17 @@ def test_help_lists_the_commands(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert all(c in out for c in ("train", "sft", "eval"))
+
+
+def test_sft_writes_a_loadable_model_and_eval_reads_it(capsys, tmp_path):
+    out = tmp_path / "sft"
+    assert main(["sft", "--model", "student", "--steps", "3", "--batch-size", "8", "--task", "eval_prompts=8",
+                 "--out", str(out)]) == 0
+    assert "held-out accuracy" in capsys.readouterr().out
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (out / name).is_file(), name
+    assert main(["eval", "--model", str(out), "--task", "eval_prompts=8"]) == 0
+    assert f"held-out accuracy of {out}" in capsys.readouterr().out
+    assert main(["eval", "--model", "builtin:teacher", "--task", "eval_prompts=64"]) == 0
+    teacher = float(capsys.readouterr().out.rsplit(":", 1)[1].strip().rstrip("%"))
+    assert teacher >= 90.0  # the shipped teacher solves the held-out problems
