@@ -152,52 +152,18 @@ class Trainer:
         pool.start()
         bar = _progress(self.start_step, cfg.train.steps, enabled=self.progress)
         step = self.start_step
-        samples_seen = tokens_seen = 0
-        t_start = time.perf_counter()
+        throughput = _Throughput()
         try:
             while step < cfg.train.steps:
                 with self.tracer.span("wait_for_rollouts"):
                     groups = buffer.take(version)
-                batch = _concat([g.batch for g in groups])
-                cache = _concat([g.cache for g in groups])
-                problems = [p for g in groups for p in g.info["problems"]]
-                rollout_acc = float(np.mean(self.data.rewards(problems, batch)))
-                stale = _staleness(batch, version)
-                proximal = None
-                if self.needs_proximal:
-                    with self.tracer.span("proximal"):
-                        proximal = self.proximal(self.state.params, LearnerBatch(batch, cache))
-                per_mini = B // cfg.learner.mini_batches
-                for m in range(cfg.learner.mini_batches):
-                    if step >= cfg.train.steps:
-                        break
-                    lb = LearnerBatch(_rows(batch, m * per_mini, (m + 1) * per_mini),
-                                      _rows(cache, m * per_mini, (m + 1) * per_mini),
-                                      None if proximal is None else _rows(proximal, m * per_mini, (m + 1) * per_mini))
-                    with self.tracer.span("learn", step=step):
-                        self.state, metrics = self.train_step(self.state, lb)
-                        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    step += 1
-                    samples_seen += per_mini
-                    tokens_seen += int(metrics["tokens"])
-                    elapsed = time.perf_counter() - t_start
-                    record = {
-                        "step": step, **metrics, "lr": float(self.lr(step - 1)),
-                        "staleness_mean": stale["mean"], "staleness_max": stale["max"],
-                        "staleness_hist": stale["hist"], "rollout_accuracy": rollout_acc,
-                        "samples_per_s": samples_seen / elapsed, "tokens_per_s": tokens_seen / elapsed,
-                        "dropped_stale": buffer.dropped_stale, "dropped_future": buffer.dropped_future,
-                        "time": elapsed,
-                    }
-                    if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
-                        record["eval_accuracy"] = self.evaluate_student()
-                    self.run_dir.append_metrics(record)
-                    bar.update(record)
+                last_checkpoint_slot = step // cfg.train.checkpoint_every
+                step = self._train_on_batch(groups, version, step, buffer, bar, throughput)
                 version = int(self.state.step)
                 with self.tracer.span("publish", version=version):
                     snapshots.publish(version, self.state.params)
                 buffer.finish_batch()
-                if step % cfg.train.checkpoint_every == 0 or step >= cfg.train.steps:
+                if step // cfg.train.checkpoint_every > last_checkpoint_slot or step >= cfg.train.steps:
                     self._checkpoint(step, pool)
         except KeyboardInterrupt:
             self._checkpoint(step, pool)
@@ -224,6 +190,56 @@ class Trainer:
             meta = {"step": step, "worker_index": pool.groups_started + self.worker_index}
             self.run_dir.save_checkpoint(step, self.state, meta)
         self.tracer.write(self.run_dir.path / "trace.json")
+
+
+    def _train_on_batch(self, groups, version: int, step: int, buffer: StalenessBuffer, bar, throughput) -> int:
+        """Run the optimizer steps of one rollout batch (its mini-batches); log one record each."""
+        cfg = self.cfg
+        batch = _concat([g.batch for g in groups])
+        cache = _concat([g.cache for g in groups])
+        problems = [p for g in groups for p in g.info["problems"]]
+        rollout_acc = float(np.mean(self.data.rewards(problems, batch)))
+        stale = _staleness(batch, version)
+        proximal = None
+        if self.needs_proximal:
+            with self.tracer.span("proximal"):
+                proximal = self.proximal(self.state.params, LearnerBatch(batch, cache))
+        rows = cfg.learner.batch_size // cfg.learner.mini_batches
+        for m in range(cfg.learner.mini_batches):
+            if step >= cfg.train.steps:
+                break
+            part = slice(m * rows, (m + 1) * rows)
+            mini = LearnerBatch(*(None if x is None else _rows(x, part.start, part.stop) for x in (batch, cache, proximal)))
+            with self.tracer.span("learn", step=step):
+                self.state, metrics = self.train_step(self.state, mini)
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            step += 1
+            elapsed = throughput.add(rows, int(metrics["tokens"]))
+            record = {
+                "step": step, **metrics, "lr": float(self.lr(step - 1)),
+                "staleness_mean": stale["mean"], "staleness_max": stale["max"], "staleness_hist": stale["hist"],
+                "rollout_accuracy": rollout_acc, "samples_per_s": throughput.samples / elapsed,
+                "tokens_per_s": throughput.tokens / elapsed, "dropped_stale": buffer.dropped_stale,
+                "dropped_future": buffer.dropped_future, "time": elapsed,
+            }
+            if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
+                record["eval_accuracy"] = self.evaluate_student()
+            self.run_dir.append_metrics(record)
+            bar.update(record)
+        return step
+
+
+class _Throughput:
+    """Samples and tokens trained on since the run (or resume) started."""
+
+    def __init__(self) -> None:
+        self.start, self.samples, self.tokens = time.perf_counter(), 0, 0
+
+    def add(self, samples: int, tokens: int) -> float:
+        """Count a step; return the seconds elapsed since the start."""
+        self.samples += samples
+        self.tokens += tokens
+        return time.perf_counter() - self.start
 
 
 def _staleness(batch: RolloutBatch, version: int) -> dict[str, Any]:
