@@ -13,6 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from flax import nnx
+
 from asyncopd_jax.config import ConfigError, OptimConfig, TaskConfig, load_config
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -66,7 +68,7 @@ def _sft(args: argparse.Namespace) -> None:
             print(f"step {step:5d}  nll {metrics['loss']:.4f}  {metrics['seconds']:.0f} s", flush=True)
 
     model = train_sft(new_model(args.model, args.seed), batches, args.steps, optim, on_step=log)
-    accuracy = data.accuracy(model)
+    accuracy = data.accuracy(*nnx.split(model))
     save_pretrained(model, args.out)
     tokenizer.save_pretrained(args.out)
     print(f"held-out accuracy (greedy, {task.eval_prompts} problems): {accuracy:.1%}; saved to {args.out}")
@@ -79,7 +81,7 @@ def _eval(args: argparse.Namespace) -> None:
     task = load_config(None, [f"task.{kv}" for kv in args.task]).task if args.task else TaskConfig()
     model, tokenizer = load_model_and_tokenizer(args.model, "float32")
     print(f"held-out accuracy of {args.model} (greedy, {task.eval_prompts} problems): "
-          f"{TaskData(task, tokenizer).accuracy(model):.1%}")
+          f"{TaskData(task, tokenizer).accuracy(*nnx.split(model)):.1%}")
 
 
 def main(argv: list[str] | None = None) -> int:

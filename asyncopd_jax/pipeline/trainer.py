@@ -124,7 +124,7 @@ class Trainer:
 
     def evaluate_student(self) -> float:
         with self.tracer.span("eval"):
-            return self.data.accuracy(jax.device_get(self.state.params), self.graphdef)
+            return self.data.accuracy(self.graphdef, jax.device_get(self.state.params))
 
     # --- the run ------------------------------------------------------------------------
 
@@ -132,7 +132,8 @@ class Trainer:
         cfg = self.cfg
         summary = self.run_dir.read_summary()
         if "teacher_accuracy" not in summary:
-            summary = {"teacher_accuracy": self.data.accuracy(self.teacher), "student_before": self.evaluate_student()}
+            teacher_accuracy = self.data.accuracy(*nnx.split(self.teacher))
+            summary = {"teacher_accuracy": teacher_accuracy, "student_before": self.evaluate_student()}
             self.run_dir.write_summary(summary)
 
         B = cfg.learner.batch_size

@@ -75,9 +75,3 @@ def verify(problem: Problem, response: str) -> bool:
     """True iff the response ends with ``A=<the correct sum>``."""
     match = _ANSWER.search(response.strip())
     return match is not None and int(match.group(1)) == problem.answer
-
-
-def max_response_chars(difficulty: int, max_value: int) -> int:
-    """An upper bound on the length of a solution in characters (for max_new_tokens)."""
-    worst = Problem((max_value,) * difficulty)
-    return len(worst.solution(tuple(range(difficulty))))

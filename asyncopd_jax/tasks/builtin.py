@@ -18,7 +18,7 @@ from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.config import TaskConfig
 from asyncopd_jax.models import Decoder, DecoderConfig, encode_prompts
 from asyncopd_jax.sampling import Sampler, SamplingParams, left_pad
-from asyncopd_jax.tasks.arith import Problem, max_response_chars, random_solution, sample_problems, verify
+from asyncopd_jax.tasks.arith import Problem, random_solution, sample_problems, verify
 from asyncopd_jax.tasks.tokenizer import EOS_ID, PAD_ID
 
 VOCAB_SIZE = 32  # the character tokenizer's 19 tokens, padded
@@ -87,16 +87,12 @@ class TaskData:
             behavior_logp=jnp.zeros(responses.shape, jnp.float32), token_version=jnp.zeros(responses.shape, jnp.int32),
         )
 
-    def accuracy(self, model_or_state, graphdef: nnx.GraphDef | None = None, *, seed: int = 0) -> float:
-        """Fraction of the held-out problems solved with greedy decoding."""
-        if graphdef is None:
-            graphdef, state = nnx.split(model_or_state)
-        else:
-            state = model_or_state
-        params = SamplingParams(temperature=0.0, max_new_tokens=self.max_new_tokens, stop_token_ids=(self.eos_id,),
+    def accuracy(self, graphdef: nnx.GraphDef, params: nnx.State, *, seed: int = 0) -> float:
+        """Fraction of the held-out problems solved with greedy decoding by ``(graphdef, params)``."""
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=self.max_new_tokens, stop_token_ids=(self.eos_id,),
                                 chunk_steps=self.max_new_tokens)
-        sampler = _cached_sampler(graphdef, params, self.pad_id)
-        batch = sampler.generate(state, self.encode(self.eval_problems), jax.random.key(seed),
+        sampler = _cached_sampler(graphdef, greedy, self.pad_id)
+        batch = sampler.generate(params, self.encode(self.eval_problems), jax.random.key(seed),
                                  prompt_slots=self.prompt_slots)
         return float(np.mean(self.rewards(self.eval_problems, batch)))
 
@@ -112,4 +108,4 @@ def _cached_sampler(graphdef, params: SamplingParams, pad_id: int) -> Sampler:
     return _SAMPLERS[key]
 
 
-__all__ = ["TaskData", "VOCAB_SIZE", "max_response_chars", "model_config", "new_model"]
+__all__ = ["TaskData", "VOCAB_SIZE", "model_config", "new_model"]
