@@ -1,9 +1,10 @@
-"""The data contracts between rollout, teacher and learner, and estimators by name.
+"""The data contracts between rollout, teacher and learner.
 
 * :class:`RolloutBatch` — what the student's sampler produced.
 * :class:`TeacherScoreCache` — the finite score cache the teacher keeps per position.
 * :class:`StudentLogProbs` — the learner's current log-probs on the cached ids.
-* :func:`evaluate_estimator` — a named estimator from those three.
+
+:mod:`asyncopd_jax.estimator_registry` evaluates the estimators by name on these three.
 
 All per-position arrays are response-local and target-aligned: ``[B, T]`` (one value
 per response token), ``[B, T, N]`` / ``[B, T, K]`` (several ids per response token);
@@ -16,13 +17,10 @@ pytrees (optional fields may be ``None``), so they pass through ``jit``, ``vmap`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-
-from asyncopd_jax import estimators as est
 
 Array = jax.Array
 
@@ -86,6 +84,8 @@ class RolloutBatch:
       candidate_ids: ``[B, T, N]`` int32 or None, Monte-Carlo candidates drawn from μ.
       candidate_behavior_logp: ``[B, T, N]`` fp32 or None, log μ of the candidates.
       student_topk_ids: ``[B, T, K]`` int32 or None, the sampling student's top-K ids.
+      student_topk_behavior_logp: ``[B, T, K]`` fp32 or None, log μ of those ids (same
+        distribution as ``behavior_logp``: temperature applied).
     """
 
     prompt_tokens: Array
@@ -97,13 +97,14 @@ class RolloutBatch:
     candidate_ids: Array | None = None
     candidate_behavior_logp: Array | None = None
     student_topk_ids: Array | None = None
+    student_topk_behavior_logp: Array | None = None
 
     def __post_init__(self) -> None:
         _check_shapes(
             self,
             "response_tokens",
             ("response_mask", "behavior_logp", "token_version"),
-            (("candidate_ids", "candidate_behavior_logp"), ("student_topk_ids",)),
+            (("candidate_ids", "candidate_behavior_logp"), ("student_topk_ids", "student_topk_behavior_logp")),
         )
         if _is_array_like(self.prompt_tokens) and _is_array_like(self.response_tokens):
             p, m, r = self.prompt_tokens.shape, self.prompt_mask.shape, self.response_tokens.shape
@@ -180,257 +181,3 @@ class StudentLogProbs:
         _check_shapes(
             self, "token", (), (("candidates",), ("student_topk",), ("teacher_topk",), ("teacher_samples",))
         )
-
-
-# --- Estimators by name ---------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class EstimatorOptions:
-    """Knobs of the named estimators (hashable, so it can be a static jit argument).
-
-    Attributes:
-      mc_clip_eps: PPO-style clip of the MC importance ratio (``reverse_kl_mc*``).
-      topk_tail: add the tail bucket to the top-K estimators.
-      control_variate: use the k3 form of ``forward_kl_mc``.
-      ppo_clip_eps: clip range of ``ppo_clip``, ``decoupled_ppo``.
-      dual_clip: dual-clip constant ``c > 1`` of the PPO-style losses, or None.
-      behavior_weight_cap: decoupled PPO's cap on ``π_prox / μ``.
-      tis_cap: truncated IS cap.
-      m2po_budget, m2po_min_low, m2po_min_high: M2PO's second-moment budget and floors.
-      stabiliser_signal: the reward the stabilisers use as advantage: ``"stale"`` =
-        ``log q − log μ`` fixed at rollout time (the async-RL practice), ``"recompute"``
-        = ``log q − log π_θ`` at learner time.
-    """
-
-    mc_clip_eps: float | tuple[float, float] | None = None
-    topk_tail: bool = True
-    control_variate: bool = False
-    ppo_clip_eps: float | tuple[float, float] = 0.2
-    dual_clip: float | None = None
-    behavior_weight_cap: float | None = 5.0
-    tis_cap: float = 2.0
-    m2po_budget: float = 0.04
-    m2po_min_low: float = 0.3
-    m2po_min_high: float = 0.5
-    stabiliser_signal: Literal["stale", "recompute"] = "stale"
-
-
-EstimatorFn = Callable[
-    [RolloutBatch, TeacherScoreCache, StudentLogProbs, "StudentLogProbs | None", EstimatorOptions], Array
-]
-
-
-@dataclasses.dataclass(frozen=True)
-class EstimatorSpec:
-    """A named estimator: which student log-prob sets it needs, and how to evaluate it."""
-
-    name: str
-    needs: tuple[str, ...]  # fields of StudentLogProbs besides `token`
-    fn: EstimatorFn
-    needs_proximal: bool = False
-    description: str = ""
-
-
-def _stabiliser_advantage(batch, cache, student, options) -> Array:
-    base = batch.behavior_logp if options.stabiliser_signal == "stale" else student.token
-    return jax.lax.stop_gradient(cache.token_logp - base)
-
-
-def _mc(recompute: bool) -> EstimatorFn:
-    def run(batch, cache, student, proximal, options):
-        return est.reverse_kl_mc(
-            student.candidates, batch.candidate_behavior_logp, cache.candidate_logp,
-            recompute=recompute, clip_eps=options.mc_clip_eps,
-        )
-
-    return run
-
-
-def _pg(recompute: bool) -> EstimatorFn:
-    def run(batch, cache, student, proximal, options):
-        return est.reverse_kl_mc(
-            student.token[..., None], batch.behavior_logp[..., None], cache.token_logp[..., None],
-            recompute=recompute, clip_eps=options.mc_clip_eps,
-        )
-
-    return run
-
-
-ESTIMATORS: dict[str, EstimatorSpec] = {
-    spec.name: spec
-    for spec in [
-        EstimatorSpec(
-            "forward_kl_topk", ("teacher_topk",),
-            lambda b, c, s, p, o: est.forward_kl_topk(s.teacher_topk, c.topk_logp, tail=o.topk_tail),
-            description="KL(teacher‖student) on the teacher's top-K ids",
-        ),
-        EstimatorSpec(
-            "forward_kl_mc", ("teacher_samples",),
-            lambda b, c, s, p, o: est.forward_kl_mc(s.teacher_samples, c.sample_logp, control_variate=o.control_variate),
-            description="KL(teacher‖student), Monte Carlo over teacher samples",
-        ),
-        EstimatorSpec(
-            "reverse_kl_topk", ("student_topk",),
-            lambda b, c, s, p, o: est.reverse_kl_topk(s.student_topk, c.student_topk_logp, tail=o.topk_tail),
-            description="KL(student‖teacher) on the rollout student's top-K ids",
-        ),
-        EstimatorSpec(
-            "reverse_kl_mc", ("candidates",), _mc(recompute=True),
-            description="KL(student‖teacher), N-sample MC, recompute + importance sampling (unbiased)",
-        ),
-        EstimatorSpec(
-            "reverse_kl_mc_stale", ("candidates",), _mc(recompute=False),
-            description="as reverse_kl_mc with the stale signal log μ − log q",
-        ),
-        EstimatorSpec(
-            "reverse_kl_pg", (), _pg(recompute=True),
-            description="KL(student‖teacher), 1 sample (the emitted token), recompute + IS",
-        ),
-        EstimatorSpec(
-            "reverse_kl_pg_stale", (), _pg(recompute=False),
-            description="as reverse_kl_pg with the stale signal log μ − log q",
-        ),
-        EstimatorSpec(
-            "ppo_clip", (),
-            lambda b, c, s, p, o: est.ppo_clip_loss(
-                s.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o),
-                clip_eps=o.ppo_clip_eps, dual_clip=o.dual_clip,
-            ),
-            description="PPO clip on the emitted token, reward log q − log μ",
-        ),
-        EstimatorSpec(
-            "decoupled_ppo", (),
-            lambda b, c, s, p, o: est.decoupled_ppo_loss(
-                s.token, p.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o),
-                clip_eps=o.ppo_clip_eps, dual_clip=o.dual_clip, behavior_weight_cap=o.behavior_weight_cap,
-            ),
-            needs_proximal=True,
-            description="AReaL decoupled PPO (needs proximal log-probs)",
-        ),
-        EstimatorSpec(
-            "truncated_is", (),
-            lambda b, c, s, p, o: est.truncated_is_loss(
-                s.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o), cap=o.tis_cap
-            ),
-            description="policy gradient with truncated importance weights",
-        ),
-        EstimatorSpec(
-            "m2po", (),
-            lambda b, c, s, p, o: est.m2po_clip(
-                s.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o), b.response_mask,
-                second_moment_budget=o.m2po_budget, min_low_margin=o.m2po_min_low,
-                min_high_margin=o.m2po_min_high, dual_clip=o.dual_clip,
-            ),
-            description="PPO surrogate with M2PO's second-moment-budgeted clip",
-        ),
-    ]
-}
-
-
-def get_estimator(name: str) -> EstimatorSpec:
-    """The spec of a named estimator, or a ValueError listing the allowed names."""
-    try:
-        return ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"unknown estimator {name!r}; allowed: {', '.join(sorted(ESTIMATORS))}") from None
-
-
-# Where the ids of each StudentLogProbs field live, and what the cache must hold for them.
-_ID_SOURCES: dict[str, tuple[str, str, str]] = {
-    # field: (object, ids attribute, teacher/behaviour attribute it is compared with)
-    "candidates": ("batch", "candidate_ids", "candidate_logp"),
-    "student_topk": ("batch", "student_topk_ids", "student_topk_logp"),
-    "teacher_topk": ("cache", "topk_ids", "topk_logp"),
-    "teacher_samples": ("cache", "sample_ids", "sample_logp"),
-}
-
-
-def required_ids(name: str, batch: RolloutBatch, cache: TeacherScoreCache) -> dict[str, Array]:
-    """The id sets the learner must score for estimator ``name``, by StudentLogProbs field.
-
-    Always includes ``"token"`` (the sampled tokens, ``[B, T]``); the others are
-    ``[B, T, n]``. Raises a ValueError naming the missing cache or batch field.
-    """
-    spec = get_estimator(name)
-    ids: dict[str, Array] = {"token": batch.response_tokens}
-    for field in spec.needs:
-        owner, id_attr, score_attr = _ID_SOURCES[field]
-        source = batch if owner == "batch" else cache
-        value = getattr(source, id_attr)
-        if value is None or getattr(cache, score_attr) is None:
-            where = f"RolloutBatch.{id_attr}" if owner == "batch" else f"TeacherScoreCache.{id_attr}"
-            raise ValueError(
-                f"estimator {name!r} needs {where} and TeacherScoreCache.{score_attr}; the rollout or "
-                "teacher-scoring stage was not configured to produce them"
-            )
-        ids[field] = value
-    return ids
-
-
-def student_logprobs(ids: Mapping[str, Array], gather: Callable[[Array], Array]) -> StudentLogProbs:
-    """Score every id set with one call of ``gather`` (``[B, T, K] ids → [B, T, K] log-probs``).
-
-    The id sets of :func:`required_ids` are concatenated along the last axis so that
-    one fused pass (e.g. :func:`asyncopd_jax.estimators.gather_logprobs_from_hidden`)
-    serves them all, then split back into a :class:`StudentLogProbs`.
-    """
-    names = list(ids)
-    parts = [ids[n][..., None] if n == "token" else ids[n] for n in names]
-    sizes = [p.shape[-1] for p in parts]
-    logp = gather(jnp.concatenate([p.astype(jnp.int32) for p in parts], axis=-1))
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    fields = {n: logp[..., o : o + s] for n, o, s in zip(names, offsets, sizes)}
-    fields["token"] = fields["token"][..., 0]
-    return StudentLogProbs(**fields)
-
-
-def evaluate_estimator(
-    name: str,
-    batch: RolloutBatch,
-    cache: TeacherScoreCache,
-    student: StudentLogProbs,
-    *,
-    proximal: StudentLogProbs | None = None,
-    options: EstimatorOptions = EstimatorOptions(),
-) -> tuple[Array, dict[str, Array]]:
-    """Evaluate the named estimator: per-token losses ``[B, T]`` and scalar metrics.
-
-    Reduce the losses with ``token_mean(values, batch.response_mask)`` (or the
-    sum/count forms across micro-batches). Metrics are token means over the response
-    mask: the loss, the 1-sample reverse-KL signal ``log π_θ − log q`` on the sampled
-    tokens, and the importance ratio ``π_θ / μ`` of the sampled tokens (mean and max).
-
-    Args:
-      name: one of :data:`ESTIMATORS`.
-      batch, cache: the rollout and its teacher scores.
-      student: current student log-probs on the ids of :func:`required_ids`.
-      proximal: log-probs of the proximal policy (``decoupled_ppo`` only).
-      options: estimator knobs.
-
-    Returns:
-      ``(values [B, T] fp32, metrics dict of fp32 scalars)``.
-    """
-    spec = get_estimator(name)
-    ids = required_ids(name, batch, cache)  # clear error for a missing cache field
-    missing = [f for f in spec.needs if getattr(student, f) is None]
-    if missing:
-        raise ValueError(f"estimator {name!r} needs StudentLogProbs.{', '.join(missing)}")
-    if spec.needs_proximal and proximal is None:
-        raise ValueError(f"estimator {name!r} needs proximal log-probs (a no-grad forward before the update)")
-    for field in spec.needs:
-        if getattr(student, field).shape != ids[field].shape:
-            raise ValueError(
-                f"StudentLogProbs.{field} has shape {list(getattr(student, field).shape)}, "
-                f"but its ids have shape {list(ids[field].shape)}"
-            )
-    values = spec.fn(batch, cache, student, proximal, options)
-    mask = batch.response_mask
-    token_ratio = est.importance_ratio(jax.lax.stop_gradient(student.token), batch.behavior_logp)
-    metrics = {
-        "loss": est.token_mean(jax.lax.stop_gradient(values), mask),
-        "reverse_kl_signal": est.token_mean(jax.lax.stop_gradient(student.token) - cache.token_logp, mask),
-        "importance_ratio_mean": est.token_mean(token_ratio, mask),
-        "importance_ratio_max": jnp.max(jnp.where(mask, token_ratio, 0.0)),
-    }
-    return values, metrics

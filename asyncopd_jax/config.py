@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import yaml
 
-from asyncopd_jax.cache import ESTIMATORS, EstimatorOptions
+from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorOptions
 from asyncopd_jax.sampling.distribution import SamplingParams
 from asyncopd_jax.teacher.scorer import ScoringParams
 

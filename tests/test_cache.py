@@ -10,12 +10,10 @@ import numpy as np
 import pytest
 
 import asyncopd_jax.estimators as est
-from asyncopd_jax.cache import (
+from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
+from asyncopd_jax.estimator_registry import (
     ESTIMATORS,
     EstimatorOptions,
-    RolloutBatch,
-    StudentLogProbs,
-    TeacherScoreCache,
     evaluate_estimator,
     get_estimator,
     required_ids,
@@ -49,6 +47,7 @@ def _world(seed: int = 0, teacher_equals_student: bool = False):
         candidate_ids=cand,
         candidate_behavior_logp=cand_mu,
         student_topk_ids=student_topk,
+        student_topk_behavior_logp=est.gather_logprobs(behavior, student_topk),
     )
     g = est.gather_logprobs
     cache = TeacherScoreCache(
@@ -80,7 +79,7 @@ def test_shape_errors_name_the_field():
 def test_pytree_through_jit_and_vmap():
     _, _, batch, cache = _world()
     leaves = jax.tree_util.tree_leaves(batch)
-    assert len(leaves) == 9
+    assert len(leaves) == 10  # every field of RolloutBatch is set
     doubled = jax.jit(lambda b: jax.tree_util.tree_map(lambda x: x * 2, b))(batch)
     assert isinstance(doubled, RolloutBatch)
     per_row = jax.vmap(lambda b: b.newest_version)(batch)  # validation is relative: vmap works

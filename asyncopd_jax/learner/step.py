@@ -18,15 +18,8 @@ import optax
 from flax import nnx
 
 from asyncopd_jax.alignment import response_hidden
-from asyncopd_jax.cache import (
-    EstimatorOptions,
-    RolloutBatch,
-    StudentLogProbs,
-    TeacherScoreCache,
-    evaluate_estimator,
-    required_ids,
-    student_logprobs,
-)
+from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
+from asyncopd_jax.estimator_registry import EstimatorOptions, evaluate_estimator, required_ids, student_logprobs
 from asyncopd_jax.estimators import gather_logprobs_from_hidden, normalized_token_sum
 from asyncopd_jax.learner.sharding import batch_shardings, state_shardings
 from asyncopd_jax.models.decoder import Decoder
@@ -59,7 +52,7 @@ class PolicyLoss:
     """The distillation loss: a named estimator on the student's log-probs of cached ids.
 
     Attributes:
-      estimator: a name from :data:`asyncopd_jax.cache.ESTIMATORS`.
+      estimator: a name from :data:`asyncopd_jax.estimator_registry.ESTIMATORS`.
       options: estimator knobs.
       temperature: the sampler's temperature: π_θ is scored at it, so that importance
         ratios compare the distribution the behaviour policy actually sampled from.

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from asyncopd_jax.cache import RolloutBatch, get_estimator
+from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.config import RunConfig
+from asyncopd_jax.estimator_registry import get_estimator
 from asyncopd_jax.learner import (
     LearnerBatch,
     PolicyLoss,

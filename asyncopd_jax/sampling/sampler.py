@@ -16,7 +16,7 @@ response can span several policy versions, recorded per token.
 Per response token the sampler records: the token; its behaviour log-prob under the
 distribution actually sampled from; the policy version that sampled it; N Monte-Carlo
 candidates drawn from the same distribution in the same step, with their log-probs; and
-optionally the sampling student's top-K ids.
+optionally the sampling student's top-K ids with their behaviour log-probs.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class DecodeState:
     candidate_ids: Array  # [B, T, N] int32
     candidate_logp: Array  # [B, T, N] fp32
     topk_ids: Array  # [B, T, K] int32
+    topk_logp: Array  # [B, T, K] fp32 behaviour log-probs of topk_ids
     prompt_lengths: Array  # [B] int32
 
 
@@ -140,7 +141,9 @@ class Sampler:
                 fields["candidate_ids"] = upd(c.candidate_ids, cand)
                 fields["candidate_logp"] = upd(c.candidate_logp, jnp.take_along_axis(logp_all, cand, axis=-1))
             if p.student_topk:
-                fields["topk_ids"] = upd(c.topk_ids, jax.lax.top_k(c.next_logits, p.student_topk)[1].astype(jnp.int32))
+                topk = jax.lax.top_k(c.next_logits, p.student_topk)[1].astype(jnp.int32)
+                fields["topk_ids"] = upd(c.topk_ids, topk)
+                fields["topk_logp"] = upd(c.topk_logp, jnp.take_along_axis(logp_all, topk, axis=-1))
             finished = active & (jnp.isin(token, stop_ids) | (t + 1 >= p.max_new_tokens))
             hidden, cache = model.forward(
                 token[:, None], (c.prompt_lengths + t)[:, None], active[:, None], c.cache, prompt_slots + t
@@ -195,7 +198,8 @@ class Sampler:
             tokens=jnp.full((b, t_max), self.pad_id, jnp.int32), logp=jnp.zeros((b, t_max), jnp.float32),
             versions=jnp.zeros((b, t_max), jnp.int32), mask=jnp.zeros((b, t_max), bool),
             candidate_ids=jnp.zeros((b, t_max, n), jnp.int32), candidate_logp=jnp.zeros((b, t_max, n), jnp.float32),
-            topk_ids=jnp.zeros((b, t_max, k), jnp.int32), prompt_lengths=jnp.asarray(prompt_lengths),
+            topk_ids=jnp.zeros((b, t_max, k), jnp.int32), topk_logp=jnp.zeros((b, t_max, k), jnp.float32),
+            prompt_lengths=jnp.asarray(prompt_lengths),
         )
         step = 0
         while True:
@@ -216,6 +220,7 @@ class Sampler:
             candidate_ids=carry.candidate_ids if p.num_candidates else None,
             candidate_behavior_logp=carry.candidate_logp if p.num_candidates else None,
             student_topk_ids=carry.topk_ids if p.student_topk else None,
+            student_topk_behavior_logp=carry.topk_logp if p.student_topk else None,
         )
 
     def _recompute_cache(self, state, carry: DecodeState, ids, mask, positions, step: int) -> DecodeState:

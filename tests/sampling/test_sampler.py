@@ -56,6 +56,8 @@ def test_behaviour_logprobs_are_those_of_the_sampling_distribution(temperature):
     np.testing.assert_allclose(np.asarray(batch.candidate_behavior_logp)[mask], want_cand[mask], atol=2e-5)
     want_topk = np.argsort(-forced, axis=-1)[..., :4]
     np.testing.assert_array_equal(np.sort(np.asarray(batch.student_topk_ids), -1)[mask], np.sort(want_topk, -1)[mask])
+    want_topk_logp = np.take_along_axis(np.asarray(want), np.asarray(batch.student_topk_ids), -1)
+    np.testing.assert_allclose(np.asarray(batch.student_topk_behavior_logp)[mask], want_topk_logp[mask], atol=2e-5)
 
 
 def test_candidate_frequencies_match_probabilities():
