@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from asyncopd_jax.config import MeshConfig, OptimConfig
+from asyncopd_jax.estimator_registry import EstimatorOptions
 from asyncopd_jax.learner import (
     LearnerBatch,
     PolicyLoss,
@@ -21,6 +22,7 @@ from asyncopd_jax.learner import (
 )
 from asyncopd_jax.sampling import Sampler, SamplingParams
 from asyncopd_jax.teacher import ScoringParams, TeacherScorer
+from tests.estimators import oracle
 from tests.tiny_models import tiny_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15], [16, 17], [18, 19, 20, 21], [22], [23, 24]]
@@ -93,10 +95,36 @@ def test_losses_fall(learner_batch):
         assert last < first - 0.05 * abs(first), (loss, first, last)
 
 
-def test_decoupled_ppo_with_proximal_log_probs(learner_batch):
-    loss = PolicyLoss("decoupled_ppo")
-    _, history = _run(loss, learner_batch, steps=2, estimator_needs_proximal=True)
-    assert np.isfinite(history[-1]["loss"])
+def test_decoupled_ppo_step_matches_the_numpy_oracle(learner_batch):
+    """Behaviour μ (the rollout's), proximal π_prox and current π_θ all differ: the train
+    step's loss is the token mean of the NumPy decoupled-PPO oracle, every branch exercised
+    (behaviour weight above and below its cap, ratio clipped and not, dual clip)."""
+    rollout, cache = learner_batch.rollout, learner_batch.cache
+    options = EstimatorOptions(ppo_clip_eps=0.1, dual_clip=1.5, behavior_weight_cap=1.1)
+    loss = PolicyLoss("decoupled_ppo", options)
+    graphdef, state = create_train_state(tiny_decoder(0, scale=0.7), optax.sgd(1.0))
+    # Move away from the behaviour policy (π_prox), then once more (π_θ).
+    drift = make_train_step(graphdef, optax.sgd(3.0), PolicyLoss("forward_kl_topk"))
+    state, _ = drift(state, learner_batch)
+    proximal = make_proximal_fn(graphdef, loss)(state.params, learner_batch)
+    state, _ = drift(state, learner_batch)
+    current = loss.student(nnx.merge(graphdef, state.params), learner_batch)
+    step = make_train_step(graphdef, optax.sgd(1.0), loss, micro_batches=2)
+    _, metrics = step(state, LearnerBatch(rollout, cache, proximal))
+
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    mask = np.asarray(rollout.response_mask)
+    behavior, prox, logp = f64(rollout.behavior_logp), f64(proximal.token), f64(current.token)
+    advantage = f64(cache.token_logp) - behavior  # the stale signal log q − log μ (the default)
+    weight = np.exp(prox - behavior)
+    per_token = np.where(weight <= 1.1, weight * oracle.ppo_clip(logp, prox, advantage, 0.9, 1.1, 1.5), 0.0)
+    np.testing.assert_allclose(float(metrics["loss"]), per_token[mask].mean(), rtol=1e-5)
+    ratio = np.exp(logp - prox)[mask]
+    capped = (weight > 1.1)[mask]
+    assert capped.any() and (~capped).any()
+    assert ((ratio < 0.9) | (ratio > 1.1))[~capped].any() and ((ratio >= 0.9) & (ratio <= 1.1))[~capped].any()
+    dual = (advantage < 0)[mask] & (-advantage[mask] * ratio > -1.5 * advantage[mask]) & ~capped
+    assert dual.any()
 
 
 def test_mesh_errors():

@@ -47,7 +47,11 @@ def make_checkpoint(family: str, path: Path, *, tied: bool = False, seed: int = 
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, tied=tied))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if p.ndim == 2:
+                # Fan-in scaled weights (not the 0.02 init): peaked attention and logits of
+                # order one, so a wrong position (RoPE) or scale shows in the logits.
+                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+            elif name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
@@ -67,9 +71,13 @@ def torch_logits(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray, posi
 
 
 def left_padded_batch(seed: int = 0, vocab: int = 97) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Three sequences of lengths 9, 5 and 1, left-padded to 9: ids, mask, positions."""
+    """Three sequences of lengths 96, 41 and 1, left-padded to 96: ids, mask, positions.
+
+    Long enough for position errors to show: a RoPE base 10 % off moves the logits by
+    ~1e-2 at position 95 but only ~5e-4 at position 8.
+    """
     rng = np.random.default_rng(seed)
-    lengths = [9, 5, 1]
+    lengths = [96, 41, 1]
     width = max(lengths)
     ids = np.zeros((len(lengths), width), np.int64)
     mask = np.zeros_like(ids)

@@ -4,10 +4,12 @@ or deleted snapshot while a publisher keeps saving."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -91,3 +93,40 @@ def test_concurrent_publish_and_read_never_tears(tmp_path, kind):
     store.close()
     assert not errors, errors[:3]
     assert len(seen) > 10 and len(set(seen)) > 3  # readers really overlapped the publishing
+
+
+def test_a_snapshot_being_restored_outlives_retention_until_its_reader_is_done(tmp_path, monkeypatch):
+    """Deterministic: a reader is held inside the restore of version 0 while the writer
+    publishes and flushes well past ``keep``; version 0 stays on disk (pinned) and restores
+    intact, and the first flush after the reader is done removes it."""
+    _, template = nnx.split(tiny_decoder(0))
+    store = OrbaxSnapshotStore(tmp_path / "s", template, keep=2)
+    store.publish(0, _params_of_version(template, 0))
+    store.flush()
+    inside, release = threading.Event(), threading.Event()
+    real_restore = ocp.StandardCheckpointer.restore
+
+    def held_restore(self, directory, *args, **kwargs):
+        if Path(directory).name == "0":
+            inside.set()  # the store has chosen and pinned version 0 and is reading it
+            assert release.wait(60)
+        return real_restore(self, directory, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "restore", held_restore)
+    result: dict = {}
+    reader = threading.Thread(target=lambda: result.update(loaded=store.load(0)))
+    reader.start()
+    assert inside.wait(60)
+    for v in range(1, 5):
+        store.publish(v, _params_of_version(template, v))
+        store.flush()
+    assert store.committed_versions() == [0, 3, 4]  # 1 and 2 went; 0 is pinned by the reader
+    release.set()
+    reader.join(60)
+    version, params = result["loaded"]
+    assert version == 0 and _version_of(params) == 0
+    store.publish(5, _params_of_version(template, 5))
+    store.flush()
+    assert store.committed_versions() == [4, 5]  # unpinned: removed by the next flush
+    assert not any(p.name.startswith("0") for p in (tmp_path / "s").iterdir())
+    store.close()

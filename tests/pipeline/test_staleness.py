@@ -17,54 +17,147 @@ def _group(size: int, oldest: int, newest: int) -> RolloutGroup:
     return RolloutGroup(batch=batch, cache=None, oldest_version=oldest, newest_version=newest)
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    eta=st.integers(0, 4),
-    mini_batches=st.integers(1, 3),
-    groups_per_batch=st.sampled_from([1, 2, 4]),
-    actions=st.lists(st.tuples(st.sampled_from(["start", "finish", "learn", "swap"]), st.integers(0, 7)),
-                     min_size=1, max_size=300),
-)
-def test_no_consumed_token_is_older_than_eta_or_from_the_future(eta, mini_batches, groups_per_batch, actions):
+def allowed_to_start(in_flight: int, n: int, *, eta: int, mini_batches: int, consumed: int, batch: int) -> bool:
+    """AReaL's capacity rule, written out: ``accepted + running + n ≤ (⌊η / M⌋ + c + 1) · B``
+    (accepted and running samples, dropped ones excluded; c consumed batches)."""
+    return in_flight + n <= (eta // mini_batches + consumed + 1) * batch
+
+
+def expected_take(ready: list[RolloutGroup], version: int, eta: int, batch: int):
+    """What ``take(version)`` must do to the FIFO queue ``ready``: (taken, stale, future, rest),
+    or None when the queue runs out before ``batch`` fresh samples (``take`` would block)."""
+    taken, stale, future = [], [], []
+    for i, g in enumerate(ready):
+        if g.newest_version > version:
+            future.append(g)
+        elif version - g.oldest_version > eta:
+            stale.append(g)
+        else:
+            taken.append(g)
+            if sum(t.size for t in taken) == batch:
+                return taken, stale, future, ready[i + 1 :]
+    return None
+
+
+# (η, mini-batches per rollout batch): η ∈ {0, 1} and mini-batch counts that do and do not divide η.
+ETA_MINI_BATCHES = [(0, 1), (0, 2), (1, 1), (1, 2), (2, 1), (2, 2), (2, 3), (3, 2), (4, 3), (5, 2)]
+
+
+@pytest.mark.parametrize("eta,mini_batches", ETA_MINI_BATCHES)
+def test_random_schedules_obey_the_capacity_rule_and_the_staleness_bound(eta, mini_batches):
     """Random interleavings of producers starting / finishing (with mid-rollout weight swaps)
-    and the learner training: every consumed group obeys 0 <= v − version <= η, the
-    producers never run more than η_b + 1 batches ahead, and with η = 0 staleness is 0."""
-    group, batch = 2, 2 * groups_per_batch
-    buf = StalenessBuffer(batch, eta, mini_batches)
-    version = 0  # learner version: optimizer steps
-    published = 0  # newest snapshot the producers can read
-    running: list[list[int]] = []  # [oldest, newest] versions seen by each running rollout
-    consumed_batches = 0
-    for action, pick in actions:
-        if action == "start" and buf.capacity() >= group:
-            buf.acquire(group)
-            running.append([published, published])
-            assert buf._started <= (buf.eta_batches + consumed_batches + 1) * batch
-        elif action == "swap" and running:  # interruptible generation picks up a newer snapshot
-            running[pick % len(running)][1] = published
-        elif action == "finish" and running:
-            oldest, newest = running.pop(pick % len(running))
-            buf.put(_group(group, oldest, newest))
-        elif action == "learn" and sum(g.size for g in buf._ready) >= batch * 3:
-            taken = buf.take(version, timeout=0)
-            for g in taken:
-                assert g.newest_version <= version  # none from the future
-                assert version - g.oldest_version <= eta  # none older than η
-                if eta == 0:
-                    assert g.oldest_version == g.newest_version == version
-            version += mini_batches
-            published = version
-            consumed_batches += 1
-            buf.finish_batch()
+    and the learner training, checked step by step against the rules written out above: a
+    start succeeds exactly when the capacity rule allows it; ``take`` consumes, drops and
+    refuses exactly the groups the staleness bound says; no consumed group is older than η
+    or from the future; with η = 0 every consumed token is of the learner's own version."""
+    seen = {"learn": 0, "refused_start": 0, "stale": 0}
+
+    @settings(max_examples=40, deadline=None, database=None)
+    @given(
+        groups_per_batch=st.sampled_from([1, 2, 3]),
+        actions=st.lists(st.tuples(st.sampled_from(["start", "finish", "learn", "swap"]), st.integers(0, 7)),
+                         min_size=100, max_size=400),
+    )
+    def run(groups_per_batch, actions):
+        group, batch = 2, 2 * groups_per_batch
+        buf = StalenessBuffer(batch, eta, mini_batches)
+        version = 0  # learner version: optimizer steps
+        published = 0  # newest snapshot the producers can read
+        running: list[list[int]] = []  # [oldest, newest] versions seen by each running rollout
+        ready: list[RolloutGroup] = []  # the test's own copy of the buffer's queue
+        started = dropped = consumed = 0
+        for action, pick in actions:
+            if action == "start":
+                in_flight = started - dropped
+                if allowed_to_start(in_flight, group, eta=eta, mini_batches=mini_batches, consumed=consumed,
+                                    batch=batch):
+                    buf.acquire(group, timeout=0)
+                    started += group
+                    running.append([published, published])
+                else:
+                    with pytest.raises(TimeoutError):
+                        buf.acquire(group, timeout=0)
+                    seen["refused_start"] += 1
+            elif action == "swap" and running:  # interruptible generation picks up a newer snapshot
+                running[pick % len(running)][1] = published
+            elif action == "finish" and running:
+                oldest, newest = running.pop(pick % len(running))
+                ready.append(_group(group, oldest, newest))
+                buf.put(ready[-1])
+            elif action == "learn" and (want := expected_take(ready, version, eta, batch)) is not None:
+                taken_want, stale, future, ready = want
+                stale_before, future_before = buf.dropped_stale, buf.dropped_future
+                taken = buf.take(version, timeout=0)
+                assert [id(g) for g in taken] == [id(g) for g in taken_want]
+                assert buf.dropped_stale - stale_before == sum(g.size for g in stale)
+                assert buf.dropped_future - future_before == sum(g.size for g in future)
+                dropped += sum(g.size for g in stale + future)
+                for g in taken:
+                    assert g.newest_version <= version  # none from the future
+                    assert version - g.oldest_version <= eta  # none older than η
+                    if eta == 0:
+                        assert g.oldest_version == g.newest_version == version
+                version += mini_batches
+                published = version
+                consumed += 1
+                buf.finish_batch()
+                seen["learn"] += 1
+                seen["stale"] += len(stale)
+
+    run()
+    # The examples really exercised the learner, the capacity limit and (for η > 0, where a
+    # rollout can outlive η learner steps) the stale drop.
+    assert seen["learn"] >= 20 and seen["refused_start"] >= 20, seen
+    if eta // mini_batches >= 1:
+        assert seen["stale"] >= 1, seen
 
 
-def test_future_and_stale_groups_are_dropped_and_counted():
+@pytest.mark.parametrize("eta", [0, 1, 3])
+def test_exactly_eta_old_is_consumed_eta_plus_one_dropped_future_refused(eta):
+    version = 10
+    buf = StalenessBuffer(batch_size=2, eta=eta)
+    too_old = _group(1, version - eta - 1, version)  # its first token is η + 1 versions old
+    future = _group(1, version, version + 1)
+    oldest_allowed = _group(1, version - eta, version - eta)
+    mixed = _group(1, version - eta, version)
+    for g in (too_old, future, oldest_allowed, mixed):
+        buf.put(g)
+    taken = buf.take(version, timeout=0)
+    assert taken == [oldest_allowed, mixed]
+    assert (buf.dropped_stale, buf.dropped_future) == (1, 1)
+
+
+def test_dropped_samples_give_their_capacity_back():
     buf = StalenessBuffer(batch_size=2, eta=1)
-    for oldest, newest in [(0, 0), (5, 6), (2, 3), (3, 3)]:
-        buf.put(_group(1, oldest, newest))
-    taken = buf.take(version=3, timeout=1)
-    assert [(g.oldest_version, g.newest_version) for g in taken] == [(2, 3), (3, 3)]
-    assert buf.dropped_stale == 1 and buf.dropped_future == 1
+    buf.acquire(4)  # (η + 0 + 1) · B = 4: full
+    with pytest.raises(TimeoutError):
+        buf.acquire(1, timeout=0)
+    for oldest in (0, 6, 5, 5):  # at version 5: stale, future, then two taken
+        buf.put(_group(1, oldest, oldest))
+    buf.take(version=5, timeout=0)
+    buf.acquire(2, timeout=0)  # the slots of the stale and the future sample are free again
+    with pytest.raises(TimeoutError):
+        buf.acquire(1, timeout=0)
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2, 5])
+@pytest.mark.parametrize("mini_batches", [1, 2, 3])
+def test_capacity_is_eta_in_batches_plus_one_batch_ahead(eta, mini_batches):
+    batch = 4
+    buf = StalenessBuffer(batch, eta, mini_batches)
+    started = 0
+    for consumed in range(3):
+        while True:  # start samples one by one until the buffer says no
+            try:
+                buf.acquire(1, timeout=0)
+            except TimeoutError:
+                break
+            started += 1
+        assert started == (eta // mini_batches + consumed + 1) * batch  # the formula, written out
+        # The learner trains on one batch: B samples (all fresh) go through, one more batch opens.
+        buf.put(_group(batch, consumed * mini_batches, consumed * mini_batches))
+        buf.take(consumed * mini_batches, timeout=0)
+        buf.finish_batch()
 
 
 def test_sync_capacity_admits_one_batch_at_a_time():

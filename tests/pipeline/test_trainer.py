@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -81,14 +82,37 @@ def test_resume_after_a_crash_continues_without_loss_or_repetition(models, tmp_p
         return real_step(state, batch)
 
     trainer.train_step = crashing_step
+    saved = {}  # what each checkpoint held, as the trainer handed it over
+    real_save = trainer.run_dir.save_checkpoint
+
+    def recording_save(step, state, meta):
+        saved[step] = (jax.device_get(state), dict(meta))
+        real_save(step, state, meta)
+
+    trainer.run_dir.save_checkpoint = recording_save
     with pytest.raises(RuntimeError, match="simulated crash"):
         trainer.run()
     run = tmp_path / "t"
     before = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert before == [1, 2, 3, 4, 5, 6]
+    assert sorted(saved) == [4]
 
     resumed = Trainer(cfg, resume=True, progress=False)
     assert resumed.start_step == 4
+    # Parameters, optimizer moments, step and the data / RNG position are those saved, exactly.
+    state, meta = saved[4]
+    restored = jax.device_get(resumed.state)
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(state)
+    for want, got in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored)):
+        np.testing.assert_array_equal(got, want)
+    assert int(restored.step) == 4
+    moments = [x for x in jax.tree_util.tree_leaves(state.opt_state) if np.ndim(x) == 2]
+    assert moments and all(np.abs(m).max() > 0 for m in moments)  # Adam's moments after 4 steps
+    fresh = jax.device_get(Trainer(_config(models, tmp_path, name="fresh"), progress=False).state)
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(fresh.params),
+                                                          jax.tree_util.tree_leaves(restored.params)))
+    assert meta["worker_index"] >= 4  # one rollout group per batch: at least 4 started before step 4
+    assert resumed.worker_index == meta["worker_index"]
     summary = resumed.run()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 11))  # 5 and 6 redone once, nothing lost

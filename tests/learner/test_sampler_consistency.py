@@ -1,0 +1,199 @@
+"""The learner scores exactly what the sampler sampled: same distribution, same positions.
+
+At the weights that sampled a batch, the learner's student log-probs — computed by
+``PolicyLoss.student``, the path the train step uses — on the emitted tokens, the
+Monte-Carlo candidates and the student top-K equal the behaviour log-probs the sampler
+recorded; and with the teacher equal to the student, every named estimator is zero in
+value and gradient through a real train step. A learner that reads its hidden states one
+position off (the teacher untouched) must fail both checks: the last tests apply exactly
+that bug and demand that the checks catch it.
+
+The rollouts come from every placement of the rollout stage (``PLACEMENTS``): sampled
+directly, and through the pipeline's rollout pool (worker threads reading an Orbax
+snapshot, handing groups over through the staleness buffer).
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
+from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorOptions
+from asyncopd_jax.learner import LearnerBatch, PolicyLoss, create_train_state, make_proximal_fn, make_train_step
+from asyncopd_jax.learner import step as learner_step
+from asyncopd_jax.pipeline.rollout import RolloutPool
+from asyncopd_jax.pipeline.snapshots import OrbaxSnapshotStore
+from asyncopd_jax.pipeline.staleness import StalenessBuffer
+from asyncopd_jax.pipeline.trace import Tracer
+from asyncopd_jax.sampling import Sampler, SamplingParams
+from asyncopd_jax.teacher import ScoringParams, TeacherScorer
+from tests.tiny_models import tiny_decoder
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15], [16, 17], [18, 19, 20, 21], [22], [23, 24]]
+PROMPT_SLOTS = 6
+PLACEMENTS = ["direct", "threads"]
+TEMPERATURES = [1.0, 0.7]
+STOP = 3  # a stop token the tiny student emits now and then: responses of uneven length
+
+
+def _student():
+    return tiny_decoder(0, scale=0.7)
+
+
+def _sampling(temperature: float) -> SamplingParams:
+    # Chunks of 3 decode steps: the KV cache is carried across host-loop iterations.
+    return SamplingParams(temperature=temperature, max_new_tokens=10, num_candidates=4, student_topk=3,
+                          stop_token_ids=(STOP,), chunk_steps=3)
+
+
+def _scorer(temperature: float) -> TeacherScorer:
+    """The student as its own teacher, at the sampling temperature: q = μ exactly."""
+    return TeacherScorer(_student(), ScoringParams(topk=4, num_samples=3, temperature=temperature))
+
+
+def _rollout_direct(temperature: float, tmp_path) -> tuple[RolloutBatch, TeacherScoreCache]:
+    graphdef, state = nnx.split(_student())
+    batch = Sampler(graphdef, _sampling(temperature)).generate(
+        state, PROMPTS, jax.random.key(0), prompt_slots=PROMPT_SLOTS
+    )
+    return batch, _scorer(temperature).score(batch, jax.random.key(1))
+
+
+def _rollout_threads(temperature: float, tmp_path) -> tuple[RolloutBatch, TeacherScoreCache]:
+    """Two rollout worker threads read the published Orbax snapshot; the learner takes a batch."""
+    graphdef, state = nnx.split(_student())
+    snapshots = OrbaxSnapshotStore(tmp_path / "snapshots", state, keep=2)
+    snapshots.publish(0, state)
+    snapshots.wait_for(0)
+    buffer = StalenessBuffer(batch_size=len(PROMPTS), eta=0)
+    order = iter(range(len(PROMPTS)))
+
+    def prompts(rng, n):
+        picked = [PROMPTS[next(order)] for _ in range(n)]
+        return picked, [None] * n
+
+    pool = RolloutPool(
+        sampler=Sampler(graphdef, _sampling(temperature)), scorer=_scorer(temperature), snapshots=snapshots,
+        buffer=buffer, prompts=prompts, group_size=4, workers=2, seed=0, prompt_slots=PROMPT_SLOTS, tracer=Tracer(),
+    )
+    pool.start()
+    try:
+        groups = buffer.take(0, timeout=120)
+    finally:
+        buffer.stop()
+        pool.join(timeout=60)
+        snapshots.close()
+    concat = lambda *xs: jnp.concatenate(xs, axis=0)  # noqa: E731
+    return (jax.tree_util.tree_map(concat, *[g.batch for g in groups]),
+            jax.tree_util.tree_map(concat, *[g.cache for g in groups]))
+
+
+ROLLOUT = {"direct": _rollout_direct, "threads": _rollout_threads}
+
+
+@functools.cache
+def rollout(placement: str, temperature: float) -> tuple[float, RolloutBatch, TeacherScoreCache]:
+    """One scored rollout batch per (placement, temperature), shared by the tests below."""
+    with tempfile.TemporaryDirectory() as snapshot_dir:
+        batch, cache = ROLLOUT[placement](temperature, Path(snapshot_dir))
+    mask = np.asarray(batch.response_mask)
+    lengths = mask.sum(1)
+    assert len(set(lengths.tolist())) > 1 and lengths.min() >= 1  # uneven responses, none empty
+    return temperature, batch, cache
+
+
+def assert_learner_matches_sampler(temperature: float, batch: RolloutBatch, cache: TeacherScoreCache) -> None:
+    """The learner's log-probs at the sampling weights equal the recorded behaviour log-probs."""
+    learner_batch = LearnerBatch(batch, cache)
+    mask = np.asarray(batch.response_mask)
+    mc = PolicyLoss("reverse_kl_mc", temperature=temperature).student(_student(), learner_batch)
+    topk = PolicyLoss("reverse_kl_topk", temperature=temperature).student(_student(), learner_batch)
+    pairs = [
+        ("emitted tokens", mc.token, batch.behavior_logp),
+        ("MC candidates", mc.candidates, batch.candidate_behavior_logp),
+        ("student top-K", topk.student_topk, batch.student_topk_behavior_logp),
+    ]
+    for what, learner, sampler in pairs:
+        np.testing.assert_allclose(np.asarray(learner)[mask], np.asarray(sampler)[mask], atol=1e-5, rtol=0,
+                                   err_msg=f"learner vs sampler log-probs on the {what}")
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_learner_log_probs_equal_the_sampler_behaviour_log_probs(placement, temperature):
+    assert_learner_matches_sampler(*rollout(placement, temperature))
+
+
+def _options(name: str) -> EstimatorOptions:
+    # Plain forward-KL MC, mean(log q − log π) over teacher samples, is zero at q = π but its
+    # per-sample gradient −∇log π(x) is zero only in expectation; the k3 control variate is
+    # zero in value and gradient sample by sample.
+    return EstimatorOptions(control_variate=name == "forward_kl_mc")
+
+
+def assert_estimators_vanish_at_the_teacher(temperature: float, batch: RolloutBatch, cache: TeacherScoreCache) -> None:
+    """Teacher = student = sampler: each estimator's loss, its gradient and the update are 0."""
+    optimizer = optax.sgd(1.0)  # the parameter change is the gradient itself
+    for name, spec in ESTIMATORS.items():
+        loss = PolicyLoss(name, _options(name), temperature=temperature)
+        graphdef, state = create_train_state(_student(), optimizer)
+        before = jax.device_get(state.params)
+        proximal = make_proximal_fn(graphdef, loss)(state.params, LearnerBatch(batch, cache)) if spec.needs_proximal else None
+        train_step = make_train_step(graphdef, optimizer, loss, micro_batches=2)
+        state, metrics = train_step(state, LearnerBatch(batch, cache, proximal))
+        assert abs(float(metrics["loss"])) < 1e-6, (name, float(metrics["loss"]))
+        assert float(metrics["grad_norm"]) < 1e-5, (name, float(metrics["grad_norm"]))
+        assert abs(float(metrics["reverse_kl_signal"])) < 1e-5, name
+        for old, new in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(state.params)):
+            np.testing.assert_allclose(new, old, atol=1e-6, err_msg=name)
+
+
+# One temperature (≠ 1, where a forgotten temperature shows) keeps the eleven compiled train
+# steps per placement affordable; the log-prob test above covers both temperatures.
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_every_estimator_is_zero_with_zero_gradient_when_the_teacher_is_the_student(placement):
+    assert_estimators_vanish_at_the_teacher(*rollout(placement, 0.7))
+
+
+def test_the_estimators_are_not_trivially_zero():
+    """The zero-gradient check can see a gradient: another teacher gives a clearly nonzero one."""
+    temperature, batch, _ = rollout("direct", 0.7)
+    cache = TeacherScorer(tiny_decoder(1, scale=0.7), ScoringParams(topk=4, num_samples=3,
+                                                                      temperature=temperature)).score(batch)
+    optimizer = optax.sgd(1.0)
+    for name in ("reverse_kl_mc", "forward_kl_topk", "reverse_kl_topk"):
+        graphdef, state = create_train_state(_student(), optimizer)
+        _, metrics = make_train_step(graphdef, optimizer, PolicyLoss(name, temperature=temperature))(
+            state, LearnerBatch(batch, cache)
+        )
+        assert float(metrics["grad_norm"]) > 1e-2, (name, float(metrics["grad_norm"]))
+
+
+def _learner_one_position_off(monkeypatch) -> None:
+    """The bug these checks exist for: the learner's row t holds the state before token t − 1."""
+    aligned = learner_step.response_hidden
+
+    def shifted(model, batch):
+        hidden = aligned(model, batch)
+        return jnp.concatenate([hidden[:, :1], hidden[:, :-1]], axis=1)
+
+    monkeypatch.setattr(learner_step, "response_hidden", shifted)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_learner_one_position_off_fails_both_checks(placement, monkeypatch):
+    temperature, batch, cache = rollout(placement, 0.7)
+    _learner_one_position_off(monkeypatch)
+    with pytest.raises(AssertionError, match="learner vs sampler"):
+        assert_learner_matches_sampler(temperature, batch, cache)
+    with pytest.raises(AssertionError):
+        assert_estimators_vanish_at_the_teacher(temperature, batch, cache)
