@@ -7,3 +7,11 @@ import os
 # Tests run on the CPU; the mesh tests ask for 8 virtual devices before JAX starts.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+# Under mutation testing (tools/mutation.sh) a failing property test need not be shrunk to
+# a minimal example: the failure alone kills the mutant, and shrinking costs minutes.
+if os.environ.get("MUTANT_UNDER_TEST"):
+    from hypothesis import Phase, settings
+
+    settings.register_profile("mutation", phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    settings.load_profile("mutation")

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Mutation testing of the estimators, the alignment convention and the staleness buffer.
+#
+# mutmut (configured in pyproject.toml, [tool.mutmut]) rewrites each function of
+#   asyncopd_jax/estimators/*, asyncopd_jax/alignment.py, asyncopd_jax/pipeline/staleness.py
+# into many small mutants (an operator flipped, a constant changed, an argument dropped, ...)
+# and runs, for each mutant, the fast tests that call that function. A mutant that no test
+# notices "survives": either a test is missing, or the mutant is equivalent to the original.
+# The score and every survivor, killed or explained, are recorded in docs/testing.md.
+#
+# Not part of CI (about an hour on 2 cores); rerun before each release-sized change:
+#   bash tools/mutation.sh            # full run (a fresh mutants/ directory)
+#   bash tools/mutation.sh --resume   # continue or re-check an earlier run
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python -c "import mutmut" 2>/dev/null || python -m pip install --quiet -e ".[test,mutation]"
+[ "${1:-}" = "--resume" ] || rm -rf mutants
+
+# Tests run on the CPU with the 8 virtual devices of tests/conftest.py; one XLA thread pool
+# per mutant process keeps the parallel workers from oversubscribing the cores.
+export JAX_PLATFORMS=cpu
+mutmut run --max-children "${MUTMUT_CHILDREN:-$(nproc)}" || true
+
+# The score: killed (a test failed, or the mutant hung past the timeout) over all mutants.
+# A mutant no test reaches counts as a survivor.
+mutmut export-cicd-stats >/dev/null
+python - <<'PY'
+import json
+s = json.load(open("mutants/mutmut-cicd-stats.json"))
+killed = s["killed"] + s["timeout"]
+total = s["total"] - s["skipped"]
+print(f"mutants: {total}  killed: {killed}  survived: {s['survived']}  no tests: {s['no_tests']}  "
+      f"suspicious: {s['suspicious']}  timeout: {s['timeout']}")
+print(f"mutation score: {100 * killed / max(total, 1):.1f} %")
+PY
+echo "survivors (mutmut show NAME prints the diff):"
+mutmut results
