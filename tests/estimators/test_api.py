@@ -116,3 +116,50 @@ def test_all_zero_mask_reduces_every_estimator_to_zero():
     for fn in ESTIMATORS.values():
         value, grad = jax.value_and_grad(lambda z: est.token_mean(fn(z, q, mu, ids), mask))(s)
         assert value == 0.0 and np.all(np.asarray(grad) == 0.0)
+
+
+def _logprob_level() -> dict[str, Callable]:
+    """Estimators fed log-probs directly (not through gather_logprobs, which upcasts):
+    each maps (student_logp, behaviour_logp, teacher_logp, advantages, mask) → values."""
+    return {
+        "forward_kl_topk": lambda lp, mu, q, a, m: est.forward_kl_topk(lp, q),
+        "forward_kl_topk_no_tail": lambda lp, mu, q, a, m: est.forward_kl_topk(lp, q, tail=False),
+        "reverse_kl_topk": lambda lp, mu, q, a, m: est.reverse_kl_topk(lp, q),
+        "reverse_kl_topk_no_tail": lambda lp, mu, q, a, m: est.reverse_kl_topk(lp, q, tail=False),
+        "forward_kl_mc": lambda lp, mu, q, a, m: est.forward_kl_mc(lp, q),
+        "forward_kl_mc_cv": lambda lp, mu, q, a, m: est.forward_kl_mc(lp, q, control_variate=True),
+        "reverse_kl_mc": lambda lp, mu, q, a, m: est.reverse_kl_mc(lp, mu, q),
+        "reverse_kl_mc_clipped": lambda lp, mu, q, a, m: est.reverse_kl_mc(lp, mu, q, clip_eps=0.2),
+        "reverse_kl_mc_stale": lambda lp, mu, q, a, m: est.reverse_kl_mc(lp, mu, q, recompute=False),
+        "ppo_clip": lambda lp, mu, q, a, m: est.ppo_clip_loss(lp, mu, a, dual_clip=3.0),
+        "decoupled_ppo": lambda lp, mu, q, a, m: est.decoupled_ppo_loss(lp, lp - 0.1, mu, a),
+        "truncated_is": lambda lp, mu, q, a, m: est.truncated_is_loss(lp, mu, a),
+        "m2po": lambda lp, mu, q, a, m: est.m2po_clip(lp, mu, a, m),
+        "token_mean": lambda lp, mu, q, a, m: est.token_mean(lp[..., 0], m[..., 0]),
+        "normalized_token_sum": lambda lp, mu, q, a, m: est.normalized_token_sum(lp[..., 0], m[..., 0], 7),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_logprob_level()))
+def test_bf16_log_probs_are_computed_in_fp32(name):
+    """The same bf16 numbers give the same fp32 result as their fp32 upcast, in value and
+    gradient: no arithmetic inside an estimator happens in bf16."""
+    s, q, mu, ids = _inputs(4)
+    g = est.gather_logprobs
+    rng = np.random.default_rng(5)
+    args = [g(s, _support(ids)), g(mu, _support(ids)), g(q, _support(ids)), rng.normal(size=(B, T, N))]
+    bf16 = [jnp.asarray(x, jnp.bfloat16) for x in args]
+    mask = jnp.asarray(rng.uniform(size=(B, T, N)) > 0.2)
+    fn = _logprob_level()[name]
+
+    def value_and_grad(lp, *rest):
+        return jax.value_and_grad(lambda x: jnp.sum(fn(x, *rest, mask)))(lp)
+
+    got, got_grad = value_and_grad(*bf16)
+    want, want_grad = value_and_grad(*[x.astype(jnp.float32) for x in bf16])
+    assert fn(*bf16, mask).dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # The gradient comes back in the input's dtype (bf16), rounded once per use of the
+    # input: equal to the fp32 gradient up to two bf16 ulps.
+    assert got_grad.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got_grad, np.float32), want_grad, rtol=2**-6, atol=1e-6)

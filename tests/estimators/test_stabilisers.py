@@ -59,6 +59,17 @@ def test_decoupled_ppo_weights_and_masks(shape):
         lambda lp: decoupled_ppo_loss(lp, proximal, behavior, adv, behavior_weight_cap=2.0).sum()
     )(logp)
     np.testing.assert_array_equal(np.asarray(grad)[weight > 2.0], 0.0)
+    # Defaults: the behaviour weight is capped at 5 (weights of 4.5, 5.5 and 6.5 placed on
+    # three tokens); with a dual clip c, the oracle's.
+    near_cap = proximal.copy().reshape(-1)
+    near_cap[:3] = behavior.reshape(-1)[:3] + np.log([4.5, 5.5, 6.5])
+    near_cap = near_cap.reshape(proximal.shape)
+    w = np.exp(near_cap.astype(np.float64) - behavior)
+    default = np.where(w <= 5.0, w * oracle.ppo_clip(logp, near_cap, adv, 0.8, 1.2), 0.0)
+    np.testing.assert_allclose(decoupled_ppo_loss(logp, near_cap, behavior, adv), default, rtol=1e-5, atol=1e-6)
+    dual = decoupled_ppo_loss(logp, proximal, behavior, adv, dual_clip=1.1, behavior_weight_cap=None)
+    np.testing.assert_allclose(dual, weight * oracle.ppo_clip(logp, proximal, adv, 0.8, 1.2, 1.1), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(dual, weight * oracle.ppo_clip(logp, proximal, adv, 0.8, 1.2))  # the dual clip binds
     # No gradient flows into the proximal or behaviour log-probs.
     g_prox = jax.grad(lambda p: decoupled_ppo_loss(logp, p, behavior, adv).sum())(proximal)
     np.testing.assert_array_equal(g_prox, 0.0)
@@ -71,6 +82,11 @@ def test_truncated_is(shape):
     weight = np.minimum(np.exp(logp.astype(np.float64) - behavior), 1.5)
     np.testing.assert_allclose(loss_fn(logp), -adv * weight, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(jax.grad(lambda lp: loss_fn(lp).sum())(logp), -adv * weight, rtol=1e-5, atol=1e-6)
+    # The default cap is c = 2; any c > 0 is allowed, also below 1.
+    default = np.minimum(np.exp(logp.astype(np.float64) - behavior), 2.0)
+    np.testing.assert_allclose(truncated_is_loss(logp, behavior, adv), -adv * default, rtol=1e-5, atol=1e-6)
+    small = np.minimum(np.exp(logp.astype(np.float64) - behavior), 0.5)
+    np.testing.assert_allclose(truncated_is_loss(logp, behavior, adv, cap=0.5), -adv * small, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -117,3 +133,18 @@ def test_bad_clip_arguments_raise():
     with pytest.raises(ValueError, match="cap"):
         truncated_is_loss(logp, behavior, adv, cap=0.0)
     assert jnp.all(jnp.isfinite(ppo_clip_loss(logp, behavior, adv)))
+
+
+def test_m2po_clip_with_a_wide_adaptive_range_and_dual_clip():
+    """A budget large enough that τ exceeds both margins: the adaptive bounds e^∓τ, not the
+    floors, set the range; the budget and the dual clip are passed through."""
+    logp, behavior, adv = _problem((4, 16), seed=7, spread=1.5)
+    mask = np.ones_like(logp, bool)
+    tau = float(m2po_threshold(logp, behavior, adv, mask, second_moment_budget=0.5))
+    assert np.isfinite(tau) and np.exp(-tau) < 0.7 and np.exp(tau) > 1.5
+    got = m2po_clip(logp, behavior, adv, mask, second_moment_budget=0.5, dual_clip=3.0)
+    want = oracle.ppo_clip(logp, behavior, adv, np.exp(-tau), np.exp(tau), dual_clip=3.0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    r = np.exp(logp.astype(np.float64) - behavior)
+    assert ((r < np.exp(-tau)) & (adv < 0)).any() or ((r > np.exp(tau)) & (adv > 0)).any()  # a bound binds
+    assert ((adv < 0) & (r > 3.0)).any()  # the dual clip binds

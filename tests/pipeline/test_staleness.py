@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import types
 
 import pytest
@@ -193,3 +194,45 @@ def test_a_failure_wakes_every_waiting_thread():
         t.join(timeout=5)
     assert len(outcomes) == 2 and all("worker exploded" in str(e) for e in outcomes)
     assert isinstance(outcomes[0].__cause__, ValueError)
+
+
+def _in_thread(fn) -> tuple[threading.Thread, list]:
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append(fn())
+        except Exception as err:  # noqa: BLE001 - inspected by the test
+            outcome.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_release_gives_capacity_back_and_wakes_a_waiting_producer():
+    buf = StalenessBuffer(batch_size=4, eta=0)
+    buf.acquire(4)
+    thread, outcome = _in_thread(lambda: buf.acquire(1, timeout=30))
+    thread.join(0.2)
+    assert thread.is_alive()  # waiting for capacity
+    buf.release(1)  # a rollout that failed before it could be put
+    thread.join(5)
+    assert not thread.is_alive() and outcome == [None]
+    with pytest.raises(TimeoutError):
+        buf.acquire(1, timeout=0)
+
+
+def test_stop_wakes_every_waiter_and_refuses_new_work():
+    buf = StalenessBuffer(batch_size=2, eta=0)
+    buf.acquire(2)
+    waiters = [_in_thread(lambda: buf.acquire(1)), _in_thread(lambda: buf.take(0))]
+    time.sleep(0.2)
+    buf.stop()
+    for thread, outcome in waiters:
+        thread.join(5)
+        assert not thread.is_alive()
+        assert isinstance(outcome[0], PipelineStopped) and str(outcome[0]) == "the run stopped"
+    for call in (lambda: buf.acquire(1, timeout=0), lambda: buf.put(_group(1, 0, 0)), lambda: buf.take(0, timeout=0)):
+        with pytest.raises(PipelineStopped, match="^the run stopped$"):
+            call()
