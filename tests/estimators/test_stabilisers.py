@@ -148,3 +148,17 @@ def test_m2po_clip_with_a_wide_adaptive_range_and_dual_clip():
     r = np.exp(logp.astype(np.float64) - behavior)
     assert ((r < np.exp(-tau)) & (adv < 0)).any() or ((r > np.exp(tau)) & (adv > 0)).any()  # a bound binds
     assert ((adv < 0) & (r > 3.0)).any()  # the dual clip binds
+
+
+def test_decoupled_ppo_keeps_a_token_whose_weight_equals_the_cap():
+    logp, behavior, adv = _problem((2, 3), seed=8)
+    at_cap = decoupled_ppo_loss(logp, behavior, behavior, adv, behavior_weight_cap=1.0)  # π_prox = μ: w = 1
+    np.testing.assert_allclose(at_cap, oracle.ppo_clip(logp, behavior, adv, 0.8, 1.2), rtol=1e-5, atol=1e-6)
+
+
+def test_m2po_threshold_default_budget_is_0_04():
+    logp, behavior, adv = _problem((4, 16), seed=5, spread=1.0)
+    mask = np.ones_like(logp, bool)
+    np.testing.assert_array_equal(m2po_threshold(logp, behavior, adv, mask),
+                                  m2po_threshold(logp, behavior, adv, mask, second_moment_budget=0.04))
+    assert np.isfinite(m2po_threshold(logp, behavior, adv, mask))
