@@ -162,3 +162,46 @@ def test_m2po_threshold_default_budget_is_0_04():
     np.testing.assert_array_equal(m2po_threshold(logp, behavior, adv, mask),
                                   m2po_threshold(logp, behavior, adv, mask, second_moment_budget=0.04))
     assert np.isfinite(m2po_threshold(logp, behavior, adv, mask))
+
+
+def test_m2po_threshold_ignores_tokens_whose_ratio_has_not_moved():
+    """δ = 0 (π_θ = μ) or A = 0: nothing to clip; such tokens must not dilute the mean."""
+    logp, behavior, adv = _problem((4, 16), seed=9, spread=1.0)
+    mask = np.ones_like(logp, bool)
+    still = logp.copy()
+    still[0] = behavior[0]  # row 0: ratio exactly 1
+    adv_zero = adv.copy()
+    adv_zero[1] = 0.0  # row 1: no advantage
+    without = mask.copy()
+    without[:2] = False
+    want = m2po_threshold(still, behavior, adv_zero, without, second_moment_budget=0.1)
+    assert np.isfinite(want)
+    np.testing.assert_array_equal(m2po_threshold(still, behavior, adv_zero, mask, second_moment_budget=0.1), want)
+
+
+def test_m2po_threshold_matches_bisection_on_many_random_problems():
+    threshold = jax.jit(lambda lp, mu, a, m, b: m2po_threshold(lp, mu, a, m, second_moment_budget=b))
+    rng = np.random.default_rng(10)
+    for seed in range(40):
+        logp, behavior, adv = _problem((3, 7), seed=100 + seed, spread=rng.uniform(0.2, 1.5))
+        mask = rng.uniform(size=logp.shape) > 0.3
+        budget = float(rng.choice([0.01, 0.05, 0.2, 0.5]))
+        got, want = float(threshold(logp, behavior, adv, mask, budget)), oracle.m2po_tau(logp, behavior, adv, mask, budget)
+        if np.isinf(want):
+            assert np.isinf(got), seed
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-4, err_msg=str(seed))
+
+
+def test_m2po_threshold_edge_cases():
+    def tau(delta, adv, mask=None, budget=0.25):
+        delta, adv = np.asarray(delta, np.float32), np.asarray(adv, np.float32)
+        mask = np.ones(delta.shape, bool) if mask is None else np.asarray(mask)
+        return float(m2po_threshold(-delta, np.zeros_like(delta), adv, mask, second_moment_budget=budget))
+
+    # Exactly at the budget (δ² = 0.25 = budget on every selected token): nothing to clip.
+    assert np.isinf(tau([0.5, -0.5, 0.5], [1.0, -1.0, 1.0]))
+    # A single selected token over budget: τ² = budget.
+    np.testing.assert_allclose(tau([2.0, 0.3], [1.0, -1.0]), 0.5, rtol=1e-6)
+    # Selected tokens within budget, many unselected ones: +inf (the unselected do not count).
+    assert np.isinf(tau([0.4, 0.4] + [0.3] * 10, [1.0, 1.0] + [-1.0] * 10))
