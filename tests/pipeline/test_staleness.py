@@ -119,13 +119,14 @@ def test_exactly_eta_old_is_consumed_eta_plus_one_dropped_future_refused(eta):
     buf = StalenessBuffer(batch_size=2, eta=eta)
     too_old = _group(1, version - eta - 1, version)  # its first token is η + 1 versions old
     future = _group(1, version, version + 1)
+    far_future = _group(2, version + 5, version + 5)
     oldest_allowed = _group(1, version - eta, version - eta)
     mixed = _group(1, version - eta, version)
-    for g in (too_old, future, oldest_allowed, mixed):
+    for g in (too_old, future, far_future, oldest_allowed, mixed):
         buf.put(g)
     taken = buf.take(version, timeout=0)
     assert taken == [oldest_allowed, mixed]
-    assert (buf.dropped_stale, buf.dropped_future) == (1, 1)
+    assert (buf.dropped_stale, buf.dropped_future) == (1, 3)  # counted in samples
 
 
 def test_dropped_samples_give_their_capacity_back():
@@ -192,7 +193,7 @@ def test_a_failure_wakes_every_waiting_thread():
     buf.fail(ValueError("worker exploded"))
     for t in threads:
         t.join(timeout=5)
-    assert len(outcomes) == 2 and all("worker exploded" in str(e) for e in outcomes)
+    assert len(outcomes) == 2 and all(str(e) == "the run stopped: ValueError: worker exploded" for e in outcomes)
     assert isinstance(outcomes[0].__cause__, ValueError)
 
 
@@ -236,3 +237,15 @@ def test_stop_wakes_every_waiter_and_refuses_new_work():
     for call in (lambda: buf.acquire(1, timeout=0), lambda: buf.put(_group(1, 0, 0)), lambda: buf.take(0, timeout=0)):
         with pytest.raises(PipelineStopped, match="^the run stopped$"):
             call()
+
+
+def test_timeouts_and_a_batch_that_does_not_add_up_are_reported():
+    buf = StalenessBuffer(batch_size=2, eta=0)
+    buf.acquire(2)
+    with pytest.raises(TimeoutError, match="^no rollout capacity within the timeout$"):
+        buf.acquire(1, timeout=0.01)
+    with pytest.raises(TimeoutError, match=r"^no rollouts arrived within 0.01 s$"):
+        buf.take(0, timeout=0.01)
+    buf.put(_group(3, 0, 0))  # a group larger than the batch: a bug upstream
+    with pytest.raises(RuntimeError, match=r"^rollout groups do not add up to the batch size: 3 != 2$"):
+        buf.take(0, timeout=0)
