@@ -133,6 +133,9 @@ def test_bad_clip_arguments_raise():
     with pytest.raises(ValueError, match="cap"):
         truncated_is_loss(logp, behavior, adv, cap=0.0)
     assert jnp.all(jnp.isfinite(ppo_clip_loss(logp, behavior, adv)))
+    # ε_low = 0 (no lower clip) is allowed: the ratio is clipped at 1 from below.
+    np.testing.assert_allclose(ppo_clip_loss(logp, behavior, adv, clip_eps=(0.0, 0.2)),
+                               oracle.ppo_clip(logp, behavior, adv, 1.0, 1.2), rtol=1e-5, atol=1e-6)
 
 
 def test_m2po_clip_with_a_wide_adaptive_range_and_dual_clip():
