@@ -28,11 +28,12 @@ mutmut export-cicd-stats >/dev/null
 python - <<'PY'
 import json
 s = json.load(open("mutants/mutmut-cicd-stats.json"))
-killed = s["killed"] + s["timeout"]
-total = s["total"] - s["skipped"]
-print(f"mutants: {total}  killed: {killed}  survived: {s['survived']}  no tests: {s['no_tests']}  "
-      f"suspicious: {s['suspicious']}  timeout: {s['timeout']}")
-print(f"mutation score: {100 * killed / max(total, 1):.1f} %")
+killed = s["killed"] + s["timeout"] + s["segfault"]
+checked = killed + s["survived"] + s["no_tests"] + s["suspicious"]
+print(f"mutants: {s['total']}  checked: {checked}  killed: {killed} (timeouts: {s['timeout']})  "
+      f"survived: {s['survived']}  no tests: {s['no_tests']}  suspicious: {s['suspicious']}")
+print(f"mutation score of the checked mutants: {100 * killed / max(checked, 1):.1f} %"
+      + ("" if checked == s["total"] else f"  ({s['total'] - checked} not checked yet: rerun with --resume)"))
 PY
 echo "survivors (mutmut show NAME prints the diff):"
-mutmut results
+mutmut results | grep -v ": not checked$" || true

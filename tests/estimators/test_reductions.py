@@ -55,3 +55,10 @@ def test_micro_batch_split_gives_the_batch_mean_and_gradient(lengths, cuts):
     # Sums and counts of the parts add up to those of the whole.
     sums = [token_sum(values[a:b], mask[a:b]) for a, b in parts]
     np.testing.assert_allclose(sum(s for s, _ in sums) / max(sum(c for _, c in sums), 1), whole, rtol=1e-5, atol=1e-7)
+
+
+def test_a_batch_of_one_token_is_its_own_mean():
+    values = jnp.asarray([[3.0, 7.0]])
+    mask = jnp.asarray([[False, True]])
+    assert float(normalized_token_sum(values, mask, 1)) == 7.0
+    assert float(token_mean(values, mask)) == 7.0
