@@ -60,7 +60,7 @@ def _scorer(temperature: float) -> TeacherScorer:
     return TeacherScorer(_student(), ScoringParams(topk=4, num_samples=3, temperature=temperature))
 
 
-def _rollout_direct(temperature: float, tmp_path) -> tuple[RolloutBatch, TeacherScoreCache]:
+def _rollout_direct(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, TeacherScoreCache]:
     graphdef, state = nnx.split(_student())
     batch = Sampler(graphdef, _sampling(temperature)).generate(
         state, PROMPTS, jax.random.key(0), prompt_slots=PROMPT_SLOTS
@@ -68,7 +68,7 @@ def _rollout_direct(temperature: float, tmp_path) -> tuple[RolloutBatch, Teacher
     return batch, _scorer(temperature).score(batch, jax.random.key(1))
 
 
-def _rollout_threads(temperature: float, tmp_path) -> tuple[RolloutBatch, TeacherScoreCache]:
+def _rollout_threads(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, TeacherScoreCache]:
     """Two rollout worker threads read the published Orbax snapshot; the learner takes a batch."""
     graphdef, state = nnx.split(_student())
     snapshots = OrbaxSnapshotStore(tmp_path / "snapshots", state, keep=2)

@@ -175,28 +175,6 @@ def test_sync_capacity_admits_one_batch_at_a_time():
     assert buf.capacity() == 4
 
 
-def test_a_failure_wakes_every_waiting_thread():
-    buf = StalenessBuffer(batch_size=2, eta=0)
-    buf.acquire(2)
-    outcomes = []
-
-    def wait(fn):
-        try:
-            fn()
-        except PipelineStopped as err:
-            outcomes.append(err)
-
-    threads = [threading.Thread(target=wait, args=(lambda: buf.acquire(2),)),
-               threading.Thread(target=wait, args=(lambda: buf.take(0),))]
-    for t in threads:
-        t.start()
-    buf.fail(ValueError("worker exploded"))
-    for t in threads:
-        t.join(timeout=5)
-    assert len(outcomes) == 2 and all(str(e) == "the run stopped: ValueError: worker exploded" for e in outcomes)
-    assert isinstance(outcomes[0].__cause__, ValueError)
-
-
 def _in_thread(fn) -> tuple[threading.Thread, list]:
     outcome: list = []
 
@@ -209,6 +187,20 @@ def _in_thread(fn) -> tuple[threading.Thread, list]:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, outcome
+
+
+def test_a_failure_wakes_every_waiting_thread():
+    buf = StalenessBuffer(batch_size=2, eta=0)
+    buf.acquire(2)
+    waiters = [_in_thread(lambda: buf.acquire(2)), _in_thread(lambda: buf.take(0))]
+    buf.fail(ValueError("worker exploded"))
+    outcomes = []
+    for thread, outcome in waiters:
+        thread.join(timeout=5)
+        outcomes += outcome
+    assert len(outcomes) == 2 and all(isinstance(e, PipelineStopped) for e in outcomes)
+    assert all(str(e) == "the run stopped: ValueError: worker exploded" for e in outcomes)
+    assert isinstance(outcomes[0].__cause__, ValueError)
 
 
 def test_release_gives_capacity_back_and_wakes_a_waiting_producer():
