@@ -1,8 +1,10 @@
-"""The ``asyncopd`` command: ``train``, ``sft`` and ``eval``.
+"""The ``asyncopd`` command: ``train``, ``sft``, ``eval`` and ``stage``.
 
     asyncopd train                                  # the embedded demo (configs/demo.yaml)
     asyncopd train --config my.yaml --set learner.batch_size=64 --set schedule.mode=sync
+    asyncopd train --set schedule.placement=processes   # stages in their own processes
     asyncopd train --resume runs/demo               # continue a stopped or killed run
+    asyncopd stage rollout --exchange runs/demo/exchange --index 3   # one more stage process
     asyncopd sft --model teacher --steps 1000 --out asyncopd_jax/tasks/assets/teacher
     asyncopd eval --model builtin:student
 """
@@ -35,7 +37,18 @@ def _train(args: argparse.Namespace) -> None:
         if args.config is None and not DEMO_CONFIG.is_file():
             raise ConfigError(f"the embedded demo config {DEMO_CONFIG} is missing (install the project with pip install -e .)")
         cfg = load_config(config_file, args.set)
-    print(f"asyncopd train: {cfg.name} ({cfg.estimator.name}, {cfg.schedule.mode}) → {Path(cfg.output_dir) / cfg.name}")
+    print(f"asyncopd train: {cfg.name} ({cfg.estimator.name}, {cfg.schedule.mode}, {cfg.schedule.placement}) → "
+          f"{Path(cfg.output_dir) / cfg.name}")
+    if cfg.schedule.placement == "processes":
+        import os
+
+        from asyncopd_jax.pipeline.processes import pin_this_process, plan_stages
+
+        learner_cores, specs = plan_stages(cfg.stages, sorted(os.sched_getaffinity(0)))
+        pin_this_process(learner_cores)  # before JAX starts in this process
+        for spec in specs:
+            print(f"  {spec.name}: cores {','.join(map(str, spec.cores)) or 'any'}")
+        print(f"  learner: cores {','.join(map(str, learner_cores)) or 'any'}")
     summary = Trainer(cfg, resume=bool(args.resume), progress=not args.no_progress).run()
     rows = [("teacher", summary["teacher_accuracy"]), ("student before", summary["student_before"]),
             ("student after", summary["student_after"])]
@@ -84,6 +97,13 @@ def _eval(args: argparse.Namespace) -> None:
           f"{TaskData(task, tokenizer).accuracy(*nnx.split(model)):.1%}")
 
 
+def _stage(args: argparse.Namespace) -> int:
+    from asyncopd_jax.config import parse_cpu_list
+    from asyncopd_jax.pipeline.processes import run_stage
+
+    return run_stage(args.exchange, args.role, args.index, parse_cpu_list(args.cores), args.parent_pid, args.niceness)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncopd", description="Asynchronous on-policy distillation in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,7 +130,19 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--task", action="append", default=[], metavar="FIELD=VALUE", help="task config field")
     ev.set_defaults(fn=_eval)
 
+    stage = sub.add_parser("stage", help="run one rollout or scoring process of a run started with "
+                                          "schedule.placement=processes (started for you; by hand on other hosts)")
+    stage.add_argument("role", choices=["rollout", "scoring"])
+    stage.add_argument("--exchange", type=Path, required=True, help="the run's exchange directory (runs/<name>/exchange)")
+    stage.add_argument("--index", type=int, default=0, help="this process's number within its role")
+    stage.add_argument("--cores", default="", help="CPU list to pin to before JAX starts, e.g. 2-3")
+    stage.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer the parent")
+    stage.add_argument("--niceness", type=int, default=0, help="lower this process's CPU priority by this much")
+    stage.set_defaults(fn=_stage)
+
     args = parser.parse_args(argv)
+    if args.command == "stage":
+        return args.fn(args)  # its own exit status; errors go to its log
     try:
         args.fn(args)
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as err:

@@ -99,8 +99,9 @@ class ScheduleConfig:
     mode: Literal["sync", "n_step_off", "fully_async"] = "fully_async"
     max_staleness: int = 2  # η, in optimizer steps
     n_step: int = 1  # for n_step_off: rollouts run at most n batches ahead
-    rollout_workers: int = 1
-    snapshot_in_memory: bool = True  # hand weights over in-process instead of through Orbax
+    rollout_workers: int = 1  # rollout threads (placement = threads)
+    snapshot_in_memory: bool = True  # threads: hand weights over in-process instead of through Orbax
+    placement: Literal["threads", "processes"] = "threads"  # where the stages run: see StagesConfig
 
     def eta(self, mini_batches: int) -> int:
         """The staleness bound in optimizer steps: 0 for ``sync``; for ``n_step_off``
@@ -110,6 +111,31 @@ class ScheduleConfig:
         if self.mode == "n_step_off":
             return self.n_step * mini_batches
         return self.max_staleness
+
+
+@dataclasses.dataclass(frozen=True)
+class StagesConfig:
+    """Stage processes, used when ``schedule.placement = processes``.
+
+    Cores are Linux CPU lists (``"0"``, ``"2-5"``, ``"0,2"``): a stage's cores are dealt
+    out to its processes in turn, and each process is pinned to its share before JAX
+    starts (so XLA sizes its thread pool to it). ``"auto"`` splits this machine's cores by
+    :func:`asyncopd_jax.pipeline.processes.plan_stages`; ``""`` leaves a stage unpinned.
+    Devices are accelerator ids handed to a process as ``CUDA_VISIBLE_DEVICES`` (GPU);
+    ``""`` leaves them all visible.
+    """
+
+    rollout_processes: int = 1  # processes that sample (and score, when scoring_processes = 0)
+    scoring_processes: int = 0  # teacher-scoring processes; 0: each rollout process scores its groups
+    learner_cores: str = "auto"
+    rollout_cores: str = "auto"
+    scoring_cores: str = "auto"
+    rollout_devices: str = ""
+    scoring_devices: str = ""
+    rollout_niceness: int = 5  # lower CPU priority: where cores are shared the learner goes first
+    snapshot_dir: str = "auto"  # "auto": /dev/shm/asyncopd-<run> (RAM) if there, else <run>/snapshots
+    restarts: int = 0  # times a stage process that died is restarted before the run stops
+    startup_timeout: float = 600.0  # seconds a stage process may take to load and compile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +160,7 @@ class RunConfig:
     optim: OptimConfig = OptimConfig()
     learner: LearnerConfig = LearnerConfig()
     schedule: ScheduleConfig = ScheduleConfig()
+    stages: StagesConfig = StagesConfig()
     train: TrainConfig = TrainConfig()
 
     def __post_init__(self) -> None:
@@ -167,11 +194,37 @@ def _validate(cfg: RunConfig) -> None:
          cfg.learner.micro_batches >= 1
          and (cfg.learner.batch_size // max(cfg.learner.mini_batches, 1)) % cfg.learner.micro_batches == 0,
          "a divisor of learner.batch_size / learner.mini_batches"),
+        ("stages.rollout_processes", cfg.stages.rollout_processes, cfg.stages.rollout_processes >= 1, ">= 1"),
+        ("stages.scoring_processes", cfg.stages.scoring_processes, cfg.stages.scoring_processes >= 0, ">= 0"),
+        ("stages.restarts", cfg.stages.restarts, cfg.stages.restarts >= 0, ">= 0"),
+        ("stages.rollout_niceness", cfg.stages.rollout_niceness, 0 <= cfg.stages.rollout_niceness <= 19, "0 to 19"),
         ("train.steps", cfg.train.steps, cfg.train.steps >= 1, ">= 1"),
         ("optim.learning_rate", cfg.optim.learning_rate, cfg.optim.learning_rate > 0, "> 0"),
     ]:
         if not ok:
             raise ConfigError(f"{field} = {value!r} is invalid; allowed: {allowed}")
+    for field in ("learner_cores", "rollout_cores", "scoring_cores"):
+        value = getattr(cfg.stages, field)
+        if value != "auto":
+            try:
+                parse_cpu_list(value)
+            except ValueError as err:
+                raise ConfigError(f"stages.{field} = {value!r} is invalid; allowed: 'auto', '' or a CPU list "
+                                  f"such as '0', '1-3', '0,2' ({err})") from None
+
+
+def parse_cpu_list(spec: str) -> tuple[int, ...]:
+    """``"0-2,5"`` → ``(0, 1, 2, 5)``; ``""`` → ``()`` (unpinned)."""
+    cores: list[int] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"{part!r} is not a core number or range")
+        lo, hi = int(first), int(last or first)
+        if hi < lo:
+            raise ValueError(f"range {part!r} runs backwards")
+        cores.extend(range(lo, hi + 1))
+    return tuple(dict.fromkeys(cores))
 
 
 # --- dict / YAML ⇄ dataclasses -----------------------------------------------------

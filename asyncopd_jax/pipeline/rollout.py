@@ -13,46 +13,87 @@ a jitted computation runs, so sampling, scoring and learning overlap on separate
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 
 import jax
 import numpy as np
 
+from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.pipeline.snapshots import SnapshotStore
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import Sampler
 from asyncopd_jax.teacher import TeacherScorer
 
-# (rng, n) → (prompt token lists, per-prompt metadata for metrics)
+# (rng, n) → (prompt token lists, per-prompt problems for the reward)
 PromptSource = Callable[[np.random.Generator, int], tuple[list[list[int]], list]]
+# (problems, sampled batch) → per-sample reward (the built-in task: 1.0 if solved)
+RewardFn = Callable[[list, RolloutBatch], list]
+
+
+def group_key(seed: int, index: int) -> jax.Array:
+    """The sampling key of rollout group ``index`` (its scoring key is ``fold_in(·, 1)``).
+
+    A function of ``(seed, index)`` only, so any process can rebuild it."""
+    return jax.random.key(hash((seed, index)) % (2**31))
+
+
+class GroupProducer:
+    """The work of one rollout group, wherever it runs (a thread or a stage process).
+
+    Group ``index`` draws its prompts from ``rng([seed, index])`` and its sampling key
+    from :func:`group_key`, so the same index gives the same prompts in every placement.
+    """
+
+    def __init__(self, *, sampler: Sampler, snapshots: SnapshotStore, prompts: PromptSource, rewards: RewardFn,
+                 group_size: int, seed: int, prompt_slots: int, tracer: Tracer, interruptible: bool = True):
+        self.sampler, self.snapshots, self.prompts, self.rewards = sampler, snapshots, prompts, rewards
+        self.group_size, self.seed, self.prompt_slots = group_size, seed, prompt_slots
+        self.tracer, self.interruptible = tracer, interruptible
+
+    def _newer_snapshot(self, version: int):
+        latest = self.snapshots.latest_version()
+        if latest is not None and latest > version:
+            with self.tracer.span("swap_weights", version=latest):
+                return self.snapshots.load()
+        return None
+
+    def sample(self, index: int) -> RolloutGroup:
+        """Sample group ``index`` from the newest snapshot (no teacher scores yet)."""
+        rng = np.random.default_rng([self.seed, index])
+        prompts, problems = self.prompts(rng, self.group_size)
+        version, params = self.snapshots.load()
+        with self.tracer.span("rollout", version=version):
+            batch = self.sampler.generate(
+                params, prompts, group_key(self.seed, index), version=version, prompt_slots=self.prompt_slots,
+                weight_source=self._newer_snapshot if self.interruptible else None,
+            )
+            jax.block_until_ready(batch.response_tokens)
+        versions = np.asarray(batch.token_version)[np.asarray(batch.response_mask)]
+        oldest = int(versions.min()) if versions.size else version
+        newest = int(versions.max()) if versions.size else version
+        rewards = np.asarray(self.rewards(problems, batch), np.float32)
+        return RolloutGroup(batch, None, oldest, newest, {"rewards": rewards})
+
+
+def score_group(scorer: TeacherScorer, group: RolloutGroup, seed: int, index: int, tracer: Tracer) -> RolloutGroup:
+    """``group`` with its teacher score cache filled in."""
+    with tracer.span("score"):
+        cache = jax.block_until_ready(scorer.score(group.batch, jax.random.fold_in(group_key(seed, index), 1)))
+    return dataclasses.replace(group, cache=cache)
 
 
 class RolloutPool:
-    """``workers`` threads producing :class:`RolloutGroup` s of ``group_size`` prompts."""
+    """``workers`` threads producing scored :class:`RolloutGroup` s of ``group_size`` prompts."""
 
-    def __init__(
-        self,
-        *,
-        sampler: Sampler,
-        scorer: TeacherScorer,
-        snapshots: SnapshotStore,
-        buffer: StalenessBuffer,
-        prompts: PromptSource,
-        group_size: int,
-        workers: int,
-        seed: int,
-        prompt_slots: int,
-        tracer: Tracer,
-        interruptible: bool = True,
-    ):
-        self.sampler, self.scorer, self.snapshots, self.buffer = sampler, scorer, snapshots, buffer
-        self.prompts, self.group_size, self.prompt_slots = prompts, group_size, prompt_slots
-        self.seed, self.tracer, self.interruptible = seed, tracer, interruptible
+    def __init__(self, *, producer: GroupProducer, scorer: TeacherScorer, buffer: StalenessBuffer, workers: int,
+                 first_index: int = 0):
+        self.producer, self.scorer, self.buffer = producer, scorer, buffer
         self._threads = [threading.Thread(target=self._run, args=(i,), name=f"rollout-{i}", daemon=True)
                          for i in range(workers)]
-        self._counter = 0
+        self._counter = first_index
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -65,7 +106,7 @@ class RolloutPool:
 
     @property
     def groups_started(self) -> int:
-        """Rollout groups started so far (each seeds its prompts and sampling keys)."""
+        """Index of the next rollout group (groups are numbered from the run's start)."""
         with self._lock:
             return self._counter
 
@@ -74,38 +115,25 @@ class RolloutPool:
             self._counter += 1
             return self._counter
 
-    def _newer_snapshot(self, version: int):
-        latest = self.snapshots.latest_version()
-        if latest is not None and latest > version:
-            with self.tracer.span("swap_weights", version=latest):
-                return self.snapshots.load()
-        return None
+    def consumed(self, taken: list[RolloutGroup]) -> None:
+        """Nothing to do: groups never leave this process."""
+
+    def checkpointed(self) -> None:
+        """Nothing to do: groups never leave this process."""
 
     def _run(self, worker: int) -> None:
+        size = self.producer.group_size
         try:
             while True:
-                self.buffer.acquire(self.group_size)
+                self.buffer.acquire(size)
                 index = self._next_index()
                 try:
-                    rng = np.random.default_rng([self.seed, index])
-                    prompts, meta = self.prompts(rng, self.group_size)
-                    version, params = self.snapshots.load()
-                    key = jax.random.key(hash((self.seed, index)) % (2**31))
-                    with self.tracer.span("rollout", version=version):
-                        batch = self.sampler.generate(
-                            params, prompts, key, version=version, prompt_slots=self.prompt_slots,
-                            weight_source=self._newer_snapshot if self.interruptible else None,
-                        )
-                        jax.block_until_ready(batch.response_tokens)
-                    with self.tracer.span("score"):
-                        cache = jax.block_until_ready(self.scorer.score(batch, jax.random.fold_in(key, 1)))
+                    group = self.producer.sample(index)
+                    group = score_group(self.scorer, group, self.producer.seed, index, self.producer.tracer)
                 except BaseException:
-                    self.buffer.release(self.group_size)
+                    self.buffer.release(size)
                     raise
-                versions = np.asarray(batch.token_version)[np.asarray(batch.response_mask)]
-                oldest = int(versions.min()) if versions.size else version
-                newest = int(versions.max()) if versions.size else version
-                self.buffer.put(RolloutGroup(batch, cache, oldest, newest, {"problems": meta}))
+                self.buffer.put(group)
         except PipelineStopped:
             return
         except BaseException as err:  # noqa: BLE001 - forwarded to the learner

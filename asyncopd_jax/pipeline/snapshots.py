@@ -7,16 +7,24 @@ Two stores with one interface:
   Orbax writes into a temporary directory and renames it when complete, so a reader that
   only considers directories named by an integer never sees a partial snapshot. Old
   versions are removed by the store itself (rename, then delete), keeping at least
-  ``keep`` (≥ η + 2) and never one a reader has pinned while restoring it.
+  ``keep`` (≥ η + 2) and never one that a reader — a thread of this process or another
+  process on the host — is restoring: a reader holds a shared ``flock`` on
+  ``<root>/<version>.lock`` while it restores, and the writer deletes a version only
+  while it holds the exclusive lock (see :func:`_pinned`). Readers and the writer may be
+  different processes opening the same ``root``.
 * :class:`InMemorySnapshotStore` — the same contract without disk: the published arrays
   (copied, since the learner donates its buffers) are handed over directly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -85,9 +93,10 @@ class OrbaxSnapshotStore:
         ``nnx.split(model)[1]``); restores place arrays like its leaves' shardings, or on
         the default device when leaves have none.
       keep: versions kept on disk (use η + 2 or more).
+      read_only: a reader in another process: never publishes nor removes versions.
     """
 
-    def __init__(self, root: str | Path, abstract_params: nnx.State, keep: int = 4):
+    def __init__(self, root: str | Path, abstract_params: nnx.State, keep: int = 4, read_only: bool = False):
         self.root = Path(root).resolve()  # Orbax wants absolute paths
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep = max(keep, 1)
@@ -96,31 +105,35 @@ class OrbaxSnapshotStore:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or default),
             abstract_params,
         )
-        self._writer = ocp.StandardCheckpointer()
-        self._lock = threading.Lock()
-        self._pins: dict[int, int] = {}
+        self.read_only = read_only
+        self._writer = None if read_only else ocp.StandardCheckpointer()
 
     # --- writer side ------------------------------------------------------------------
 
     def publish(self, version: int, params: nnx.State) -> None:
         """Start saving ``version``; returns once the arrays are copied off the device."""
+        if self._writer is None:
+            raise RuntimeError(f"this snapshot store is read-only (a reader of {self.root})")
         self.flush()  # one save in flight at a time: the previous one commits first
         self._writer.save(self.root / str(version), nnx.to_pure_dict(params))
 
     def flush(self) -> None:
         """Wait until the last published version is committed, then drop old versions."""
+        if self._writer is None:
+            return
         self._writer.wait_until_finished()
         self._remove_old()
 
     def _remove_old(self) -> None:
         versions = self.committed_versions()
-        with self._lock:
-            doomed = [v for v in versions[: -self.keep] if not self._pins.get(v)]
-            for v in doomed:
-                # Rename first (atomic): readers list only integer-named directories.
-                target = self.root / f"{v}.deleting"
-                (self.root / str(v)).rename(target)
-        for v in doomed:
+        for v in versions[: -self.keep]:
+            with _exclusive(self.root / f"{v}.lock") as free:
+                if not free:
+                    continue  # a reader is restoring it: try again at the next flush
+                # Rename first (atomic): readers list only integer-named directories, and a
+                # reader that takes the lock after us finds the version gone.
+                (self.root / str(v)).rename(self.root / f"{v}.deleting")
+                (self.root / f"{v}.lock").unlink(missing_ok=True)
             shutil.rmtree(self.root / f"{v}.deleting", ignore_errors=True)
 
     # --- reader side ------------------------------------------------------------------
@@ -134,22 +147,26 @@ class OrbaxSnapshotStore:
 
     def load(self, version: int | None = None) -> tuple[int, nnx.State]:
         """Restore ``version`` (default: the newest committed) onto this reader's devices."""
-        with self._lock:
+        for _ in range(100):  # the newest version can be retired between listing and locking it
             versions = self.committed_versions()
             if not versions:
                 raise LookupError(f"no committed snapshot under {self.root}")
-            version = versions[-1] if version is None else version
-            if version not in versions:
-                raise LookupError(f"snapshot {version} is not on disk (committed: {versions})")
-            self._pins[version] = self._pins.get(version, 0) + 1  # not deleted while we read
-        try:
-            restored = ocp.StandardCheckpointer().restore(self.root / str(version), nnx.to_pure_dict(self._abstract))
-        finally:
-            with self._lock:
-                self._pins[version] -= 1
+            chosen = versions[-1] if version is None else version
+            if chosen not in versions:
+                raise LookupError(f"snapshot {chosen} is not on disk (committed: {versions})")
+            with _pinned(self.root / f"{chosen}.lock"):
+                # Under the shared lock the writer cannot delete it; it may have just before.
+                if (self.root / str(chosen)).is_dir():
+                    restored = ocp.StandardCheckpointer().restore(self.root / str(chosen),
+                                                                  nnx.to_pure_dict(self._abstract))
+                    break
+            if version is not None:
+                raise LookupError(f"snapshot {version} was removed while it was being opened")
+        else:
+            raise LookupError(f"could not pin a snapshot under {self.root}: versions retired faster than read")
         state = jax.tree_util.tree_map(lambda x: x, self._abstract)
         nnx.replace_by_pure_dict(state, restored)
-        return version, state
+        return chosen, state
 
     def wait_for(self, version: int, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
@@ -159,5 +176,38 @@ class OrbaxSnapshotStore:
             time.sleep(0.005)
 
     def close(self) -> None:
-        self.flush()
-        self._writer.close()
+        if self._writer is not None:
+            self.flush()
+            self._writer.close()
+
+
+# --- pins across threads and processes ---------------------------------------------------
+# ``flock`` locks belong to an open file description, so two threads that each open the
+# lock file exclude each other just as two processes do. The lock file is created by
+# whoever comes first and removed by the writer together with its version.
+
+
+@contextlib.contextmanager
+def _pinned(lock_file: Path) -> Iterator[None]:
+    """Hold a shared lock on ``lock_file`` (a reader restoring that version)."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def _exclusive(lock_file: Path) -> Iterator[bool]:
+    """Try to take the exclusive lock without waiting; yield whether it was free."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)

@@ -2,6 +2,11 @@
 
 Open the file at https://ui.perfetto.dev (or chrome://tracing): one row per thread
 (rollout workers, learner), spans for rollout, scoring, learning, publishing and eval.
+With stage processes each process keeps its own :class:`Tracer` and dumps its events to
+a file (:meth:`Tracer.dump`); the learner merges them (``write(path, others=...)``), one
+process group per stage process on one timeline. Times are wall-clock seconds since a
+shared ``origin`` (``time.time()`` at the run's start), comparable across processes and,
+with synchronised clocks, across hosts.
 """
 
 from __future__ import annotations
@@ -11,27 +16,28 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 
 class Tracer:
-    def __init__(self) -> None:
+    def __init__(self, origin: float | None = None, process: str = "learner") -> None:
         self._events: list[dict] = []
         self._lock = threading.Lock()
-        self._t0 = time.perf_counter()
-        self._pid = os.getpid()
+        self.origin = time.time() if origin is None else origin
+        self.process = process
 
     @contextlib.contextmanager
     def span(self, name: str, **args):
         """Record the wall time of the ``with`` body as a complete event on this thread."""
-        start = time.perf_counter()
+        start = time.time()
         try:
             yield
         finally:
-            end = time.perf_counter()
+            end = time.time()
             event = {
-                "name": name, "ph": "X", "pid": self._pid, "tid": threading.current_thread().name,
-                "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6, "args": args,
+                "name": name, "ph": "X", "pid": self.process, "tid": threading.current_thread().name,
+                "ts": (start - self.origin) * 1e6, "dur": (end - start) * 1e6, "args": args,
             }
             with self._lock:
                 self._events.append(event)
@@ -45,12 +51,31 @@ class Tracer:
                     out[e["name"]] = out.get(e["name"], 0.0) + e["dur"] / 1e6
         return out
 
-    def write(self, path: str | Path) -> None:
+    def events(self) -> list[dict]:
         with self._lock:
-            events = list(self._events)
-        # Chrome's format wants numeric thread ids; name them with metadata events.
-        names = sorted({e["tid"] for e in events})
-        tids = {name: i for i, name in enumerate(names)}
-        meta = [{"name": "thread_name", "ph": "M", "pid": self._pid, "tid": tids[n], "args": {"name": n}} for n in names]
-        body = [{**e, "tid": tids[e["tid"]]} for e in events]
+            return list(self._events)
+
+    def dump(self, path: str | Path) -> None:
+        """This process's raw events (written atomically), for the learner to merge."""
+        tmp = Path(f"{path}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.events()))
+        os.replace(tmp, path)
+
+    def write(self, path: str | Path, others: Iterable[Path] = ()) -> None:
+        """``trace.json``: this tracer's events and those dumped by other processes."""
+        events = self.events()
+        for other in others:
+            try:
+                events += json.loads(Path(other).read_text())
+            except (OSError, ValueError):
+                continue  # a process that never dumped, or was killed mid-write (dump is atomic)
+        # Chrome's format wants numeric process and thread ids; name them with metadata events.
+        processes = sorted({e["pid"] for e in events} | {self.process}, key=lambda p: (p != self.process, p))
+        pids = {name: i for i, name in enumerate(processes)}
+        threads = sorted({(e["pid"], e["tid"]) for e in events})
+        tids = {key: i for i, key in enumerate(threads)}
+        meta = [{"name": "process_name", "ph": "M", "pid": pids[p], "args": {"name": p}} for p in processes]
+        meta += [{"name": "thread_name", "ph": "M", "pid": pids[p], "tid": tids[(p, t)], "args": {"name": t}}
+                 for p, t in threads]
+        body = [{**e, "pid": pids[e["pid"]], "tid": tids[(e["pid"], e["tid"])]} for e in events]
         Path(path).write_text(json.dumps({"traceEvents": meta + body, "displayTimeUnit": "ms"}))

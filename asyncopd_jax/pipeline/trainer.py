@@ -1,8 +1,12 @@
 """The OPD run: rollout workers, teacher scoring, staleness buffer, learner, snapshots.
 
-    workers (threads) ──▶ StalenessBuffer ──▶ learner (jit, mesh) ──▶ SnapshotStore ──┐
+    rollout + scoring ──▶ StalenessBuffer ──▶ learner (jit, mesh) ──▶ SnapshotStore ──┐
         ▲                                                                             │
         └──────────────── newest snapshot between decode chunks ◀─────────────────────┘
+
+Rollout and scoring run where ``schedule.placement`` puts them: as threads of this
+process (:class:`RolloutPool`) or as separate processes on their own cores or devices
+(:class:`StageProcesses`, joined through Orbax snapshots and a spool of scored groups).
 
 One :class:`Trainer` builds every component from a :class:`RunConfig`, runs optimizer
 steps until ``train.steps``, and writes ``runs/<name>/``. The three schedules differ only
@@ -13,6 +17,8 @@ in the staleness bound η the buffer enforces (``sync``: 0; ``n_step_off``: n ba
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -36,9 +42,11 @@ from asyncopd_jax.learner import (
 )
 from asyncopd_jax.learner.optimizer import learning_rate_schedule
 from asyncopd_jax.models import Decoder, check_same_vocabulary, from_pretrained, load_tokenizer, save_pretrained
-from asyncopd_jax.pipeline.rollout import RolloutPool
+from asyncopd_jax.pipeline.processes import Exchange, StageProcesses, default_snapshot_dir, plan_stages
+from asyncopd_jax.pipeline.rollout import GroupProducer, RolloutPool
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore, OrbaxSnapshotStore
+from asyncopd_jax.pipeline.stage_worker import stop_token_ids
 from asyncopd_jax.pipeline.staleness import StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import Sampler
@@ -89,11 +97,11 @@ class Trainer:
         self.needs_proximal = get_estimator(cfg.estimator.name).needs_proximal
         self.proximal = make_proximal_fn(self.graphdef, self.loss) if self.needs_proximal else None
 
-        # The sampler stops at the tokenizer's EOS and at every EOS id of the model's config.
-        stop = tuple(dict.fromkeys((*cfg.sampling.stop_token_ids, self.data.eos_id, *student.config.eos_token_ids)))
-        self.sampling = dataclasses.replace(cfg.sampling, stop_token_ids=stop)
+        self.sampling = dataclasses.replace(
+            cfg.sampling, stop_token_ids=stop_token_ids(cfg, self.data, student.config.eos_token_ids))
         self.scoring = cfg.scoring
         self.start_step, self.worker_index = 0, 0
+        self.rollout_seed = cfg.seed * 1_000_003
         if resume:
             self._resume()
         else:
@@ -114,12 +122,49 @@ class Trainer:
         self.worker_index = int(meta.get("worker_index", 0))
         self.run_dir.truncate_metrics(self.start_step)
 
+    @property
+    def snapshot_dir(self) -> Path:
+        configured = self.cfg.stages.snapshot_dir
+        if self.cfg.schedule.placement == "processes" and configured == "auto":
+            return default_snapshot_dir(self.run_dir.path)
+        return Path(configured) if configured != "auto" else self.run_dir.path / "snapshots"
+
     def _snapshot_store(self):
         keep = self.eta + 2
-        if self.cfg.schedule.snapshot_in_memory:
+        if self.cfg.schedule.snapshot_in_memory and self.cfg.schedule.placement == "threads":
             return InMemorySnapshotStore(keep=keep)
+        # Versions left by an earlier incarnation of this run may be newer than the restored
+        # policy; rollouts from them would be refused as "future". The learner is the only
+        # writer and no reader runs yet, so start from an empty directory.
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
         abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state.params)
-        return OrbaxSnapshotStore(self.run_dir.path / "snapshots", abstract, keep=keep)
+        return OrbaxSnapshotStore(self.snapshot_dir, abstract, keep=keep)
+
+    def _start_stages(self, buffer: StalenessBuffer) -> RolloutPool | StageProcesses:
+        """Rollout and scoring, as threads of this process or as stage processes."""
+        cfg = self.cfg
+        B = cfg.learner.batch_size
+        if cfg.schedule.placement == "processes":
+            _, specs = plan_stages(cfg.stages, sorted(os.sched_getaffinity(0)))
+            workers = cfg.stages.rollout_processes
+            group = B // workers if B % workers == 0 else B
+            layout = {"snapshots": str(self.snapshot_dir), "seed": self.rollout_seed, "group_size": group,
+                      "origin": self.tracer.origin}
+            stages = StageProcesses(cfg=cfg, exchange=Exchange(self.run_dir.path / "exchange"), buffer=buffer,
+                                    specs=specs, group_size=group, first_index=self.worker_index, layout=layout,
+                                    tracer=self.tracer)
+        else:
+            workers = cfg.schedule.rollout_workers
+            group = B // workers if B % workers == 0 else B
+            producer = GroupProducer(
+                sampler=Sampler(self.graphdef, self.sampling, pad_id=self.data.pad_id), snapshots=self.snapshots,
+                prompts=self.data.train_prompts, rewards=self.data.rewards, group_size=group,
+                seed=self.rollout_seed, prompt_slots=self.data.prompt_slots, tracer=self.tracer,
+            )
+            stages = RolloutPool(producer=producer, scorer=TeacherScorer(self.teacher, self.scoring), buffer=buffer,
+                                 workers=workers, first_index=self.worker_index)
+        stages.start()
+        return stages
 
     # --- evaluation ---------------------------------------------------------------------
 
@@ -137,21 +182,12 @@ class Trainer:
             summary = {"teacher_accuracy": teacher_accuracy, "student_before": self.evaluate_student()}
             self.run_dir.write_summary(summary)
 
-        B = cfg.learner.batch_size
-        workers = cfg.schedule.rollout_workers
-        group = B // workers if B % workers == 0 else B
-        buffer = StalenessBuffer(B, self.eta, cfg.learner.mini_batches)
-        snapshots = self._snapshot_store()
+        buffer = StalenessBuffer(cfg.learner.batch_size, self.eta, cfg.learner.mini_batches)
+        self.snapshots = snapshots = self._snapshot_store()
         version = int(self.state.step)
         snapshots.publish(version, self.state.params)
         snapshots.wait_for(version)
-        sampler = Sampler(self.graphdef, self.sampling, pad_id=self.data.pad_id)
-        pool = RolloutPool(
-            sampler=sampler, scorer=TeacherScorer(self.teacher, self.scoring), snapshots=snapshots, buffer=buffer,
-            prompts=self.data.train_prompts, group_size=group, workers=workers,
-            seed=cfg.seed * 1_000_003 + self.worker_index, prompt_slots=self.data.prompt_slots, tracer=self.tracer,
-        )
-        pool.start()
+        pool = self._start_stages(buffer)
         bar = _progress(self.start_step, cfg.train.steps, enabled=self.progress)
         step = self.start_step
         throughput = _Throughput()
@@ -161,6 +197,7 @@ class Trainer:
                     groups = buffer.take(version)
                 last_checkpoint_slot = step // cfg.train.checkpoint_every
                 step = self._train_on_batch(groups, version, step, buffer, bar, throughput)
+                pool.consumed(groups)
                 version = int(self.state.step)
                 with self.tracer.span("publish", version=version):
                     snapshots.publish(version, self.state.params)
@@ -175,7 +212,9 @@ class Trainer:
             pool.join(timeout=120)
             snapshots.close()
             bar.close()
-            self.tracer.write(self.run_dir.path / "trace.json")
+            self._write_trace(pool)
+            if cfg.schedule.placement == "processes" and cfg.stages.snapshot_dir == "auto":
+                shutil.rmtree(self.snapshot_dir, ignore_errors=True)  # RAM; the checkpoints are the record
         student = nnx.merge(self.graphdef, jax.device_get(self.state.params))
         save_pretrained(student, self.run_dir.path / "student")  # Hugging Face layout
         self.data.tokenizer.save_pretrained(self.run_dir.path / "student")
@@ -187,11 +226,16 @@ class Trainer:
         self.run_dir.close()
         return summary
 
-    def _checkpoint(self, step: int, pool: RolloutPool) -> None:
+    def _checkpoint(self, step: int, pool: RolloutPool | StageProcesses) -> None:
         with self.tracer.span("checkpoint", step=step):
-            meta = {"step": step, "worker_index": pool.groups_started + self.worker_index}
+            meta = {"step": step, "worker_index": pool.groups_started}
             self.run_dir.save_checkpoint(step, self.state, meta)
-        self.tracer.write(self.run_dir.path / "trace.json")
+        pool.checkpointed()
+        self._write_trace(pool)
+
+    def _write_trace(self, pool: RolloutPool | StageProcesses) -> None:
+        others = pool.trace_files() if isinstance(pool, StageProcesses) else []
+        self.tracer.write(self.run_dir.path / "trace.json", others=others)
 
 
     def _train_on_batch(self, groups, version: int, step: int, buffer: StalenessBuffer, bar, throughput) -> int:
@@ -199,8 +243,7 @@ class Trainer:
         cfg = self.cfg
         batch = _concat([g.batch for g in groups])
         cache = _concat([g.cache for g in groups])
-        problems = [p for g in groups for p in g.info["problems"]]
-        rollout_acc = float(np.mean(self.data.rewards(problems, batch)))
+        rollout_acc = float(np.mean(np.concatenate([g.info["rewards"] for g in groups])))
         stale = _staleness(batch, version)
         proximal = None
         if self.needs_proximal:

@@ -9,8 +9,10 @@ position off (the teacher untouched) must fail both checks: the last tests apply
 that bug and demand that the checks catch it.
 
 The rollouts come from every placement of the rollout stage (``PLACEMENTS``): sampled
-directly, and through the pipeline's rollout pool (worker threads reading an Orbax
-snapshot, handing groups over through the staleness buffer).
+directly; through the pipeline's rollout pool (worker threads reading an Orbax
+snapshot, handing groups over through the staleness buffer); and through stage
+processes (a rollout process and a scoring process, each its own JAX runtime, joined to
+the learner's buffer by the snapshot directory and the spool of records).
 """
 
 from __future__ import annotations
@@ -27,20 +29,24 @@ import pytest
 from flax import nnx
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
+from asyncopd_jax.config import load_config
 from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorOptions
 from asyncopd_jax.learner import LearnerBatch, PolicyLoss, create_train_state, make_proximal_fn, make_train_step
 from asyncopd_jax.learner import step as learner_step
-from asyncopd_jax.pipeline.rollout import RolloutPool
+from asyncopd_jax.models import save_pretrained
+from asyncopd_jax.pipeline.processes import Exchange, StageProcesses, StageSpec
+from asyncopd_jax.pipeline.rollout import GroupProducer, RolloutPool
 from asyncopd_jax.pipeline.snapshots import OrbaxSnapshotStore
 from asyncopd_jax.pipeline.staleness import StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import Sampler, SamplingParams
+from asyncopd_jax.tasks.tokenizer import save_tokenizer
 from asyncopd_jax.teacher import ScoringParams, TeacherScorer
 from tests.tiny_models import tiny_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15], [16, 17], [18, 19, 20, 21], [22], [23, 24]]
 PROMPT_SLOTS = 6
-PLACEMENTS = ["direct", "threads"]
+PLACEMENTS = ["direct", "threads", "processes"]
 TEMPERATURES = [1.0, 0.7]
 STOP = 3  # a stop token the tiny student emits now and then: responses of uneven length
 
@@ -81,10 +87,12 @@ def _rollout_threads(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, 
         picked = [PROMPTS[next(order)] for _ in range(n)]
         return picked, [None] * n
 
-    pool = RolloutPool(
-        sampler=Sampler(graphdef, _sampling(temperature)), scorer=_scorer(temperature), snapshots=snapshots,
-        buffer=buffer, prompts=prompts, group_size=4, workers=2, seed=0, prompt_slots=PROMPT_SLOTS, tracer=Tracer(),
+    producer = GroupProducer(
+        sampler=Sampler(graphdef, _sampling(temperature)), snapshots=snapshots, prompts=prompts,
+        rewards=lambda problems, batch: [0.0] * len(problems), group_size=4, seed=0, prompt_slots=PROMPT_SLOTS,
+        tracer=Tracer(),
     )
+    pool = RolloutPool(producer=producer, scorer=_scorer(temperature), buffer=buffer, workers=2)
     pool.start()
     try:
         groups = buffer.take(0, timeout=120)
@@ -97,7 +105,43 @@ def _rollout_threads(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, 
             jax.tree_util.tree_map(concat, *[g.cache for g in groups]))
 
 
-ROLLOUT = {"direct": _rollout_direct, "threads": _rollout_threads}
+def _rollout_processes(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, TeacherScoreCache]:
+    """A rollout process samples from the Orbax snapshot, a scoring process scores (the
+    student, saved in Hugging Face layout, is its own teacher); prompts of the built-in task."""
+    save_pretrained(_student(), tmp_path / "student")
+    save_tokenizer(tmp_path / "student")
+    sets = {
+        "student.path": tmp_path / "student", "teacher.path": tmp_path / "student", "sampling.temperature": temperature,
+        "sampling.max_new_tokens": 10, "sampling.num_candidates": 4, "sampling.student_topk": 3,
+        "sampling.stop_token_ids": f"[{STOP}]", "sampling.chunk_steps": 3, "scoring.topk": 4,
+        "scoring.num_samples": 3, "scoring.temperature": temperature, "learner.batch_size": 8,
+        "estimator.name": "reverse_kl_mc", "stages.rollout_processes": 1, "stages.scoring_processes": 1,
+    }
+    cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
+    _, state = nnx.split(_student())
+    snapshots = OrbaxSnapshotStore(tmp_path / "snapshots", state, keep=2)
+    snapshots.publish(0, state)
+    snapshots.wait_for(0)
+    buffer = StalenessBuffer(batch_size=8, eta=0)
+    tracer = Tracer()
+    stages = StageProcesses(
+        cfg=cfg, exchange=Exchange(tmp_path / "exchange"), buffer=buffer, group_size=4, first_index=0,
+        specs=[StageSpec("rollout", 0), StageSpec("scoring", 0)], tracer=tracer,
+        layout={"snapshots": str(tmp_path / "snapshots"), "seed": 0, "group_size": 4, "origin": tracer.origin},
+    )
+    stages.start()
+    try:
+        groups = buffer.take(0, timeout=300)
+    finally:
+        buffer.stop()
+        stages.join(timeout=60)
+        snapshots.close()
+    concat = lambda *xs: jnp.concatenate(xs, axis=0)  # noqa: E731
+    return (jax.tree_util.tree_map(concat, *[g.batch for g in groups]),
+            jax.tree_util.tree_map(concat, *[g.cache for g in groups]))
+
+
+ROLLOUT = {"direct": _rollout_direct, "threads": _rollout_threads, "processes": _rollout_processes}
 
 
 @functools.cache

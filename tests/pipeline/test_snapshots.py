@@ -130,3 +130,63 @@ def test_a_snapshot_being_restored_outlives_retention_until_its_reader_is_done(t
     assert store.committed_versions() == [4, 5]  # unpinned: removed by the next flush
     assert not any(p.name.startswith("0") for p in (tmp_path / "s").iterdir())
     store.close()
+
+
+READER_PROCESS = """
+import sys, time
+from pathlib import Path
+import orbax.checkpoint as ocp
+from flax import nnx
+from asyncopd_jax.pipeline.snapshots import OrbaxSnapshotStore
+from tests.tiny_models import tiny_decoder
+from tests.pipeline.test_snapshots import _version_of
+
+root, signals = Path(sys.argv[1]), Path(sys.argv[2])
+real_restore = ocp.StandardCheckpointer.restore
+
+def held_restore(self, directory, *args, **kwargs):
+    (signals / "inside").touch()  # version 0 is chosen and pinned; hold until told to go on
+    while not (signals / "go").exists():
+        time.sleep(0.01)
+    return real_restore(self, directory, *args, **kwargs)
+
+ocp.StandardCheckpointer.restore = held_restore
+store = OrbaxSnapshotStore(root, nnx.split(tiny_decoder(0))[1], read_only=True)
+version, params = store.load(0)
+print("restored", version, _version_of(params))
+"""
+
+
+def test_a_reader_in_another_process_pins_its_snapshot(tmp_path):
+    """As above, with the reader a separate OS process (the stage-process placement): the
+    pin is a file lock, not in-process state, so the writer sees it too."""
+    import subprocess
+    import sys
+    import time
+
+    _, template = nnx.split(tiny_decoder(0))
+    store = OrbaxSnapshotStore(tmp_path / "s", template, keep=2)
+    store.publish(0, _params_of_version(template, 0))
+    store.flush()
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    repo = Path(__file__).resolve().parents[2]
+    reader = subprocess.Popen([sys.executable, "-c", READER_PROCESS, str(tmp_path / "s"), str(signals)], cwd=repo,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (signals / "inside").exists():
+        assert reader.poll() is None, reader.stdout.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    for v in range(1, 5):
+        store.publish(v, _params_of_version(template, v))
+        store.flush()
+    assert store.committed_versions() == [0, 3, 4]  # 0 is pinned by the other process
+    (signals / "go").touch()
+    out, _ = reader.communicate(timeout=120)
+    assert reader.returncode == 0, out
+    assert "restored 0 0" in out
+    store.publish(5, _params_of_version(template, 5))
+    store.flush()
+    assert store.committed_versions() == [4, 5]
+    store.close()
