@@ -1,12 +1,16 @@
-"""Sync vs fully async OPD on the same workload, against the overlap bound.
+"""Sync vs fully async OPD, each in its best stage placement, against the overlap bound.
 
-Runs the built-in task twice with identical settings except the schedule: ``sync``
-(η = 0: rollout, score, learn, publish in turn) and ``fully_async`` (η = 2, rollout
-workers keep sampling while the learner trains). Reports samples/s of each (after the
-first ``--skip`` steps, which include compilation), their ratio, and the ratio of the
-async speed-up to the overlap bound ``(t_rollout + t_learn) / max(t_rollout, t_learn)``
-computed from the per-batch stage times measured in the sync run of this same
-invocation. Also times publishing a snapshot through Orbax against the in-memory path.
+Runs the demo workload (``configs/demo.yaml`` with a shorter run) as separate
+``asyncopd train`` processes, as a user would: ``sync`` (η = 0) and ``fully_async``
+(η = 2), each with the stages as threads of one process and as separate processes
+(``schedule.placement``). Reports samples/s of each (after the first ``--skip`` steps,
+which include compilation), the speed-up of the best async over the best sync
+placement, and for each async run the fraction of its placement's own bound that it
+reaches: the bound is ``B / max(t_rollout+score, t_learn+publish)`` with the per-batch
+stage times measured in that same run (for stage processes: the busy time of the rollout
+processes, divided by their number). Also times the two channels of the processes
+placement: publish + load of a policy snapshot through Orbax (RAM-backed ``/dev/shm``
+and the run directory's disk), and commit + read of one scored rollout group in the spool.
 
     python benchmarks/bench_pipeline.py
     python benchmarks/bench_pipeline.py --steps 20 --batch 16      # quicker
@@ -16,92 +20,146 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import jax
-
-from asyncopd_jax.config import load_config
-from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore, OrbaxSnapshotStore
-from asyncopd_jax.pipeline.trainer import Trainer
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
 
-def run(mode: str, args, out: Path):
+def run(mode: str, placement: str, args, out: Path) -> dict:
+    name = f"{mode}-{placement}"
     sets = [
-        f"name={mode}", f"output_dir={out}", f"schedule.mode={mode}", "schedule.max_staleness=2",
-        f"learner.batch_size={args.batch}", f"train.steps={args.steps}", f"train.eval_every={10**6}",
-        f"train.checkpoint_every={10**6}", "task.eval_prompts=16", f"schedule.rollout_workers={args.workers}",
-        *args.set,
+        f"name={name}", f"output_dir={out}", f"schedule.mode={mode}", "schedule.max_staleness=2",
+        f"schedule.placement={placement}", f"learner.batch_size={args.batch}", f"train.steps={args.steps}",
+        f"train.eval_every={10**6}", f"train.checkpoint_every={10**6}", "task.eval_prompts=16", *args.set,
     ]
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml", sets)
-    trainer = Trainer(cfg, progress=False)
-    trainer.run()
-    records = [json.loads(line) for line in (out / mode / "metrics.jsonl").read_text().splitlines()]
+    command = [sys.executable, "-m", "asyncopd_jax.cli", "train", "--no-progress", "--config", str(DEMO)]
+    for s in sets:
+        command += ["--set", s]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    run_dir = out / name
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first, last = records[args.skip - 1], records[-1]
-    samples_per_s = (last["step"] - first["step"]) * args.batch / (last["time"] - first["time"])
-    trace = json.loads((out / mode / "trace.json").read_text())["traceEvents"]
-
-    def per_batch(names):
-        spans = [e for e in trace if e.get("name") in names and e.get("ph") == "X"]
-        totals: dict = {}
-        for e in spans:  # sum the stages of one batch (rollout + score on one worker) by start order
-            totals.setdefault(e["name"], []).append(e["dur"] / 1e6)
-        per_name = [statistics.median(v[args.skip:]) for v in totals.values()]
-        return sum(per_name)
-
-    return samples_per_s, per_batch({"rollout", "score"}), per_batch({"learn", "publish", "proximal"})
+    window = (first["trace_s"], last["trace_s"])
+    rate = (last["step"] - first["step"]) * args.batch / (window[1] - window[0])
+    return {"rate": rate, **stage_times(run_dir, args.batch, window)}
 
 
-def publish_times(repeats: int = 5):
-    from asyncopd_jax.pipeline.trainer import load_model_and_tokenizer
+def stage_times(run_dir: Path, batch: int, window: tuple[float, float]) -> dict:
+    """Per-batch busy time of the rollout side (rollout + score, all its processes) and of
+    the learner (learn + publish + proximal), from the run's merged trace, inside ``window``
+    (seconds on the trace's clock: the spans of the measured steps)."""
+    trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    spans = [e for e in trace if e["ph"] == "X"]
+    lo, hi = window
+
+    def busy(which: set[str], where) -> float:
+        return sum(e["dur"] / 1e6 for e in spans if e["name"] in which and where(names[e["pid"]])
+                   and lo <= e["ts"] / 1e6 <= hi)
+
+    rollout_processes = {n for n in names.values() if n != "learner"}
+    parallel = max(1, len({n for n in rollout_processes if n.startswith("rollout")}))
+    rollout = busy({"rollout", "score"}, lambda p: True) / parallel
+    learner = busy({"learn", "publish", "proximal"}, lambda p: p == "learner")
+    steps = sum(1 for e in spans if e["name"] == "learn" and lo <= e["ts"] / 1e6 <= hi)
+    return {"t_rollout": rollout / max(steps, 1), "t_learn": learner / max(steps, 1)}
+
+
+def channel_costs(repeats: int = 10) -> dict:
+    import jax
     from flax import nnx
+
+    from asyncopd_jax.pipeline.snapshots import OrbaxSnapshotStore
+    from asyncopd_jax.pipeline.spool import Spool, read_record
+    from asyncopd_jax.pipeline.trainer import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer("builtin:student", "float32")
     _, params = nnx.split(model)
     out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, store in (("orbax", OrbaxSnapshotStore(tmp, params, keep=4)), ("in-memory", InMemorySnapshotStore())):
+    roots = {"orbax /dev/shm": Path("/dev/shm") if Path("/dev/shm").is_dir() else None, "orbax disk": Path(".")}
+    for name, base in roots.items():
+        if base is None:
+            continue
+        with tempfile.TemporaryDirectory(dir=base) as tmp:
+            store = OrbaxSnapshotStore(tmp, params, keep=4)
+            reader = OrbaxSnapshotStore(tmp, params, read_only=True)
             times = []
             for v in range(repeats):
                 start = time.perf_counter()
                 store.publish(v, params)
-                store.wait_for(v)
-                version, loaded = store.load()
-                jax.block_until_ready(loaded)
+                store.flush()
+                jax.block_until_ready(reader.load()[1])
                 times.append(time.perf_counter() - start)
             store.close()
-            out[name] = statistics.median(times)
+            out[name] = statistics.median(times[1:])
+    # One scored group of the demo at batch 32: tokens, versions, behaviour log-probs, top-8 cache.
+    import numpy as np
+
+    B, T, P, K = 32, 28, 16, 8
+    rng = np.random.default_rng(0)
+    record = {"index": np.asarray(1), "oldest_version": np.asarray(0), "newest_version": np.asarray(0),
+              "batch.prompt_tokens": rng.integers(0, 19, (B, P)).astype(np.int32),
+              "batch.prompt_mask": np.ones((B, P), bool), "batch.response_tokens": rng.integers(0, 19, (B, T)).astype(np.int32),
+              "batch.response_mask": np.ones((B, T), bool), "batch.behavior_logp": rng.normal(size=(B, T)).astype(np.float32),
+              "batch.token_version": np.zeros((B, T), np.int32), "cache.token_logp": rng.normal(size=(B, T)).astype(np.float32),
+              "cache.topk_ids": rng.integers(0, 19, (B, T, K)).astype(np.int32),
+              "cache.topk_logp": rng.normal(size=(B, T, K)).astype(np.float32), "rewards": np.ones(B, np.float32)}
+    with tempfile.TemporaryDirectory() as tmp:
+        spool = Spool(tmp)
+        times = []
+        for i in range(repeats * 5):
+            start = time.perf_counter()
+            path = spool.put(f"{i:010d}", record)
+            read_record(path)
+            times.append(time.perf_counter() - start)
+        out["spool group"] = statistics.median(times)
+        out["spool bytes"] = path.stat().st_size
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--skip", type=int, default=5, help="first steps left out of the rate (compilation)")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--skip", type=int, default=10, help="first steps left out of the rate (compilation)")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--set", action="append", default=[], metavar="A.B=C", help="config override for both runs")
+    parser.add_argument("--placements", default="threads,processes")
+    parser.add_argument("--set", action="append", default=[], metavar="A.B=C", help="config override for every run")
     args = parser.parse_args()
+    placements = args.placements.split(",")
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        sync_rate, t_roll, t_learn = run("sync", args, Path(tmp))
-        async_rate, t_roll_async, t_learn_async = run("fully_async", args, Path(tmp))
-    bound = (t_roll + t_learn) / max(t_roll, t_learn)
-    speedup = async_rate / sync_rate
-    print(f"workload: built-in task, batch {args.batch}, {args.steps} steps (first {args.skip} skipped), "
-          f"{args.workers} rollout worker(s), {jax.devices()[0].platform} ({jax.device_count()} device(s))")
-    print(f"stage times per batch (sync run): rollout + scoring {t_roll:.3f} s, learn + publish {t_learn:.3f} s")
-    print(f"stage times per batch (async run, overlapping): rollout + scoring {t_roll_async:.3f} s, "
-          f"learn + publish {t_learn_async:.3f} s")
-    print(f"sync        {sync_rate:8.1f} samples/s")
-    print(f"fully_async {async_rate:8.1f} samples/s  (η = 2)")
-    print(f"speed-up async / sync: {speedup:.2f}x  (target >= 1.5)")
-    print(f"overlap bound (t_r + t_l) / max(t_r, t_l): {bound:.2f}x; async reaches {speedup / bound:.2f} of it "
-          "(target >= 0.9)")
-    pub = publish_times()
-    print(f"snapshot publish + load: orbax {pub['orbax'] * 1e3:.1f} ms, in-memory {pub['in-memory'] * 1e3:.2f} ms "
-          f"({pub['orbax'] / pub['in-memory']:.0f}x)")
+        for mode in ("sync", "fully_async"):
+            for placement in placements:
+                results[mode, placement] = r = run(mode, placement, args, Path(tmp))
+                print(f"{mode:11} {placement:9} {r['rate']:7.1f} samples/s   per batch: rollout + scoring "
+                      f"{r['t_rollout'] * 1e3:5.1f} ms, learn + publish {r['t_learn'] * 1e3:5.1f} ms", flush=True)
+    cores = len(os.sched_getaffinity(0))
+    print(f"workload: demo, batch {args.batch}, {args.steps} steps (first {args.skip} skipped), {cores} CPU cores")
+    best_sync = max((results["sync", p]["rate"], p) for p in placements)
+    best_async = max((results["fully_async", p]["rate"], p) for p in placements)
+    print(f"best sync:  {best_sync[0]:7.1f} samples/s ({best_sync[1]})")
+    print(f"best async: {best_async[0]:7.1f} samples/s ({best_async[1]}, η = 2)")
+    print(f"speed-up best async / best sync: {best_async[0] / best_sync[0]:.2f}x  (target >= 1.5)")
+    for p in placements:
+        r = results["fully_async", p]
+        bound = args.batch / max(r["t_rollout"], r["t_learn"])
+        overlap = (r["t_rollout"] + r["t_learn"]) / max(r["t_rollout"], r["t_learn"])
+        print(f"fully_async {p}: {r['rate']:.1f} samples/s of its bound B / max(t_r, t_l) = {bound:.1f} -> "
+              f"{r['rate'] / bound:.2f} (target >= 0.9); overlap bound (t_r + t_l) / max = {overlap:.2f}x")
+    costs = channel_costs()
+    shm = costs.get("orbax /dev/shm")
+    print("snapshot publish + load (0.1 M parameters), other reader store: "
+          + (f"/dev/shm {shm * 1e3:.1f} ms, " if shm else "") + f"disk {costs['orbax disk'] * 1e3:.1f} ms")
+    print(f"spool: commit + read of one scored group of {args.batch}: {costs['spool group'] * 1e3:.2f} ms "
+          f"({costs['spool bytes'] / 1024:.0f} KiB)")
 
 
 if __name__ == "__main__":

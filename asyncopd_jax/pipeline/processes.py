@@ -251,7 +251,7 @@ class StageProcesses:
         self._stopping = threading.Event()
         self._procs: dict[str, subprocess.Popen] = {}
         self._logs: dict[str, Any] = {}
-        self._issued: set[int] = set()
+        self._admitted: set[int] = set()  # groups whose capacity was acquired here
         self._seen: set[str] = set()
         self._offered: deque[str] = deque()  # records put into the buffer, in order
         self._consumed: list[str] = []  # records taken or dropped by the learner, not yet checkpointed
@@ -262,8 +262,10 @@ class StageProcesses:
         for spool in (exchange.sampled, exchange.scored):
             for p in spool.claimed.iterdir():
                 os.rename(p, spool.root / (p.name.rsplit("@", 1)[0] + ".npz"))
-        leftovers = [int(n) for s in (exchange.sampled, exchange.scored) for n in s.names()]
-        self._counter = max([first_index, *leftovers])
+        # Committed by an earlier incarnation of this run: they count against the capacity
+        # like groups started now, and are admitted (in order) before any new ticket.
+        self._leftovers = sorted(int(n) for s in (exchange.sampled, exchange.scored) for n in s.names())
+        self._counter = max([first_index, *self._leftovers])
         exchange.write(cfg, {**layout, "scoring_processes": sum(s.role == "scoring" for s in specs)})
         self._threads = [threading.Thread(target=self._guard(f), name=n, daemon=True)
                          for n, f in (("dispatcher", self._dispatch), ("collector", self._collect),
@@ -364,28 +366,29 @@ class StageProcesses:
         return run
 
     def _dispatch(self) -> None:
+        for index in self._leftovers:
+            self.buffer.acquire(self.group_size)
+            with self._lock:
+                self._admitted.add(index)
         while not self._stopping.is_set():
             self.buffer.acquire(self.group_size)
             with self._lock:
                 self._counter += 1
                 index = self._counter
-                self._issued.add(index)
+                self._admitted.add(index)
             self.exchange.tickets.put(f"{index:010d}", {"index": np.asarray(index), "size": np.asarray(self.group_size)})
 
     def _collect(self) -> None:
         scored = self.exchange.scored
         while not self._stopping.is_set():
-            fresh = [n for n in scored.names() if n not in self._seen]
+            with self._lock:
+                fresh = [n for n in scored.names() if n not in self._seen and int(n) in self._admitted]
             if not fresh:
                 time.sleep(POLL_SECONDS)
                 continue
             for name in fresh:
                 with self.tracer.span("receive"):
-                    group, index = group_from_record(read_record(scored.path(name)))
-                if index not in self._issued:
-                    # Committed by an earlier incarnation of this run: count it against the
-                    # capacity like a group started now.
-                    self.buffer.acquire(group.size)
+                    group, _ = group_from_record(read_record(scored.path(name)))
                 group.info["record"] = name
                 with self._lock:
                     self._seen.add(name)

@@ -187,7 +187,7 @@ class Trainer:
         version = int(self.state.step)
         snapshots.publish(version, self.state.params)
         snapshots.wait_for(version)
-        pool = self._start_stages(buffer)
+        self.stages = pool = self._start_stages(buffer)
         bar = _progress(self.start_step, cfg.train.steps, enabled=self.progress)
         step = self.start_step
         throughput = _Throughput()
@@ -266,6 +266,7 @@ class Trainer:
                 "rollout_accuracy": rollout_acc, "samples_per_s": throughput.samples / elapsed,
                 "tokens_per_s": throughput.tokens / elapsed, "dropped_stale": buffer.dropped_stale,
                 "dropped_future": buffer.dropped_future, "time": elapsed,
+                "trace_s": time.time() - self.tracer.origin,  # the same clock as trace.json's spans
             }
             if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
                 record["eval_accuracy"] = self.evaluate_student()

@@ -1,0 +1,153 @@
+"""Stage placement ``processes``: stages really in their own processes; the run learns with
+the staleness bound kept; a stage process that dies stops the run within seconds with its
+error (or is restarted), and nothing committed to the spool is lost across a resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from asyncopd_jax.config import StagesConfig
+from asyncopd_jax.pipeline.processes import StageFailed, plan_stages
+from asyncopd_jax.pipeline.staleness import PipelineStopped
+from asyncopd_jax.pipeline.trainer import Trainer
+from tests.pipeline.test_trainer import _config, _kl_start_end, models  # noqa: F401 - fixture
+
+
+def test_auto_split_gives_the_learner_its_share_and_the_rest_to_rollouts():
+    learner, specs = plan_stages(StagesConfig(), [0, 1])
+    assert learner == (0,) and [(s.name, s.cores) for s in specs] == [("rollout-0", (1,))]
+    learner, specs = plan_stages(StagesConfig(rollout_processes=2, scoring_processes=2), range(8))
+    assert learner == (0, 1, 2)  # ⌈0.37 · 8⌉
+    assert [(s.name, s.cores) for s in specs] == [("rollout-0", (3,)), ("rollout-1", (4,)),
+                                                   ("scoring-0", (5, 6)), ("scoring-1", (7,))]
+    learner, specs = plan_stages(StagesConfig(rollout_processes=2), [5])  # one core: all share it
+    assert learner == (5,) and [s.cores for s in specs] == [(5,), (5,)]
+
+
+def test_explicit_cores_and_devices_are_dealt_to_the_processes():
+    stages = StagesConfig(rollout_processes=3, learner_cores="0-1", rollout_cores="2,3", scoring_processes=1,
+                          scoring_cores="", rollout_devices="1")
+    learner, specs = plan_stages(stages, range(4))
+    assert learner == (0, 1)
+    assert [(s.name, s.cores, s.devices) for s in specs] == [
+        ("rollout-0", (2,), "1"), ("rollout-1", (3,), "1"), ("rollout-2", (2,), "1"), ("scoring-0", (), "")]
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_stages_run_in_their_own_processes_and_the_run_learns(models, tmp_path):  # noqa: F811
+    cfg = _config(models, tmp_path, **{
+        "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": 2,
+        "stages.rollout_processes": 2, "stages.scoring_processes": 1, "train.steps": 12,
+    })
+    trainer = Trainer(cfg, progress=False)
+    summary = trainer.run()
+    run = tmp_path / "t"
+    records = _records(run)
+    assert [r["step"] for r in records] == list(range(1, 13))
+    start, end = _kl_start_end(records)
+    assert end < 0.85 * start, [round(r["loss"], 2) for r in records]
+    assert all(r["staleness_max"] <= 2 for r in records)
+    assert summary["steps"] == 12
+    pids = trainer.stages.pids
+    assert set(pids) == {"rollout-0", "rollout-1", "scoring-0"} and os.getpid() not in pids.values()
+    trace = json.loads((run / "trace.json").read_text())["traceEvents"]
+    process_names = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    spans = {(process_names[e["pid"]], e["name"]) for e in trace if e["ph"] == "X"}
+    assert {("rollout-0", "rollout"), ("rollout-1", "rollout"), ("scoring-0", "score"), ("learner", "learn")} <= spans
+    assert ("learner", "score") not in spans and ("rollout-0", "score") not in spans  # scoring had its own process
+    # The final checkpoint covers every consumed record: only unconsumed ones may remain.
+    # At most (η + 1) batches of 8 samples are ever in flight: 6 groups of 4.
+    assert len(list((run / "exchange" / "scored").glob("*.npz"))) <= 6
+    assert not trainer.snapshot_dir.exists()  # the RAM-backed snapshots are cleaned up
+
+
+def _kill_when(trainer, role_name, committed: int, seen: set, killed: dict) -> threading.Thread:
+    """Kill ``role_name`` with SIGKILL once ``committed`` scored records exist; note every
+    record name ever seen in the spool."""
+
+    def watch():
+        scored = trainer.run_dir.path / "exchange" / "scored"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and "at" not in killed:
+            if scored.is_dir():
+                seen.update(p.name for p in scored.glob("*.npz"))
+            stages = getattr(trainer, "stages", None)
+            if stages is not None and len(seen) >= committed:
+                os.kill(stages.pids[role_name], signal.SIGKILL)
+                killed["at"] = time.monotonic()
+            time.sleep(0.005)
+        while time.monotonic() < deadline and not killed.get("done"):  # keep listing until the run ends
+            if scored.is_dir():
+                seen.update(p.name for p in scored.glob("*.npz"))
+            if time.monotonic() - killed.get("at", time.monotonic()) > 180 and not killed.get("watchdog"):
+                killed["watchdog"] = True  # a run that would hang fails the test instead
+                trainer.stages.buffer.fail(AssertionError("the run neither stopped nor went on after the kill"))
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_killed_rollout_process_stops_the_run_in_seconds_and_resume_loses_nothing(models, tmp_path):  # noqa: F811
+    cfg = _config(models, tmp_path, **{
+        "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": 2,
+        "train.steps": 16, "train.checkpoint_every": 3,
+    })
+    trainer = Trainer(cfg, progress=False)
+    seen: set = set()
+    killed: dict = {}
+    watcher = _kill_when(trainer, "rollout-0", committed=6, seen=seen, killed=killed)
+    with pytest.raises(PipelineStopped) as info:
+        trainer.run()
+    stopped_at = time.monotonic()
+    killed["done"] = True
+    watcher.join(10)
+    assert "at" in killed, "the rollout process was never killed"
+    assert stopped_at - killed["at"] < 15, f"the run took {stopped_at - killed['at']:.1f} s to stop"
+    cause = info.value.__cause__
+    assert isinstance(cause, StageFailed) and "rollout-0" in str(cause) and "SIGKILL" in str(cause)
+    for pid in trainer.stages.pids.values():  # every stage process is gone (and reaped)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    run = tmp_path / "t"
+    last_checkpoint = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    on_disk = {p.name for p in (run / "exchange" / "scored").glob("*.npz")}
+    deleted = seen - on_disk
+    # Only records consumed before the last checkpoint were deleted (the oldest ones); every
+    # later record committed before the kill is still there.
+    assert on_disk and max(deleted, default="") < min(on_disk), (sorted(seen), sorted(on_disk))
+
+    resumed = Trainer(cfg, resume=True, progress=False)
+    assert resumed.start_step == last_checkpoint
+    resumed.run()
+    records = _records(run)
+    assert [r["step"] for r in records] == list(range(1, 17))  # every step exactly once
+    left = {p.name for p in (run / "exchange" / "scored").glob("*.npz")}
+    assert not (on_disk & left), "records committed before the crash were not consumed after the resume"
+
+
+def test_a_killed_stage_process_is_restarted_when_configured(models, tmp_path):  # noqa: F811
+    cfg = _config(models, tmp_path, **{
+        "schedule.placement": "processes", "schedule.mode": "fully_async", "stages.restarts": 1, "train.steps": 10,
+        "train.checkpoint_every": 100,
+    })
+    trainer = Trainer(cfg, progress=False)
+    seen: set = set()
+    killed: dict = {}
+    watcher = _kill_when(trainer, "rollout-0", committed=3, seen=seen, killed=killed)
+    trainer.run()
+    killed["done"] = True
+    watcher.join(10)
+    assert "at" in killed
+    assert [r["step"] for r in _records(tmp_path / "t")] == list(range(1, 11))
+    assert trainer.stages.restarts_left == 0
