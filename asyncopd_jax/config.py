@@ -139,6 +139,24 @@ class StagesConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """JAX's multi-controller runtime for a learner that spans several processes or hosts.
+
+    With ``initialize: true`` every learner process calls ``jax.distributed.initialize``
+    before anything else touches JAX; the learner's mesh then covers the devices of all
+    processes and each process feeds its own rows of every batch. On Cloud TPU VMs, SLURM
+    and Open MPI the other fields may stay unset: JAX reads them from the environment
+    (``JAX_COORDINATOR_ADDRESS`` is read too). Elsewhere give all three.
+    """
+
+    initialize: bool = False
+    coordinator_address: str = ""  # "host:port" of process 0; "": detected from the environment
+    num_processes: int = 0  # 0: detected from the environment
+    process_id: int = -1  # -1: detected from the environment
+    initialization_timeout: int = 300  # seconds to wait for every process to join
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 100  # optimizer steps
     eval_every: int = 25
@@ -161,6 +179,7 @@ class RunConfig:
     learner: LearnerConfig = LearnerConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     stages: StagesConfig = StagesConfig()
+    distributed: DistributedConfig = DistributedConfig()
     train: TrainConfig = TrainConfig()
 
     def __post_init__(self) -> None:
@@ -198,6 +217,12 @@ def _validate(cfg: RunConfig) -> None:
         ("stages.scoring_processes", cfg.stages.scoring_processes, cfg.stages.scoring_processes >= 0, ">= 0"),
         ("stages.restarts", cfg.stages.restarts, cfg.stages.restarts >= 0, ">= 0"),
         ("stages.rollout_niceness", cfg.stages.rollout_niceness, 0 <= cfg.stages.rollout_niceness <= 19, "0 to 19"),
+        ("distributed.num_processes", cfg.distributed.num_processes, cfg.distributed.num_processes >= 0,
+         ">= 0 (0: from the environment)"),
+        ("distributed.process_id", cfg.distributed.process_id,
+         cfg.distributed.process_id >= -1
+         and (cfg.distributed.num_processes == 0 or cfg.distributed.process_id < cfg.distributed.num_processes),
+         "-1 (from the environment) or 0 .. distributed.num_processes - 1"),
         ("train.steps", cfg.train.steps, cfg.train.steps >= 1, ">= 1"),
         ("optim.learning_rate", cfg.optim.learning_rate, cfg.optim.learning_rate > 0, "> 0"),
     ]:

@@ -1,0 +1,92 @@
+"""The learner over two processes (JAX's distributed runtime, CPU collectives on
+localhost) equals the same sharded learner in one process: the same losses and
+parameters after two steps, and an Orbax checkpoint written and restored by both."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from asyncopd_jax.config import ConfigError, load_config
+from asyncopd_jax.learner import PolicyLoss, create_train_state, distributed, make_mesh, make_train_step
+from tests.learner import distributed_worker as worker
+from tests.learner.batches import make_learner_batch
+from tests.tiny_models import tiny_decoder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_process_reference():
+    """The same two steps on one process whose mesh has the same shape (2 × 2 devices)."""
+    batch = make_learner_batch()
+    mesh = make_mesh(worker.MESH, devices=jax.devices()[:4])
+    graphdef, state = create_train_state(tiny_decoder(0, scale=0.7), worker.optimizer(), mesh)
+    step = make_train_step(graphdef, worker.optimizer(), PolicyLoss(worker.ESTIMATOR), mesh=mesh, state_example=state)
+    losses = []
+    for _ in range(worker.STEPS):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.asarray(losses), jax.tree_util.tree_leaves(jax.device_get(state.params))
+
+
+def test_two_learner_processes_equal_one(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.learner.distributed_worker", str(tmp_path), str(i), "2",
+                               str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, text) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"learner process {i} failed:\n{text[-4000:]}"
+
+    result = np.load(tmp_path / "result.npz")
+    losses, params = _one_process_reference()
+    np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+    assert losses[1] < losses[0]  # the steps did something that could differ
+    assert len(params) == sum(k.startswith("trained/") for k in result.files)
+    for i, leaf in enumerate(params):
+        np.testing.assert_allclose(result[f"trained/{i}"], leaf, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(result[f"restored/{i}"], result[f"trained/{i}"])
+    assert int(result["meta_step"]) == worker.STEPS
+
+
+def test_each_process_feeds_its_own_contiguous_rows():
+    assert [distributed.process_rows(8, p, 2) for p in range(2)] == [slice(0, 4), slice(4, 8)]
+    assert distributed.process_rows(6, 2, 3) == slice(4, 6)
+    with pytest.raises(ValueError, match="does not split evenly over 3 learner processes"):
+        distributed.process_rows(8, 0, 3)
+
+
+def test_global_batch_in_one_process_is_the_batch_sharded():
+    mesh = make_mesh(worker.MESH, devices=jax.devices()[:4])
+    x = np.arange(8 * 3).reshape(8, 3)
+    out = distributed.global_batch({"x": x, "n": np.asarray(5)}, mesh)
+    np.testing.assert_array_equal(out["x"], x)
+    assert out["x"].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
+    assert len(out["x"].addressable_shards) == 4 and int(out["n"]) == 5
+
+
+def test_distributed_config_is_validated():
+    with pytest.raises(ConfigError, match="distributed.process_id = 2 is invalid"):
+        load_config(None, ["distributed.num_processes=2", "distributed.process_id=2"])
+    with pytest.raises(ConfigError, match="distributed.num_processes = -1 is invalid"):
+        load_config(None, ["distributed.num_processes=-1"])
+    assert load_config(None, ["distributed.initialize=true"]).distributed.process_id == -1
