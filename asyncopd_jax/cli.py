@@ -49,6 +49,10 @@ def _train(args: argparse.Namespace) -> None:
         for spec in specs:
             print(f"  {spec.name}: cores {','.join(map(str, spec.cores)) or 'any'}")
         print(f"  learner: cores {','.join(map(str, learner_cores)) or 'any'}")
+    if cfg.distributed.initialize:
+        from asyncopd_jax.learner import distributed
+
+        distributed.initialize(cfg.distributed)  # before anything else starts JAX here
     summary = Trainer(cfg, resume=bool(args.resume), progress=not args.no_progress).run()
     rows = [("teacher", summary["teacher_accuracy"]), ("student before", summary["student_before"]),
             ("student after", summary["student_after"])]

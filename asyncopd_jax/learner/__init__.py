@@ -1,5 +1,6 @@
 """The learner: train state, sharded micro-batched train step, losses, optimizer."""
 
+from asyncopd_jax.learner import distributed
 from asyncopd_jax.learner.optimizer import learning_rate_schedule, make_optimizer
 from asyncopd_jax.learner.sharding import batch_shardings, make_mesh, param_spec, state_shardings
 from asyncopd_jax.learner.step import (
@@ -19,6 +20,7 @@ __all__ = [
     "TrainState",
     "batch_shardings",
     "create_train_state",
+    "distributed",
     "learning_rate_schedule",
     "make_mesh",
     "make_optimizer",

@@ -73,6 +73,20 @@ def global_batch(local: Any, mesh: Mesh) -> Any:
                                   local, shardings)
 
 
+def from_leader(value: Any) -> Any:
+    """``value`` as process 0 has it, on every process (a collective: all must call)."""
+    if jax.process_count() == 1:
+        return value
+    out = multihost_utils.broadcast_one_to_all(np.asarray(value))
+    return out.item() if np.ndim(value) == 0 and not isinstance(value, np.ndarray) else np.asarray(out)
+
+
+def barrier(name: str) -> None:
+    """Wait until every process gets here (no-op in one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
 def gather(tree: Any) -> Any:
     """Every leaf as a whole NumPy array on every process (for evaluation and export;
     the leaves may be sharded over devices of other processes)."""
@@ -81,4 +95,4 @@ def gather(tree: Any) -> Any:
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
-__all__ = ["gather", "global_batch", "initialize", "is_leader", "process_rows"]
+__all__ = ["barrier", "from_leader", "gather", "global_batch", "initialize", "is_leader", "process_rows"]

@@ -125,6 +125,8 @@ class OrbaxSnapshotStore:
         self._remove_old()
 
     def _remove_old(self) -> None:
+        if jax.process_index() != 0:
+            return  # a learner over several processes: process 0 alone retires versions
         versions = self.committed_versions()
         for v in versions[: -self.keep]:
             with _exclusive(self.root / f"{v}.lock") as free:

@@ -9,7 +9,14 @@ process (:class:`RolloutPool`) or as separate processes on their own cores or de
 (:class:`StageProcesses`, joined through Orbax snapshots and a spool of scored groups).
 
 One :class:`Trainer` builds every component from a :class:`RunConfig`, runs optimizer
-steps until ``train.steps``, and writes ``runs/<name>/``. The three schedules differ only
+steps until ``train.steps``, and writes ``runs/<name>/``.
+
+A learner over several processes or hosts (``distributed.initialize``; see
+:mod:`asyncopd_jax.learner.distributed`) runs one Trainer per process. Process 0, the
+*leader*, owns the staleness buffer and the stage processes and writes the run's files;
+at every rollout batch it broadcasts the numbers of the spool records it took, and every
+process reads those records from the shared run directory and feeds its own rows.
+Checkpoints and policy snapshots are written by all processes together (Orbax). The three schedules differ only
 in the staleness bound η the buffer enforces (``sync``: 0; ``n_step_off``: n batches;
 ``fully_async``: ``schedule.max_staleness``).
 """
@@ -29,10 +36,11 @@ import numpy as np
 from flax import nnx
 
 from asyncopd_jax.cache import RolloutBatch
-from asyncopd_jax.config import RunConfig
+from asyncopd_jax.config import ConfigError, RunConfig
 from asyncopd_jax.estimator_registry import get_estimator
 from asyncopd_jax.learner import (
     LearnerBatch,
+    distributed,
     PolicyLoss,
     create_train_state,
     make_mesh,
@@ -46,8 +54,9 @@ from asyncopd_jax.pipeline.processes import Exchange, StageProcesses, default_sn
 from asyncopd_jax.pipeline.rollout import GroupProducer, RolloutPool
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore, OrbaxSnapshotStore
+from asyncopd_jax.pipeline.spool import group_from_record, read_record
 from asyncopd_jax.pipeline.stage_worker import stop_token_ids
-from asyncopd_jax.pipeline.staleness import StalenessBuffer
+from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import Sampler
 from asyncopd_jax.tasks.assets import resolve_model_path
@@ -76,6 +85,11 @@ class Trainer:
         self.progress = progress
         self.run_dir = RunDir(Path(cfg.output_dir) / cfg.name)
         self.tracer = Tracer()
+        self.multi_process = jax.process_count() > 1
+        self.leader = distributed.is_leader()
+        if self.multi_process and cfg.schedule.placement != "processes":
+            raise ConfigError(f"a learner over {jax.process_count()} processes needs schedule.placement = processes "
+                              "(its processes read each batch from the run's spool)")
 
         student, tokenizer = load_model_and_tokenizer(cfg.student.path, cfg.student.dtype)
         teacher, teacher_tokenizer = load_model_and_tokenizer(cfg.teacher.path, cfg.teacher.dtype)
@@ -110,9 +124,10 @@ class Trainer:
                     f"{self.run_dir.path} already holds a run with checkpoints; continue it with "
                     f"--resume {self.run_dir.path}, or start another with --set name=<new name>"
                 )
-            for stale in ("metrics.jsonl", "summary.json"):
-                (self.run_dir.path / stale).unlink(missing_ok=True)
-            self.run_dir.write_config(cfg)
+            if self.leader:
+                for stale in ("metrics.jsonl", "summary.json"):
+                    (self.run_dir.path / stale).unlink(missing_ok=True)
+                self.run_dir.write_config(cfg)
 
     # --- set-up ------------------------------------------------------------------------
 
@@ -120,12 +135,13 @@ class Trainer:
         self.state, meta = self.run_dir.restore_checkpoint(self.state)
         self.start_step = int(meta["step"])
         self.worker_index = int(meta.get("worker_index", 0))
-        self.run_dir.truncate_metrics(self.start_step)
+        if self.leader:
+            self.run_dir.truncate_metrics(self.start_step)
 
     @property
     def snapshot_dir(self) -> Path:
         configured = self.cfg.stages.snapshot_dir
-        if self.cfg.schedule.placement == "processes" and configured == "auto":
+        if self.cfg.schedule.placement == "processes" and configured == "auto" and not self.multi_process:
             return default_snapshot_dir(self.run_dir.path)
         return Path(configured) if configured != "auto" else self.run_dir.path / "snapshots"
 
@@ -136,18 +152,26 @@ class Trainer:
         # Versions left by an earlier incarnation of this run may be newer than the restored
         # policy; rollouts from them would be refused as "future". The learner is the only
         # writer and no reader runs yet, so start from an empty directory.
-        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        if self.leader:
+            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        distributed.barrier("snapshot directory emptied")
         abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state.params)
         return OrbaxSnapshotStore(self.snapshot_dir, abstract, keep=keep)
+
+    def _group_size(self) -> int:
+        """Samples per rollout group: the batch split over the rollout workers or processes
+        (the whole batch per group when it does not split evenly)."""
+        B = self.cfg.learner.batch_size
+        workers = (self.cfg.stages.rollout_processes if self.cfg.schedule.placement == "processes"
+                   else self.cfg.schedule.rollout_workers)
+        return B // workers if B % workers == 0 else B
 
     def _start_stages(self, buffer: StalenessBuffer) -> RolloutPool | StageProcesses:
         """Rollout and scoring, as threads of this process or as stage processes."""
         cfg = self.cfg
-        B = cfg.learner.batch_size
+        group = self._group_size()
         if cfg.schedule.placement == "processes":
             _, specs = plan_stages(cfg.stages, sorted(os.sched_getaffinity(0)))
-            workers = cfg.stages.rollout_processes
-            group = B // workers if B % workers == 0 else B
             layout = {"snapshots": str(self.snapshot_dir), "seed": self.rollout_seed, "group_size": group,
                       "origin": self.tracer.origin}
             stages = StageProcesses(cfg=cfg, exchange=Exchange(self.run_dir.path / "exchange"), buffer=buffer,
@@ -155,7 +179,6 @@ class Trainer:
                                     tracer=self.tracer)
         else:
             workers = cfg.schedule.rollout_workers
-            group = B // workers if B % workers == 0 else B
             producer = GroupProducer(
                 sampler=Sampler(self.graphdef, self.sampling, pad_id=self.data.pad_id), snapshots=self.snapshots,
                 prompts=self.data.train_prompts, rewards=self.data.rewards, group_size=group,
@@ -169,8 +192,12 @@ class Trainer:
     # --- evaluation ---------------------------------------------------------------------
 
     def evaluate_student(self) -> float:
+        """Held-out accuracy of the current student (computed by the leader; every process
+        takes part in gathering the parameters and gets the leader's figure)."""
         with self.tracer.span("eval"):
-            return self.data.accuracy(self.graphdef, jax.device_get(self.state.params))
+            params = distributed.gather(self.state.params)
+            accuracy = self.data.accuracy(self.graphdef, params) if self.leader else 0.0
+            return distributed.from_leader(accuracy)
 
     # --- the run ------------------------------------------------------------------------
 
@@ -178,23 +205,25 @@ class Trainer:
         cfg = self.cfg
         summary = self.run_dir.read_summary()
         if "teacher_accuracy" not in summary:
-            teacher_accuracy = self.data.accuracy(*nnx.split(self.teacher))
-            summary = {"teacher_accuracy": teacher_accuracy, "student_before": self.evaluate_student()}
-            self.run_dir.write_summary(summary)
+            teacher_accuracy = self.data.accuracy(*nnx.split(self.teacher)) if self.leader else 0.0
+            summary = {"teacher_accuracy": distributed.from_leader(teacher_accuracy),
+                       "student_before": self.evaluate_student()}
+            if self.leader:
+                self.run_dir.write_summary(summary)
 
         buffer = StalenessBuffer(cfg.learner.batch_size, self.eta, cfg.learner.mini_batches)
         self.snapshots = snapshots = self._snapshot_store()
         version = int(self.state.step)
         snapshots.publish(version, self.state.params)
         snapshots.wait_for(version)
-        self.stages = pool = self._start_stages(buffer)
-        bar = _progress(self.start_step, cfg.train.steps, enabled=self.progress)
+        self.stages = pool = self._start_stages(buffer) if self.leader else _Follower()
+        bar = _progress(self.start_step, cfg.train.steps, enabled=self.progress and self.leader)
         step = self.start_step
         throughput = _Throughput()
         try:
             while step < cfg.train.steps:
                 with self.tracer.span("wait_for_rollouts"):
-                    groups = buffer.take(version)
+                    groups = self._take_batch(buffer, version)
                 last_checkpoint_slot = step // cfg.train.checkpoint_every
                 step = self._train_on_batch(groups, version, step, buffer, bar, throughput)
                 pool.consumed(groups)
@@ -213,27 +242,60 @@ class Trainer:
             snapshots.close()
             bar.close()
             self._write_trace(pool)
-            if cfg.schedule.placement == "processes" and cfg.stages.snapshot_dir == "auto":
+            if cfg.schedule.placement == "processes" and cfg.stages.snapshot_dir == "auto" and self.leader:
                 shutil.rmtree(self.snapshot_dir, ignore_errors=True)  # RAM; the checkpoints are the record
-        student = nnx.merge(self.graphdef, jax.device_get(self.state.params))
-        save_pretrained(student, self.run_dir.path / "student")  # Hugging Face layout
-        self.data.tokenizer.save_pretrained(self.run_dir.path / "student")
+        student = nnx.merge(self.graphdef, distributed.gather(self.state.params))
         summary = {**summary, "student_after": self.evaluate_student(), "steps": step,
                    "dropped_stale": buffer.dropped_stale, "dropped_future": buffer.dropped_future,
                    "stage_seconds": self.tracer.totals()}
-        self.run_dir.write_summary(summary)
-        self.run_dir.write_report(f"{cfg.name}: {cfg.estimator.name}, {cfg.schedule.mode} (η = {self.eta})")
+        if self.leader:
+            save_pretrained(student, self.run_dir.path / "student")  # Hugging Face layout
+            self.data.tokenizer.save_pretrained(self.run_dir.path / "student")
+            self.run_dir.write_summary(summary)
+            self.run_dir.write_report(f"{cfg.name}: {cfg.estimator.name}, {cfg.schedule.mode} (η = {self.eta})")
         self.run_dir.close()
         return summary
 
-    def _checkpoint(self, step: int, pool: RolloutPool | StageProcesses) -> None:
+    def _take_batch(self, buffer: StalenessBuffer, version: int) -> list[RolloutGroup]:
+        """The rollout groups of the next batch. One process: from the staleness buffer.
+        Several: the leader takes them from its buffer and broadcasts their record numbers
+        with a fingerprint of each; every other process reads the same records from the
+        spool and checks the fingerprints (a stale read of shared storage fails loudly
+        instead of training on other rows). Numbers −1: the leader stopped."""
+        if not self.multi_process:
+            return buffer.take(version)
+        named = np.full((self.cfg.learner.batch_size // self._group_size(), 2), -1, np.int64)
+        groups: list[RolloutGroup] = []
+        if self.leader:
+            try:
+                groups = buffer.take(version)
+            except PipelineStopped:
+                distributed.from_leader(named)  # tell the others to stop too
+                raise
+            named = np.asarray([(int(g.info["record"]), _fingerprint(g)) for g in groups], np.int64)
+        named = distributed.from_leader(named)
+        if (named[:, 0] < 0).any():
+            raise PipelineStopped("the leader learner process stopped the run (its log has the cause)")
+        if self.leader:
+            return groups
+        scored = Exchange(self.run_dir.path / "exchange").scored
+        groups = [group_from_record(read_record(scored.path(f"{n:010d}")))[0] for n in named[:, 0]]
+        for group, (number, fingerprint) in zip(groups, named):
+            if _fingerprint(group) != fingerprint:
+                raise RuntimeError(f"rollout record {number:010d} in {scored.root} differs from the one the leader "
+                                   "trains on: is the run directory on storage every host sees consistently?")
+        return groups
+
+    def _checkpoint(self, step: int, pool: RolloutPool | StageProcesses | _Follower) -> None:
         with self.tracer.span("checkpoint", step=step):
             meta = {"step": step, "worker_index": pool.groups_started}
             self.run_dir.save_checkpoint(step, self.state, meta)
         pool.checkpointed()
         self._write_trace(pool)
 
-    def _write_trace(self, pool: RolloutPool | StageProcesses) -> None:
+    def _write_trace(self, pool: RolloutPool | StageProcesses | _Follower) -> None:
+        if not self.leader:
+            return
         others = pool.trace_files() if isinstance(pool, StageProcesses) else []
         self.tracer.write(self.run_dir.path / "trace.json", others=others)
 
@@ -245,16 +307,18 @@ class Trainer:
         cache = _concat([g.cache for g in groups])
         rollout_acc = float(np.mean(np.concatenate([g.info["rewards"] for g in groups])))
         stale = _staleness(batch, version)
-        proximal = None
-        if self.needs_proximal:
-            with self.tracer.span("proximal"):
-                proximal = self.proximal(self.state.params, LearnerBatch(batch, cache))
         rows = cfg.learner.batch_size // cfg.learner.mini_batches
-        for m in range(cfg.learner.mini_batches):
+        minis = [LearnerBatch(_rows(batch, m * rows, (m + 1) * rows), _rows(cache, m * rows, (m + 1) * rows))
+                 for m in range(cfg.learner.mini_batches)]
+        if self.multi_process:  # this process feeds its own rows of each mini-batch
+            share = distributed.process_rows(rows)
+            minis = [distributed.global_batch(_rows(mini, share.start, share.stop), self.mesh) for mini in minis]
+        if self.needs_proximal:  # π_prox: the weights before the batch's first step
+            with self.tracer.span("proximal"):
+                minis = [LearnerBatch(m.rollout, m.cache, self.proximal(self.state.params, m)) for m in minis]
+        for mini in minis:
             if step >= cfg.train.steps:
                 break
-            part = slice(m * rows, (m + 1) * rows)
-            mini = LearnerBatch(*(None if x is None else _rows(x, part.start, part.stop) for x in (batch, cache, proximal)))
             with self.tracer.span("learn", step=step):
                 self.state, metrics = self.train_step(self.state, mini)
                 metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -270,9 +334,26 @@ class Trainer:
             }
             if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
                 record["eval_accuracy"] = self.evaluate_student()
-            self.run_dir.append_metrics(record)
+            if self.leader:
+                self.run_dir.append_metrics(record)
             bar.update(record)
         return step
+
+
+class _Follower:
+    """The stages as a learner process other than the leader sees them: not its business
+    (the leader starts and feeds them; this process reads the batches it names)."""
+
+    groups_started = 0
+
+    def consumed(self, taken: list[RolloutGroup]) -> None:
+        pass
+
+    def checkpointed(self) -> None:
+        pass
+
+    def join(self, timeout: float = 60.0) -> None:
+        pass
 
 
 class _Throughput:
@@ -286,6 +367,13 @@ class _Throughput:
         self.samples += samples
         self.tokens += tokens
         return time.perf_counter() - self.start
+
+
+def _fingerprint(group: RolloutGroup) -> int:
+    """A position-weighted checksum of a group's response tokens and versions."""
+    values = np.concatenate([np.asarray(group.batch.response_tokens).ravel(),
+                             np.asarray(group.batch.token_version).ravel()]).astype(np.int64)
+    return int(np.sum(values * (np.arange(values.size) % 9973 + 1)))
 
 
 def _staleness(batch: RolloutBatch, version: int) -> dict[str, Any]:

@@ -1,0 +1,56 @@
+"""``asyncopd train`` with a learner over two processes (``distributed.initialize``, CPU
+collectives on localhost) and a rollout stage process: the run learns, every step is
+logged once by the leader, checkpoints and the distilled student are written."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from asyncopd_jax.config import save_config
+from tests.pipeline.test_trainer import _config, _kl_start_end, models  # noqa: F401 - fixture
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_learner_over_two_processes_runs_the_pipeline(models, tmp_path):  # noqa: F811
+    cfg = _config(models, tmp_path, **{
+        "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": 2,
+        "learner.mesh": "{data: -1, fsdp: 2}", "train.steps": 8, "train.checkpoint_every": 4,
+        "stages.rollout_processes": 2,  # two groups per batch: their order matters
+    })
+    config_file = tmp_path / "config.yaml"
+    save_config(cfg, config_file)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "asyncopd_jax.cli", "train", "--no-progress", "--config", str(config_file),
+         "--set", "distributed.initialize=true", "--set", f"distributed.coordinator_address=127.0.0.1:{port}",
+         "--set", "distributed.num_processes=2", "--set", f"distributed.process_id={i}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, text) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"learner process {i} failed:\n{text[-5000:]}"
+
+    run = tmp_path / "t"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))  # the leader logs each step once
+    start, end = _kl_start_end(records, k=3)
+    assert end < 0.9 * start, [round(r["loss"], 3) for r in records]
+    assert all(r["staleness_max"] <= 2 for r in records)
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [4, 8]
+    assert (run / "student" / "config.json").is_file()
+    # Only the leader evaluates; the other process prints the figure it broadcast.
+    teacher = [line.split()[-1] for text in outputs for line in text.splitlines() if line.startswith("  teacher ")]
+    assert len(teacher) == 2 and teacher[0] == teacher[1] != "0.0%", teacher
