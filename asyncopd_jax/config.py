@@ -134,8 +134,12 @@ class StagesConfig:
     scoring_devices: str = ""
     rollout_niceness: int = 5  # lower CPU priority: where cores are shared the learner goes first
     snapshot_dir: str = "auto"  # "auto": /dev/shm/asyncopd-<run> (RAM) if there, else <run>/snapshots
+    # How a snapshot is written: "safetensors" (one flat file; ~1 ms for the demo's student),
+    # "orbax" (sharded; needed by a learner over several processes), "auto": the former for
+    # one learner process, the latter for several.
+    snapshot_format: Literal["auto", "orbax", "safetensors"] = "auto"
     restarts: int = 0  # times a stage process that died is restarted before the run stops
-    startup_timeout: float = 600.0  # seconds a stage process may take to load and compile
+    startup_timeout: float = 600.0  # seconds a stage process waits for the first policy snapshot
 
 
 @dataclasses.dataclass(frozen=True)

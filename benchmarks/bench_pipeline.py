@@ -9,8 +9,9 @@ placement, and for each async run the fraction of its placement's own bound that
 reaches: the bound is ``B / max(t_rollout+score, t_learn+publish)`` with the per-batch
 stage times measured in that same run (for stage processes: the busy time of the rollout
 processes, divided by their number). Also times the two channels of the processes
-placement: publish + load of a policy snapshot through Orbax (RAM-backed ``/dev/shm``
-and the run directory's disk), and commit + read of one scored rollout group in the spool.
+placement: publish + load of a policy snapshot in both formats, Orbax and flat
+safetensors (RAM-backed ``/dev/shm`` and the working directory's disk), and commit +
+read of one scored rollout group in the spool.
 
     python benchmarks/bench_pipeline.py
     python benchmarks/bench_pipeline.py --steps 20 --batch 16      # quicker
@@ -77,29 +78,30 @@ def channel_costs(repeats: int = 10) -> dict:
     import jax
     from flax import nnx
 
-    from asyncopd_jax.pipeline.snapshots import OrbaxSnapshotStore
+    from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore
     from asyncopd_jax.pipeline.spool import Spool, read_record
     from asyncopd_jax.pipeline.trainer import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer("builtin:student", "float32")
     _, params = nnx.split(model)
     out = {}
-    roots = {"orbax /dev/shm": Path("/dev/shm") if Path("/dev/shm").is_dir() else None, "orbax disk": Path(".")}
-    for name, base in roots.items():
-        if base is None:
-            continue
-        with tempfile.TemporaryDirectory(dir=base) as tmp:
-            store = OrbaxSnapshotStore(tmp, params, keep=4)
-            reader = OrbaxSnapshotStore(tmp, params, read_only=True)
-            times = []
-            for v in range(repeats):
-                start = time.perf_counter()
-                store.publish(v, params)
-                store.flush()
-                jax.block_until_ready(reader.load()[1])
-                times.append(time.perf_counter() - start)
-            store.close()
-            out[name] = statistics.median(times[1:])
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    for fmt in ("orbax", "safetensors"):
+        for where, base in (("/dev/shm", shm), ("disk", Path("."))):
+            if base is None:
+                continue
+            with tempfile.TemporaryDirectory(dir=base) as tmp:
+                store = DiskSnapshotStore(tmp, params, keep=4, format=fmt)
+                reader = DiskSnapshotStore(tmp, params, read_only=True, format=fmt)
+                times = []
+                for v in range(repeats):
+                    start = time.perf_counter()
+                    store.publish(v, params)
+                    store.flush()
+                    jax.block_until_ready(reader.load()[1])
+                    times.append(time.perf_counter() - start)
+                store.close()
+                out[fmt, where] = statistics.median(times[1:])
     # One scored group of the demo at batch 32: tokens, versions, behaviour log-probs, top-8 cache.
     import numpy as np
 
@@ -155,9 +157,10 @@ def main() -> None:
         print(f"fully_async {p}: {r['rate']:.1f} samples/s of its bound B / max(t_r, t_l) = {bound:.1f} -> "
               f"{r['rate'] / bound:.2f} (target >= 0.9); overlap bound (t_r + t_l) / max = {overlap:.2f}x")
     costs = channel_costs()
-    shm = costs.get("orbax /dev/shm")
-    print("snapshot publish + load (0.1 M parameters), other reader store: "
-          + (f"/dev/shm {shm * 1e3:.1f} ms, " if shm else "") + f"disk {costs['orbax disk'] * 1e3:.1f} ms")
+    for fmt in ("orbax", "safetensors"):
+        print(f"snapshot publish + load through {fmt:11} (0.1 M parameters, read by another store): "
+              + ", ".join(f"{where} {costs[fmt, where] * 1e3:.1f} ms" for where in ("/dev/shm", "disk")
+                          if (fmt, where) in costs))
     print(f"spool: commit + read of one scored group of {args.batch}: {costs['spool group'] * 1e3:.2f} ms "
           f"({costs['spool bytes'] / 1024:.0f} KiB)")
 

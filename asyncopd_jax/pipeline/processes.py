@@ -8,7 +8,7 @@ separate OS processes, each with its own JAX runtime on its own cores or devices
                                                  sampled/ ◀──── (only with scoring processes)
                                                          └────▶ scoring-j: teacher scores
     collector: buffer.put(group) ◀──────────────── scored/ ◀──── rollout-i or scoring-j
-    learner: buffer.take → train → publish ──▶ snapshots/<version> (Orbax) ──▶ rollout-i
+    learner: buffer.take → train → publish ──▶ snapshots/<version> ──────▶ rollout-i
     monitor: a stage process that exits stops the run with its log (or is restarted)
 
 The processes share one *exchange* directory, ``<run>/exchange/``: ``config.yaml`` (the

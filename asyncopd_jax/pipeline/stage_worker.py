@@ -2,7 +2,7 @@
 
 Built from the run's config and the exchange layout (see
 :mod:`asyncopd_jax.pipeline.processes`) with the same pieces the threads placement uses:
-:class:`~asyncopd_jax.pipeline.rollout.GroupProducer` samples from the newest Orbax
+:class:`~asyncopd_jax.pipeline.rollout.GroupProducer` samples from the newest
 snapshot, :func:`~asyncopd_jax.pipeline.rollout.score_group` fills in the teacher's cache.
 """
 
@@ -17,7 +17,7 @@ from flax import nnx
 from asyncopd_jax.config import RunConfig
 from asyncopd_jax.models import from_pretrained, load_tokenizer
 from asyncopd_jax.pipeline.rollout import GroupProducer, score_group
-from asyncopd_jax.pipeline.snapshots import OrbaxSnapshotStore
+from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore
 from asyncopd_jax.pipeline.spool import group_from_record, group_to_record
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import Sampler
@@ -49,8 +49,9 @@ class StageWorker:
             graphdef, params = nnx.split(student)
             sampling = dataclasses.replace(cfg.sampling,
                                            stop_token_ids=stop_token_ids(cfg, data, student.config.eos_token_ids))
-            snapshots = OrbaxSnapshotStore(layout["snapshots"], params, read_only=True)
-            snapshots.wait_for(0, timeout=600)
+            snapshots = DiskSnapshotStore(layout["snapshots"], params, read_only=True,
+                                          format=layout["snapshot_format"])
+            snapshots.wait_for(0, timeout=cfg.stages.startup_timeout)
             self.producer = GroupProducer(
                 sampler=Sampler(graphdef, sampling, pad_id=data.pad_id), snapshots=snapshots,
                 prompts=data.train_prompts, rewards=data.rewards, group_size=int(layout["group_size"]),

@@ -6,19 +6,20 @@
 
 Rollout and scoring run where ``schedule.placement`` puts them: as threads of this
 process (:class:`RolloutPool`) or as separate processes on their own cores or devices
-(:class:`StageProcesses`, joined through Orbax snapshots and a spool of scored groups).
+(:class:`StageProcesses`, joined through versioned snapshots on disk and a spool of
+scored groups).
 
 One :class:`Trainer` builds every component from a :class:`RunConfig`, runs optimizer
-steps until ``train.steps``, and writes ``runs/<name>/``.
+steps until ``train.steps``, and writes ``runs/<name>/``. The three schedules differ only
+in the staleness bound η the buffer enforces (``sync``: 0; ``n_step_off``: n batches;
+``fully_async``: ``schedule.max_staleness``).
 
 A learner over several processes or hosts (``distributed.initialize``; see
 :mod:`asyncopd_jax.learner.distributed`) runs one Trainer per process. Process 0, the
 *leader*, owns the staleness buffer and the stage processes and writes the run's files;
 at every rollout batch it broadcasts the numbers of the spool records it took, and every
 process reads those records from the shared run directory and feeds its own rows.
-Checkpoints and policy snapshots are written by all processes together (Orbax). The three schedules differ only
-in the staleness bound η the buffer enforces (``sync``: 0; ``n_step_off``: n batches;
-``fully_async``: ``schedule.max_staleness``).
+Checkpoints and policy snapshots (Orbax) are written by all processes together.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from asyncopd_jax.models import Decoder, check_same_vocabulary, from_pretrained,
 from asyncopd_jax.pipeline.processes import Exchange, StageProcesses, default_snapshot_dir, plan_stages
 from asyncopd_jax.pipeline.rollout import GroupProducer, RolloutPool
 from asyncopd_jax.pipeline.run_outputs import RunDir
-from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore, OrbaxSnapshotStore
+from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore, DiskSnapshotStore
 from asyncopd_jax.pipeline.spool import group_from_record, read_record
 from asyncopd_jax.pipeline.stage_worker import stop_token_ids
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, StalenessBuffer
@@ -146,7 +147,9 @@ class Trainer:
         return Path(configured) if configured != "auto" else self.run_dir.path / "snapshots"
 
     def _snapshot_store(self):
-        keep = self.eta + 2
+        # A version is published once per rollout batch (M optimizer steps), so the versions
+        # a rollout may still start from span ⌈η / M⌉ + 1 of them; one more is in flight.
+        keep = -(-self.eta // self.cfg.learner.mini_batches) + 2
         if self.cfg.schedule.snapshot_in_memory and self.cfg.schedule.placement == "threads":
             return InMemorySnapshotStore(keep=keep)
         # Versions left by an earlier incarnation of this run may be newer than the restored
@@ -156,7 +159,19 @@ class Trainer:
             shutil.rmtree(self.snapshot_dir, ignore_errors=True)
         distributed.barrier("snapshot directory emptied")
         abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state.params)
-        return OrbaxSnapshotStore(self.snapshot_dir, abstract, keep=keep)
+        return DiskSnapshotStore(self.snapshot_dir, abstract, keep=keep, format=self.snapshot_format)
+
+    @property
+    def snapshot_format(self) -> str:
+        """``stages.snapshot_format``, with ``auto`` resolved: a flat safetensors file when
+        one process holds all the parameters, Orbax (each process writes its shards) else."""
+        configured = self.cfg.stages.snapshot_format
+        if configured == "auto":
+            return "orbax" if self.multi_process else "safetensors"
+        if configured == "safetensors" and self.multi_process:
+            raise ConfigError("stages.snapshot_format = 'safetensors' is invalid for a learner over several "
+                              "processes; allowed: auto, orbax")
+        return configured
 
     def _group_size(self) -> int:
         """Samples per rollout group: the batch split over the rollout workers or processes
@@ -172,7 +187,7 @@ class Trainer:
         group = self._group_size()
         if cfg.schedule.placement == "processes":
             _, specs = plan_stages(cfg.stages, sorted(os.sched_getaffinity(0)))
-            layout = {"snapshots": str(self.snapshot_dir), "seed": self.rollout_seed, "group_size": group,
+            layout = {"snapshots": str(self.snapshot_dir), "snapshot_format": self.snapshot_format, "seed": self.rollout_seed, "group_size": group,
                       "origin": self.tracer.origin}
             stages = StageProcesses(cfg=cfg, exchange=Exchange(self.run_dir.path / "exchange"), buffer=buffer,
                                     specs=specs, group_size=group, first_index=self.worker_index, layout=layout,

@@ -36,7 +36,7 @@ from asyncopd_jax.learner import step as learner_step
 from asyncopd_jax.models import save_pretrained
 from asyncopd_jax.pipeline.processes import Exchange, StageProcesses, StageSpec
 from asyncopd_jax.pipeline.rollout import GroupProducer, RolloutPool
-from asyncopd_jax.pipeline.snapshots import OrbaxSnapshotStore
+from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore
 from asyncopd_jax.pipeline.staleness import StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import Sampler, SamplingParams
@@ -75,9 +75,9 @@ def _rollout_direct(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, T
 
 
 def _rollout_threads(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, TeacherScoreCache]:
-    """Two rollout worker threads read the published Orbax snapshot; the learner takes a batch."""
+    """Two rollout worker threads read the published (Orbax) snapshot; the learner takes a batch."""
     graphdef, state = nnx.split(_student())
-    snapshots = OrbaxSnapshotStore(tmp_path / "snapshots", state, keep=2)
+    snapshots = DiskSnapshotStore(tmp_path / "snapshots", state, keep=2)
     snapshots.publish(0, state)
     snapshots.wait_for(0)
     buffer = StalenessBuffer(batch_size=len(PROMPTS), eta=0)
@@ -106,7 +106,7 @@ def _rollout_threads(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, 
 
 
 def _rollout_processes(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, TeacherScoreCache]:
-    """A rollout process samples from the Orbax snapshot, a scoring process scores (the
+    """A rollout process samples from the (safetensors) snapshot, a scoring process scores (the
     student, saved in Hugging Face layout, is its own teacher); prompts of the built-in task."""
     save_pretrained(_student(), tmp_path / "student")
     save_tokenizer(tmp_path / "student")
@@ -119,7 +119,7 @@ def _rollout_processes(temperature: float, tmp_path: Path) -> tuple[RolloutBatch
     }
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
     _, state = nnx.split(_student())
-    snapshots = OrbaxSnapshotStore(tmp_path / "snapshots", state, keep=2)
+    snapshots = DiskSnapshotStore(tmp_path / "snapshots", state, keep=2, format="safetensors")  # the trainer's
     snapshots.publish(0, state)
     snapshots.wait_for(0)
     buffer = StalenessBuffer(batch_size=8, eta=0)
@@ -127,7 +127,8 @@ def _rollout_processes(temperature: float, tmp_path: Path) -> tuple[RolloutBatch
     stages = StageProcesses(
         cfg=cfg, exchange=Exchange(tmp_path / "exchange"), buffer=buffer, group_size=4, first_index=0,
         specs=[StageSpec("rollout", 0), StageSpec("scoring", 0)], tracer=tracer,
-        layout={"snapshots": str(tmp_path / "snapshots"), "seed": 0, "group_size": 4, "origin": tracer.origin},
+        layout={"snapshots": str(tmp_path / "snapshots"), "snapshot_format": "safetensors", "seed": 0,
+                "group_size": 4, "origin": tracer.origin},
     )
     stages.start()
     try:

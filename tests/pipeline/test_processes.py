@@ -101,12 +101,15 @@ def _kill_when(trainer, role_name, committed: int, seen: set, killed: dict) -> t
 def test_a_killed_rollout_process_stops_the_run_in_seconds_and_resume_loses_nothing(models, tmp_path):  # noqa: F811
     cfg = _config(models, tmp_path, **{
         "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": 2,
-        "train.steps": 16, "train.checkpoint_every": 3,
+        "train.steps": 16, "train.checkpoint_every": 5,
     })
     trainer = Trainer(cfg, progress=False)
     seen: set = set()
     killed: dict = {}
-    watcher = _kill_when(trainer, "rollout-0", committed=6, seen=seen, killed=killed)
+    # One group per batch: at most 7 records ever exist, so the learner reaches step 5 (a
+    # checkpoint) but never step 10; the records of steps 6 and 7 are committed but not
+    # covered by a checkpoint when the run stops.
+    watcher = _kill_when(trainer, "rollout-0", committed=7, seen=seen, killed=killed)
     with pytest.raises(PipelineStopped) as info:
         trainer.run()
     stopped_at = time.monotonic()

@@ -9,11 +9,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore, OrbaxSnapshotStore
+from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore, InMemorySnapshotStore
 from tests.tiny_models import tiny_decoder
 
 
@@ -29,14 +28,20 @@ def _version_of(params: nnx.State) -> int:
     return int(values.pop())
 
 
-def _stores(tmp_path, template):
-    return [OrbaxSnapshotStore(tmp_path / "snapshots", template, keep=3), InMemorySnapshotStore(keep=3)]
+def _store(tmp_path, template, kind: str, keep: int = 3):
+    if kind == "memory":
+        return InMemorySnapshotStore(keep=keep)
+    return DiskSnapshotStore(tmp_path / "snapshots", template, keep=keep, format=kind)
 
 
-@pytest.mark.parametrize("kind", ["orbax", "memory"])
+KINDS = ["orbax", "safetensors", "memory"]
+FORMATS = ["orbax", "safetensors"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_and_retention(tmp_path, kind):
     _, template = nnx.split(tiny_decoder(0))
-    store = _stores(tmp_path, template)[0 if kind == "orbax" else 1]
+    store = _store(tmp_path, template, kind)
     with pytest.raises(LookupError):
         store.load()
     for v in range(6):
@@ -45,17 +50,19 @@ def test_round_trip_and_retention(tmp_path, kind):
     version, params = store.load()
     assert version == 5 and _version_of(params) == 5
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(template)
-    if kind == "orbax":
+    if kind != "memory":
         store.flush()
         assert store.committed_versions() == [3, 4, 5]
+        assert not [p.name for p in (tmp_path / "snapshots").iterdir() if "tmp" in p.name]  # no temporaries left
     with pytest.raises(LookupError):
         store.load(0)
     store.close()
 
 
-def test_orbax_snapshot_survives_the_learner_donating_its_buffers(tmp_path):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_disk_snapshot_survives_the_learner_donating_its_buffers(tmp_path, fmt):
     _, template = nnx.split(tiny_decoder(0))
-    store = OrbaxSnapshotStore(tmp_path / "s", template, keep=3)
+    store = DiskSnapshotStore(tmp_path / "s", template, keep=3, format=fmt)
     params = _params_of_version(template, 7)
     store.publish(7, params)
     jax.tree_util.tree_map(lambda x: x.delete(), params)  # as a donated train step would
@@ -63,10 +70,10 @@ def test_orbax_snapshot_survives_the_learner_donating_its_buffers(tmp_path):
     assert _version_of(store.load(7)[1]) == 7
 
 
-@pytest.mark.parametrize("kind", ["orbax", "memory"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_concurrent_publish_and_read_never_tears(tmp_path, kind):
     _, template = nnx.split(tiny_decoder(0))
-    store = _stores(tmp_path, template)[0 if kind == "orbax" else 1]
+    store = _store(tmp_path, template, kind)
     store.publish(0, _params_of_version(template, 0))
     store.wait_for(0)
     errors, seen = [], []
@@ -95,24 +102,25 @@ def test_concurrent_publish_and_read_never_tears(tmp_path, kind):
     assert len(seen) > 10 and len(set(seen)) > 3  # readers really overlapped the publishing
 
 
-def test_a_snapshot_being_restored_outlives_retention_until_its_reader_is_done(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_snapshot_being_restored_outlives_retention_until_its_reader_is_done(tmp_path, monkeypatch, fmt):
     """Deterministic: a reader is held inside the restore of version 0 while the writer
     publishes and flushes well past ``keep``; version 0 stays on disk (pinned) and restores
     intact, and the first flush after the reader is done removes it."""
     _, template = nnx.split(tiny_decoder(0))
-    store = OrbaxSnapshotStore(tmp_path / "s", template, keep=2)
+    store = DiskSnapshotStore(tmp_path / "s", template, keep=2, format=fmt)
     store.publish(0, _params_of_version(template, 0))
     store.flush()
     inside, release = threading.Event(), threading.Event()
-    real_restore = ocp.StandardCheckpointer.restore
+    real_read = DiskSnapshotStore._read
 
-    def held_restore(self, directory, *args, **kwargs):
+    def held_read(self, directory):
         if Path(directory).name == "0":
             inside.set()  # the store has chosen and pinned version 0 and is reading it
             assert release.wait(60)
-        return real_restore(self, directory, *args, **kwargs)
+        return real_read(self, directory)
 
-    monkeypatch.setattr(ocp.StandardCheckpointer, "restore", held_restore)
+    monkeypatch.setattr(DiskSnapshotStore, "_read", held_read)
     result: dict = {}
     reader = threading.Thread(target=lambda: result.update(loaded=store.load(0)))
     reader.start()
@@ -135,29 +143,29 @@ def test_a_snapshot_being_restored_outlives_retention_until_its_reader_is_done(t
 READER_PROCESS = """
 import sys, time
 from pathlib import Path
-import orbax.checkpoint as ocp
 from flax import nnx
-from asyncopd_jax.pipeline.snapshots import OrbaxSnapshotStore
+from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore
 from tests.tiny_models import tiny_decoder
 from tests.pipeline.test_snapshots import _version_of
 
-root, signals = Path(sys.argv[1]), Path(sys.argv[2])
-real_restore = ocp.StandardCheckpointer.restore
+root, signals, fmt = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+real_read = DiskSnapshotStore._read
 
-def held_restore(self, directory, *args, **kwargs):
+def held_read(self, directory):
     (signals / "inside").touch()  # version 0 is chosen and pinned; hold until told to go on
     while not (signals / "go").exists():
         time.sleep(0.01)
-    return real_restore(self, directory, *args, **kwargs)
+    return real_read(self, directory)
 
-ocp.StandardCheckpointer.restore = held_restore
-store = OrbaxSnapshotStore(root, nnx.split(tiny_decoder(0))[1], read_only=True)
+DiskSnapshotStore._read = held_read
+store = DiskSnapshotStore(root, nnx.split(tiny_decoder(0))[1], read_only=True, format=fmt)
 version, params = store.load(0)
 print("restored", version, _version_of(params))
 """
 
 
-def test_a_reader_in_another_process_pins_its_snapshot(tmp_path):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_reader_in_another_process_pins_its_snapshot(tmp_path, fmt):
     """As above, with the reader a separate OS process (the stage-process placement): the
     pin is a file lock, not in-process state, so the writer sees it too."""
     import subprocess
@@ -165,13 +173,13 @@ def test_a_reader_in_another_process_pins_its_snapshot(tmp_path):
     import time
 
     _, template = nnx.split(tiny_decoder(0))
-    store = OrbaxSnapshotStore(tmp_path / "s", template, keep=2)
+    store = DiskSnapshotStore(tmp_path / "s", template, keep=2, format=fmt)
     store.publish(0, _params_of_version(template, 0))
     store.flush()
     signals = tmp_path / "signals"
     signals.mkdir()
     repo = Path(__file__).resolve().parents[2]
-    reader = subprocess.Popen([sys.executable, "-c", READER_PROCESS, str(tmp_path / "s"), str(signals)], cwd=repo,
+    reader = subprocess.Popen([sys.executable, "-c", READER_PROCESS, str(tmp_path / "s"), str(signals), fmt], cwd=repo,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while not (signals / "inside").exists():
@@ -190,3 +198,43 @@ def test_a_reader_in_another_process_pins_its_snapshot(tmp_path):
     store.flush()
     assert store.committed_versions() == [4, 5]
     store.close()
+
+
+def test_a_bfloat16_snapshot_round_trips_in_both_formats(tmp_path):
+    _, template = nnx.split(tiny_decoder(0))
+    template = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), template)
+    for fmt in FORMATS:
+        store = DiskSnapshotStore(tmp_path / fmt, template, keep=2, format=fmt)
+        store.publish(3, _params_of_version(template, 3))
+        store.flush()
+        version, params = store.load()
+        assert version == 3 and _version_of(params) == 3
+        assert {x.dtype for x in jax.tree_util.tree_leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+        store.close()
+
+
+def test_an_unknown_snapshot_format_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="snapshot format 'npz' is invalid; allowed: orbax, safetensors"):
+        DiskSnapshotStore(tmp_path, {}, format="npz")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_reader_reads_each_version_once(tmp_path, monkeypatch, fmt):
+    """A rollout process loads the newest snapshot for every group: a version it already
+    holds costs no read."""
+    _, template = nnx.split(tiny_decoder(0))
+    writer = DiskSnapshotStore(tmp_path / "s", template, keep=3, format=fmt)
+    reader = DiskSnapshotStore(tmp_path / "s", template, read_only=True, format=fmt)
+    reads = []
+    real_read = DiskSnapshotStore._read
+    monkeypatch.setattr(DiskSnapshotStore, "_read", lambda self, path: reads.append(path.name) or real_read(self, path))
+    writer.publish(0, _params_of_version(template, 0))
+    writer.flush()
+    assert [reader.load()[0] for _ in range(3)] == [0, 0, 0]
+    writer.publish(1, _params_of_version(template, 1))
+    writer.flush()
+    version, params = reader.load()
+    assert version == 1 and _version_of(params) == 1 and _version_of(reader.load(1)[1]) == 1
+    assert _version_of(reader.load(0)[1]) == 0  # an older version is read again
+    assert reads == ["0", "1", "0"]
+    writer.close()
