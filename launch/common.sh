@@ -1,0 +1,107 @@
+# Shared helpers of the launch scripts (sourced, not run).
+#
+# Every helper works on the arguments of `asyncopd train` (a config path, --set
+# overrides, --resume) and on a run's exchange directory (runs/<name>/exchange: see
+# asyncopd_jax/pipeline/processes.py).
+
+PYTHON=${PYTHON:-python}
+
+die() {
+    echo "$(basename "$0"): error: $*" >&2
+    exit 2
+}
+
+log() {
+    echo "[$(date '+%H:%M:%S') $(basename "$0")] $*" >&2
+}
+
+# $1 as a YAML string for a --set override: a bare 4 or 0-3,5 could parse as a number
+# or fail to be the string the config field wants.
+yaml_str() {
+    local q="'"
+    printf "'%s'" "${1//$q/$q$q}"
+}
+
+# The absolute run directory that `asyncopd train "$@"` will use (output_dir/name after
+# the --set overrides; the --resume directory when resuming). Fails, naming the field,
+# when the config does not load: nothing is started with a bad config.
+resolve_run_dir() {
+    "$PYTHON" - "$@" <<'EOF'
+import argparse, sys
+from pathlib import Path
+
+parser = argparse.ArgumentParser(add_help=False)
+parser.add_argument("--config")
+parser.add_argument("--set", action="append", default=[])
+parser.add_argument("--resume")
+args, _ = parser.parse_known_args(sys.argv[1:])
+if args.resume:
+    print(Path(args.resume).resolve())
+    sys.exit(0)
+try:
+    from asyncopd_jax.cli import DEMO_CONFIG
+    from asyncopd_jax.config import ConfigError, load_config
+except ImportError as err:
+    sys.exit(f"cannot import asyncopd_jax ({err}): activate the environment it is installed in, or set PYTHON")
+try:
+    cfg = load_config(args.config or DEMO_CONFIG, args.set)
+except (ConfigError, ValueError) as err:
+    sys.exit(f"error: {err}")
+print((Path(cfg.output_dir) / cfg.name).resolve())
+EOF
+}
+
+# Block until the learner has set up the exchange directory (layout.json present, no
+# STOP left from an earlier incarnation). $1: exchange directory, $2: timeout in seconds.
+wait_for_exchange() {
+    local exchange=$1 timeout=$2 waited=0
+    until [[ -f $exchange/layout.json && ! -e $exchange/STOP ]]; do
+        if ((waited >= timeout)); then
+            die "no learner set up $exchange within $timeout s (is the learner running, and is the directory shared?)"
+        fi
+        sleep 2
+        waited=$((waited + 2))
+    done
+    sleep 2  # the learner writes layout.json last; let it finish
+}
+
+# Return the records a dead stage process had claimed to their spools, as the learner
+# does for the processes it starts itself. $1: exchange directory, $2: process name.
+give_back_claims() {
+    local exchange=$1 name=$2 spool claimed base
+    for spool in tickets sampled; do
+        for claimed in "$exchange/$spool/claimed/"*"@$name.npz"; do
+            [[ -e $claimed ]] || continue
+            base=${claimed##*/}
+            mv -n "$claimed" "$exchange/$spool/${base%@*}.npz" || true
+        done
+    done
+}
+
+# Environment that gives one stage process its device.
+#   $1: cuda | tpu | cpu     $2: the device (a CUDA device id or list, a TPU chip number,
+#   or nothing for cpu)
+# The TPU variables give a process a single chip of a TPU VM host (one process per
+# chip); they are the ones libtpu reads for sub-host processes, not tested by this
+# project.
+stage_device_env() {
+    local kind=$1 device=$2
+    case $kind in
+        cuda)
+            export CUDA_VISIBLE_DEVICES=$device
+            ;;
+        tpu)
+            export TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1 TPU_PROCESS_BOUNDS=1,1,1
+            export TPU_VISIBLE_CHIPS=$device TPU_VISIBLE_DEVICES=$device
+            export TPU_PROCESS_PORT=$((8476 + device)) TPU_MESH_CONTROLLER_PORT=$((8476 + device))
+            export TPU_MESH_CONTROLLER_ADDRESS=localhost:$((8476 + device))
+            export TPU_PROCESS_ADDRESSES=localhost:$((8476 + device))
+            ;;
+        cpu)
+            export JAX_PLATFORMS=cpu
+            ;;
+        *)
+            die "device kind '$kind' is invalid; allowed: cuda, tpu, cpu"
+            ;;
+    esac
+}
