@@ -20,14 +20,24 @@ from tests.pipeline.test_trainer import _config, _kl_start_end, models  # noqa: 
 
 
 def test_auto_split_gives_the_learner_its_share_and_the_rest_to_rollouts():
-    learner, specs = plan_stages(StagesConfig(), [0, 1])
-    assert learner == (0,) and [(s.name, s.cores) for s in specs] == [("rollout-0", (1,))]
-    learner, specs = plan_stages(StagesConfig(rollout_processes=2, scoring_processes=2), range(8))
-    assert learner == (0, 1, 2)  # ⌈0.37 · 8⌉
-    assert [(s.name, s.cores) for s in specs] == [("rollout-0", (3,)), ("rollout-1", (4,)),
-                                                   ("scoring-0", (5, 6)), ("scoring-1", (7,))]
-    learner, specs = plan_stages(StagesConfig(rollout_processes=2), [5])  # one core: all share it
-    assert learner == (5,) and [s.cores for s in specs] == [(5,), (5,)]
+    learner, specs = plan_stages(StagesConfig(), range(4))
+    assert learner == (0, 1) and [(s.name, s.cores) for s in specs] == [("rollout-0", (2, 3))]
+    learner, specs = plan_stages(StagesConfig(rollout_processes=2, scoring_processes=2), range(16))
+    assert learner == tuple(range(6))  # ⌈0.37 · 16⌉
+    # Of the 10 left, ⌈0.55 · 10⌉ = 6 score and 4 sample, dealt evenly.
+    assert [(s.name, s.cores) for s in specs] == [("rollout-0", (6, 7)), ("rollout-1", (8, 9)),
+                                                   ("scoring-0", (10, 11, 12)), ("scoring-1", (13, 14, 15))]
+
+
+def test_auto_leaves_processes_unpinned_when_a_process_would_get_fewer_than_two_cores():
+    learner, specs = plan_stages(StagesConfig(), [0, 1, 2])  # 2 processes need 4 cores
+    assert learner == () and [s.cores for s in specs] == [()]
+    # 10 cores would be 2 per process on average, but the split leaves each rollout one.
+    learner, specs = plan_stages(StagesConfig(rollout_processes=2, scoring_processes=2), range(10))
+    assert learner == () and [s.cores for s in specs] == [()] * 4
+    # Explicit lists are taken as given.
+    learner, specs = plan_stages(StagesConfig(learner_cores="0", rollout_cores="1"), [0, 1])
+    assert learner == (0,) and [s.cores for s in specs] == [(1,)]
 
 
 def test_explicit_cores_and_devices_are_dealt_to_the_processes():
