@@ -193,6 +193,11 @@ def run_stage(exchange_dir: str | Path, role: str, index: int, cores: Sequence[i
     when there are no scoring processes, commit it. ``scoring``: take a sampled group,
     score it, commit it. Stops when ``STOP`` appears or the parent process is gone.
     """
+    if parent_pid is not None:
+        # Ctrl-C in a terminal reaches every process of the foreground group. A child of the
+        # learner leaves it to the learner, which checkpoints and then stops its stages;
+        # exiting here first would race it and end the run as a stage failure instead.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     pin_this_process(cores)
     # Everything that starts JAX comes after the pinning.
     from asyncopd_jax.pipeline.stage_worker import StageWorker

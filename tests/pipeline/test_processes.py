@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from asyncopd_jax.config import StagesConfig
+from asyncopd_jax.config import StagesConfig, save_config
 from asyncopd_jax.pipeline.processes import StageFailed, plan_stages
 from asyncopd_jax.pipeline.staleness import PipelineStopped
 from asyncopd_jax.pipeline.trainer import Trainer
@@ -164,3 +167,55 @@ def test_a_killed_stage_process_is_restarted_when_configured(models, tmp_path): 
     assert "at" in killed
     assert [r["step"] for r in _records(tmp_path / "t")] == list(range(1, 11))
     assert trainer.stages.restarts_left == 0
+
+
+def _children(pid: int) -> set[int]:
+    """The child processes of ``pid`` (Linux: /proc/<pid>/task/<tid>/children)."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found.update(int(c) for c in (task / "children").read_text().split())
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists child processes through /proc")
+def test_ctrl_c_checkpoints_and_stops_every_process(models, tmp_path):  # noqa: F811
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it: the learner saves a
+    checkpoint of the step it reached, stops its stage processes and exits with 130, and no
+    stage process is left behind."""
+    cfg = _config(models, tmp_path, **{
+        "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": 2,
+        "stages.scoring_processes": 1, "train.steps": 10_000, "train.checkpoint_every": 10_000,
+    })
+    config_file = tmp_path / "config.yaml"
+    save_config(cfg, config_file)
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncopd_jax.cli", "train", "--no-progress", "--config", str(config_file)],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True)  # its own process group, like a job in a terminal
+    metrics = tmp_path / "t" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        stages = _children(proc.pid)
+        assert proc.poll() is None and len(stages) >= 2, proc.stdout.read().decode(errors="replace")[-3000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        output = proc.communicate(timeout=120)[0].decode(errors="replace")
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "interrupted; resume with --resume" in output, output[-3000:]
+    assert took < 30, f"stopping took {took:.1f} s"
+    for pid in stages:  # gone, not orphaned
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    checkpoints = [int(p.name) for p in (tmp_path / "t" / "checkpoints").iterdir() if p.name.isdigit()]
+    assert checkpoints == [steps[-1]], (checkpoints, steps)  # the step reached, saved on Ctrl-C
