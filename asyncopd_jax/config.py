@@ -195,11 +195,11 @@ def _validate(cfg: RunConfig) -> None:
     if cfg.estimator.name not in ESTIMATORS:
         raise ConfigError(f"estimator.name = {cfg.estimator.name!r} is invalid; allowed: {', '.join(sorted(ESTIMATORS))}")
     s = cfg.sampling
-    needs_mc = cfg.estimator.name.startswith("reverse_kl_mc")
+    needs_mc = cfg.estimator.name.startswith("reverse_kl_mc") or cfg.estimator.name == "reverse_kl_hybrid"
     if needs_mc and s.num_candidates < 1:
         raise ConfigError(f"estimator.name = {cfg.estimator.name!r} needs sampling.num_candidates >= 1")
-    if cfg.estimator.name == "reverse_kl_topk" and s.student_topk < 1:
-        raise ConfigError("estimator.name = 'reverse_kl_topk' needs sampling.student_topk >= 1")
+    if cfg.estimator.name in ("reverse_kl_topk", "reverse_kl_hybrid") and s.student_topk < 1:
+        raise ConfigError(f"estimator.name = {cfg.estimator.name!r} needs sampling.student_topk >= 1")
     if cfg.estimator.name == "forward_kl_topk" and cfg.scoring.topk < 1:
         raise ConfigError("estimator.name = 'forward_kl_topk' needs scoring.topk >= 1")
     if cfg.estimator.name == "forward_kl_mc" and cfg.scoring.num_samples < 1:

@@ -117,6 +117,19 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
             description="KL(student‖teacher), N-sample MC, recompute + importance sampling (unbiased)",
         ),
         EstimatorSpec(
+            "reverse_kl_mc_loo", ("candidates",),
+            lambda b, c, s, p, o: est.reverse_kl_mc_loo(s.candidates, b.candidate_behavior_logp, c.candidate_logp),
+            description="as reverse_kl_mc with a leave-one-out baseline over the N candidates (unbiased)",
+        ),
+        EstimatorSpec(
+            "reverse_kl_hybrid", ("student_topk", "candidates"),
+            lambda b, c, s, p, o: est.reverse_kl_hybrid(
+                s.student_topk, c.student_topk_logp, b.student_topk_ids,
+                s.candidates, b.candidate_behavior_logp, c.candidate_logp, b.candidate_ids,
+            ),
+            description="KL(student‖teacher): exact on the rollout student's top-K, MC + IS outside it (unbiased)",
+        ),
+        EstimatorSpec(
             "reverse_kl_mc_stale", ("candidates",), _mc(recompute=False),
             description="as reverse_kl_mc with the stale signal log μ − log q",
         ),

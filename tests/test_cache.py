@@ -119,6 +119,11 @@ def test_named_estimators_match_the_functions_they_name():
         "reverse_kl_mc_stale": est.reverse_kl_mc(
             s.candidates, batch.candidate_behavior_logp, cache.candidate_logp, recompute=False
         ),
+        "reverse_kl_mc_loo": est.reverse_kl_mc_loo(s.candidates, batch.candidate_behavior_logp, cache.candidate_logp),
+        "reverse_kl_hybrid": est.reverse_kl_hybrid(
+            s.student_topk, cache.student_topk_logp, batch.student_topk_ids,
+            s.candidates, batch.candidate_behavior_logp, cache.candidate_logp, batch.candidate_ids,
+        ),
         "ppo_clip": est.ppo_clip_loss(s.token, batch.behavior_logp, cache.token_logp - batch.behavior_logp),
     }
     for name, want in direct.items():

@@ -28,6 +28,14 @@ def test_bad_fields_name_themselves(override, message):
         load_config(DEMO_CONFIG, [override])
 
 
+def test_the_hybrid_estimator_needs_candidates_and_a_student_top_k():
+    with pytest.raises(ConfigError, match=r"'reverse_kl_hybrid' needs sampling.num_candidates >= 1"):
+        load_config(DEMO_CONFIG, ["estimator.name=reverse_kl_hybrid", "sampling.student_topk=4"])
+    with pytest.raises(ConfigError, match=r"'reverse_kl_hybrid' needs sampling.student_topk >= 1"):
+        load_config(DEMO_CONFIG, ["estimator.name=reverse_kl_hybrid", "sampling.num_candidates=4"])
+    load_config(DEMO_CONFIG, ["estimator.name=reverse_kl_hybrid", "sampling.num_candidates=4", "sampling.student_topk=4"])
+
+
 MC = ["estimator.name=reverse_kl_mc", "sampling.num_candidates=4"]
 
 

@@ -16,7 +16,13 @@ from asyncopd_jax.estimators.forward_kl import forward_kl_dense, forward_kl_mc, 
 from asyncopd_jax.estimators.logprobs import gather_logprobs, gather_logprobs_from_hidden
 from asyncopd_jax.estimators.logspace import LOG_RATIO_CLIP, expectation, importance_ratio, with_tail
 from asyncopd_jax.estimators.reductions import normalized_token_sum, token_mean, token_sum
-from asyncopd_jax.estimators.reverse_kl import reverse_kl_dense, reverse_kl_mc, reverse_kl_topk
+from asyncopd_jax.estimators.reverse_kl import (
+    reverse_kl_dense,
+    reverse_kl_hybrid,
+    reverse_kl_mc,
+    reverse_kl_mc_loo,
+    reverse_kl_topk,
+)
 from asyncopd_jax.estimators.stabilisers import (
     clipped_surrogate,
     decoupled_ppo_loss,
@@ -42,7 +48,9 @@ __all__ = [
     "normalized_token_sum",
     "ppo_clip_loss",
     "reverse_kl_dense",
+    "reverse_kl_hybrid",
     "reverse_kl_mc",
+    "reverse_kl_mc_loo",
     "reverse_kl_topk",
     "sample_candidates",
     "token_mean",

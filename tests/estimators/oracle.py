@@ -60,3 +60,31 @@ def m2po_tau(logp, behavior_logp, adv, mask, budget):
         else:
             hi = mid
     return lo
+
+
+def reverse_kl_hybrid(student_logits, teacher_logits, support_ids, candidate_ids, behavior_logp):
+    """Value and gradient w.r.t. the student logits of the hybrid estimator at one draw.
+
+    ``Σ_{v∈S} π(v) d(v) + (1/N) Σ_n 1[v_n ∉ S] ρ_n d(v_n)`` with ``d = log π − log q``,
+    differentiated with ``d`` held fixed: ``∂/∂z [π(v)] = π(v) (e_v − π)``.
+    Shapes: logits ``[..., V]``, ``support_ids [..., K]``, ``candidate_ids`` and
+    ``behavior_logp [..., N]``.
+    """
+    lp, lq = log_softmax(student_logits), log_softmax(teacher_logits)
+    p, d = np.exp(lp), lp - lq
+    V = lp.shape[-1]
+    value = np.zeros(lp.shape[:-1])
+    grad = np.zeros(lp.shape)
+    for index in np.ndindex(*lp.shape[:-1]):
+        support = set(np.asarray(support_ids[index]).tolist())
+        for v in support:
+            value[index] += p[index][v] * d[index][v]
+            grad[index] += p[index][v] * d[index][v] * (np.eye(V)[v] - p[index])
+        cands = np.asarray(candidate_ids[index])
+        for v, mu in zip(cands.tolist(), np.asarray(behavior_logp[index], np.float64).tolist()):
+            if v in support:
+                continue
+            rho = np.exp(lp[index][v] - mu)
+            value[index] += rho * d[index][v] / len(cands)
+            grad[index] += rho * d[index][v] * (np.eye(V)[v] - p[index]) / len(cands)
+    return value, grad

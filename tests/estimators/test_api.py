@@ -53,6 +53,10 @@ def _estimators() -> dict[str, Callable]:
         adv = jax.lax.stop_gradient(g(q, ids) - lp)
         return jnp.mean(est.m2po_clip(lp, g(mu, ids), adv, jnp.ones(ids.shape, bool)), -1)
 
+    def hybrid(s, q, mu, ids):
+        support = _support(ids)[..., :3]  # some candidates fall inside it, some outside
+        return est.reverse_kl_hybrid(g(s, support), g(q, support), support, g(s, ids), g(mu, ids), g(q, ids), ids)
+
     return {
         "forward_kl_dense": lambda s, q, mu, ids: est.forward_kl_dense(s, q),
         "reverse_kl_dense": lambda s, q, mu, ids: est.reverse_kl_dense(s, q),
@@ -64,6 +68,8 @@ def _estimators() -> dict[str, Callable]:
         "reverse_kl_mc": mc(),
         "reverse_kl_mc_clipped": mc(clip_eps=0.2),
         "reverse_kl_mc_no_is": mc(importance_sampling=False),
+        "reverse_kl_mc_loo": lambda s, q, mu, ids: est.reverse_kl_mc_loo(g(s, ids), g(mu, ids), g(q, ids)),
+        "reverse_kl_hybrid": hybrid,
         "ppo_clip": stabiliser(est.ppo_clip_loss, dual_clip=3.0),
         "truncated_is": stabiliser(est.truncated_is_loss),
         "decoupled_ppo": decoupled,
@@ -131,6 +137,10 @@ def _logprob_level() -> dict[str, Callable]:
         "reverse_kl_mc": lambda lp, mu, q, a, m: est.reverse_kl_mc(lp, mu, q),
         "reverse_kl_mc_clipped": lambda lp, mu, q, a, m: est.reverse_kl_mc(lp, mu, q, clip_eps=0.2),
         "reverse_kl_mc_stale": lambda lp, mu, q, a, m: est.reverse_kl_mc(lp, mu, q, recompute=False),
+        "reverse_kl_mc_loo": lambda lp, mu, q, a, m: est.reverse_kl_mc_loo(lp, mu, q),
+        # Support ids 0, 1; candidate ids 0, 1, 2, 0, 1 (inside and outside the support).
+        "reverse_kl_hybrid": lambda lp, mu, q, a, m: est.reverse_kl_hybrid(
+            lp[..., :2], q[..., :2], jnp.arange(2), lp, mu, q, jnp.arange(N) % 3),
         "ppo_clip": lambda lp, mu, q, a, m: est.ppo_clip_loss(lp, mu, a, dual_clip=3.0),
         "decoupled_ppo": lambda lp, mu, q, a, m: est.decoupled_ppo_loss(lp, lp - 0.1, mu, a),
         "truncated_is": lambda lp, mu, q, a, m: est.truncated_is_loss(lp, mu, a),
