@@ -94,11 +94,13 @@ class LearnerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleConfig:
-    """Rollout/learning overlap: ``sync`` (η = 0), ``n_step_off``, ``fully_async`` (bound η)."""
+    """Rollout/learning overlap: ``sync`` (η = 0), ``n_step_off``, ``fully_async`` (bound η),
+    or ``fixed_lag`` (exactly ``lag`` steps stale, sequential and deterministic: for studies)."""
 
-    mode: Literal["sync", "n_step_off", "fully_async"] = "fully_async"
+    mode: Literal["sync", "n_step_off", "fully_async", "fixed_lag"] = "fully_async"
     max_staleness: int = 2  # η, in optimizer steps
     n_step: int = 1  # for n_step_off: rollouts run at most n batches ahead
+    lag: int = 0  # for fixed_lag: step t trains on rollouts of policy version max(0, t − lag)
     rollout_workers: int = 1  # rollout threads (placement = threads)
     snapshot_in_memory: bool = True  # threads: hand weights over in-process instead of through Orbax
     placement: Literal["threads", "processes"] = "threads"  # where the stages run: see StagesConfig
@@ -110,6 +112,8 @@ class ScheduleConfig:
             return 0
         if self.mode == "n_step_off":
             return self.n_step * mini_batches
+        if self.mode == "fixed_lag":
+            return self.lag
         return self.max_staleness
 
 
@@ -208,6 +212,7 @@ def _validate(cfg: RunConfig) -> None:
     for field, value, ok, allowed in [
         ("schedule.max_staleness", sch.max_staleness, sch.max_staleness >= 0, ">= 0"),
         ("schedule.n_step", sch.n_step, sch.n_step >= 1, ">= 1"),
+        ("schedule.lag", sch.lag, sch.lag >= 0, ">= 0"),
         ("schedule.rollout_workers", sch.rollout_workers, sch.rollout_workers >= 1, ">= 1"),
         ("learner.batch_size", cfg.learner.batch_size, cfg.learner.batch_size >= 1, ">= 1"),
         ("learner.mini_batches", cfg.learner.mini_batches,
@@ -232,6 +237,15 @@ def _validate(cfg: RunConfig) -> None:
     ]:
         if not ok:
             raise ConfigError(f"{field} = {value!r} is invalid; allowed: {allowed}")
+    if sch.mode == "fixed_lag":
+        # One rollout batch per optimizer step, sampled in the learner's thread: with M
+        # mini-batches the m-th would be k + m stale, and stage processes would add nothing.
+        if cfg.learner.mini_batches != 1:
+            raise ConfigError(f"learner.mini_batches = {cfg.learner.mini_batches} is invalid with schedule.mode = "
+                              "fixed_lag; allowed: 1 (every step then trains on exactly schedule.lag-stale rollouts)")
+        if sch.placement != "threads":
+            raise ConfigError(f"schedule.placement = {sch.placement!r} is invalid with schedule.mode = fixed_lag; "
+                              "allowed: threads (fixed_lag samples in the learner's own thread)")
     for field in ("learner_cores", "rollout_cores", "scoring_cores"):
         value = getattr(cfg.stages, field)
         if value != "auto":

@@ -60,11 +60,12 @@ class GroupProducer:
                 return self.snapshots.load()
         return None
 
-    def sample(self, index: int) -> RolloutGroup:
-        """Sample group ``index`` from the newest snapshot (no teacher scores yet)."""
+    def sample(self, index: int, version: int | None = None) -> RolloutGroup:
+        """Sample group ``index`` from snapshot ``version`` (default: the newest); no
+        teacher scores yet."""
         rng = np.random.default_rng([self.seed, index])
         prompts, problems = self.prompts(rng, self.group_size)
-        version, params = self.snapshots.load()
+        version, params = self.snapshots.load(version)
         with self.tracer.span("rollout", version=version):
             batch = self.sampler.generate(
                 params, prompts, group_key(self.seed, index), version=version, prompt_slots=self.prompt_slots,

@@ -51,6 +51,7 @@ from asyncopd_jax.learner import (
 )
 from asyncopd_jax.learner.optimizer import learning_rate_schedule
 from asyncopd_jax.models import Decoder, check_same_vocabulary, from_pretrained, load_tokenizer, save_pretrained
+from asyncopd_jax.pipeline.fixed_lag import FixedLagRollouts
 from asyncopd_jax.pipeline.processes import Exchange, StageProcesses, default_snapshot_dir, plan_stages
 from asyncopd_jax.pipeline.rollout import GroupProducer, RolloutPool
 from asyncopd_jax.pipeline.run_outputs import RunDir
@@ -177,14 +178,30 @@ class Trainer:
         """Samples per rollout group: the batch split over the rollout workers or processes
         (the whole batch per group when it does not split evenly)."""
         B = self.cfg.learner.batch_size
+        if self.cfg.schedule.mode == "fixed_lag":
+            return B
         workers = (self.cfg.stages.rollout_processes if self.cfg.schedule.placement == "processes"
                    else self.cfg.schedule.rollout_workers)
         return B // workers if B % workers == 0 else B
 
-    def _start_stages(self, buffer: StalenessBuffer) -> RolloutPool | StageProcesses:
-        """Rollout and scoring, as threads of this process or as stage processes."""
+    def _producer(self, group_size: int, interruptible: bool = True) -> GroupProducer:
+        """Samples rollout groups in this process from ``self.snapshots``."""
+        return GroupProducer(
+            sampler=Sampler(self.graphdef, self.sampling, pad_id=self.data.pad_id), snapshots=self.snapshots,
+            prompts=self.data.train_prompts, rewards=self.data.rewards, group_size=group_size,
+            seed=self.rollout_seed, prompt_slots=self.data.prompt_slots, tracer=self.tracer,
+            interruptible=interruptible,
+        )
+
+    def _start_stages(self, buffer: StalenessBuffer) -> RolloutPool | StageProcesses | FixedLagRollouts:
+        """Rollout and scoring, as threads of this process or as stage processes (or, for
+        ``fixed_lag``, on demand in the learner's thread)."""
         cfg = self.cfg
         group = self._group_size()
+        if cfg.schedule.mode == "fixed_lag":  # whole batches from one policy: no weight swaps
+            return FixedLagRollouts(producer=self._producer(group, interruptible=False),
+                                    scorer=TeacherScorer(self.teacher, self.scoring), lag=cfg.schedule.lag,
+                                    first_version=int(self.state.step))
         if cfg.schedule.placement == "processes":
             _, specs = plan_stages(cfg.stages, sorted(os.sched_getaffinity(0)))
             layout = {"snapshots": str(self.snapshot_dir), "snapshot_format": self.snapshot_format, "seed": self.rollout_seed, "group_size": group,
@@ -194,12 +211,7 @@ class Trainer:
                                     tracer=self.tracer)
         else:
             workers = cfg.schedule.rollout_workers
-            producer = GroupProducer(
-                sampler=Sampler(self.graphdef, self.sampling, pad_id=self.data.pad_id), snapshots=self.snapshots,
-                prompts=self.data.train_prompts, rewards=self.data.rewards, group_size=group,
-                seed=self.rollout_seed, prompt_slots=self.data.prompt_slots, tracer=self.tracer,
-            )
-            stages = RolloutPool(producer=producer, scorer=TeacherScorer(self.teacher, self.scoring), buffer=buffer,
+            stages = RolloutPool(producer=self._producer(group), scorer=TeacherScorer(self.teacher, self.scoring), buffer=buffer,
                                  workers=workers, first_index=self.worker_index)
         stages.start()
         return stages
@@ -277,6 +289,8 @@ class Trainer:
         with a fingerprint of each; every other process reads the same records from the
         spool and checks the fingerprints (a stale read of shared storage fails loudly
         instead of training on other rows). Numbers −1: the leader stopped."""
+        if isinstance(self.stages, FixedLagRollouts):
+            return self.stages.take(version)
         if not self.multi_process:
             return buffer.take(version)
         named = np.full((self.cfg.learner.batch_size // self._group_size(), 2), -1, np.int64)
@@ -301,14 +315,14 @@ class Trainer:
                                    "trains on: is the run directory on storage every host sees consistently?")
         return groups
 
-    def _checkpoint(self, step: int, pool: RolloutPool | StageProcesses | _Follower) -> None:
+    def _checkpoint(self, step: int, pool: RolloutPool | StageProcesses | FixedLagRollouts | _Follower) -> None:
         with self.tracer.span("checkpoint", step=step):
             meta = {"step": step, "worker_index": pool.groups_started}
             self.run_dir.save_checkpoint(step, self.state, meta)
         pool.checkpointed()
         self._write_trace(pool)
 
-    def _write_trace(self, pool: RolloutPool | StageProcesses | _Follower) -> None:
+    def _write_trace(self, pool: RolloutPool | StageProcesses | FixedLagRollouts | _Follower) -> None:
         if not self.leader:
             return
         others = pool.trace_files() if isinstance(pool, StageProcesses) else []
