@@ -170,6 +170,10 @@ class TrainConfig:
     eval_every: int = 25
     checkpoint_every: int = 25
     log_every: int = 1
+    # Study diagnostics (asyncopd_jax.pipeline.diagnostics): exact KLs on a fixed probe set
+    # every this many steps (0: off), over this many probe prompts.
+    diagnostics_every: int = 0
+    diagnostic_prompts: int = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +237,8 @@ def _validate(cfg: RunConfig) -> None:
          and (cfg.distributed.num_processes == 0 or cfg.distributed.process_id < cfg.distributed.num_processes),
          "-1 (from the environment) or 0 .. distributed.num_processes - 1"),
         ("train.steps", cfg.train.steps, cfg.train.steps >= 1, ">= 1"),
+        ("train.diagnostics_every", cfg.train.diagnostics_every, cfg.train.diagnostics_every >= 0, ">= 0 (0: off)"),
+        ("train.diagnostic_prompts", cfg.train.diagnostic_prompts, cfg.train.diagnostic_prompts >= 1, ">= 1"),
         ("optim.learning_rate", cfg.optim.learning_rate, cfg.optim.learning_rate > 0, "> 0"),
     ]:
         if not ok:

@@ -51,6 +51,7 @@ from asyncopd_jax.learner import (
 )
 from asyncopd_jax.learner.optimizer import learning_rate_schedule
 from asyncopd_jax.models import Decoder, check_same_vocabulary, from_pretrained, load_tokenizer, save_pretrained
+from asyncopd_jax.pipeline.diagnostics import ProbeDiagnostics
 from asyncopd_jax.pipeline.fixed_lag import FixedLagRollouts
 from asyncopd_jax.pipeline.processes import Exchange, StageProcesses, default_snapshot_dir, plan_stages
 from asyncopd_jax.pipeline.rollout import GroupProducer, RolloutPool
@@ -115,6 +116,7 @@ class Trainer:
 
         self.sampling = dataclasses.replace(
             cfg.sampling, stop_token_ids=stop_token_ids(cfg, self.data, student.config.eos_token_ids))
+        self.diagnostics = self._probe_diagnostics() if cfg.train.diagnostics_every else None
         self.scoring = cfg.scoring
         self.start_step, self.worker_index = 0, 0
         self.rollout_seed = cfg.seed * 1_000_003
@@ -183,6 +185,16 @@ class Trainer:
         workers = (self.cfg.stages.rollout_processes if self.cfg.schedule.placement == "processes"
                    else self.cfg.schedule.rollout_workers)
         return B // workers if B % workers == 0 else B
+
+    def _probe_diagnostics(self) -> ProbeDiagnostics:
+        if self.multi_process:
+            raise ConfigError("train.diagnostics_every > 0 is not supported for a learner over several processes; "
+                              "allowed: 0")
+        prompts, _ = self.data.train_prompts(np.random.default_rng([self.cfg.seed, 2**31 - 1]),
+                                             self.cfg.train.diagnostic_prompts)
+        return ProbeDiagnostics(graphdef=self.graphdef, teacher=self.teacher, prompts=prompts, sampling=self.sampling,
+                                teacher_temperature=self.cfg.scoring.temperature, pad_id=self.data.pad_id,
+                                prompt_slots=self.data.prompt_slots, seed=self.cfg.seed)
 
     def _producer(self, group_size: int, interruptible: bool = True) -> GroupProducer:
         """Samples rollout groups in this process from ``self.snapshots``."""
@@ -345,6 +357,13 @@ class Trainer:
         if self.needs_proximal:  # π_prox: the weights before the batch's first step
             with self.tracer.span("proximal"):
                 minis = [LearnerBatch(m.rollout, m.cache, self.proximal(self.state.params, m)) for m in minis]
+        probe = {}
+        every = cfg.train.diagnostics_every
+        if self.diagnostics is not None and any(s % every == 0 for s in range(step, step + len(minis))):
+            behaviour = min(g.oldest_version for g in groups)  # still kept: it is ≥ version − η
+            with self.tracer.span("diagnostics"):
+                probe = self.diagnostics.measure(self.state.params, self.snapshots.load(behaviour)[1])
+            probe["probe_behaviour_version"] = behaviour
         for mini in minis:
             if step >= cfg.train.steps:
                 break
@@ -360,7 +379,9 @@ class Trainer:
                 "tokens_per_s": throughput.tokens / elapsed, "dropped_stale": buffer.dropped_stale,
                 "dropped_future": buffer.dropped_future, "time": elapsed,
                 "trace_s": time.time() - self.tracer.origin,  # the same clock as trace.json's spans
+                **probe,
             }
+            probe = {}  # on the first step of the batch only
             if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
                 record["eval_accuracy"] = self.evaluate_student()
             if self.leader:
