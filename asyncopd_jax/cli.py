@@ -1,4 +1,4 @@
-"""The ``asyncopd`` command: ``train``, ``sft``, ``eval`` and ``stage``.
+"""The ``asyncopd`` command: ``train``, ``sft``, ``eval``, ``study`` and ``stage``.
 
     asyncopd train                                  # the embedded demo (configs/demo.yaml)
     asyncopd train --config my.yaml --set learner.batch_size=64 --set schedule.mode=sync
@@ -7,6 +7,7 @@
     asyncopd stage rollout --exchange runs/demo/exchange --index 3   # one more stage process
     asyncopd sft --model teacher --steps 1000 --out asyncopd_jax/tasks/assets/teacher
     asyncopd eval --model builtin:student
+    asyncopd study cache_bias_variance --quick      # a study's report in docs/study/
 """
 
 from __future__ import annotations
@@ -101,6 +102,21 @@ def _eval(args: argparse.Namespace) -> None:
           f"{TaskData(task, tokenizer).accuracy(*nnx.split(model)):.1%}")
 
 
+def _study(args: argparse.Namespace) -> None:
+    import shlex
+
+    from asyncopd_jax.studies import get_study
+
+    run = get_study(args.name)
+    if args.seeds < 1:
+        raise ValueError(f"--seeds = {args.seeds} is invalid; allowed: >= 1")
+    command = shlex.join(["asyncopd", "study", args.name, *(["--quick"] if args.quick else []),
+                          "--seeds", str(args.seeds)])
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = run(args.out, args.work, quick=args.quick, seeds=args.seeds, command=command)
+    print(f"asyncopd study: wrote {path}")
+
+
 def _stage(args: argparse.Namespace) -> int:
     from asyncopd_jax.config import parse_cpu_list
     from asyncopd_jax.pipeline.processes import run_stage
@@ -133,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--model", required=True, help="builtin:NAME or a Hugging Face directory")
     ev.add_argument("--task", action="append", default=[], metavar="FIELD=VALUE", help="task config field")
     ev.set_defaults(fn=_eval)
+
+    study = sub.add_parser("study", help="run a study and write its report (docs/study/NAME.md)")
+    study.add_argument("name", help="the study: cache_bias_variance")
+    study.add_argument("--quick", action="store_true", help="a minutes-long version (its numbers are not findings)")
+    study.add_argument("--seeds", type=int, default=3, help="independent seeds")
+    study.add_argument("--out", type=Path, default=Path("docs/study"), help="where the report goes")
+    study.add_argument("--work", type=Path, default=Path("runs/study"), help="where the study's runs go")
+    study.set_defaults(fn=_study)
 
     stage = sub.add_parser("stage", help="run one rollout or scoring process of a run started with "
                                           "schedule.placement=processes (started for you; by hand on other hosts)")

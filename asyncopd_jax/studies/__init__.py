@@ -1,0 +1,30 @@
+"""Studies: experiments that measure the AsyncOPD, AReaL and EffOPD findings on the built-in
+task and write a report to ``docs/study/<name>.md`` (``asyncopd study NAME``).
+
+Each study is a module with ``run(out_dir, work_dir, *, quick, seeds, command) -> Path``
+that trains or evaluates what it needs, writes its tables and plots through
+:class:`asyncopd_jax.studies.report.Report` and returns the report's path. ``--quick``
+shrinks every study to minutes (the test suite runs it, so study code cannot rot); its
+numbers are not the study's findings.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+
+# name → module (imported on demand: a study pulls in the trainer and matplotlib)
+STUDIES: dict[str, str] = {
+    "cache_bias_variance": "asyncopd_jax.studies.cache_bias_variance",
+}
+
+
+def get_study(name: str) -> Callable[..., Path]:
+    """The ``run`` function of study ``name``, or a ValueError naming the allowed ones."""
+    if name not in STUDIES:
+        raise ValueError(f"unknown study {name!r}; allowed: {', '.join(sorted(STUDIES))}")
+    return importlib.import_module(STUDIES[name]).run
+
+
+__all__ = ["STUDIES", "get_study"]

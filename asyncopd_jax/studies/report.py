@@ -1,0 +1,63 @@
+"""A study's report: Markdown with tables and embedded PNG plots, and the command that made it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class Report:
+    """Builds ``<out_dir>/<name>.md``; plots go to ``<out_dir>/<name>/`` and are linked."""
+
+    def __init__(self, out_dir: str | Path, name: str, title: str, command: str):
+        self.out_dir = Path(out_dir)
+        self.name = name
+        self.figures = self.out_dir / name
+        self.figures.mkdir(parents=True, exist_ok=True)
+        self.lines: list[str] = [f"# {title}", "", "Made by:", "", "```bash", command, "```", ""]
+
+    def text(self, paragraph: str) -> None:
+        self.lines += [paragraph.strip(), ""]
+
+    def heading(self, title: str, level: int = 2) -> None:
+        self.lines += [f"{'#' * level} {title}", ""]
+
+    def table(self, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        self.lines.append("| " + " | ".join(header) + " |")
+        self.lines.append("|" + "---|" * len(header))
+        for row in rows:
+            self.lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
+        self.lines.append("")
+
+    def figure(self, fig, filename: str, caption: str) -> None:
+        """Save a matplotlib figure as PNG and embed it."""
+        path = self.figures / filename
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        self.lines += [f"![{caption}]({self.name}/{filename})", "", f"*{caption}*", ""]
+
+    def config(self, title: str, settings: dict[str, Any]) -> None:
+        """A collapsible block with the exact settings of the runs."""
+        self.lines += [f"<details><summary>{title}</summary>", "", "```json",
+                       json.dumps(settings, indent=1, sort_keys=True, default=str), "```", "", "</details>", ""]
+
+    def write(self) -> Path:
+        path = self.out_dir / f"{self.name}.md"
+        path.write_text("\n".join(self.lines).rstrip() + "\n")
+        return path
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def mean_spread(values: Sequence[float], digits: int = 3) -> str:
+    """``mean ± half-range`` (``mean`` alone for one value)."""
+    values = [float(v) for v in values]
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return f"{mean:.{digits}g}"
+    return f"{mean:.{digits}g} ± {(max(values) - min(values)) / 2:.2g}"
