@@ -34,10 +34,10 @@ from asyncopd_jax.alignment import response_aligned
 from asyncopd_jax.config import load_config
 from asyncopd_jax.sampling import Sampler, SamplingParams
 from asyncopd_jax.studies.report import Report, mean_spread
+from asyncopd_jax.studies.training_runs import DEMO
 
 LAGS = (0, 2, 8)
 BUDGETS = (1, 2, 4, 8, 16, 32)
-DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
 
 @dataclasses.dataclass(frozen=True)
