@@ -46,6 +46,7 @@ class ModelSource:
 class EstimatorConfig:
     name: str = "reverse_kl_mc"
     mc_clip_eps: float | None = None
+    mc_importance_sampling: bool = True
     topk_tail: bool = True
     control_variate: bool = False
     ppo_clip_eps: float = 0.2
@@ -57,7 +58,8 @@ class EstimatorConfig:
 
     def options(self) -> EstimatorOptions:
         return EstimatorOptions(
-            mc_clip_eps=self.mc_clip_eps, topk_tail=self.topk_tail, control_variate=self.control_variate,
+            mc_clip_eps=self.mc_clip_eps, mc_importance_sampling=self.mc_importance_sampling,
+            topk_tail=self.topk_tail, control_variate=self.control_variate,
             ppo_clip_eps=self.ppo_clip_eps, dual_clip=self.dual_clip, behavior_weight_cap=self.behavior_weight_cap,
             tis_cap=self.tis_cap, m2po_budget=self.m2po_budget, stabiliser_signal=self.stabiliser_signal,
         )

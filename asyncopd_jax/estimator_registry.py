@@ -28,6 +28,9 @@ class EstimatorOptions:
 
     Attributes:
       mc_clip_eps: PPO-style clip of the MC importance ratio (``reverse_kl_mc*``).
+      mc_importance_sampling: weight MC candidates by ``π_θ / μ`` (``reverse_kl_mc``,
+        ``reverse_kl_mc_stale``, ``reverse_kl_pg*``); False treats μ's draws as if from
+        π_θ (biased under staleness: for the studies).
       topk_tail: add the tail bucket to the top-K estimators.
       control_variate: use the k3 form of ``forward_kl_mc``.
       ppo_clip_eps: clip range of ``ppo_clip``, ``decoupled_ppo``.
@@ -41,6 +44,7 @@ class EstimatorOptions:
     """
 
     mc_clip_eps: float | tuple[float, float] | None = None
+    mc_importance_sampling: bool = True
     topk_tail: bool = True
     control_variate: bool = False
     ppo_clip_eps: float | tuple[float, float] = 0.2
@@ -78,7 +82,7 @@ def _mc(recompute: bool) -> EstimatorFn:
     def run(batch, cache, student, proximal, options):
         return est.reverse_kl_mc(
             student.candidates, batch.candidate_behavior_logp, cache.candidate_logp,
-            recompute=recompute, clip_eps=options.mc_clip_eps,
+            recompute=recompute, importance_sampling=options.mc_importance_sampling, clip_eps=options.mc_clip_eps,
         )
 
     return run
@@ -88,7 +92,7 @@ def _pg(recompute: bool) -> EstimatorFn:
     def run(batch, cache, student, proximal, options):
         return est.reverse_kl_mc(
             student.token[..., None], batch.behavior_logp[..., None], cache.token_logp[..., None],
-            recompute=recompute, clip_eps=options.mc_clip_eps,
+            recompute=recompute, importance_sampling=options.mc_importance_sampling, clip_eps=options.mc_clip_eps,
         )
 
     return run
@@ -249,7 +253,9 @@ def evaluate_estimator(
     Reduce the losses with ``token_mean(values, batch.response_mask)`` (or the
     sum/count forms across micro-batches). Metrics are token means over the response
     mask: the loss, the 1-sample reverse-KL signal ``log π_θ − log q`` on the sampled
-    tokens, and the importance ratio ``π_θ / μ`` of the sampled tokens (mean and max).
+    tokens, the importance ratio ``π_θ / μ`` of the sampled tokens (mean and max), and
+    ``zero_grad_fraction``, the share of tokens the estimator gives no gradient at all
+    (PPO-style clipped or M2PO-masked).
 
     Args:
       name: one of :data:`ESTIMATORS`.
@@ -276,11 +282,19 @@ def evaluate_estimator(
             )
     values = spec.fn(batch, cache, student, proximal, options)
     mask = batch.response_mask
+    # ∂(Σ values)/∂(student log-probs), elementwise and cheap: a token whose every entry is
+    # 0 contributes nothing to the update.
+    grads = jax.grad(lambda s: jnp.sum(jnp.where(mask, spec.fn(batch, cache, s, proximal, options), 0.0)))(
+        jax.lax.stop_gradient(student))
+    moved = jnp.zeros(mask.shape, bool)
+    for g in jax.tree_util.tree_leaves(grads):
+        moved = moved | ((g != 0) if g.ndim == mask.ndim else jnp.any(g != 0, axis=-1))
     token_ratio = est.importance_ratio(jax.lax.stop_gradient(student.token), batch.behavior_logp)
     metrics = {
         "loss": est.token_mean(jax.lax.stop_gradient(values), mask),
         "reverse_kl_signal": est.token_mean(jax.lax.stop_gradient(student.token) - cache.token_logp, mask),
         "importance_ratio_mean": est.token_mean(token_ratio, mask),
         "importance_ratio_max": jnp.max(jnp.where(mask, token_ratio, 0.0)),
+        "zero_grad_fraction": est.token_mean((~moved).astype(jnp.float32), mask),
     }
     return values, metrics

@@ -171,3 +171,29 @@ def test_missing_inputs_are_clear_errors():
         evaluate_estimator("decoupled_ppo", batch, cache, s)
     with pytest.raises(ValueError, match="needs StudentLogProbs.candidates"):
         evaluate_estimator("reverse_kl_mc", batch, cache, StudentLogProbs(token=s.token))
+
+
+def test_zero_grad_fraction_counts_the_tokens_ppo_clips():
+    student, _, batch, cache = _world(5)
+    s = _all_logprobs(student, batch, cache)
+    ratio = np.exp(np.asarray(s.token, np.float64) - np.asarray(batch.behavior_logp))
+    adv = np.asarray(cache.token_logp) - np.asarray(batch.behavior_logp)  # the stale signal
+    clipped = ((adv > 0) & (ratio > 1.2)) | ((adv < 0) & (ratio < 0.8))
+    mask = np.asarray(batch.response_mask)
+    assert 0 < clipped[mask].mean() < 1  # both kinds of token are there
+    _, metrics = evaluate_estimator("ppo_clip", batch, cache, s)
+    np.testing.assert_allclose(metrics["zero_grad_fraction"], clipped[mask].mean(), rtol=1e-6)
+    _, metrics = evaluate_estimator("reverse_kl_mc", batch, cache, s)
+    assert metrics["zero_grad_fraction"] == 0.0
+
+
+def test_mc_importance_sampling_can_be_switched_off_by_name():
+    student, _, batch, cache = _world(6)
+    s = _all_logprobs(student, batch, cache)
+    options = EstimatorOptions(mc_importance_sampling=False)
+    got, _ = evaluate_estimator("reverse_kl_mc_stale", batch, cache, s, options=options)
+    want = est.reverse_kl_mc(s.candidates, batch.candidate_behavior_logp, cache.candidate_logp,
+                             recompute=False, importance_sampling=False)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    with_is, _ = evaluate_estimator("reverse_kl_mc_stale", batch, cache, s)
+    assert np.abs(np.asarray(got) - np.asarray(with_is)).max() > 1e-3

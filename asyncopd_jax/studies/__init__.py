@@ -17,6 +17,7 @@ from pathlib import Path
 # name → module (imported on demand: a study pulls in the trainer and matplotlib)
 STUDIES: dict[str, str] = {
     "kl_direction": "asyncopd_jax.studies.kl_direction",
+    "stabilisers": "asyncopd_jax.studies.stabilisers",
     "cache_bias_variance": "asyncopd_jax.studies.cache_bias_variance",
 }
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncopd_jax.studies.report import Report, mean_spread
-from asyncopd_jax.studies.training_runs import run_training
+from asyncopd_jax.studies.training_runs import fixed_lag_sets, run_training
 
 # estimator → the cache it needs (top-K and N = 8 everywhere, as in the demo)
 ESTIMATORS: dict[str, list[str]] = {
@@ -48,11 +48,9 @@ QUICK = Settings(steps=6, batch_size=8, learning_rates=(3e-3,), lags=(0, 2), dia
 
 
 def _sets(estimator: str, lag: int, lr: float, seed: int, s: Settings) -> list[str]:
-    return [f"seed={seed}", f"estimator.name={estimator}", *ESTIMATORS[estimator], "schedule.mode=fixed_lag",
-            f"schedule.lag={lag}", f"optim.learning_rate={lr}", "optim.warmup_steps=0", "optim.schedule=constant",
-            f"learner.batch_size={s.batch_size}", f"train.steps={s.steps}", f"train.eval_every={10**6}",
-            f"train.checkpoint_every={10**6}", f"train.diagnostics_every={s.diagnostics_every}",
-            f"train.diagnostic_prompts={s.probe_prompts}", f"task.eval_prompts={s.eval_prompts}"]
+    return [f"estimator.name={estimator}", *ESTIMATORS[estimator], *fixed_lag_sets(
+        seed=seed, lag=lag, learning_rate=lr, batch_size=s.batch_size, steps=s.steps,
+        diagnostics_every=s.diagnostics_every, probe_prompts=s.probe_prompts, eval_prompts=s.eval_prompts)]
 
 
 def run(out_dir: str | Path, work_dir: str | Path, *, quick: bool = False, seeds: int = 3,

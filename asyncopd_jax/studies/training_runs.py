@@ -16,6 +16,17 @@ from asyncopd_jax.config import load_config
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
 
+def fixed_lag_sets(*, seed: int, lag: int, learning_rate: float, batch_size: int, steps: int,
+                   diagnostics_every: int, probe_prompts: int, eval_prompts: int) -> list[str]:
+    """The overrides every study run shares: exact staleness ``lag``, a constant learning
+    rate, no periodic eval or checkpoint (one held-out eval at the end), probe diagnostics."""
+    return [f"seed={seed}", "schedule.mode=fixed_lag", f"schedule.lag={lag}", f"optim.learning_rate={learning_rate}",
+            "optim.warmup_steps=0", "optim.schedule=constant", f"learner.batch_size={batch_size}",
+            f"train.steps={steps}", f"train.eval_every={10**6}", f"train.checkpoint_every={10**6}",
+            f"train.diagnostics_every={diagnostics_every}", f"train.diagnostic_prompts={probe_prompts}",
+            f"task.eval_prompts={eval_prompts}"]
+
+
 def run_training(work: Path, name: str, sets: Sequence[str]) -> dict[str, Any]:
     """Train ``configs/demo.yaml`` with ``sets`` (``--set`` style overrides) as run ``name``.
 
