@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.set_defaults(fn=_eval)
 
     study = sub.add_parser("study", help="run a study and write its report (docs/study/NAME.md)")
-    study.add_argument("name", help="the study: kl_direction (E1), stabilisers (E2), cache_bias_variance (E3)")
+    study.add_argument("name", help="the study: kl_direction (E1), stabilisers (E2), cache_bias_variance (E3), "
+                       "throughput (E4)")
     study.add_argument("--quick", action="store_true", help="a minutes-long version (its numbers are not findings)")
     study.add_argument("--seeds", type=int, default=3, help="independent seeds")
     study.add_argument("--out", type=Path, default=Path("docs/study"), help="where the report goes")

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from asyncopd_jax.pipeline.trace import load_spans
+
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
 
@@ -57,20 +59,17 @@ def stage_times(run_dir: Path, batch: int, window: tuple[float, float]) -> dict:
     """Per-batch busy time of the rollout side (rollout + score, all its processes) and of
     the learner (learn + publish + proximal), from the run's merged trace, inside ``window``
     (seconds on the trace's clock: the spans of the measured steps)."""
-    trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
-    spans = [e for e in trace if e["ph"] == "X"]
-    lo, hi = window
+    spans = [e for e in load_spans(run_dir / "trace.json") if window[0] <= e["start"] <= window[1]]
+    names = {e["process"] for e in spans}
 
     def busy(which: set[str], where) -> float:
-        return sum(e["dur"] / 1e6 for e in spans if e["name"] in which and where(names[e["pid"]])
-                   and lo <= e["ts"] / 1e6 <= hi)
+        return sum(e["seconds"] for e in spans if e["name"] in which and where(e["process"]))
 
-    rollout_processes = {n for n in names.values() if n != "learner"}
+    rollout_processes = {n for n in names if n != "learner"}
     parallel = max(1, len({n for n in rollout_processes if n.startswith("rollout")}))
     rollout = busy({"rollout", "score"}, lambda p: True) / parallel
     learner = busy({"learn", "publish", "proximal"}, lambda p: p == "learner")
-    steps = sum(1 for e in spans if e["name"] == "learn" and lo <= e["ts"] / 1e6 <= hi)
+    steps = sum(1 for e in spans if e["name"] == "learn")
     return {"t_rollout": rollout / max(steps, 1), "t_learn": learner / max(steps, 1)}
 
 

@@ -66,12 +66,15 @@ class GroupProducer:
         rng = np.random.default_rng([self.seed, index])
         prompts, problems = self.prompts(rng, self.group_size)
         version, params = self.snapshots.load(version)
-        with self.tracer.span("rollout", version=version):
+        with self.tracer.span("rollout", version=version) as info:
             batch = self.sampler.generate(
                 params, prompts, group_key(self.seed, index), version=version, prompt_slots=self.prompt_slots,
                 weight_source=self._newer_snapshot if self.interruptible else None,
             )
             jax.block_until_ready(batch.response_tokens)
+            lengths = np.asarray(batch.response_mask).sum(axis=1)
+            # decoding runs until the longest row is done: its cost follows ``longest``
+            info.update(rows=int(lengths.size), tokens=int(lengths.sum()), longest=int(lengths.max(initial=0)))
         versions = np.asarray(batch.token_version)[np.asarray(batch.response_mask)]
         oldest = int(versions.min()) if versions.size else version
         newest = int(versions.max()) if versions.size else version

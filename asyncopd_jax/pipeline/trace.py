@@ -29,10 +29,13 @@ class Tracer:
 
     @contextlib.contextmanager
     def span(self, name: str, **args):
-        """Record the wall time of the ``with`` body as a complete event on this thread."""
+        """Record the wall time of the ``with`` body as a complete event on this thread.
+
+        Yields the event's ``args`` dict: the body may add what it learns (e.g. the
+        length of what it generated)."""
         start = time.time()
         try:
-            yield
+            yield args
         finally:
             end = time.time()
             event = {
@@ -79,3 +82,12 @@ class Tracer:
                  for p, t in threads]
         body = [{**e, "pid": pids[e["pid"]], "tid": tids[(e["pid"], e["tid"])]} for e in events]
         Path(path).write_text(json.dumps({"traceEvents": meta + body, "displayTimeUnit": "ms"}))
+
+
+def load_spans(path: str | Path) -> list[dict]:
+    """The complete ("X") events of a ``trace.json``, each with its process's name under
+    ``"process"`` and start and duration in seconds under ``"start"`` and ``"seconds"``."""
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    return [{**e, "process": names[e["pid"]], "start": e["ts"] / 1e6, "seconds": e["dur"] / 1e6}
+            for e in events if e["ph"] == "X"]

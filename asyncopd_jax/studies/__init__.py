@@ -19,6 +19,7 @@ STUDIES: dict[str, str] = {
     "kl_direction": "asyncopd_jax.studies.kl_direction",
     "stabilisers": "asyncopd_jax.studies.stabilisers",
     "cache_bias_variance": "asyncopd_jax.studies.cache_bias_variance",
+    "throughput": "asyncopd_jax.studies.throughput",
 }
 
 

@@ -1,0 +1,114 @@
+"""E4: the simulation against closed forms, the calibration read from a real trace file,
+and the quick study end to end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from asyncopd_jax.pipeline.trace import Tracer
+from asyncopd_jax.studies import throughput
+from asyncopd_jax.studies.throughput import (
+    Lengths,
+    StageCosts,
+    fit_lengths,
+    measured_rate,
+    simulate_split,
+    simulate_sync,
+    stage_costs,
+)
+
+B, L = 8, 10
+EVEN = Lengths(mean=L, sigma=0.0, cap=100)  # every answer exactly L tokens
+
+
+def _costs(decode=0.01, score=1e-3, learn=2e-3, publish=0.005) -> StageCosts:
+    return StageCosts(decode_step_s=decode, score_token_s=score, learn_token_s=learn, publish_s=publish, rows=B,
+                      mean_length=L, longest_over_mean=1.0)
+
+
+def test_sync_is_generate_then_score_and_learn_on_every_device():
+    c = _costs()
+    for devices in (1, 4):
+        step = c.decode_step_s * L + (c.score_token_s + c.learn_token_s) * B * L + c.publish_s
+        assert simulate_sync(c, EVEN, devices, steps=5) == pytest.approx(devices * B / step)
+
+
+@pytest.mark.parametrize("learn", [1e-4, 5e-3])  # rollout-bound, learner-bound
+def test_fully_async_runs_at_its_slower_side(learn):
+    c = _costs(learn=learn)
+    devices, rollout_devices = 4, 2
+    # a rollout device finishes its B rows every L decode steps, then scores them
+    rollout_rate = rollout_devices * B / (c.decode_step_s * L + c.score_token_s * B * L)
+    learn_rate = devices * B / (c.learn_token_s * devices * B * L / (devices - rollout_devices) + c.publish_s)
+    rate = simulate_split(c, EVEN, devices, rollout_devices, steps=40, continuous=True, eta=2)
+    assert rate == pytest.approx(min(rollout_rate, learn_rate), rel=0.02)
+
+
+def test_no_staleness_allowed_means_no_overlap():
+    # η = 0 (AReaL's capacity rule): the next batch may not start before the learner has
+    # updated, so generation and learning alternate
+    c = _costs()
+    devices, rollout_devices = 2, 1
+    generate = (devices * B / (rollout_devices * B)) * (c.decode_step_s * L + c.score_token_s * B * L)
+    learn = c.learn_token_s * devices * B * L / (devices - rollout_devices) + c.publish_s
+    rate = simulate_split(c, EVEN, devices, rollout_devices, steps=20, continuous=True, eta=0)
+    assert rate == pytest.approx(devices * B / (generate + learn), rel=0.02)
+
+
+def test_long_tails_hurt_whole_batch_generation_more_than_continuous():
+    c = _costs(learn=1e-4)
+    tail = Lengths(mean=L, sigma=1.0, cap=16 * L)
+    batchwise = simulate_split(c, tail, 4, 3, steps=30, continuous=False, eta=1)
+    continuous = simulate_split(c, tail, 4, 3, steps=30, continuous=True, eta=1)
+    assert continuous > 1.5 * batchwise
+    assert simulate_sync(c, tail, 4, steps=30) < simulate_sync(c, EVEN, 4, steps=30) / 1.5
+
+
+def test_fit_lengths_recovers_the_spread():
+    rng = np.random.default_rng(1)
+    x = Lengths(mean=20.0, sigma=0.4, cap=1e9).draw(rng, 4000 * 16).reshape(4000, 16).astype(float)
+    costs = StageCosts(0.0, 0.0, 0.0, 0.0, rows=16, mean_length=20.0,
+                       longest_over_mean=float(np.mean(x.max(1) / x.mean(1))))
+    assert fit_lengths(costs, cap=1e9).sigma == pytest.approx(0.4, abs=0.03)
+
+
+def test_stage_costs_and_rate_from_a_trace_and_metrics(tmp_path, monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr("asyncopd_jax.pipeline.trace.time.time", lambda: now[0])
+    tracer = Tracer(origin=1000.0)
+
+    def span(name, seconds, **args):
+        with tracer.span(name) as info:
+            info.update(args)
+            now[0] += seconds
+
+    span("rollout", 9.0, rows=4, tokens=20, longest=6)  # before the window: left out
+    span("rollout", 1.2, rows=4, tokens=20, longest=6)
+    span("score", 0.4)
+    span("learn", 0.6)
+    span("publish", 0.1)
+    span("rollout", 0.8, rows=4, tokens=12, longest=4)
+    span("score", 0.2)
+    span("learn", 0.3)
+    span("proximal", 0.1)
+    tracer.write(tmp_path / "trace.json")
+    c = stage_costs(tmp_path / "trace.json", (5.0, 100.0))
+    assert c.decode_step_s == pytest.approx((1.2 / 6 + 0.8 / 4) / 2)
+    assert c.score_token_s == pytest.approx(0.6 / 32)
+    assert c.learn_token_s == pytest.approx(1.0 / 32)
+    assert c.publish_s == pytest.approx(0.1)
+    assert (c.rows, c.mean_length) == (4, 4.0)
+    assert c.longest_over_mean == pytest.approx((6 / 5 + 4 / 3) / 2)
+    records = [{"samples_per_s": 10.0, "time": 1.0, "trace_s": 5.0},
+               {"samples_per_s": 10.0, "time": 2.0, "trace_s": 6.0},
+               {"samples_per_s": 12.0, "time": 4.0, "trace_s": 7.0}]
+    assert measured_rate(records, skip=2) == pytest.approx((48 - 20) / 1.0)
+
+
+@pytest.mark.slow
+def test_the_quick_study_writes_its_report(tmp_path):
+    path = throughput.run(tmp_path / "docs", tmp_path / "work", quick=True, command="asyncopd study x")
+    text = path.read_text()
+    assert "## Measured on this machine" in text and "### Answer lengths: long_tail" in text
+    assert (tmp_path / "docs" / "throughput" / "speedup.png").is_file()
