@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from asyncopd_jax.estimators import forward_kl_dense, forward_kl_mc, forward_kl_topk, gather_logprobs
+from asyncopd_jax.estimators import forward_kl_dense, forward_kl_mc, forward_kl_topk, gather_logprobs, with_tail
 from tests.estimators import oracle
 
 B, T, V = 2, 3, 7
@@ -122,3 +122,14 @@ def test_mc_at_student_equals_teacher():
     values, grads = _mc_draws(1_000, 1, q, q, control_variate=True)
     np.testing.assert_allclose(values, 0.0, atol=1e-6)
     np.testing.assert_allclose(grads, 0.0, atol=1e-6)
+
+
+def test_with_tail_keeps_a_tiny_tail_to_float32_precision():
+    # A support holding all but 1e-5 of the mass: log(1 − e^x) must come from expm1, since
+    # e^x rounds to float32 with an absolute error ~3e-8, a few tenths of a percent of 1e-5.
+    tails = np.array([1e-5, 2e-5, 3e-6, 7e-6, 1.3e-5])
+    support = np.log1p(-tails)[:, None].astype(np.float32)
+    np.testing.assert_allclose(np.exp(with_tail(support)[:, 1]), tails, rtol=2e-5)
+    # and from log1p below −log 2 (a support with little mass)
+    small = np.log(np.array([[0.1, 0.05], [0.3, 0.1]], np.float32))
+    np.testing.assert_allclose(np.exp(with_tail(small)[:, 2]), [0.85, 0.6], rtol=1e-6)

@@ -112,7 +112,7 @@ def test_bf16_inputs_give_fp32_accurate_results():
 
 def test_bad_shapes_raise_clear_errors():
     hidden, head, ids = _problem()
-    with pytest.raises(ValueError, match="hidden size mismatch"):
+    with pytest.raises(ValueError, match=rf"hidden has H={hidden.shape[-1]}, lm_head has shape \({head.shape[1]}, "):
         gather_logprobs_from_hidden(hidden, head.T, ids)
     with pytest.raises(ValueError, match="ids must have shape"):
         gather_logprobs(hidden @ head, ids[..., None])
@@ -133,3 +133,11 @@ def test_chunked_gradient_with_vocabulary_not_a_multiple_of_the_weight_grad_slic
     dense = jax.grad(lambda w: gather_logprobs(hidden @ w, ids).sum())(head)
     chunked = jax.grad(lambda w: gather_logprobs_from_hidden(hidden, w, ids, 4).sum())(head)
     np.testing.assert_allclose(chunked, dense, rtol=1e-4, atol=1e-7)
+
+
+def test_ids_without_a_support_axis_give_one_log_prob_per_position():
+    hidden, head, ids = _problem()
+    one = ids[..., 0]  # [B, T]
+    got = gather_logprobs_from_hidden(hidden, head, one, 4)
+    assert got.shape == one.shape
+    np.testing.assert_allclose(got, gather_logprobs_from_hidden(hidden, head, ids, 4)[..., 0], rtol=1e-6)

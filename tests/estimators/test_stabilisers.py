@@ -128,14 +128,20 @@ def test_bad_clip_arguments_raise():
     logp, behavior, adv = _problem((2, 3))
     with pytest.raises(ValueError, match="clip_eps"):
         ppo_clip_loss(logp, behavior, adv, clip_eps=1.5)
-    with pytest.raises(ValueError, match="dual_clip"):
-        ppo_clip_loss(logp, behavior, adv, dual_clip=0.5)
+    for dual in (0.5, 1.0):  # the dual clip bounds a loss from below only above 1
+        with pytest.raises(ValueError, match="dual_clip"):
+            ppo_clip_loss(logp, behavior, adv, dual_clip=dual)
+    with pytest.raises(ValueError, match="clip_eps"):
+        ppo_clip_loss(logp, behavior, adv, clip_eps=(1.0, 0.2))  # 1 − ε_low must stay > 0
     with pytest.raises(ValueError, match="cap"):
         truncated_is_loss(logp, behavior, adv, cap=0.0)
     assert jnp.all(jnp.isfinite(ppo_clip_loss(logp, behavior, adv)))
     # ε_low = 0 (no lower clip) is allowed: the ratio is clipped at 1 from below.
     np.testing.assert_allclose(ppo_clip_loss(logp, behavior, adv, clip_eps=(0.0, 0.2)),
                                oracle.ppo_clip(logp, behavior, adv, 1.0, 1.2), rtol=1e-5, atol=1e-6)
+    # and ε_high = 0: clipped at 1 from above
+    np.testing.assert_allclose(ppo_clip_loss(logp, behavior, adv, clip_eps=(0.2, 0.0)),
+                               oracle.ppo_clip(logp, behavior, adv, 0.8, 1.0), rtol=1e-5, atol=1e-6)
 
 
 def test_m2po_clip_with_a_wide_adaptive_range_and_dual_clip():
