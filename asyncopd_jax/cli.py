@@ -19,6 +19,7 @@ from pathlib import Path
 from flax import nnx
 
 from asyncopd_jax.config import ConfigError, OptimConfig, TaskConfig, load_config
+from asyncopd_jax.studies.training_runs import default_jobs
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
@@ -113,7 +114,9 @@ def _study(args: argparse.Namespace) -> None:
     command = shlex.join(["asyncopd", "study", args.name, *(["--quick"] if args.quick else []),
                           "--seeds", str(args.seeds)])
     args.out.mkdir(parents=True, exist_ok=True)
-    path = run(args.out, args.work, quick=args.quick, seeds=args.seeds, command=command)
+    if args.jobs < 1:
+        raise ValueError(f"--jobs = {args.jobs} is invalid; allowed: >= 1")
+    path = run(args.out, args.work, quick=args.quick, seeds=args.seeds, jobs=args.jobs, command=command)
     print(f"asyncopd study: wrote {path}")
 
 
@@ -157,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     study.add_argument("--seeds", type=int, default=3, help="independent seeds")
     study.add_argument("--out", type=Path, default=Path("docs/study"), help="where the report goes")
     study.add_argument("--work", type=Path, default=Path("runs/study"), help="where the study's runs go")
+    study.add_argument("--jobs", type=int, default=default_jobs(),
+                       help="training runs side by side, each pinned to its own cores (default: one per core)")
     study.set_defaults(fn=_study)
 
     stage = sub.add_parser("stage", help="run one rollout or scoring process of a run started with "

@@ -11,16 +11,18 @@
 # Not part of CI (about an hour on 2 cores); rerun before each release-sized change:
 #   bash tools/mutation.sh            # full run (a fresh mutants/ directory)
 #   bash tools/mutation.sh --resume   # continue or re-check an earlier run
+#   bash tools/mutation.sh --resume 'asyncopd_jax.estimators.logspace.*'
+#                                     # only the mutants whose names match (fnmatch patterns)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python -c "import mutmut" 2>/dev/null || python -m pip install --quiet -e ".[test,mutation]"
-[ "${1:-}" = "--resume" ] || rm -rf mutants
+if [ "${1:-}" = "--resume" ]; then shift; else rm -rf mutants; fi
 
 # Tests run on the CPU with the 8 virtual devices of tests/conftest.py; one XLA thread pool
 # per mutant process keeps the parallel workers from oversubscribing the cores.
 export JAX_PLATFORMS=cpu
-mutmut run --max-children "${MUTMUT_CHILDREN:-$(nproc)}" || true
+mutmut run --max-children "${MUTMUT_CHILDREN:-$(nproc)}" "$@" || true
 
 # The score: killed (a test failed, or the mutant hung past the timeout) over all mutants.
 # A mutant no test reaches counts as a survivor.

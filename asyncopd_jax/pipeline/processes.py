@@ -88,7 +88,7 @@ class StageSpec:
 # --- where each process runs ---------------------------------------------------------------
 
 
-def _deal(cores: Sequence[int], processes: int) -> list[tuple[int, ...]]:
+def split_cores(cores: Sequence[int], processes: int) -> list[tuple[int, ...]]:
     """Split ``cores`` into ``processes`` contiguous shares (cycling if there are fewer cores)."""
     if not cores or processes == 0:
         return [()] * processes
@@ -125,9 +125,9 @@ def plan_stages(stages: StagesConfig, available: Sequence[int]) -> tuple[tuple[i
         return auto[role] if spec == "auto" else parse_cpu_list(spec)
 
     specs = [StageSpec("rollout", i, c, stages.rollout_devices)
-             for i, c in enumerate(_deal(cores("rollout"), stages.rollout_processes))]
+             for i, c in enumerate(split_cores(cores("rollout"), stages.rollout_processes))]
     specs += [StageSpec("scoring", i, c, stages.scoring_devices)
-              for i, c in enumerate(_deal(cores("scoring"), stages.scoring_processes))]
+              for i, c in enumerate(split_cores(cores("scoring"), stages.scoring_processes))]
     return cores("learner"), specs
 
 

@@ -1,11 +1,12 @@
 """Studies: experiments that measure the AsyncOPD, AReaL and EffOPD findings on the built-in
 task and write a report to ``docs/study/<name>.md`` (``asyncopd study NAME``).
 
-Each study is a module with ``run(out_dir, work_dir, *, quick, seeds, command) -> Path``
+Each study is a module with ``run(out_dir, work_dir, *, quick, seeds, jobs, command) -> Path``
 that trains or evaluates what it needs, writes its tables and plots through
 :class:`asyncopd_jax.studies.report.Report` and returns the report's path. ``--quick``
 shrinks every study to minutes (the test suite runs it, so study code cannot rot); its
-numbers are not the study's findings.
+numbers are not the study's findings. ``jobs`` training runs go side by side where a
+study trains many (``training_runs.run_trainings``); a study that measures time ignores it.
 """
 
 from __future__ import annotations

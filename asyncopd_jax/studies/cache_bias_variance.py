@@ -183,8 +183,9 @@ def policy_logits(policies: dict[str, Any], behaviour: str, prompts: int, seed: 
 # --- the study --------------------------------------------------------------------------------------
 
 
-def run(out_dir: str | Path, work_dir: str | Path, *, quick: bool = False, seeds: int = 3,
+def run(out_dir: str | Path, work_dir: str | Path, *, quick: bool = False, seeds: int = 3, jobs: int = 1,
         command: str = "asyncopd study cache_bias_variance") -> Path:
+    """``jobs`` is ignored: the three students train one after the other (a few minutes)."""
     settings = QUICK if quick else FULL
     work = Path(work_dir) / "cache_bias_variance"
     results: dict[int, list[dict]] = {k: [] for k in LAGS}  # lag → per-seed statistics

@@ -289,8 +289,9 @@ def best_split(costs: StageCosts, lengths: Lengths, devices: int, steps: int, *,
 # the study
 
 
-def run(out_dir: str | Path, work_dir: str | Path, *, quick: bool = False, seeds: int = 1,
+def run(out_dir: str | Path, work_dir: str | Path, *, quick: bool = False, seeds: int = 1, jobs: int = 1,
         command: str = "asyncopd study throughput") -> Path:
+    """``jobs`` is ignored: throughput is measured one run at a time, with the machine to itself."""
     s = QUICK if quick else FULL
     work = Path(work_dir) / "throughput"
     measured: dict[tuple[str, str, str], dict[str, Any]] = {}

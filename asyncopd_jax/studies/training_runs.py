@@ -1,13 +1,34 @@
-"""Training runs for the studies: one ``Trainer`` run per setting, kept on disk so that an
-interrupted study continues where it stopped (a finished run with the same settings is
-read back instead of trained again)."""
+"""Training runs for the studies: one ``Trainer`` run per setting, kept so that a study
+continues where it stopped, on this machine or another.
+
+A finished run is kept twice:
+
+- its whole run directory, ``<work>/<name>/`` (metrics, trace, student, ``study.json``),
+  on this machine only (``runs/`` is not versioned);
+- one line of the study's **ledger**, ``docs/study/<study>/runs.jsonl``, next to the
+  report and versioned with it: the run's settings, summary, error and, as columns, the
+  per-step metrics the reports read (``LEDGER_KEYS``, 4 significant digits). A study
+  skips every run its ledger already holds with the same settings, so a study of a few
+  hundred runs can be spread over several sittings or machines, and its report can be
+  rebuilt from the ledger without training anything.
+
+``run_trainings`` runs what is missing ``jobs`` at a time, each in its own process pinned
+to its own share of the cores (several small runs side by side use a small machine better
+than one run over every core: two one-core runs on this project's 2-core machine finish
+1.45× more runs per minute than one two-core run at a time).
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import multiprocessing
+import os
 import shutil
+import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +36,19 @@ from asyncopd_jax.config import load_config
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
+# The per-step metrics a ledger keeps (the rest stays in the run directory).
+LEDGER_KEYS = ("step", "loss", "grad_norm", "zero_grad_fraction", "importance_ratio_max", "staleness_mean",
+               "staleness_max", "rollout_accuracy", "probe_reverse_kl", "probe_forward_kl", "probe_drift_kl")
+
 
 def fixed_lag_sets(*, seed: int, lag: int, learning_rate: float, batch_size: int, steps: int,
-                   diagnostics_every: int, probe_prompts: int, eval_prompts: int) -> list[str]:
+                   diagnostics_every: int, probe_prompts: int, eval_prompts: int,
+                   warmup_steps: int = 0) -> list[str]:
     """The overrides every study run shares: exact staleness ``lag``, a constant learning
-    rate, no periodic eval or checkpoint (one held-out eval at the end), probe diagnostics."""
+    rate after ``warmup_steps`` of linear warm-up, no periodic eval or checkpoint (one
+    held-out eval at the end), probe diagnostics."""
     return [f"seed={seed}", "schedule.mode=fixed_lag", f"schedule.lag={lag}", f"optim.learning_rate={learning_rate}",
-            "optim.warmup_steps=0", "optim.schedule=constant", f"learner.batch_size={batch_size}",
+            f"optim.warmup_steps={warmup_steps}", "optim.schedule=constant", f"learner.batch_size={batch_size}",
             f"train.steps={steps}", f"train.eval_every={10**6}", f"train.checkpoint_every={10**6}",
             f"train.diagnostics_every={diagnostics_every}", f"train.diagnostic_prompts={probe_prompts}",
             f"task.eval_prompts={eval_prompts}"]
@@ -31,7 +58,8 @@ def run_training(work: Path, name: str, sets: Sequence[str]) -> dict[str, Any]:
     """Train ``configs/demo.yaml`` with ``sets`` (``--set`` style overrides) as run ``name``.
 
     Returns ``{"sets", "records" (metrics.jsonl), "summary" (summary.json), "error"}``;
-    a run that raises is recorded with its error (the study goes on).
+    a run that raises is recorded with its error (the study goes on). A run already
+    finished under ``work`` with the same settings is read back, not trained again.
     """
     from asyncopd_jax.pipeline.trainer import Trainer
 
@@ -60,3 +88,142 @@ def run_training(work: Path, name: str, sets: Sequence[str]) -> dict[str, Any]:
     }
     done.write_text(json.dumps(result))
     return result
+
+
+# --- the ledger ----------------------------------------------------------------------------------
+
+
+def _round(value: Any) -> Any:
+    if isinstance(value, float) and math.isfinite(value) and value != 0.0:
+        return float(f"{value:.4g}")
+    return value
+
+
+def compact(name: str, result: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's ledger line: settings, summary, error and the ``LEDGER_KEYS`` columns
+    (``None`` where a step has no value, e.g. the probe KLs between diagnostics)."""
+    records = result["records"]
+    keys = [k for k in LEDGER_KEYS if any(k in r for r in records)]
+    return {"name": name, "sets": list(result["sets"]), "summary": result["summary"], "error": result["error"],
+            "columns": {k: [_round(r.get(k)) for r in records] for k in keys}}
+
+
+def expand(line: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`compact`: ``{"sets", "records", "summary", "error"}`` with one
+    record per step holding the ledger's keys that step has."""
+    columns = line["columns"]
+    steps = len(next(iter(columns.values()), []))
+    records = [{k: v[i] for k, v in columns.items() if v[i] is not None} for i in range(steps)]
+    return {"sets": line["sets"], "records": records, "summary": line["summary"], "error": line["error"]}
+
+
+def read_ledger(path: Path) -> dict[str, dict[str, Any]]:
+    """name → ledger line (a later line for the same name replaces an earlier one)."""
+    if not path.is_file():
+        return {}
+    lines = (json.loads(text) for text in path.read_text().splitlines() if text.strip())
+    return {line["name"]: line for line in lines}
+
+
+def _append(path: Path, line: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:  # one write of one line: a killed study leaves whole lines
+        f.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+
+def exact_staleness_note(results: Mapping[Hashable, Mapping[str, Any]], lag_of: Callable[[Hashable], int]) -> str:
+    """A report's sentence on ``fixed_lag``: whether, in every run, every token consumed
+    after step k was exactly k versions old (staleness mean = max = k at each step)."""
+    wrong = []
+    for key, result in results.items():
+        lag = lag_of(key)
+        late = [r for r in result["records"] if r["step"] > lag and "staleness_max" in r]
+        if not late or any(r["staleness_max"] != lag or r["staleness_mean"] != lag for r in late):
+            wrong.append(str(key))
+    if wrong:
+        return f"Staleness was NOT exactly k after step k in {len(wrong)} runs: {', '.join(wrong)}."
+    return (f"Staleness: in all {len(results)} runs, every token consumed after step k was exactly k versions old "
+            "(the per-step staleness mean and maximum in metrics.jsonl both equal k).")
+
+
+# --- running what is missing -------------------------------------------------------------------
+
+
+def _pin_from(cores: Any) -> None:
+    """Pool initializer: take this worker's share of the cores before JAX starts."""
+    from asyncopd_jax.pipeline.processes import pin_this_process
+
+    pin_this_process(cores.get())
+
+
+def _train(work: Path, name: str, sets: list[str]) -> tuple[dict[str, Any], float]:
+    start = time.perf_counter()
+    return compact(name, run_training(work, name, sets)), time.perf_counter() - start
+
+
+def default_jobs() -> int:
+    """One run per core this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def run_trainings(work: Path, ledger: Path, runs: Mapping[Hashable, tuple[str, Sequence[str]]], *,
+                  jobs: int = 1, shared: Sequence[Path] = (),
+                  train: Callable[[Path, str, list[str]], tuple[dict[str, Any], float]] = _train,
+                  ) -> dict[Hashable, dict[str, Any]]:
+    """Every run of ``runs`` (key → (name, overrides)), from the ledger where it is there,
+    else copied from a ``shared`` ledger (another study's) that holds a run with exactly the
+    same overrides, else trained (``jobs`` at a time, each pinned to its own cores); each
+    run lands in the ledger.
+
+    ``train(work, name, sets) -> (ledger line, seconds)`` trains one run (a module-level
+    function: the workers import it). Returns key → ``{"sets", "records", "summary",
+    "error"}`` (records: the ledger's keys).
+    """
+    if jobs < 1:
+        raise ValueError(f"jobs = {jobs} is invalid; allowed: >= 1")
+    names = [name for name, _ in runs.values()]
+    if len(set(names)) != len(names):
+        raise ValueError("run names must be unique within a study")
+    have = read_ledger(ledger)
+    todo = [(name, list(sets)) for name, sets in runs.values()
+            if name not in have or have[name]["sets"] != list(sets)]
+    elsewhere = {json.dumps(line["sets"]): line for path in shared for line in read_ledger(path).values()}
+    for name, sets in [t for t in todo if json.dumps(t[1]) in elsewhere]:
+        _append(ledger, {**elsewhere[json.dumps(sets)], "name": name})
+        todo.remove((name, sets))
+    if todo:
+        print(f"{len(runs) - len(todo)} of {len(runs)} runs in {ledger}; training {len(todo)}, {jobs} at a time",
+              flush=True)
+    done = 0
+
+    def record(line: dict[str, Any], seconds: float) -> None:
+        nonlocal done
+        done += 1
+        _append(ledger, line)
+        after = line["summary"].get("student_after")
+        outcome = f"error: {line['error']}" if line["error"] else f"accuracy {after:.1%}" if after is not None else ""
+        print(f"[{done}/{len(todo)}] {line['name']}: {outcome} ({seconds:.0f} s)", flush=True)
+
+    if jobs == 1 or len(todo) <= 1:
+        for name, sets in todo:
+            record(*train(work, name, sets))
+    elif todo:
+        from asyncopd_jax.pipeline.processes import split_cores
+
+        # spawn: JAX is not fork-safe once started; each worker starts its own runtime after pinning
+        context = multiprocessing.get_context("spawn")
+        cores = context.Queue()
+        workers = min(jobs, len(todo))
+        for share in split_cores(sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [], workers):
+            cores.put(share)
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_pin_from, initargs=(cores,)) as pool:
+            futures = [pool.submit(train, work, name, sets) for name, sets in todo]
+            try:
+                for future in as_completed(futures):
+                    record(*future.result())
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+    have = read_ledger(ledger)
+    return {key: expand(have[name]) for key, (name, _) in runs.items()}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from asyncopd_jax.studies import kl_direction
-from asyncopd_jax.studies.kl_direction import FORWARD, QUICK, _verdict
+from asyncopd_jax.studies.kl_direction import ESTIMATORS, FORWARD, QUICK, _verdict
 
 
 def _values(forward_drop, reverse_drop):
@@ -30,11 +32,15 @@ def test_the_verdict_follows_the_accuracy_drops(forward, reverse, verdict):
 
 @pytest.mark.slow
 def test_the_quick_study_writes_its_report(tmp_path):
-    path = kl_direction.run(tmp_path / "docs", tmp_path / "work", quick=True, seeds=1, command="asyncopd study x")
+    path = kl_direction.run(tmp_path / "docs", tmp_path / "work", quick=True, seeds=1, jobs=2,
+                            command="asyncopd study x")
     text = path.read_text()
     assert text.count("| reverse_kl_hybrid |") == 2 and "## Verdict" in text
     assert (tmp_path / "docs" / "kl_direction" / "reverse_kl_lr0.003.png").is_file()
-    # A second invocation reads the finished runs back instead of training again.
-    before = {p: p.stat().st_mtime for p in (tmp_path / "work" / "kl_direction").glob("*/study.json")}
-    kl_direction.run(tmp_path / "docs", tmp_path / "work", quick=True, seeds=1, command="asyncopd study x")
-    assert before and all(p.stat().st_mtime == t for p, t in before.items())
+    ledger = tmp_path / "docs" / "kl_direction" / "runs.jsonl"
+    assert len(ledger.read_text().splitlines()) == len(ESTIMATORS) * len(QUICK.lags)
+    # The ledger alone rebuilds the same report: nothing is trained again, even without the run directories.
+    shutil.rmtree(tmp_path / "work")
+    assert kl_direction.run(tmp_path / "docs", tmp_path / "work", quick=True, seeds=1,
+                            command="asyncopd study x").read_text() == text
+    assert not (tmp_path / "work").exists()
