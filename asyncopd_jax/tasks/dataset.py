@@ -1,0 +1,146 @@
+"""User datasets: prompts, and optionally reference answers, from a JSONL or Parquet file.
+
+One example per line (JSONL: a JSON object per non-empty line) or per row (Parquet, read
+with ``pyarrow``: ``pip install "asyncopd-jax[parquet]"``). The prompt and answer are
+fields of each example, named by the config; a dotted name reaches into nested objects
+(``meta.question``). The answer is optional for distillation (the teacher is the signal;
+with answers, held-out accuracy is measured too) and required for reward-driven RL.
+
+A fixed, hash-defined share of the examples (by prompt text, so it does not move when the
+file is reordered or grows) is held out for evaluation and never trained on, as in the
+built-in task.
+
+Bad input fails before anything runs, naming the file, the field and the rows at fault:
+
+    data.jsonl: rows 3, 17 have no field 'question' (task.prompt_field); row 1 has: problem, solution
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+SUFFIXES = (".jsonl", ".parquet")
+_SHOWN_ROWS = 10  # rows named in an error message
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One prompt of a dataset. ``row``: its 1-based line (JSONL) or row (Parquet)."""
+
+    prompt: str
+    answer: str | None
+    row: int
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be used as configured; the message says where and why."""
+
+
+def _rows(path: Path) -> Iterator[tuple[int, Any]]:
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield number, json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DatasetError(f"{path}: row {number} is not valid JSON ({err.msg}, column {err.colno})") \
+                        from None
+    elif path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DatasetError(f"{path}: reading Parquet needs pyarrow: pip install \"asyncopd-jax[parquet]\"") \
+                from None
+        for number, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield number, row
+    else:
+        raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r}; allowed: {', '.join(SUFFIXES)}")
+
+
+def _field(row: Any, name: str) -> Any:
+    """``row[name]``, following dots into nested objects; a KeyError if any part is missing."""
+    value = row
+    for part in name.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(name)
+        value = value[part]
+    return value
+
+
+def _rows_text(rows: list[int]) -> str:
+    shown = ", ".join(map(str, rows[:_SHOWN_ROWS]))
+    more = f" and {len(rows) - _SHOWN_ROWS} more" if len(rows) > _SHOWN_ROWS else ""
+    return f"row {shown}" if len(rows) == 1 else f"rows {shown}{more}"
+
+
+def read_examples(path: str | Path, prompt_field: str, answer_field: str | None = None, *,
+                  require_answers: bool = False) -> list[Example]:
+    """Every example of ``path``; a :class:`DatasetError` naming the rows at fault if any
+    row lacks the prompt field (or, with ``require_answers``, the answer field), or holds a
+    prompt that is not a non-empty string."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: dataset file not found")
+    if require_answers and not answer_field:
+        raise DatasetError(f"{path}: task.answer_field must name the reference answers (reward-driven RL needs them)")
+    examples: list[Example] = []
+    missing: dict[str, list[int]] = {}
+    not_text: list[int] = []
+    first_keys: list[str] | None = None
+    for number, row in _rows(path):
+        if first_keys is None:
+            first_keys = sorted(row) if isinstance(row, dict) else []
+        try:
+            prompt = _field(row, prompt_field)
+        except KeyError:
+            missing.setdefault(f"{prompt_field!r} (task.prompt_field)", []).append(number)
+            continue
+        answer = None
+        if answer_field:
+            try:
+                answer = _field(row, answer_field)
+            except KeyError:
+                if require_answers:
+                    missing.setdefault(f"{answer_field!r} (task.answer_field)", []).append(number)
+                    continue
+        if not isinstance(prompt, str) or not prompt.strip():
+            not_text.append(number)
+            continue
+        examples.append(Example(prompt, None if answer is None else str(answer), number))
+    problems = [f"{_rows_text(rows)} have no field {what}" if len(rows) > 1 else f"{_rows_text(rows)} has no field {what}"
+                for what, rows in missing.items()]
+    if not_text:
+        problems.append(f"{_rows_text(not_text)}: the prompt is not a non-empty string")
+    if problems:
+        keys = f"; row 1 has: {', '.join(first_keys)}" if first_keys else ""
+        raise DatasetError(f"{path}: " + "; ".join(problems) + keys)
+    if not examples:
+        raise DatasetError(f"{path}: no examples (the file is empty)")
+    return examples
+
+
+def is_held_out(example: Example, fraction: float) -> bool:
+    """Whether ``example`` belongs to the held-out share (a fixed hash of its prompt)."""
+    digest = hashlib.blake2b(example.prompt.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < fraction
+
+
+def split_held_out(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:
+    """(training examples, held-out examples); ``fraction`` of them, by prompt hash, held out."""
+    if not 0.0 <= fraction < 1.0:
+        raise DatasetError(f"task.eval_fraction = {fraction} is invalid; allowed: 0 <= fraction < 1")
+    held = [e for e in examples if is_held_out(e, fraction)]
+    train = [e for e in examples if not is_held_out(e, fraction)]
+    if not train:
+        raise DatasetError(f"every example is held out (task.eval_fraction = {fraction}); nothing to train on")
+    return train, held
+
+
+__all__ = ["DatasetError", "Example", "is_held_out", "read_examples", "split_held_out"]
