@@ -11,6 +11,7 @@ Names state the KL direction: ``forward_kl_*`` is KL(teacher ‖ student) and
 ``reverse_kl_*`` is KL(student ‖ teacher).
 """
 
+from asyncopd_jax.estimators.advantages import group_advantages, with_distillation
 from asyncopd_jax.estimators.candidates import sample_candidates
 from asyncopd_jax.estimators.forward_kl import forward_kl_dense, forward_kl_mc, forward_kl_topk
 from asyncopd_jax.estimators.logprobs import gather_logprobs, gather_logprobs_from_hidden
@@ -42,6 +43,7 @@ __all__ = [
     "forward_kl_topk",
     "gather_logprobs",
     "gather_logprobs_from_hidden",
+    "group_advantages",
     "importance_ratio",
     "m2po_clip",
     "m2po_threshold",
@@ -56,5 +58,6 @@ __all__ = [
     "token_mean",
     "token_sum",
     "truncated_is_loss",
+    "with_distillation",
     "with_tail",
 ]

@@ -88,3 +88,14 @@ def reverse_kl_hybrid(student_logits, teacher_logits, support_ids, candidate_ids
             value[index] += rho * d[index][v] / len(cands)
             grad[index] += rho * d[index][v] * (np.eye(V)[v] - p[index]) / len(cands)
     return value, grad
+
+
+def group_advantages(rewards, group_size, normalize_std=True, eps=1e-6):
+    """Loop over groups: r − mean, divided by (population std + eps) when normalize_std."""
+    rewards = np.asarray(rewards, np.float64)
+    out = np.empty_like(rewards)
+    for start in range(0, len(rewards), group_size):
+        g = rewards[start:start + group_size]
+        a = g - g.mean()
+        out[start:start + group_size] = a / (g.std() + eps) if normalize_std else a
+    return out

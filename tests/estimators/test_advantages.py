@@ -1,0 +1,49 @@
+"""Group-relative advantages against a NumPy oracle; the distillation term."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from asyncopd_jax.estimators import group_advantages, with_distillation
+from tests.estimators import oracle
+
+
+@pytest.mark.parametrize("normalize_std", [True, False])
+@pytest.mark.parametrize("group_size", [1, 4, 8])
+def test_group_advantages_match_the_oracle(group_size, normalize_std):
+    rewards = np.random.default_rng(group_size).integers(0, 2, size=6 * group_size).astype(np.float32)
+    rewards[:group_size] = 1.0  # one group all correct
+    got = group_advantages(jnp.asarray(rewards), group_size, normalize_std=normalize_std)
+    want = oracle.group_advantages(rewards, group_size, normalize_std)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(got)[:group_size] == 0)  # equal rewards: no signal
+
+
+def test_advantages_are_relative_to_their_own_group():
+    rewards = jnp.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    np.testing.assert_allclose(group_advantages(rewards, 4, normalize_std=False),
+                               [0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75])
+    # std-normalised: each group's advantages have unit population std
+    a = np.asarray(group_advantages(rewards, 4)).reshape(2, 4)
+    np.testing.assert_allclose(a.std(axis=1), [1.0, 1.0], rtol=1e-4)
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match=r"B a multiple of group_size = 3 \(got shape \(4,\)\)"):
+        group_advantages(jnp.zeros(4), 3)
+    with pytest.raises(ValueError, match="must be \\[B\\]"):
+        group_advantages(jnp.zeros((2, 2)), 2)
+
+
+def test_the_distillation_term_adds_the_teacher_signal_without_gradient():
+    seq = jnp.array([1.0, -1.0])
+    teacher = jnp.log(jnp.array([[0.5, 0.25], [0.1, 0.2]]))
+    student = jnp.log(jnp.array([[0.25, 0.25], [0.2, 0.2]]))
+    got = with_distillation(seq, teacher, student, beta=0.5)
+    np.testing.assert_allclose(got, [[1 + 0.5 * np.log(2), 1.0], [-1 + 0.5 * np.log(0.5), -1.0]], rtol=1e-6)
+    np.testing.assert_allclose(with_distillation(seq, teacher, student, beta=0.0), [[1, 1], [-1, -1]])
+    grad = jax.grad(lambda s: with_distillation(seq, teacher, s, 1.0).sum())(student)
+    assert np.all(np.asarray(grad) == 0)
