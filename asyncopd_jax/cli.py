@@ -58,11 +58,12 @@ def _train(args: argparse.Namespace) -> None:
     summary = Trainer(cfg, resume=bool(args.resume), progress=not args.no_progress).run()
     rows = [("teacher", summary["teacher_accuracy"]), ("student before", summary["student_before"]),
             ("student after", summary["student_after"])]
-    print(f"\nheld-out accuracy ({cfg.task.eval_prompts} problems, greedy):")
+    print(f"\nheld-out accuracy (at most {cfg.task.eval_prompts} problems, greedy):")
     for name, value in rows:
-        print(f"  {name:15} {value:6.1%}")
-    ratio = summary["student_after"] / max(summary["teacher_accuracy"], 1e-9)
-    print(f"  student after / teacher = {ratio:.1%}")
+        print(f"  {name:15} {value:6.1%}" if value == value else f"  {name:15}    n/a (no reference answers)")
+    if summary["teacher_accuracy"] == summary["teacher_accuracy"]:
+        ratio = summary["student_after"] / max(summary["teacher_accuracy"], 1e-9)
+        print(f"  student after / teacher = {ratio:.1%}")
     print(f"wrote {Path(cfg.output_dir) / cfg.name}/: config.yaml metrics.jsonl trace.json checkpoints/ report.png")
 
 

@@ -25,12 +25,17 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-    """The built-in synthetic task (see :mod:`asyncopd_jax.tasks`)."""
+    """What the student answers: the built-in synthetic task (``arith``) or a user's file
+    (``dataset``: :mod:`asyncopd_jax.tasks.dataset_task`)."""
 
-    name: Literal["arith"] = "arith"
-    difficulty: int = 3  # operands per problem
-    max_value: int = 99  # operands are drawn from [0, max_value]
-    eval_prompts: int = 256
+    name: Literal["arith", "dataset"] = "arith"
+    difficulty: int = 3  # arith: operands per problem
+    max_value: int = 99  # arith: operands are drawn from [0, max_value]
+    path: str = ""  # dataset: a .jsonl or .parquet file, one example per line / row
+    prompt_field: str = "prompt"  # dataset: the field holding the prompt (dots reach into nested objects)
+    answer_field: str = "answer"  # dataset: the reference answer ("" for none: distillation needs none)
+    eval_fraction: float = 0.05  # dataset: share of the examples held out (fixed by prompt hash)
+    eval_prompts: int = 256  # held-out problems evaluated (at most)
     seed: int = 0
 
 
@@ -214,6 +219,8 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError("estimator.name = 'forward_kl_topk' needs scoring.topk >= 1")
     if cfg.estimator.name == "forward_kl_mc" and cfg.scoring.num_samples < 1:
         raise ConfigError("estimator.name = 'forward_kl_mc' needs scoring.num_samples >= 1")
+    if cfg.task.name == "dataset" and not cfg.task.path:
+        raise ConfigError("task.path = '' is invalid with task.name = dataset; allowed: a .jsonl or .parquet file")
     sch = cfg.schedule
     for field, value, ok, allowed in [
         ("schedule.max_staleness", sch.max_staleness, sch.max_staleness >= 0, ">= 0"),
@@ -242,6 +249,7 @@ def _validate(cfg: RunConfig) -> None:
         ("train.diagnostics_every", cfg.train.diagnostics_every, cfg.train.diagnostics_every >= 0, ">= 0 (0: off)"),
         ("train.diagnostic_prompts", cfg.train.diagnostic_prompts, cfg.train.diagnostic_prompts >= 1, ">= 1"),
         ("optim.learning_rate", cfg.optim.learning_rate, cfg.optim.learning_rate > 0, "> 0"),
+        ("task.eval_fraction", cfg.task.eval_fraction, 0 <= cfg.task.eval_fraction < 1, "0 <= fraction < 1"),
     ]:
         if not ok:
             raise ConfigError(f"{field} = {value!r} is invalid; allowed: {allowed}")

@@ -11,7 +11,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # Under mutation testing (tools/mutation.sh) a failing property test need not be shrunk to
 # a minimal example: the failure alone kills the mutant, and shrinking costs minutes.
 if os.environ.get("MUTANT_UNDER_TEST"):
+    import jax
     from hypothesis import Phase, settings
 
     settings.register_profile("mutation", phases=[Phase.explicit, Phase.reuse, Phase.generate])
     settings.load_profile("mutation")
+    # Every mutant's test process compiles the same unmutated functions again: a persistent
+    # compilation cache (keyed by the computation, so a mutated function never hits it)
+    # makes a mutant's tests ~2.5x faster.
+    jax.config.update("jax_compilation_cache_dir", os.environ.get("MUTATION_JAX_CACHE", "/tmp/asyncopd-mutation-jax-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

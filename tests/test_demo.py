@@ -1,4 +1,5 @@
-"""The acceptance run: the embedded demo reaches 90 % of the teacher's accuracy (slow: ~2-3 min)."""
+"""The acceptance runs: the embedded demo reaches 90 % of the teacher's accuracy with the
+stages as threads (~2-3 min) and as separate processes (~5 min); slow."""
 
 from __future__ import annotations
 
@@ -6,12 +7,18 @@ import pytest
 
 from asyncopd_jax.cli import DEMO_CONFIG
 from asyncopd_jax.config import load_config
+from asyncopd_jax.pipeline.trace import load_spans
 from asyncopd_jax.pipeline.trainer import Trainer
 
 
 @pytest.mark.slow
-def test_demo_distils_the_student_to_ninety_percent_of_the_teacher(tmp_path):
-    cfg = load_config(DEMO_CONFIG, [f"output_dir={tmp_path}"])
+@pytest.mark.parametrize("placement", ["threads", "processes"])
+def test_demo_distils_the_student_to_ninety_percent_of_the_teacher(tmp_path, placement):
+    cfg = load_config(DEMO_CONFIG, [f"output_dir={tmp_path}", f"schedule.placement={placement}"])
     summary = Trainer(cfg, progress=False).run()
     assert summary["student_before"] < 0.5 * summary["teacher_accuracy"]
     assert summary["student_after"] >= 0.9 * summary["teacher_accuracy"], summary
+    if placement == "processes":  # the stages really ran in their own processes
+        spans = {(s["process"], s["name"]) for s in load_spans(tmp_path / "demo" / "trace.json")}
+        assert {("rollout-0", "rollout"), ("scoring-0", "score"), ("learner", "learn")} <= spans, spans
+        assert ("learner", "rollout") not in spans and ("learner", "score") not in spans

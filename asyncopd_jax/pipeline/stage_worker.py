@@ -22,11 +22,11 @@ from asyncopd_jax.pipeline.spool import group_from_record, group_to_record
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import Sampler
 from asyncopd_jax.tasks.assets import resolve_model_path
-from asyncopd_jax.tasks.builtin import TaskData
+from asyncopd_jax.tasks.prompt_task import PromptTask, make_task
 from asyncopd_jax.teacher import TeacherScorer
 
 
-def stop_token_ids(cfg: RunConfig, data: TaskData, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+def stop_token_ids(cfg: RunConfig, data: PromptTask, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
     """The sampler stops at the tokenizer's EOS and at every EOS id of the model's config."""
     return tuple(dict.fromkeys((*cfg.sampling.stop_token_ids, data.eos_id, *eos_token_ids)))
 
@@ -45,7 +45,8 @@ class StageWorker:
         if role == "rollout":
             directory = resolve_model_path(cfg.student.path)
             student = from_pretrained(directory, dtype=cfg.student.dtype)
-            data = TaskData(cfg.task, load_tokenizer(directory))
+            data = make_task(cfg.task, load_tokenizer(directory), max_new_tokens=cfg.sampling.max_new_tokens,
+                             max_positions=student.config.max_position_embeddings)
             graphdef, params = nnx.split(student)
             sampling = dataclasses.replace(cfg.sampling,
                                            stop_token_ids=stop_token_ids(cfg, data, student.config.eos_token_ids))

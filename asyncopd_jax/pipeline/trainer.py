@@ -63,7 +63,7 @@ from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, Stale
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import Sampler
 from asyncopd_jax.tasks.assets import resolve_model_path
-from asyncopd_jax.tasks.builtin import TaskData
+from asyncopd_jax.tasks.prompt_task import make_task
 from asyncopd_jax.teacher import TeacherScorer
 
 
@@ -99,7 +99,8 @@ class Trainer:
         check_same_vocabulary(tokenizer, teacher_tokenizer, student_vocab_size=student.config.vocab_size,
                               teacher_vocab_size=teacher.config.vocab_size)
         self.teacher = teacher
-        self.data = TaskData(cfg.task, tokenizer)
+        self.data = make_task(cfg.task, tokenizer, max_new_tokens=cfg.sampling.max_new_tokens,
+                              max_positions=student.config.max_position_embeddings)
 
         learner = cfg.learner
         self.eta = cfg.schedule.eta(learner.mini_batches)
@@ -346,7 +347,9 @@ class Trainer:
         cfg = self.cfg
         batch = _concat([g.batch for g in groups])
         cache = _concat([g.cache for g in groups])
-        rollout_acc = float(np.mean(np.concatenate([g.info["rewards"] for g in groups])))
+        rewards = np.concatenate([g.info["rewards"] for g in groups])
+        # NaN: a response the task cannot check (a dataset without reference answers)
+        rollout_acc = {"rollout_accuracy": float(np.nanmean(rewards))} if np.isfinite(rewards).any() else {}
         stale = _staleness(batch, version)
         rows = cfg.learner.batch_size // cfg.learner.mini_batches
         minis = [LearnerBatch(_rows(batch, m * rows, (m + 1) * rows), _rows(cache, m * rows, (m + 1) * rows))
@@ -375,7 +378,7 @@ class Trainer:
             record = {
                 "step": step, **metrics, "lr": float(self.lr(step - 1)),
                 "staleness_mean": stale["mean"], "staleness_max": stale["max"], "staleness_hist": stale["hist"],
-                "rollout_accuracy": rollout_acc, "samples_per_s": throughput.samples / elapsed,
+                **rollout_acc, "samples_per_s": throughput.samples / elapsed,
                 "tokens_per_s": throughput.tokens / elapsed, "dropped_stale": buffer.dropped_stale,
                 "dropped_future": buffer.dropped_future, "time": elapsed,
                 "trace_s": time.time() - self.tracer.origin,  # the same clock as trace.json's spans
@@ -449,7 +452,9 @@ class _progress:
             return
         self.last_eval = record.get("eval_accuracy", self.last_eval)
         post = {"loss": f"{record['loss']:.4f}", "kl": f"{record.get('reverse_kl_signal', 0.0):.3f}",
-                "stale": f"{record['staleness_mean']:.2f}", "acc": f"{record['rollout_accuracy']:.2f}"}
+                "stale": f"{record['staleness_mean']:.2f}"}
+        if "rollout_accuracy" in record:
+            post["acc"] = f"{record['rollout_accuracy']:.2f}"
         if self.last_eval is not None:
             post["eval"] = f"{self.last_eval:.2f}"
         self.bar.set_postfix(post, refresh=False)

@@ -1,0 +1,61 @@
+"""A user's dataset as a task (``task.name: dataset``): prompts from a JSONL or Parquet file,
+rewards from the math-answer grader where the file has reference answers.
+
+Prompts are rendered through the tokenizer's chat template (``models.encode_prompts``),
+all of them once at start-up, so the prompt length is known and a prompt too long for the
+model fails before training with the rows named. A fixed share of the examples is held out
+for the held-out accuracy (``task.eval_fraction``, at most ``task.eval_prompts`` of them).
+Without an answer field (distillation needs none) rewards and accuracy are NaN: reported as
+"n/a", never trained on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from asyncopd_jax.config import TaskConfig
+from asyncopd_jax.tasks.dataset import DatasetError, Example, read_examples, split_held_out
+from asyncopd_jax.tasks.math_grader import grade
+from asyncopd_jax.tasks.prompt_task import PromptTask
+
+
+class DatasetTask(PromptTask):
+    """Items are :class:`~asyncopd_jax.tasks.dataset.Example` s."""
+
+    def __init__(self, task: TaskConfig, tokenizer: PreTrainedTokenizerBase, *, max_new_tokens: int,
+                 max_positions: int | None = None, require_answers: bool = False):
+        super().__init__(tokenizer)
+        examples = read_examples(task.path, task.prompt_field, task.answer_field or None,
+                                 require_answers=require_answers)
+        self.train_items, held = split_held_out(examples, task.eval_fraction)
+        self.eval_items = [e for e in held if e.answer is not None][: task.eval_prompts]
+        self._ids = dict(zip(examples, super().encode(examples)))  # every prompt tokenized once, here
+        self.prompt_slots = max(len(ids) for ids in self._ids.values())
+        self.max_new_tokens = max_new_tokens
+        if max_positions is not None and self.prompt_slots + max_new_tokens > max_positions:
+            too_long = sorted(e.row for e in examples if len(self._ids[e]) + max_new_tokens > max_positions)
+            shown = ", ".join(map(str, too_long[:10])) + (f" and {len(too_long) - 10} more" if len(too_long) > 10 else "")
+            raise DatasetError(
+                f"{task.path}: rows {shown}: prompt + sampling.max_new_tokens ({max_new_tokens}) is longer than the "
+                f"model's context ({max_positions} positions; longest prompt {self.prompt_slots} tokens); shorten "
+                "those prompts, drop them, or lower sampling.max_new_tokens")
+
+    def encode(self, items: list[Example]) -> list[list[int]]:
+        return [self._ids[e] for e in items]
+
+    def prompt_text(self, example: Example) -> str:
+        return example.prompt
+
+    def score(self, example: Example, response: str) -> float:
+        return float("nan") if example.answer is None else grade(response, example.answer)
+
+    def train_prompts(self, rng: np.random.Generator, n: int) -> tuple[list[list[int]], list[Example]]:
+        """``n`` training examples drawn uniformly (without replacement within a batch where
+        the dataset is large enough)."""
+        picks = rng.choice(len(self.train_items), size=n, replace=len(self.train_items) < n)
+        items = [self.train_items[i] for i in picks]
+        return self.encode(items), items
+
+
+__all__ = ["DatasetTask"]

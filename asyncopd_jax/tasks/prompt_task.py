@@ -1,0 +1,108 @@
+"""What every task gives the pipeline: prompts as token ids, a reward per response, and the
+held-out accuracy of a model.
+
+A task is text (problems, a verifier); here it meets one tokenizer. Prompts go through the
+tokenizer's chat template when it has one, responses are decoded and scored by the
+task's ``score`` (1 correct, 0 wrong, NaN where the task has no reference to check).
+:class:`asyncopd_jax.tasks.builtin.TaskData` (the built-in arithmetic task) and
+:class:`asyncopd_jax.tasks.dataset_task.DatasetTask` (a user's JSONL/Parquet file) are
+the two kinds; :func:`make_task` picks by ``task.name``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from transformers import PreTrainedTokenizerBase
+
+from asyncopd_jax.cache import RolloutBatch
+from asyncopd_jax.config import TaskConfig
+from asyncopd_jax.models import encode_prompts
+from asyncopd_jax.sampling import Sampler, SamplingParams
+from asyncopd_jax.tasks.tokenizer import EOS_ID, PAD_ID
+
+
+class PromptTask:
+    """The shared half of a task. A subclass sets ``prompt_slots``, ``max_new_tokens``
+    and ``eval_items``, and implements ``prompt_text``, ``score`` and ``train_prompts``."""
+
+    prompt_slots: int
+    max_new_tokens: int
+    eval_items: Sequence[Any]
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else PAD_ID
+        self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else EOS_ID
+
+    # --- what a task defines ---
+
+    def prompt_text(self, item: Any) -> str:
+        raise NotImplementedError
+
+    def score(self, item: Any, response: str) -> float:
+        """1.0 if ``response`` solves ``item``, 0.0 if not, NaN if it cannot be checked."""
+        raise NotImplementedError
+
+    def train_prompts(self, rng: np.random.Generator, n: int) -> tuple[list[list[int]], list[Any]]:
+        raise NotImplementedError
+
+    # --- shared ---
+
+    def encode(self, items: Sequence[Any]) -> list[list[int]]:
+        return encode_prompts(self.tokenizer, [self.prompt_text(i) for i in items])
+
+    def decode(self, batch: RolloutBatch) -> list[str]:
+        tokens, mask = np.asarray(batch.response_tokens), np.asarray(batch.response_mask)
+        return [self.tokenizer.decode([int(t) for t in row[m] if t != self.eos_id], skip_special_tokens=True)
+                for row, m in zip(tokens, mask)]
+
+    def rewards(self, items: Sequence[Any], batch: RolloutBatch) -> list[float]:
+        return [self.score(i, r) for i, r in zip(items, self.decode(batch))]
+
+    def accuracy(self, graphdef: nnx.GraphDef, params: nnx.State, *, seed: int = 0) -> float:
+        """Mean score of greedy answers by ``(graphdef, params)`` on the held-out items
+        (NaN if none can be checked)."""
+        if not self.eval_items:
+            return float("nan")
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=self.max_new_tokens, stop_token_ids=(self.eos_id,),
+                                chunk_steps=self.max_new_tokens)
+        sampler = _cached_sampler(graphdef, greedy, self.pad_id)
+        batch = sampler.generate(params, self.encode(self.eval_items), jax.random.key(seed),
+                                 prompt_slots=self.prompt_slots)
+        scores = np.asarray(self.rewards(self.eval_items, batch), np.float64)
+        return float(np.nanmean(scores)) if np.isfinite(scores).any() else float("nan")
+
+
+_SAMPLERS: dict = {}
+
+
+def _cached_sampler(graphdef, params: SamplingParams, pad_id: int) -> Sampler:
+    """One compiled evaluation sampler per (architecture, parameters)."""
+    key = (graphdef, params, pad_id)
+    if key not in _SAMPLERS:
+        _SAMPLERS[key] = Sampler(graphdef, params, pad_id=pad_id)
+    return _SAMPLERS[key]
+
+
+def make_task(task: TaskConfig, tokenizer: PreTrainedTokenizerBase, *, max_new_tokens: int,
+              max_positions: int | None = None) -> PromptTask:
+    """The task ``task.name`` names: the built-in ``arith`` task or a user's ``dataset``.
+
+    ``max_new_tokens`` (``sampling.max_new_tokens``) bounds a dataset task's answers (the
+    built-in task knows its own); ``max_positions``, the model's context, is checked
+    against the longest dataset prompt."""
+    if task.name == "dataset":
+        from asyncopd_jax.tasks.dataset_task import DatasetTask
+
+        return DatasetTask(task, tokenizer, max_new_tokens=max_new_tokens, max_positions=max_positions)
+    from asyncopd_jax.tasks.builtin import TaskData
+
+    return TaskData(task, tokenizer)
+
+
+__all__ = ["PromptTask", "make_task"]
