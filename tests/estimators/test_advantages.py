@@ -47,3 +47,17 @@ def test_the_distillation_term_adds_the_teacher_signal_without_gradient():
     np.testing.assert_allclose(with_distillation(seq, teacher, student, beta=0.0), [[1, 1], [-1, -1]])
     grad = jax.grad(lambda s: with_distillation(seq, teacher, s, 1.0).sum())(student)
     assert np.all(np.asarray(grad) == 0)
+
+
+def test_a_group_with_a_tiny_spread_is_divided_by_std_plus_eps():
+    rewards = np.array([0.0, 1e-5, 0.5, 0.5], np.float32)  # std 5e-6: comparable to eps = 1e-6
+    got = np.asarray(group_advantages(jnp.asarray(rewards), 2))
+    np.testing.assert_allclose(got, oracle.group_advantages(rewards, 2), rtol=1e-4)
+    np.testing.assert_allclose(got[:2], [-5e-6 / 6e-6, 5e-6 / 6e-6], rtol=1e-3)
+
+
+def test_bf16_rewards_are_averaged_in_fp32():
+    rewards = np.array([1.0, 0.00390625, 0.0078125, 0.5], np.float32)  # exact in bf16
+    got = group_advantages(jnp.asarray(rewards, jnp.bfloat16), 4, normalize_std=False)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), oracle.group_advantages(rewards, 4, False), rtol=1e-6, atol=1e-7)
