@@ -59,9 +59,10 @@ def _sets(estimator: str, lag: int, lr: float, seed: int, s: Settings) -> list[s
 def run(out_dir: str | Path, work_dir: str | Path, *, quick: bool = False, seeds: int = 3, jobs: int = 1,
         command: str = "asyncopd study kl_direction") -> Path:
     s = QUICK if quick else FULL
-    # in the order that makes a partly finished study most useful: a whole seed at a time
+    # in the order that makes a partly finished study most useful: a whole seed at a time, and
+    # within it k = 0 at every learning rate first (which rate trains well without staleness)
     runs = {(estimator, lag, lr, seed): (f"{estimator}-k{lag}-lr{lr:g}-s{seed}", _sets(estimator, lag, lr, seed, s))
-            for lr in s.learning_rates for seed in range(seeds) for lag in s.lags for estimator in ESTIMATORS}
+            for seed in range(seeds) for lag in s.lags for lr in s.learning_rates for estimator in ESTIMATORS}
     results = run_trainings(Path(work_dir) / "kl_direction", Path(out_dir) / "kl_direction" / "runs.jsonl", runs,
                             jobs=jobs, shared=[Path(out_dir) / "stabilisers" / "runs.jsonl"])
     return _write_report(Path(out_dir), results, s, seeds, command)

@@ -100,20 +100,34 @@ def _round(value: Any) -> Any:
 
 
 def compact(name: str, result: Mapping[str, Any]) -> dict[str, Any]:
-    """A run's ledger line: settings, summary, error and the ``LEDGER_KEYS`` columns
-    (``None`` where a step has no value, e.g. the probe KLs between diagnostics)."""
+    """A run's ledger line: settings, summary, error and the ``LEDGER_KEYS`` columns: a list
+    with one value per step, or, for a key most steps lack (the probe KLs, logged every few
+    steps), ``{"at": [record indices], "values": [...]}``."""
     records = result["records"]
-    keys = [k for k in LEDGER_KEYS if any(k in r for r in records)]
+    columns: dict[str, Any] = {}
+    for key in LEDGER_KEYS:
+        at = [i for i, r in enumerate(records) if key in r]
+        values = [_round(records[i][key]) for i in at]
+        if len(at) == len(records):
+            columns[key] = values
+        elif at:
+            columns[key] = {"at": at, "values": values}
     return {"name": name, "sets": list(result["sets"]), "summary": result["summary"], "error": result["error"],
-            "columns": {k: [_round(r.get(k)) for r in records] for k in keys}}
+            "columns": columns, "steps": len(records)}
 
 
 def expand(line: Mapping[str, Any]) -> dict[str, Any]:
     """The inverse of :func:`compact`: ``{"sets", "records", "summary", "error"}`` with one
     record per step holding the ledger's keys that step has."""
-    columns = line["columns"]
-    steps = len(next(iter(columns.values()), []))
-    records = [{k: v[i] for k, v in columns.items() if v[i] is not None} for i in range(steps)]
+    steps = line.get("steps")
+    if steps is None:  # ledgers written before sparse columns: every column a full list
+        steps = len(next(iter(line["columns"].values()), []))
+    records: list[dict[str, Any]] = [{} for _ in range(steps)]
+    for key, column in line["columns"].items():
+        pairs = zip(column["at"], column["values"]) if isinstance(column, dict) else enumerate(column)
+        for i, value in pairs:
+            if value is not None:
+                records[i][key] = value
     return {"sets": line["sets"], "records": records, "summary": line["summary"], "error": line["error"]}
 
 

@@ -26,7 +26,7 @@ RESULT = {
 def test_a_ledger_line_reads_back_as_the_records_it_keeps():
     line = compact("run-a", RESULT)
     assert line["columns"] == {"step": [1, 2], "loss": [1.235, -0.0001235], "grad_norm": [2.0, 0.0],
-                               "probe_reverse_kl": [0.1235, None]}
+                               "probe_reverse_kl": {"at": [0], "values": [0.1235]}}
     back = expand(json.loads(json.dumps(line)))
     assert back["sets"] == RESULT["sets"] and back["summary"] == RESULT["summary"] and back["error"] is None
     # steps without a probe have no probe key (as in metrics.jsonl); keys outside the ledger are gone
@@ -112,3 +112,10 @@ def test_a_run_another_study_holds_with_the_same_settings_is_copied_not_trained(
                             shared=[other], train=fake_train)
     assert [p.name.split(".")[0] for p in (tmp_path / "w2").iterdir()] == ["mine1-x"]  # only the new one trained
     assert set(read_ledger(ledger)) == {"mine0", "mine1"} and results[("m", 0)]["sets"] == ["seed=0", "x"]
+
+
+def test_a_ledger_line_of_the_first_format_still_reads():
+    """The first ledger lines kept every column as a full list, None where a step had no value."""
+    old = {"name": "r", "sets": [], "summary": {}, "error": None,
+           "columns": {"step": [1, 2], "probe_reverse_kl": [None, 0.5]}}
+    assert expand(old)["records"] == [{"step": 1}, {"step": 2, "probe_reverse_kl": 0.5}]
