@@ -53,8 +53,13 @@ class RunDir:
     @property
     def checkpoints(self) -> ocp.CheckpointManager:
         if self._checkpoints is None:
+            # Synchronous saves: the trainer waits for every save anyway, and with a learner over
+            # several processes Orbax's background commit and finalize threads each hold a
+            # cross-process barrier; seen deadlocked here with process 0 in the finalize barrier
+            # and process 1 still in the commit barrier (tests/pipeline/test_multi_process_learner.py).
             self._checkpoints = ocp.CheckpointManager(
-                self.path / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+                self.path / "checkpoints",
+                options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False),
             )
         return self._checkpoints
 
