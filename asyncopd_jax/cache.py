@@ -86,6 +86,9 @@ class RolloutBatch:
       student_topk_ids: ``[B, T, K]`` int32 or None, the sampling student's top-K ids.
       student_topk_behavior_logp: ``[B, T, K]`` fp32 or None, log μ of those ids (same
         distribution as ``behavior_logp``: temperature applied).
+      advantages: ``[B, T]`` fp32 or None (reward-driven RL only): each response's
+        group-relative reward advantage, the same on all its tokens, filled in by the
+        reward stage (:mod:`asyncopd_jax.pipeline.reward_stage`).
     """
 
     prompt_tokens: Array
@@ -98,12 +101,13 @@ class RolloutBatch:
     candidate_behavior_logp: Array | None = None
     student_topk_ids: Array | None = None
     student_topk_behavior_logp: Array | None = None
+    advantages: Array | None = None
 
     def __post_init__(self) -> None:
         _check_shapes(
             self,
             "response_tokens",
-            ("response_mask", "behavior_logp", "token_version"),
+            ("response_mask", "behavior_logp", "token_version", "advantages"),
             (("candidate_ids", "candidate_behavior_logp"), ("student_topk_ids", "student_topk_behavior_logp")),
         )
         if _is_array_like(self.prompt_tokens) and _is_array_like(self.response_tokens):

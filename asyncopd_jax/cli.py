@@ -56,13 +56,14 @@ def _train(args: argparse.Namespace) -> None:
 
         distributed.initialize(cfg.distributed)  # before anything else starts JAX here
     summary = Trainer(cfg, resume=bool(args.resume), progress=not args.no_progress).run()
-    rows = [("teacher", summary["teacher_accuracy"]), ("student before", summary["student_before"]),
-            ("student after", summary["student_after"])]
+    teacher = summary.get("teacher_accuracy")  # absent: reward-driven RL without a teacher
+    rows = [("teacher", teacher)] if teacher is not None else []
+    rows += [("student before", summary["student_before"]), ("student after", summary["student_after"])]
     print(f"\nheld-out accuracy (at most {cfg.task.eval_prompts} problems, greedy):")
     for name, value in rows:
         print(f"  {name:15} {value:6.1%}" if value == value else f"  {name:15}    n/a (no reference answers)")
-    if summary["teacher_accuracy"] == summary["teacher_accuracy"]:
-        ratio = summary["student_after"] / max(summary["teacher_accuracy"], 1e-9)
+    if teacher is not None and teacher == teacher:
+        ratio = summary["student_after"] / max(teacher, 1e-9)
         print(f"  student after / teacher = {ratio:.1%}")
     print(f"wrote {Path(cfg.output_dir) / cfg.name}/: config.yaml metrics.jsonl trace.json checkpoints/ report.png")
 

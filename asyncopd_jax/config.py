@@ -7,6 +7,7 @@ a bad value names the field and the allowed values. There are no silent fallback
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -70,6 +71,26 @@ class EstimatorConfig:
         )
 
 
+# The estimators that train on an advantage (a policy-gradient surrogate) and so on a reward.
+RL_ESTIMATORS = ("ppo_clip", "decoupled_ppo", "truncated_is", "m2po")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """Reward-driven RL (``algorithm: rl``): the task's verifier rewards each answer.
+
+    Every prompt is answered ``samples_per_prompt`` (G) times; a response's advantage is
+    its reward relative to its group's (:func:`asyncopd_jax.estimators.group_advantages`)
+    and one of :data:`RL_ESTIMATORS` (``estimator.name``) turns it into a loss. With
+    ``distill_coef`` β > 0 the teacher's per-token reverse-KL reward is added to the
+    advantage (distil and reinforce at once); with β = 0 the teacher scores nothing.
+    """
+
+    samples_per_prompt: int = 8  # G
+    normalize_std: bool = True  # GRPO: divide by the group's reward std; False: Dr. GRPO (centre only)
+    distill_coef: float = 0.0  # β
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     learning_rate: float = 1e-3
@@ -91,12 +112,39 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExtrapolationConfig:
+    """EffOPD (:mod:`asyncopd_jax.learner.extrapolation`): at optimizer steps 1, 2, 4, 8, …
+    try θ_a + f·(θ_t − θ_a) for each factor f in turn on a probe, keep the best while the
+    probe strictly improves (else roll back to θ_t), and re-anchor there.
+
+    The probe is ``probe_prompts`` fixed prompts drawn from the training distribution with
+    their own seed (not the held-out evaluation set). ``probe_metric``: ``accuracy`` (the
+    verifier's mean score of the answers; needs reference answers) or ``reverse_kl``
+    (minus the exact KL(student ‖ teacher) per token of the answers; any task).
+    ``probe_temperature`` 0 answers greedily; above 0 the answers are sampled with the same
+    key for every candidate (common random numbers: the comparison sees one draw).
+    """
+
+    enabled: bool = False
+    factors: tuple[float, ...] = (3.0, 5.0, 7.0, 9.0, 11.0)
+    probe_prompts: int = 64
+    probe_metric: Literal["accuracy", "reverse_kl"] = "accuracy"
+    probe_temperature: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class LearnerConfig:
     batch_size: int = 32  # prompts per rollout batch (B)
     mini_batches: int = 1  # optimizer steps per rollout batch
     micro_batches: int = 1  # gradient accumulation inside one optimizer step
     logprob_chunk: int = 512
+    # Dynamic batching (asyncopd_jax.learner.packing): > 0 cuts each mini-batch into
+    # micro-batches of rows of similar length, at most this many prompt + response slots
+    # each (trimmed to their own longest row, in steps of token_bucket); 0: micro_batches.
+    token_budget: int = 0
+    token_bucket: int = 8
     mesh: MeshConfig = MeshConfig()
+    extrapolation: ExtrapolationConfig = ExtrapolationConfig()  # EffOPD, off by default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +236,9 @@ class RunConfig:
     name: str = "run"
     output_dir: str = "runs"
     seed: int = 0
+    # "opd": distil from the teacher's scores (the estimator is a KL estimator);
+    # "rl": reinforce from the task's rewards (see RLConfig; the estimator is a stabiliser).
+    algorithm: Literal["opd", "rl"] = "opd"
     task: TaskConfig = TaskConfig()
     student: ModelSource = ModelSource()
     teacher: ModelSource = ModelSource()
@@ -200,9 +251,33 @@ class RunConfig:
     stages: StagesConfig = StagesConfig()
     distributed: DistributedConfig = DistributedConfig()
     train: TrainConfig = TrainConfig()
+    rl: RLConfig = RLConfig()
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    @property
+    def needs_teacher_scores(self) -> bool:
+        """Whether rollouts are scored by the teacher (all but RL with ``distill_coef = 0``)."""
+        return self.algorithm == "opd" or self.rl.distill_coef != 0
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """Answers sampled per prompt: G in RL, 1 in distillation."""
+        return self.rl.samples_per_prompt if self.algorithm == "rl" else 1
+
+    def estimator_options(self) -> EstimatorOptions:
+        """The estimator's knobs, with the RL distillation weight β."""
+        return dataclasses.replace(self.estimator.options(), distill_coef=self.rl.distill_coef)
+
+    def rollout_group_size(self) -> int:
+        """Samples per rollout group: the batch split over the rollout workers or processes
+        (the whole batch per group when it does not split evenly; ``fixed_lag``: the batch)."""
+        B = self.learner.batch_size
+        if self.schedule.mode == "fixed_lag":
+            return B
+        workers = self.stages.rollout_processes if self.schedule.placement == "processes" else self.schedule.rollout_workers
+        return B // workers if B % workers == 0 else B
 
 
 def _validate(cfg: RunConfig) -> None:
@@ -219,6 +294,15 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError("estimator.name = 'forward_kl_topk' needs scoring.topk >= 1")
     if cfg.estimator.name == "forward_kl_mc" and cfg.scoring.num_samples < 1:
         raise ConfigError("estimator.name = 'forward_kl_mc' needs scoring.num_samples >= 1")
+    _validate_algorithm(cfg)
+    extrapolation = cfg.learner.extrapolation
+    if extrapolation.enabled and extrapolation.probe_metric == "accuracy" and cfg.task.name == "dataset" \
+            and not cfg.task.answer_field:
+        raise ConfigError("learner.extrapolation.probe_metric = 'accuracy' is invalid for a dataset without "
+                          "task.answer_field; allowed: reverse_kl (the probe then needs no reference answers)")
+    if extrapolation.enabled and extrapolation.probe_metric == "reverse_kl" and not cfg.teacher.path:
+        raise ConfigError("learner.extrapolation.probe_metric = 'reverse_kl' needs a teacher (teacher.path); "
+                          "allowed without one: accuracy")
     if cfg.task.name == "dataset" and not cfg.task.path:
         raise ConfigError("task.path = '' is invalid with task.name = dataset; allowed: a .jsonl or .parquet file")
     sch = cfg.schedule
@@ -235,6 +319,10 @@ def _validate(cfg: RunConfig) -> None:
          cfg.learner.micro_batches >= 1
          and (cfg.learner.batch_size // max(cfg.learner.mini_batches, 1)) % cfg.learner.micro_batches == 0,
          "a divisor of learner.batch_size / learner.mini_batches"),
+        ("learner.token_budget", cfg.learner.token_budget,
+         cfg.learner.token_budget >= 0 and (cfg.learner.token_budget == 0 or cfg.learner.micro_batches == 1),
+         ">= 0 (0: off), with learner.micro_batches = 1 (the budget decides the micro-batches)"),
+        ("learner.token_bucket", cfg.learner.token_bucket, cfg.learner.token_bucket >= 1, ">= 1"),
         ("stages.rollout_processes", cfg.stages.rollout_processes, cfg.stages.rollout_processes >= 1, ">= 1"),
         ("stages.scoring_processes", cfg.stages.scoring_processes, cfg.stages.scoring_processes >= 0, ">= 0"),
         ("stages.restarts", cfg.stages.restarts, cfg.stages.restarts >= 0, ">= 0"),
@@ -249,6 +337,13 @@ def _validate(cfg: RunConfig) -> None:
         ("train.diagnostics_every", cfg.train.diagnostics_every, cfg.train.diagnostics_every >= 0, ">= 0 (0: off)"),
         ("train.diagnostic_prompts", cfg.train.diagnostic_prompts, cfg.train.diagnostic_prompts >= 1, ">= 1"),
         ("optim.learning_rate", cfg.optim.learning_rate, cfg.optim.learning_rate > 0, "> 0"),
+        ("learner.extrapolation.factors", cfg.learner.extrapolation.factors,
+         len(cfg.learner.extrapolation.factors) > 0 and all(f > 1 for f in cfg.learner.extrapolation.factors),
+         "a non-empty list of factors > 1, tried in order (EffOPD: [3, 5, 7, 9, 11])"),
+        ("learner.extrapolation.probe_prompts", cfg.learner.extrapolation.probe_prompts,
+         cfg.learner.extrapolation.probe_prompts >= 1, ">= 1"),
+        ("learner.extrapolation.probe_temperature", cfg.learner.extrapolation.probe_temperature,
+         cfg.learner.extrapolation.probe_temperature >= 0, ">= 0 (0: greedy answers)"),
         ("task.eval_fraction", cfg.task.eval_fraction, 0 <= cfg.task.eval_fraction < 1, "0 <= fraction < 1"),
     ]:
         if not ok:
@@ -270,6 +365,31 @@ def _validate(cfg: RunConfig) -> None:
             except ValueError as err:
                 raise ConfigError(f"stages.{field} = {value!r} is invalid; allowed: 'auto', '' or a CPU list "
                                   f"such as '0', '1-3', '0,2' ({err})") from None
+
+
+def _validate_algorithm(cfg: RunConfig) -> None:
+    """What reward-driven RL needs."""
+    if cfg.algorithm == "opd":
+        return
+    rl = cfg.rl
+    if cfg.estimator.name not in RL_ESTIMATORS:
+        raise ConfigError(f"estimator.name = {cfg.estimator.name!r} is invalid with algorithm = rl; allowed: "
+                          f"{', '.join(RL_ESTIMATORS)}")
+    group = cfg.rollout_group_size()
+    if rl.samples_per_prompt < 1 or group % rl.samples_per_prompt:
+        raise ConfigError(f"rl.samples_per_prompt = {rl.samples_per_prompt} is invalid; allowed: a divisor of the "
+                          f"{group} samples of a rollout group (learner.batch_size / rollout workers)")
+    if rl.distill_coef < 0:
+        raise ConfigError(f"rl.distill_coef = {rl.distill_coef} is invalid; allowed: >= 0")
+    if cfg.needs_teacher_scores and not cfg.teacher.path:
+        raise ConfigError(f"teacher.path = '' is invalid with rl.distill_coef = {rl.distill_coef}; allowed: a model "
+                          "directory (or set rl.distill_coef = 0 to train from rewards alone)")
+    if not cfg.needs_teacher_scores and cfg.stages.scoring_processes:
+        raise ConfigError(f"stages.scoring_processes = {cfg.stages.scoring_processes} is invalid with algorithm = rl "
+                          "and rl.distill_coef = 0 (nothing to score); allowed: 0")
+    if cfg.task.name == "dataset" and not cfg.task.answer_field:
+        raise ConfigError("task.answer_field = '' is invalid with algorithm = rl; allowed: the field holding each "
+                          "example's reference answer (the reward checks answers against it)")
 
 
 def parse_cpu_list(spec: str) -> tuple[int, ...]:
@@ -309,6 +429,9 @@ def _from_dict(cls: type, data: Any, prefix: str) -> Any:
         raise ConfigError(message if message.startswith(prefix) else f"{prefix or 'config'}: {message}") from None
 
 
+_EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _coerce(tp: Any, value: Any, field: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
@@ -338,6 +461,8 @@ def _coerce(tp: Any, value: Any, field: str) -> Any:
             raise ConfigError(f"{field} = {value!r} is invalid; allowed: an integer")
         return value
     if tp is float:
+        if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{field} = {value!r} is invalid; allowed: a number")
         return float(value)

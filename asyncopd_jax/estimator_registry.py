@@ -41,6 +41,9 @@ class EstimatorOptions:
       stabiliser_signal: the reward the stabilisers use as advantage: ``"stale"`` =
         ``log q − log μ`` fixed at rollout time (the async-RL practice), ``"recompute"``
         = ``log q − log π_θ`` at learner time.
+      distill_coef: reward-driven RL (``RolloutBatch.advantages`` present) only: β, the
+        weight of that teacher signal added to the reward advantage (0: pure RL, no
+        teacher scores needed).
     """
 
     mc_clip_eps: float | tuple[float, float] | None = None
@@ -55,6 +58,7 @@ class EstimatorOptions:
     m2po_min_low: float = 0.3
     m2po_min_high: float = 0.5
     stabiliser_signal: Literal["stale", "recompute"] = "stale"
+    distill_coef: float = 0.0
 
 
 EstimatorFn = Callable[
@@ -74,8 +78,20 @@ class EstimatorSpec:
 
 
 def _stabiliser_advantage(batch, cache, student, options) -> Array:
+    """``[B, T]`` the (detached) advantage the stabilisers weight.
+
+    Distillation: the teacher's reverse-KL reward ``log q − log base`` (base: μ for the
+    stale signal, π_θ recomputed). Reward-driven RL (``batch.advantages`` set): the
+    reward advantage, plus ``distill_coef`` times that teacher reward when β > 0.
+    """
     base = batch.behavior_logp if options.stabiliser_signal == "stale" else student.token
-    return jax.lax.stop_gradient(cache.token_logp - base)
+    if batch.advantages is None:
+        return jax.lax.stop_gradient(cache.token_logp - base)
+    if options.distill_coef == 0:
+        return jax.lax.stop_gradient(batch.advantages)
+    if cache is None:
+        raise ValueError(f"distill_coef = {options.distill_coef} needs the teacher's scores (a TeacherScoreCache)")
+    return est.with_distillation(batch.advantages, cache.token_logp, base, options.distill_coef)
 
 
 def _mc(recompute: bool) -> EstimatorFn:
@@ -242,7 +258,7 @@ def student_logprobs(ids: Mapping[str, Array], gather: Callable[[Array], Array])
 def evaluate_estimator(
     name: str,
     batch: RolloutBatch,
-    cache: TeacherScoreCache,
+    cache: TeacherScoreCache | None,
     student: StudentLogProbs,
     *,
     proximal: StudentLogProbs | None = None,
@@ -259,7 +275,8 @@ def evaluate_estimator(
 
     Args:
       name: one of :data:`ESTIMATORS`.
-      batch, cache: the rollout and its teacher scores.
+      batch, cache: the rollout and its teacher scores (``cache`` None: reward-driven RL
+        without distillation, for the stabilisers only).
       student: current student log-probs on the ids of :func:`required_ids`.
       proximal: log-probs of the proximal policy (``decoupled_ppo`` only).
       options: estimator knobs.
@@ -292,9 +309,10 @@ def evaluate_estimator(
     token_ratio = est.importance_ratio(jax.lax.stop_gradient(student.token), batch.behavior_logp)
     metrics = {
         "loss": est.token_mean(jax.lax.stop_gradient(values), mask),
-        "reverse_kl_signal": est.token_mean(jax.lax.stop_gradient(student.token) - cache.token_logp, mask),
         "importance_ratio_mean": est.token_mean(token_ratio, mask),
         "importance_ratio_max": jnp.max(jnp.where(mask, token_ratio, 0.0)),
         "zero_grad_fraction": est.token_mean((~moved).astype(jnp.float32), mask),
     }
+    if cache is not None:  # reward-driven RL without distillation has no teacher scores
+        metrics["reverse_kl_signal"] = est.token_mean(jax.lax.stop_gradient(student.token) - cache.token_logp, mask)
     return values, metrics

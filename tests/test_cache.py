@@ -197,3 +197,44 @@ def test_mc_importance_sampling_can_be_switched_off_by_name():
     np.testing.assert_allclose(got, want, rtol=1e-6)
     with_is, _ = evaluate_estimator("reverse_kl_mc_stale", batch, cache, s)
     assert np.abs(np.asarray(got) - np.asarray(with_is)).max() > 1e-3
+
+
+def _with_rl_advantages(batch: RolloutBatch, seed: int) -> tuple[RolloutBatch, np.ndarray]:
+    """``batch`` carrying a per-response reward advantage ``[B, T]`` (as the reward stage sets it)."""
+    per_response = np.random.default_rng(seed).normal(size=(B, 1)).astype(np.float32)
+    advantages = np.broadcast_to(per_response, (B, T)).copy()
+    return dataclasses.replace(batch, advantages=jnp.asarray(advantages)), advantages
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_rl_stabilisers_weight_the_reward_advantage_plus_beta_times_the_teacher_signal(beta):
+    """Reward-driven RL: the stabilisers' advantage is the batch's reward advantage, plus
+    β (log q − log μ) when distilling at once; without β no teacher cache is needed."""
+    from tests.estimators import oracle
+
+    student, _, batch, cache = _world(7)
+    batch, advantages = _with_rl_advantages(batch, 7)
+    s = _all_logprobs(student, batch, cache)
+    proximal = jax.tree_util.tree_map(lambda x: x + 0.1, s)
+    behavior, prox = np.asarray(batch.behavior_logp, np.float64), np.asarray(proximal.token, np.float64)
+    signal = np.asarray(cache.token_logp, np.float64) - behavior
+    adv = advantages + beta * signal
+    options = EstimatorOptions(distill_coef=beta)
+    got, metrics = evaluate_estimator("decoupled_ppo", batch, cache if beta else None, s, proximal=proximal,
+                                      options=options)
+    weight = np.exp(prox - behavior)  # π_prox / μ, capped at 5 by the default behaviour-weight cap
+    want = np.where(weight <= 5.0, weight * oracle.ppo_clip(np.asarray(s.token, np.float64), prox, adv, 0.8, 1.2),
+                    0.0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert ("reverse_kl_signal" in metrics) == bool(beta)  # no teacher scores, no KL metric
+    got, _ = evaluate_estimator("ppo_clip", batch, cache if beta else None, s, options=options)
+    np.testing.assert_allclose(got, oracle.ppo_clip(np.asarray(s.token, np.float64), behavior, adv, 0.8, 1.2),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_rl_distillation_without_teacher_scores_is_a_clear_error():
+    student, _, batch, cache = _world(8)
+    batch, _ = _with_rl_advantages(batch, 8)
+    s = _all_logprobs(student, batch, cache)
+    with pytest.raises(ValueError, match="distill_coef = 0.5 needs the teacher's scores"):
+        evaluate_estimator("ppo_clip", batch, None, s, options=EstimatorOptions(distill_coef=0.5))

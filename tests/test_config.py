@@ -55,3 +55,42 @@ def test_mc_estimators_need_candidates():
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_numbers_in_exponent_form_are_numbers():
+    # YAML 1.1 (PyYAML) reads "1e-3" (no dot) as a string; a float field takes it as 0.001.
+    assert load_config(DEMO_CONFIG, ["optim.learning_rate=1e-3"]).optim.learning_rate == 1e-3
+    assert load_config(DEMO_CONFIG, ["optim.learning_rate=2E+1"]).optim.learning_rate == 20.0
+    with pytest.raises(ConfigError, match=r"optim.learning_rate = '1e-3x' is invalid; allowed: a number"):
+        load_config(DEMO_CONFIG, ["optim.learning_rate=1e-3x"])
+
+
+RL = ["algorithm=rl", "estimator.name=decoupled_ppo", "rl.samples_per_prompt=8"]
+
+
+def test_rl_config_and_what_it_needs():
+    cfg = load_config(DEMO_CONFIG, [*RL, "teacher.path=''"])
+    assert cfg.samples_per_prompt == 8 and not cfg.needs_teacher_scores
+    assert cfg.estimator_options().distill_coef == 0.0
+    cfg = load_config(DEMO_CONFIG, [*RL, "rl.distill_coef=0.3"])
+    assert cfg.needs_teacher_scores and cfg.estimator_options().distill_coef == 0.3
+    assert load_config(DEMO_CONFIG, []).samples_per_prompt == 1  # distillation: one answer per prompt
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algorithm=rl"], r"estimator.name = 'forward_kl_topk' is invalid with algorithm = rl; allowed: ppo_clip, "
+                       r"decoupled_ppo, truncated_is, m2po"),
+    ([*RL, "rl.samples_per_prompt=6"], r"rl.samples_per_prompt = 6 is invalid; allowed: a divisor of the 64 samples"),
+    ([*RL, "schedule.rollout_workers=2", "rl.samples_per_prompt=64"],
+     r"rl.samples_per_prompt = 64 is invalid; allowed: a divisor of the 32 samples"),
+    ([*RL, "rl.distill_coef=-1"], r"rl.distill_coef = -1.0 is invalid; allowed: >= 0"),
+    ([*RL, "rl.distill_coef=0.5", "teacher.path=''"], r"teacher.path = '' is invalid with rl.distill_coef = 0.5"),
+    ([*RL, "stages.scoring_processes=1"], r"stages.scoring_processes = 1 is invalid with algorithm = rl and "
+                                          r"rl.distill_coef = 0 \(nothing to score\)"),
+    ([*RL, "task.name=dataset", "task.path=x.jsonl", "task.answer_field=''"],
+     r"task.answer_field = '' is invalid with algorithm = rl"),
+    (["algorithm=ppo"], r"algorithm = 'ppo' is invalid; allowed: opd, rl"),
+])
+def test_rl_config_errors_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEMO_CONFIG, overrides)

@@ -41,13 +41,18 @@ def group_advantages(rewards: Array, group_size: int, *, normalize_std: bool = T
 def with_distillation(sequence_advantage: Array, teacher_logp: Array, student_logp: Array, beta: float) -> Array:
     """Per-token advantages ``[B, T]``: ``A_seq[b] + β · sg(log q − log π)[b, t]``.
 
+    ``sequence_advantage``: ``[B]``, or ``[B, T]`` already broadcast over the tokens.
+
     ``teacher_logp``, ``student_logp``: ``[B, T]`` log-probs of the emitted tokens under the
     teacher and the student (the behaviour policy for the stale signal, the learner's for
     the recomputed one). β = 0 gives pure RL; the reward-free limit is the reverse-KL
     policy gradient.
     """
     signal = jax.lax.stop_gradient(jnp.asarray(teacher_logp, jnp.float32) - jnp.asarray(student_logp, jnp.float32))
-    return jnp.asarray(sequence_advantage, jnp.float32)[:, None] + beta * signal
+    advantage = jnp.asarray(sequence_advantage, jnp.float32)
+    if advantage.ndim == 1:
+        advantage = advantage[:, None]
+    return jax.lax.stop_gradient(advantage) + beta * signal
 
 
 __all__ = ["group_advantages", "with_distillation"]

@@ -1,4 +1,4 @@
-"""The learner: train state, sharded micro-batched train step, losses, optimizer."""
+"""The learner: train state, sharded micro-batched (or token-budget packed) train step, losses, optimizer."""
 
 from asyncopd_jax.learner import distributed
 from asyncopd_jax.learner.optimizer import learning_rate_schedule, make_optimizer
@@ -9,6 +9,7 @@ from asyncopd_jax.learner.step import (
     SFTLoss,
     TrainState,
     create_train_state,
+    make_packed_train_step,
     make_proximal_fn,
     make_train_step,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "learning_rate_schedule",
     "make_mesh",
     "make_optimizer",
+    "make_packed_train_step",
     "make_proximal_fn",
     "make_train_step",
     "param_spec",

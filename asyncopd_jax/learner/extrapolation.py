@@ -103,15 +103,21 @@ class Extrapolator:
     def __init__(self, initial_params: PyTree, factors: Sequence[float] = DEFAULT_FACTORS):
         if not factors or any(f <= 1 for f in factors):
             raise ValueError(f"extrapolation factors must be > 1 (got {tuple(factors)})")
-        self.anchor = initial_params
+        self.anchor = _copy(initial_params)
         self.factors = tuple(factors)
 
     def after_update(self, step: int, params: PyTree, score: Callable[[PyTree], float]) -> tuple[PyTree, Jump | None]:
         if not is_checkpoint_step(step):
             return params, None
         best, jump = search(self.anchor, params, score, step=step, factors=self.factors)
-        self.anchor = best  # re-anchor at the point kept
+        self.anchor = _copy(best)  # re-anchor at the point kept
         return best, jump
+
+
+def _copy(tree: PyTree) -> PyTree:
+    """A copy with its own buffers: the learner donates its parameters to the next train
+    step, which would delete an anchor that merely referenced them."""
+    return jax.tree_util.tree_map(jnp.copy, tree)
 
 
 __all__ = ["DEFAULT_FACTORS", "Extrapolator", "Jump", "extrapolate", "is_checkpoint_step", "is_movable", "search"]

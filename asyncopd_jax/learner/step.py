@@ -10,10 +10,12 @@ The policy version is the optimizer-step count, ``TrainState.step``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -21,6 +23,7 @@ from asyncopd_jax.alignment import response_hidden
 from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
 from asyncopd_jax.estimator_registry import EstimatorOptions, evaluate_estimator, required_ids, student_logprobs
 from asyncopd_jax.estimators import gather_logprobs_from_hidden, normalized_token_sum
+from asyncopd_jax.learner.packing import plan_micro_batches, take_micro_batch
 from asyncopd_jax.learner.sharding import batch_shardings, state_shardings
 from asyncopd_jax.models.decoder import Decoder
 
@@ -101,6 +104,39 @@ def _split_micro_batches(tree, micro_batches: int):
     return jax.tree_util.tree_map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), tree)
 
 
+Accumulated = tuple[nnx.State, Array, dict[str, Array]]  # (gradients, loss, metrics) summed so far
+
+
+def _micro_batch(graphdef: nnx.GraphDef, loss_fn: LossFn, params: nnx.State, mb: LearnerBatch,
+                 total: Array) -> Accumulated:
+    """Gradients, loss and metrics of one micro-batch as its share of the mini-batch: the
+    loss is already normalised by the mini-batch's ``total`` tokens; each metric (a token
+    mean over the micro-batch) is weighted by the micro-batch's share of them, except the
+    ``*_max`` ones."""
+
+    def objective(p):
+        return loss_fn(nnx.merge(graphdef, p), mb, total)
+
+    (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    weight = jnp.sum(mb.rollout.response_mask) / jnp.maximum(total, 1.0)
+    return grads, loss, {k: v if k.endswith("_max") else v * weight for k, v in metrics.items()}
+
+
+def _add(acc: Accumulated, part: Accumulated) -> Accumulated:
+    grads, loss, metrics = acc
+    return (jax.tree_util.tree_map(jnp.add, grads, part[0]), loss + part[1],
+            {k: jnp.maximum(v, part[2][k]) if k.endswith("_max") else v + part[2][k] for k, v in metrics.items()})
+
+
+def _apply(optimizer: optax.GradientTransformation, state: TrainState, acc: Accumulated, total: Array):
+    """The optimizer step on the summed gradients; the step's metrics."""
+    grads, loss, metrics = acc
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": total}
+    return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
@@ -119,40 +155,19 @@ def make_train_step(
     """
 
     def step(state: TrainState, batch: LearnerBatch):
-        mask = batch.rollout.response_mask
-        total = jnp.sum(mask).astype(jnp.float32)
-
-        def micro(carry, mb: LearnerBatch):
-            grads_acc, loss_acc, metrics_acc = carry
-
-            def objective(params):
-                loss, metrics = loss_fn(nnx.merge(graphdef, params), mb, total)
-                return loss, metrics
-
-            (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
-            # Each metric is a token mean over this micro-batch: weight it by its tokens.
-            weight = jnp.sum(mb.rollout.response_mask) / jnp.maximum(total, 1.0)
-            metrics_acc = {
-                k: jnp.maximum(metrics_acc[k], v) if k.endswith("_max") else metrics_acc[k] + v * weight
-                for k, v in metrics.items()
-            }
-            return (jax.tree_util.tree_map(jnp.add, grads_acc, grads), loss_acc + loss, metrics_acc), None
-
+        total = jnp.sum(batch.rollout.response_mask).astype(jnp.float32)
         micro_batched = _split_micro_batches(batch, micro_batches)
         first = jax.tree_util.tree_map(lambda x: x[0], micro_batched)
-        metric_shapes = jax.eval_shape(
-            lambda: loss_fn(nnx.merge(graphdef, state.params), first, total)[1]
-        )
+        shapes = jax.eval_shape(lambda: _micro_batch(graphdef, loss_fn, state.params, first, total))
         zeros = (
             jax.tree_util.tree_map(jnp.zeros_like, state.params),
             jnp.zeros((), jnp.float32),
-            {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0.0, v.dtype) for k, v in metric_shapes.items()},
+            {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0.0, v.dtype) for k, v in shapes[2].items()},
         )
-        (grads, loss, metrics), _ = jax.lax.scan(micro, zeros, micro_batched)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": total}
-        return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+        acc, _ = jax.lax.scan(
+            lambda acc, mb: (_add(acc, _micro_batch(graphdef, loss_fn, state.params, mb, total)), None),
+            zeros, micro_batched)
+        return _apply(optimizer, state, acc, total)
 
     if mesh is None:
         return jax.jit(step, donate_argnums=(0,))
@@ -166,6 +181,53 @@ def make_train_step(
         return jitted(state, jax.device_put(batch, batch_shardings(batch, mesh)))
 
     return sharded_step
+
+
+def make_packed_train_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    loss_fn: LossFn,
+    *,
+    token_budget: int,
+    bucket: int = 8,
+    mesh: jax.sharding.Mesh | None = None,
+    state_example: TrainState | None = None,
+) -> Callable[[TrainState, LearnerBatch], tuple[TrainState, dict[str, Array]]]:
+    """As :func:`make_train_step`, with dynamic batching: the mini-batch is cut into
+    token-budget micro-batches of similar-length rows, each trimmed to its own slots
+    (:mod:`asyncopd_jax.learner.packing`); one jitted gradient per micro-batch (compiled
+    once per bucketed shape), then one jitted optimizer step on their sum. The metrics
+    add ``micro_batches`` and ``padding_fraction`` (padded slots / all slots computed)."""
+    rows_per_device = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    gradients = jax.jit(functools.partial(_micro_batch, graphdef, loss_fn))
+    add = jax.jit(_add, donate_argnums=(0,))
+    apply = jax.jit(functools.partial(_apply, optimizer), donate_argnums=(0,))
+    if mesh is not None:  # keep parameters and moments FSDP-sharded as create_train_state placed them
+        if state_example is None:
+            raise ValueError("make_packed_train_step with a mesh needs state_example to derive the shardings")
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        apply = jax.jit(functools.partial(_apply, optimizer), donate_argnums=(0,),
+                        out_shardings=(state_shardings(state_example, mesh), replicated))
+
+    def step(state: TrainState, batch: LearnerBatch):
+        prompt_mask, response_mask = np.asarray(batch.rollout.prompt_mask), np.asarray(batch.rollout.response_mask)
+        plans = plan_micro_batches(prompt_mask.sum(1), response_mask.sum(1), prompt_slots=prompt_mask.shape[1],
+                                   response_slots=response_mask.shape[1], token_budget=token_budget, bucket=bucket,
+                                   row_multiple=rows_per_device)
+        total = jnp.asarray(response_mask.sum(), jnp.float32)
+        acc = None
+        for plan in plans:
+            mb = take_micro_batch(batch, plan)
+            if mesh is not None:
+                mb = jax.device_put(mb, batch_shardings(mb, mesh))
+            part = gradients(state.params, mb, total)
+            acc = part if acc is None else add(acc, part)
+        state, metrics = apply(state, acc, total)
+        slots = sum(p.padded_tokens for p in plans)
+        real = int(prompt_mask.sum() + response_mask.sum())
+        return state, {**metrics, "micro_batches": len(plans), "padding_fraction": 1 - real / slots}
+
+    return step
 
 
 def create_train_state(

@@ -28,7 +28,7 @@ class FixedLagRollouts:
     buffer's. The snapshot store handed to ``producer`` must keep ``lag + 1`` versions.
     """
 
-    def __init__(self, *, producer: GroupProducer, scorer: TeacherScorer, lag: int, first_version: int):
+    def __init__(self, *, producer: GroupProducer, scorer: TeacherScorer | None, lag: int, first_version: int):
         self.producer, self.scorer, self.lag = producer, scorer, lag
         self.first_version = first_version  # the oldest policy this run holds
         self._index = first_version

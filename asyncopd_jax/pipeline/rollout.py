@@ -20,7 +20,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from asyncopd_jax.cache import RolloutBatch
+from asyncopd_jax.pipeline.reward_stage import RewardStage
 from asyncopd_jax.pipeline.snapshots import SnapshotStore
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
@@ -29,8 +29,6 @@ from asyncopd_jax.teacher import TeacherScorer
 
 # (rng, n) → (prompt token lists, per-prompt problems for the reward)
 PromptSource = Callable[[np.random.Generator, int], tuple[list[list[int]], list]]
-# (problems, sampled batch) → per-sample reward (the built-in task: 1.0 if solved)
-RewardFn = Callable[[list, RolloutBatch], list]
 
 
 def group_key(seed: int, index: int) -> jax.Array:
@@ -45,11 +43,13 @@ class GroupProducer:
 
     Group ``index`` draws its prompts from ``rng([seed, index])`` and its sampling key
     from :func:`group_key`, so the same index gives the same prompts in every placement.
+    Each prompt is answered ``reward.samples_per_prompt`` times (RL; once for
+    distillation), and ``reward`` scores the answers.
     """
 
-    def __init__(self, *, sampler: Sampler, snapshots: SnapshotStore, prompts: PromptSource, rewards: RewardFn,
+    def __init__(self, *, sampler: Sampler, snapshots: SnapshotStore, prompts: PromptSource, reward: RewardStage,
                  group_size: int, seed: int, prompt_slots: int, tracer: Tracer, interruptible: bool = True):
-        self.sampler, self.snapshots, self.prompts, self.rewards = sampler, snapshots, prompts, rewards
+        self.sampler, self.snapshots, self.prompts, self.reward = sampler, snapshots, prompts, reward
         self.group_size, self.seed, self.prompt_slots = group_size, seed, prompt_slots
         self.tracer, self.interruptible = tracer, interruptible
 
@@ -64,7 +64,8 @@ class GroupProducer:
         """Sample group ``index`` from snapshot ``version`` (default: the newest); no
         teacher scores yet."""
         rng = np.random.default_rng([self.seed, index])
-        prompts, problems = self.prompts(rng, self.group_size)
+        prompts, problems = self.prompts(rng, self.reward.prompts_per_group(self.group_size))
+        prompts, problems = self.reward.repeat(prompts), self.reward.repeat(problems)
         version, params = self.snapshots.load(version)
         with self.tracer.span("rollout", version=version) as info:
             batch = self.sampler.generate(
@@ -78,12 +79,17 @@ class GroupProducer:
         versions = np.asarray(batch.token_version)[np.asarray(batch.response_mask)]
         oldest = int(versions.min()) if versions.size else version
         newest = int(versions.max()) if versions.size else version
-        rewards = np.asarray(self.rewards(problems, batch), np.float32)
+        with self.tracer.span("reward"):
+            batch, rewards = self.reward(problems, batch)
         return RolloutGroup(batch, None, oldest, newest, {"rewards": rewards})
 
 
-def score_group(scorer: TeacherScorer, group: RolloutGroup, seed: int, index: int, tracer: Tracer) -> RolloutGroup:
-    """``group`` with its teacher score cache filled in."""
+def score_group(scorer: TeacherScorer | None, group: RolloutGroup, seed: int, index: int,
+                tracer: Tracer) -> RolloutGroup:
+    """``group`` with its teacher score cache filled in (unchanged when ``scorer`` is None:
+    reward-driven RL without distillation needs no teacher scores)."""
+    if scorer is None:
+        return group
     with tracer.span("score"):
         cache = jax.block_until_ready(scorer.score(group.batch, jax.random.fold_in(group_key(seed, index), 1)))
     return dataclasses.replace(group, cache=cache)
@@ -92,7 +98,7 @@ def score_group(scorer: TeacherScorer, group: RolloutGroup, seed: int, index: in
 class RolloutPool:
     """``workers`` threads producing scored :class:`RolloutGroup` s of ``group_size`` prompts."""
 
-    def __init__(self, *, producer: GroupProducer, scorer: TeacherScorer, buffer: StalenessBuffer, workers: int,
+    def __init__(self, *, producer: GroupProducer, scorer: TeacherScorer | None, buffer: StalenessBuffer, workers: int,
                  first_index: int = 0):
         self.producer, self.scorer, self.buffer = producer, scorer, buffer
         self._threads = [threading.Thread(target=self._run, args=(i,), name=f"rollout-{i}", daemon=True)

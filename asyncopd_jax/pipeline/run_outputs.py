@@ -96,7 +96,8 @@ class RunDir:
     # --- report ------------------------------------------------------------------------
 
     def write_report(self, title: str) -> Path:
-        """``report.png``: loss, KL signal, accuracy and staleness against optimizer steps."""
+        """``report.png``: loss, KL signal, accuracy (with EffOPD's jumps, if any) and
+        staleness against optimizer steps."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -126,6 +127,15 @@ class RunDir:
             ax.axhline(summary["teacher_accuracy"], color="k", ls="--", label="teacher")
         train = np.array([r.get("rollout_accuracy", np.nan) for r in records], float)
         ax.plot(steps, train, lw=0.8, alpha=0.6, label="student rollouts (sampled)")
+        # EffOPD jumps: accepted (the factor kept) and rejected (rolled back to θ_t)
+        jumps = [(r["step"], r["extrapolation_factor"]) for r in records if "extrapolation_factor" in r]
+        for kind, color, style in (("accepted", "tab:green", "--"), ("rejected", "tab:red", ":")):
+            chosen = [(st, f) for st, f in jumps if (f != 1) == (kind == "accepted")]
+            for i, (st, f) in enumerate(chosen):
+                ax.axvline(st, color=color, ls=style, lw=0.9,
+                           label=f"extrapolation {kind} ({len(chosen)})" if i == 0 else None)
+                if kind == "accepted":
+                    ax.annotate(f"×{f:g}", (st, 1.0), fontsize=7, color=color, ha="left", va="top")
         ax.set_ylim(0, 1.02)
         ax.set_title("accuracy", fontsize=10)
         ax.set_xlabel("optimizer step")

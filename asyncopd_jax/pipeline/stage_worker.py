@@ -16,6 +16,7 @@ from flax import nnx
 
 from asyncopd_jax.config import RunConfig
 from asyncopd_jax.models import from_pretrained, load_tokenizer
+from asyncopd_jax.pipeline.reward_stage import RewardStage
 from asyncopd_jax.pipeline.rollout import GroupProducer, score_group
 from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore
 from asyncopd_jax.pipeline.spool import group_from_record, group_to_record
@@ -38,7 +39,7 @@ class StageWorker:
         self.role, self.seed, self.tracer = role, int(layout["seed"]), tracer
         scores_here = role == "scoring" or not layout["scoring_processes"]
         self.scorer = None
-        if scores_here:
+        if scores_here and cfg.needs_teacher_scores:
             teacher = from_pretrained(resolve_model_path(cfg.teacher.path), dtype=cfg.teacher.dtype)
             self.scorer = TeacherScorer(teacher, cfg.scoring)
         self.producer = None
@@ -55,7 +56,7 @@ class StageWorker:
             snapshots.wait_for(0, timeout=cfg.stages.startup_timeout)
             self.producer = GroupProducer(
                 sampler=Sampler(graphdef, sampling, pad_id=data.pad_id), snapshots=snapshots,
-                prompts=data.train_prompts, rewards=data.rewards, group_size=int(layout["group_size"]),
+                prompts=data.train_prompts, reward=RewardStage.from_config(cfg, data.rewards), group_size=int(layout["group_size"]),
                 seed=self.seed, prompt_slots=data.prompt_slots, tracer=tracer,
             )
 

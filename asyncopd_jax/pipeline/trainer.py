@@ -28,6 +28,7 @@ import dataclasses
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +47,17 @@ from asyncopd_jax.learner import (
     create_train_state,
     make_mesh,
     make_optimizer,
+    make_packed_train_step,
     make_proximal_fn,
     make_train_step,
 )
+from asyncopd_jax.learner.extrapolation import Extrapolator
 from asyncopd_jax.learner.optimizer import learning_rate_schedule
 from asyncopd_jax.models import Decoder, check_same_vocabulary, from_pretrained, load_tokenizer, save_pretrained
 from asyncopd_jax.pipeline.diagnostics import ProbeDiagnostics
 from asyncopd_jax.pipeline.fixed_lag import FixedLagRollouts
 from asyncopd_jax.pipeline.processes import Exchange, StageProcesses, default_snapshot_dir, plan_stages
+from asyncopd_jax.pipeline.reward_stage import RewardStage
 from asyncopd_jax.pipeline.rollout import GroupProducer, RolloutPool
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore, DiskSnapshotStore
@@ -95,10 +99,12 @@ class Trainer:
                               "(its processes read each batch from the run's spool)")
 
         student, tokenizer = load_model_and_tokenizer(cfg.student.path, cfg.student.dtype)
-        teacher, teacher_tokenizer = load_model_and_tokenizer(cfg.teacher.path, cfg.teacher.dtype)
-        check_same_vocabulary(tokenizer, teacher_tokenizer, student_vocab_size=student.config.vocab_size,
-                              teacher_vocab_size=teacher.config.vocab_size)
-        self.teacher = teacher
+        self.teacher = None  # reward-driven RL may run without one (rl.distill_coef = 0)
+        if cfg.teacher.path:
+            teacher, teacher_tokenizer = load_model_and_tokenizer(cfg.teacher.path, cfg.teacher.dtype)
+            check_same_vocabulary(tokenizer, teacher_tokenizer, student_vocab_size=student.config.vocab_size,
+                                  teacher_vocab_size=teacher.config.vocab_size)
+            self.teacher = teacher
         self.data = make_task(cfg.task, tokenizer, max_new_tokens=cfg.sampling.max_new_tokens,
                               max_positions=student.config.max_position_embeddings)
 
@@ -108,16 +114,28 @@ class Trainer:
         self.optimizer = make_optimizer(cfg.optim, cfg.train.steps)
         self.lr = learning_rate_schedule(cfg.optim, cfg.train.steps)
         self.graphdef, self.state = create_train_state(student, self.optimizer, self.mesh)
-        self.loss = PolicyLoss(cfg.estimator.name, cfg.estimator.options(), cfg.sampling.temperature,
+        self.loss = PolicyLoss(cfg.estimator.name, cfg.estimator_options(), cfg.sampling.temperature,
                                learner.logprob_chunk)
-        self.train_step = make_train_step(self.graphdef, self.optimizer, self.loss, micro_batches=learner.micro_batches,
-                                          mesh=self.mesh, state_example=self.state)
+        if learner.token_budget:  # dynamic batching
+            if self.multi_process:
+                raise ConfigError("learner.token_budget > 0 is not supported for a learner over several processes "
+                                  "(each process feeds its own rows); allowed: 0")
+            self.train_step = make_packed_train_step(self.graphdef, self.optimizer, self.loss,
+                                                     token_budget=learner.token_budget, bucket=learner.token_bucket,
+                                                     mesh=self.mesh, state_example=self.state)
+        else:
+            self.train_step = make_train_step(self.graphdef, self.optimizer, self.loss,
+                                              micro_batches=learner.micro_batches, mesh=self.mesh,
+                                              state_example=self.state)
         self.needs_proximal = get_estimator(cfg.estimator.name).needs_proximal
         self.proximal = make_proximal_fn(self.graphdef, self.loss) if self.needs_proximal else None
 
         self.sampling = dataclasses.replace(
             cfg.sampling, stop_token_ids=stop_token_ids(cfg, self.data, student.config.eos_token_ids))
         self.diagnostics = self._probe_diagnostics() if cfg.train.diagnostics_every else None
+        self.extrapolator, self.extrapolation_probe = None, None
+        if learner.extrapolation.enabled:  # EffOPD (after a resume, anchored at the restored weights)
+            self.extrapolation_probe = self._extrapolation_probe()
         self.scoring = cfg.scoring
         self.start_step, self.worker_index = 0, 0
         self.rollout_seed = cfg.seed * 1_000_003
@@ -177,43 +195,73 @@ class Trainer:
                               "processes; allowed: auto, orbax")
         return configured
 
-    def _group_size(self) -> int:
-        """Samples per rollout group: the batch split over the rollout workers or processes
-        (the whole batch per group when it does not split evenly)."""
-        B = self.cfg.learner.batch_size
-        if self.cfg.schedule.mode == "fixed_lag":
-            return B
-        workers = (self.cfg.stages.rollout_processes if self.cfg.schedule.placement == "processes"
-                   else self.cfg.schedule.rollout_workers)
-        return B // workers if B % workers == 0 else B
-
     def _probe_diagnostics(self) -> ProbeDiagnostics:
         if self.multi_process:
             raise ConfigError("train.diagnostics_every > 0 is not supported for a learner over several processes; "
                               "allowed: 0")
+        if self.teacher is None:
+            raise ConfigError("train.diagnostics_every > 0 needs a teacher (teacher.path); allowed without one: 0")
         prompts, _ = self.data.train_prompts(np.random.default_rng([self.cfg.seed, 2**31 - 1]),
                                              self.cfg.train.diagnostic_prompts)
         return ProbeDiagnostics(graphdef=self.graphdef, teacher=self.teacher, prompts=prompts, sampling=self.sampling,
                                 teacher_temperature=self.cfg.scoring.temperature, pad_id=self.data.pad_id,
                                 prompt_slots=self.data.prompt_slots, seed=self.cfg.seed)
 
+    def _extrapolation_probe(self) -> Callable[[nnx.State], float]:
+        """EffOPD's probe: a score of the full parameters, higher is better (see
+        :class:`asyncopd_jax.config.ExtrapolationConfig`)."""
+        ext, seed = self.cfg.learner.extrapolation, self.cfg.seed
+        prompts, items = self.data.train_prompts(np.random.default_rng([seed, 2**31 - 2]), ext.probe_prompts)
+        if ext.probe_metric == "accuracy":
+            return lambda params: self.data.accuracy(self.graphdef, params, items=items,
+                                                     temperature=ext.probe_temperature, seed=seed)
+        probe = ProbeDiagnostics(graphdef=self.graphdef, teacher=self.teacher, prompts=prompts, sampling=self.sampling,
+                                 teacher_temperature=self.cfg.scoring.temperature, pad_id=self.data.pad_id,
+                                 prompt_slots=self.data.prompt_slots, seed=seed + 1)
+        return lambda params: -probe.measure(params, params)["probe_reverse_kl"]
+
+    def _extrapolate(self, step: int) -> dict[str, Any]:
+        """EffOPD after optimizer step ``step``: at steps 1, 2, 4, … search the extrapolation
+        candidates on the probe and continue from the one kept (parameters only: the
+        optimizer state is untouched). Returns the jump's metrics ({} at other steps)."""
+        if self.extrapolator is None:
+            return {}
+
+        def score(params: nnx.State) -> float:  # computed by the leader, shared with every process
+            full = distributed.gather(params)
+            return distributed.from_leader(self.extrapolation_probe(full) if self.leader else 0.0)
+
+        start = time.perf_counter()
+        with self.tracer.span("extrapolate", step=step):
+            params, jump = self.extrapolator.after_update(step, self.state.params, score)
+        if jump is None:
+            return {}
+        self.state = dataclasses.replace(self.state, params=params)
+        return {**jump.metrics(), "extrapolation_tried": [list(t) for t in jump.tried],
+                "extrapolation_seconds": time.perf_counter() - start}
+
     def _producer(self, group_size: int, interruptible: bool = True) -> GroupProducer:
         """Samples rollout groups in this process from ``self.snapshots``."""
         return GroupProducer(
             sampler=Sampler(self.graphdef, self.sampling, pad_id=self.data.pad_id), snapshots=self.snapshots,
-            prompts=self.data.train_prompts, rewards=self.data.rewards, group_size=group_size,
+            prompts=self.data.train_prompts, reward=RewardStage.from_config(self.cfg, self.data.rewards),
+            group_size=group_size,
             seed=self.rollout_seed, prompt_slots=self.data.prompt_slots, tracer=self.tracer,
             interruptible=interruptible,
         )
+
+    def _scorer(self) -> TeacherScorer | None:
+        """The teacher scorer for rollouts in this process (None: the run needs no scores)."""
+        return TeacherScorer(self.teacher, self.scoring) if self.cfg.needs_teacher_scores else None
 
     def _start_stages(self, buffer: StalenessBuffer) -> RolloutPool | StageProcesses | FixedLagRollouts:
         """Rollout and scoring, as threads of this process or as stage processes (or, for
         ``fixed_lag``, on demand in the learner's thread)."""
         cfg = self.cfg
-        group = self._group_size()
+        group = cfg.rollout_group_size()
         if cfg.schedule.mode == "fixed_lag":  # whole batches from one policy: no weight swaps
             return FixedLagRollouts(producer=self._producer(group, interruptible=False),
-                                    scorer=TeacherScorer(self.teacher, self.scoring), lag=cfg.schedule.lag,
+                                    scorer=self._scorer(), lag=cfg.schedule.lag,
                                     first_version=int(self.state.step))
         if cfg.schedule.placement == "processes":
             _, specs = plan_stages(cfg.stages, sorted(os.sched_getaffinity(0)))
@@ -224,7 +272,7 @@ class Trainer:
                                     tracer=self.tracer)
         else:
             workers = cfg.schedule.rollout_workers
-            stages = RolloutPool(producer=self._producer(group), scorer=TeacherScorer(self.teacher, self.scoring), buffer=buffer,
+            stages = RolloutPool(producer=self._producer(group), scorer=self._scorer(), buffer=buffer,
                                  workers=workers, first_index=self.worker_index)
         stages.start()
         return stages
@@ -244,13 +292,17 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         summary = self.run_dir.read_summary()
-        if "teacher_accuracy" not in summary:
-            teacher_accuracy = self.data.accuracy(*nnx.split(self.teacher)) if self.leader else 0.0
-            summary = {"teacher_accuracy": distributed.from_leader(teacher_accuracy),
-                       "student_before": self.evaluate_student()}
+        if "student_before" not in summary:
+            summary = {}
+            if self.teacher is not None:
+                teacher_accuracy = self.data.accuracy(*nnx.split(self.teacher)) if self.leader else 0.0
+                summary["teacher_accuracy"] = distributed.from_leader(teacher_accuracy)
+            summary["student_before"] = self.evaluate_student()
             if self.leader:
                 self.run_dir.write_summary(summary)
 
+        if self.extrapolation_probe is not None:
+            self.extrapolator = Extrapolator(self.state.params, cfg.learner.extrapolation.factors)
         buffer = StalenessBuffer(cfg.learner.batch_size, self.eta, cfg.learner.mini_batches)
         self.snapshots = snapshots = self._snapshot_store()
         version = int(self.state.step)
@@ -292,7 +344,7 @@ class Trainer:
             save_pretrained(student, self.run_dir.path / "student")  # Hugging Face layout
             self.data.tokenizer.save_pretrained(self.run_dir.path / "student")
             self.run_dir.write_summary(summary)
-            self.run_dir.write_report(f"{cfg.name}: {cfg.estimator.name}, {cfg.schedule.mode} (η = {self.eta})")
+            self.run_dir.write_report(f"{cfg.name}: {'RL, ' if cfg.algorithm == 'rl' else ''}{cfg.estimator.name}, {cfg.schedule.mode} (η = {self.eta})")
         self.run_dir.close()
         return summary
 
@@ -306,7 +358,7 @@ class Trainer:
             return self.stages.take(version)
         if not self.multi_process:
             return buffer.take(version)
-        named = np.full((self.cfg.learner.batch_size // self._group_size(), 2), -1, np.int64)
+        named = np.full((self.cfg.learner.batch_size // self.cfg.rollout_group_size(), 2), -1, np.int64)
         groups: list[RolloutGroup] = []
         if self.leader:
             try:
@@ -346,7 +398,7 @@ class Trainer:
         """Run the optimizer steps of one rollout batch (its mini-batches); log one record each."""
         cfg = self.cfg
         batch = _concat([g.batch for g in groups])
-        cache = _concat([g.cache for g in groups])
+        cache = _concat([g.cache for g in groups]) if groups[0].cache is not None else None  # None: RL, β = 0
         rewards = np.concatenate([g.info["rewards"] for g in groups])
         # NaN: a response the task cannot check (a dataset without reference answers)
         rollout_acc = {"rollout_accuracy": float(np.nanmean(rewards))} if np.isfinite(rewards).any() else {}
@@ -374,6 +426,7 @@ class Trainer:
                 self.state, metrics = self.train_step(self.state, mini)
                 metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             step += 1
+            jump = self._extrapolate(step)  # before the version is published: it carries the jump
             elapsed = throughput.add(rows, int(metrics["tokens"]))
             record = {
                 "step": step, **metrics, "lr": float(self.lr(step - 1)),
@@ -382,7 +435,7 @@ class Trainer:
                 "tokens_per_s": throughput.tokens / elapsed, "dropped_stale": buffer.dropped_stale,
                 "dropped_future": buffer.dropped_future, "time": elapsed,
                 "trace_s": time.time() - self.tracer.origin,  # the same clock as trace.json's spans
-                **probe,
+                **probe, **jump,
             }
             probe = {}  # on the first step of the batch only
             if step % cfg.train.eval_every == 0 or step == cfg.train.steps:

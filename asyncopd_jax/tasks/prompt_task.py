@@ -64,17 +64,19 @@ class PromptTask:
     def rewards(self, items: Sequence[Any], batch: RolloutBatch) -> list[float]:
         return [self.score(i, r) for i, r in zip(items, self.decode(batch))]
 
-    def accuracy(self, graphdef: nnx.GraphDef, params: nnx.State, *, seed: int = 0) -> float:
-        """Mean score of greedy answers by ``(graphdef, params)`` on the held-out items
-        (NaN if none can be checked)."""
-        if not self.eval_items:
+    def accuracy(self, graphdef: nnx.GraphDef, params: nnx.State, *, items: Sequence[Any] | None = None,
+                 temperature: float = 0.0, seed: int = 0) -> float:
+        """Mean score of the answers of ``(graphdef, params)`` on ``items`` (default: the
+        held-out items), greedy or sampled at ``temperature`` with key ``seed`` (NaN if none
+        can be checked)."""
+        items = self.eval_items if items is None else items
+        if not items:
             return float("nan")
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=self.max_new_tokens, stop_token_ids=(self.eos_id,),
-                                chunk_steps=self.max_new_tokens)
-        sampler = _cached_sampler(graphdef, greedy, self.pad_id)
-        batch = sampler.generate(params, self.encode(self.eval_items), jax.random.key(seed),
-                                 prompt_slots=self.prompt_slots)
-        scores = np.asarray(self.rewards(self.eval_items, batch), np.float64)
+        params_ = SamplingParams(temperature=temperature, max_new_tokens=self.max_new_tokens,
+                                 stop_token_ids=(self.eos_id,), chunk_steps=self.max_new_tokens)
+        sampler = _cached_sampler(graphdef, params_, self.pad_id)
+        batch = sampler.generate(params, self.encode(items), jax.random.key(seed), prompt_slots=self.prompt_slots)
+        scores = np.asarray(self.rewards(items, batch), np.float64)
         return float(np.nanmean(scores)) if np.isfinite(scores).any() else float("nan")
 
 

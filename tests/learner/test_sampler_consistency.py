@@ -35,6 +35,7 @@ from asyncopd_jax.learner import LearnerBatch, PolicyLoss, create_train_state, m
 from asyncopd_jax.learner import step as learner_step
 from asyncopd_jax.models import save_pretrained
 from asyncopd_jax.pipeline.processes import Exchange, StageProcesses, StageSpec
+from asyncopd_jax.pipeline.reward_stage import RewardStage
 from asyncopd_jax.pipeline.rollout import GroupProducer, RolloutPool
 from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore
 from asyncopd_jax.pipeline.staleness import StalenessBuffer
@@ -89,7 +90,7 @@ def _rollout_threads(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, 
 
     producer = GroupProducer(
         sampler=Sampler(graphdef, _sampling(temperature)), snapshots=snapshots, prompts=prompts,
-        rewards=lambda problems, batch: [0.0] * len(problems), group_size=4, seed=0, prompt_slots=PROMPT_SLOTS,
+        reward=RewardStage(lambda problems, batch: [0.0] * len(problems)), group_size=4, seed=0, prompt_slots=PROMPT_SLOTS,
         tracer=Tracer(),
     )
     pool = RolloutPool(producer=producer, scorer=_scorer(temperature), buffer=buffer, workers=2)

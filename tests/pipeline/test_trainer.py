@@ -131,3 +131,63 @@ def test_a_crashing_worker_stops_the_run_cleanly(models, tmp_path):
     trainer.data.train_prompts = broken_prompts
     with pytest.raises(PipelineStopped, match="prompt source exploded"):
         trainer.run()
+
+
+def _params_after_one_step(models, tmp_path, name, probe=None):
+    """Train one deterministic (fixed_lag) step; with ``probe``, EffOPD extrapolation is on
+    and ``probe`` replaces its score. Returns (the trainer after the run, its first record)."""
+    cfg = _config(models, tmp_path, **{"name": name, "schedule.mode": "fixed_lag", "train.steps": 1,
+                                       "learner.extrapolation.enabled": probe is not None,
+                                       "learner.extrapolation.probe_prompts": 4})
+    trainer = Trainer(cfg, progress=False)
+    if probe is not None:
+        trainer.extrapolation_probe = probe
+    trainer.run()
+    return trainer, json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def _leaves(tree):
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_extrapolation_in_the_learner_accepts_what_helps_and_rolls_back_exactly_what_does_not(models, tmp_path):
+    """After step 1 (an extrapolation point) with D = θ₁ − θ₀: a probe that rewards moving
+    further keeps θ₀ + 11·D on attention/MLP weights (all five factors tried, each better)
+    and θ₁ elsewhere; a probe that never improves keeps θ₁ bit for bit. The optimizer state
+    is the plain run's either way."""
+    plain, _ = _params_after_one_step(models, tmp_path, "plain")
+    theta0 = _leaves(Trainer(_config(models, tmp_path, name="init"), progress=False).state.params)
+    theta1 = _leaves(plain.state.params)
+    moved = {k for k in theta0 if any(p in k for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"))}
+    assert moved and moved != set(theta0)
+
+    def distance_from_start(params):  # strictly larger for every factor: must accept them all
+        return float(sum(np.sum((v - theta0[k]) ** 2) for k, v in _leaves(params).items()))
+
+    further, record = _params_after_one_step(models, tmp_path, "further", distance_from_start)
+    assert record["extrapolation_factor"] == 11 and [f for f, _ in record["extrapolation_tried"]] == [3, 5, 7, 9, 11]
+    for k, v in _leaves(further.state.params).items():
+        want = theta0[k] + 11 * (theta1[k] - theta0[k]) if k in moved else theta1[k]
+        np.testing.assert_allclose(v, want, rtol=1e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree_util.tree_leaves(further.state.opt_state), jax.tree_util.tree_leaves(plain.state.opt_state)):
+        np.testing.assert_array_equal(a, b)
+
+    rejected, record = _params_after_one_step(models, tmp_path, "rejected", lambda params: 0.5)
+    assert record["extrapolation_factor"] == 1 and len(record["extrapolation_tried"]) == 1
+    for k, v in _leaves(rejected.state.params).items():
+        np.testing.assert_array_equal(v, theta1[k], err_msg=k)
+
+
+def test_extrapolation_with_the_real_probe_logs_every_jump(models, tmp_path):
+    cfg = _config(models, tmp_path, **{"schedule.mode": "sync", "train.steps": 5,
+                                       "learner.extrapolation.enabled": True, "learner.extrapolation.probe_prompts": 8,
+                                       "learner.extrapolation.factors": "[3, 5]"})
+    Trainer(cfg, progress=False).run()
+    records = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    jumps = {r["step"]: r for r in records if "extrapolation_factor" in r}
+    assert sorted(jumps) == [1, 2, 4]  # steps 1, 2, 4, 8, … only
+    for r in jumps.values():
+        assert r["extrapolation_factor"] in (1, 3, 5) and 0 <= r["extrapolation_base_score"] <= 1
+        assert r["extrapolation_seconds"] > 0 and 1 <= len(r["extrapolation_tried"]) <= 2
+    assert (tmp_path / "t" / "report.png").is_file()

@@ -1,8 +1,15 @@
-"""Models shipped with the package for the built-in task, made by ``asyncopd sft``.
+"""Models shipped with the package for the built-in task.
 
-``builtin:teacher`` and ``builtin:student`` name the directories here (Hugging Face
-layout: ``config.json``, ``model.safetensors``, tokenizer files); any other model path is
-a local directory.
+``builtin:NAME`` names a directory here (Hugging Face layout: ``config.json``,
+``model.safetensors``, tokenizer files); any other model path is a local directory.
+
+* ``teacher``, ``student``: SFT models made by ``asyncopd sft`` (the teacher 99.6 %
+  held-out, the student a short warm start at 3.9 %).
+* ``student_distilled``: the warm start of reward-driven RL (as AReaL starts from a
+  distilled model): ``student`` after 400 synchronous distillation steps, 60.5 %
+  held-out (greedy), about 30 % of its samples at temperature 1 correct. Made by
+  ``asyncopd train --set schedule.mode=sync --set train.steps=400 --set
+  optim.schedule=constant --set name=opd400`` and copying ``runs/opd400/student``.
 """
 
 from __future__ import annotations
