@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
     study = sub.add_parser("study", help="run a study and write its report (docs/study/NAME.md)")
     study.add_argument("name", help="the study: kl_direction (E1), stabilisers (E2), cache_bias_variance (E3), "
-                       "throughput (E4)")
+                       "throughput (E4), rl_staleness (AReaL's η ablation), extrapolation (EffOPD)")
     study.add_argument("--quick", action="store_true", help="a minutes-long version (its numbers are not findings)")
     study.add_argument("--seeds", type=int, default=3, help="independent seeds")
     study.add_argument("--out", type=Path, default=Path("docs/study"), help="where the report goes")

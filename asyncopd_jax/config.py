@@ -229,6 +229,9 @@ class TrainConfig:
     # every this many steps (0: off), over this many probe prompts.
     diagnostics_every: int = 0
     diagnostic_prompts: int = 64
+    # Study diagnostic (asyncopd_jax.learner.update_geometry): per-module norm, rank-1 energy
+    # and alignment of the weight update θ_t − θ_0 every this many steps (0: off).
+    update_geometry_every: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,6 +339,8 @@ def _validate(cfg: RunConfig) -> None:
         ("train.steps", cfg.train.steps, cfg.train.steps >= 1, ">= 1"),
         ("train.diagnostics_every", cfg.train.diagnostics_every, cfg.train.diagnostics_every >= 0, ">= 0 (0: off)"),
         ("train.diagnostic_prompts", cfg.train.diagnostic_prompts, cfg.train.diagnostic_prompts >= 1, ">= 1"),
+        ("train.update_geometry_every", cfg.train.update_geometry_every, cfg.train.update_geometry_every >= 0,
+         ">= 0 (0: off)"),
         ("optim.learning_rate", cfg.optim.learning_rate, cfg.optim.learning_rate > 0, "> 0"),
         ("learner.extrapolation.factors", cfg.learner.extrapolation.factors,
          len(cfg.learner.extrapolation.factors) > 0 and all(f > 1 for f in cfg.learner.extrapolation.factors),

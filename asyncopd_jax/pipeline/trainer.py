@@ -52,6 +52,7 @@ from asyncopd_jax.learner import (
     make_train_step,
 )
 from asyncopd_jax.learner.extrapolation import Extrapolator
+from asyncopd_jax.learner.update_geometry import update_geometry
 from asyncopd_jax.learner.optimizer import learning_rate_schedule
 from asyncopd_jax.models import Decoder, check_same_vocabulary, from_pretrained, load_tokenizer, save_pretrained
 from asyncopd_jax.pipeline.diagnostics import ProbeDiagnostics
@@ -240,6 +241,13 @@ class Trainer:
         return {**jump.metrics(), "extrapolation_tried": [list(t) for t in jump.tried],
                 "extrapolation_seconds": time.perf_counter() - start}
 
+    def _update_geometry(self) -> dict[str, list[float | None]]:
+        """The update-geometry diagnostic of θ_t against θ_0 and the previous measurement θ_s."""
+        current = distributed.gather(self.state.params)  # every process: a collective over several
+        initial, previous = self.geometry_params
+        self.geometry_params = [initial, current]
+        return update_geometry(initial, previous, current)
+
     def _producer(self, group_size: int, interruptible: bool = True) -> GroupProducer:
         """Samples rollout groups in this process from ``self.snapshots``."""
         return GroupProducer(
@@ -303,6 +311,8 @@ class Trainer:
 
         if self.extrapolation_probe is not None:
             self.extrapolator = Extrapolator(self.state.params, cfg.learner.extrapolation.factors)
+        if cfg.train.update_geometry_every:  # θ_0 and θ_s of the update-geometry diagnostic, on the host
+            self.geometry_params = [distributed.gather(self.state.params)] * 2
         buffer = StalenessBuffer(cfg.learner.batch_size, self.eta, cfg.learner.mini_batches)
         self.snapshots = snapshots = self._snapshot_store()
         version = int(self.state.step)
@@ -438,8 +448,12 @@ class Trainer:
                 **probe, **jump,
             }
             probe = {}  # on the first step of the batch only
+            if cfg.train.update_geometry_every and step % cfg.train.update_geometry_every == 0:
+                record["update_geometry"] = self._update_geometry()
             if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
+                start = time.perf_counter()
                 record["eval_accuracy"] = self.evaluate_student()
+                record["eval_seconds"] = time.perf_counter() - start  # inside the next step's "time"
             if self.leader:
                 self.run_dir.append_metrics(record)
             bar.update(record)

@@ -21,6 +21,8 @@ STUDIES: dict[str, str] = {
     "stabilisers": "asyncopd_jax.studies.stabilisers",
     "cache_bias_variance": "asyncopd_jax.studies.cache_bias_variance",
     "throughput": "asyncopd_jax.studies.throughput",
+    "rl_staleness": "asyncopd_jax.studies.rl_staleness",
+    "extrapolation": "asyncopd_jax.studies.extrapolation",
 }
 
 

@@ -33,7 +33,7 @@ from asyncopd_jax import estimators as est
 from asyncopd_jax.alignment import response_aligned
 from asyncopd_jax.config import load_config
 from asyncopd_jax.sampling import Sampler, SamplingParams
-from asyncopd_jax.studies.report import Report, mean_spread
+from asyncopd_jax.studies.report import Report, mean_spread, pyplot
 from asyncopd_jax.studies.training_runs import DEMO
 
 LAGS = (0, 2, 8)
@@ -202,10 +202,7 @@ def run(out_dir: str | Path, work_dir: str | Path, *, quick: bool = False, seeds
 
 
 def _write_report(out_dir: Path, results, settings: Settings, seeds: int, command: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     report = Report(out_dir, "cache_bias_variance", "E3: cache bias and variance of the reverse-KL estimators",
                     command)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncopd_jax.studies.report import Report, mean_spread
+from asyncopd_jax.studies.report import Report, mean_spread, pyplot
 from asyncopd_jax.studies.training_runs import exact_staleness_note, fixed_lag_sets, run_trainings
 
 # estimator → the cache it needs (top-K and N = 8 everywhere, as in the demo)
@@ -76,10 +76,7 @@ def _final(result: dict, key: str) -> float:
 
 
 def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     report = Report(out_dir, "kl_direction", "E1: KL direction × staleness", command)
     report.text(f"Each run distils the built-in task for {s.steps} optimizer steps (batch {s.batch_size}, learning "

@@ -48,6 +48,16 @@ class Report:
         return path
 
 
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (PNG files; no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3g}"

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from asyncopd_jax.pipeline.trace import load_spans
-from asyncopd_jax.studies.report import Report
+from asyncopd_jax.studies.report import Report, pyplot
 from asyncopd_jax.studies.training_runs import run_training
 
 # (mode, placement) measured at every balance
@@ -311,10 +311,7 @@ def run(out_dir: str | Path, work_dir: str | Path, *, quick: bool = False, seeds
 
 
 def _write_report(out_dir: Path, measured: dict, s: Settings, command: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     report = Report(out_dir, "throughput", "E4: throughput of sync, n-step-off and fully async OPD", command)
     report.text(f"Each measured run is the demo workload (`configs/demo.yaml`) for {s.steps} optimizer steps; "

@@ -35,6 +35,7 @@ from typing import Any
 from asyncopd_jax.config import load_config
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+RL = Path(__file__).resolve().parents[2] / "configs" / "rl.yaml"
 
 # The per-step metrics a ledger keeps (the rest stays in the run directory).
 LEDGER_KEYS = ("step", "loss", "grad_norm", "zero_grad_fraction", "importance_ratio_max", "staleness_mean",
@@ -54,8 +55,8 @@ def fixed_lag_sets(*, seed: int, lag: int, learning_rate: float, batch_size: int
             f"task.eval_prompts={eval_prompts}"]
 
 
-def run_training(work: Path, name: str, sets: Sequence[str]) -> dict[str, Any]:
-    """Train ``configs/demo.yaml`` with ``sets`` (``--set`` style overrides) as run ``name``.
+def run_training(work: Path, name: str, sets: Sequence[str], base: Path = DEMO) -> dict[str, Any]:
+    """Train the config ``base`` with ``sets`` (``--set`` style overrides) as run ``name``.
 
     Returns ``{"sets", "records" (metrics.jsonl), "summary" (summary.json), "error"}``;
     a run that raises is recorded with its error (the study goes on). A run already
@@ -71,7 +72,7 @@ def run_training(work: Path, name: str, sets: Sequence[str]) -> dict[str, Any]:
         if saved["sets"] == sets:
             return saved
     shutil.rmtree(run_dir, ignore_errors=True)
-    cfg = load_config(DEMO, [f"name={name}", f"output_dir={work}", *sets])
+    cfg = load_config(base, [f"name={name}", f"output_dir={work}", *sets])
     error = None
     try:
         Trainer(cfg, progress=False).run()
@@ -99,13 +100,13 @@ def _round(value: Any) -> Any:
     return value
 
 
-def compact(name: str, result: Mapping[str, Any]) -> dict[str, Any]:
-    """A run's ledger line: settings, summary, error and the ``LEDGER_KEYS`` columns: a list
+def compact(name: str, result: Mapping[str, Any], keys: Sequence[str] = LEDGER_KEYS) -> dict[str, Any]:
+    """A run's ledger line: settings, summary, error and the ``keys`` columns: a list
     with one value per step, or, for a key most steps lack (the probe KLs, logged every few
     steps), ``{"at": [record indices], "values": [...]}``."""
     records = result["records"]
     columns: dict[str, Any] = {}
-    for key in LEDGER_KEYS:
+    for key in keys:
         at = [i for i, r in enumerate(records) if key in r]
         values = [_round(records[i][key]) for i in at]
         if len(at) == len(records):
@@ -170,9 +171,13 @@ def _pin_from(cores: Any) -> None:
     pin_this_process(cores.get())
 
 
-def _train(work: Path, name: str, sets: list[str]) -> tuple[dict[str, Any], float]:
+def train(work: Path, name: str, sets: list[str], base: Path = DEMO,
+          keys: Sequence[str] = LEDGER_KEYS) -> tuple[dict[str, Any], float]:
+    """Train one run (:func:`run_training`); return its ledger line (``keys`` as columns) and
+    the seconds it took. ``functools.partial`` of it, with another ``base`` or ``keys``, is
+    what a study passes to :func:`run_trainings` (the pool's workers import it)."""
     start = time.perf_counter()
-    return compact(name, run_training(work, name, sets)), time.perf_counter() - start
+    return compact(name, run_training(work, name, sets, base), keys), time.perf_counter() - start
 
 
 def default_jobs() -> int:
@@ -182,7 +187,7 @@ def default_jobs() -> int:
 
 def run_trainings(work: Path, ledger: Path, runs: Mapping[Hashable, tuple[str, Sequence[str]]], *,
                   jobs: int = 1, shared: Sequence[Path] = (),
-                  train: Callable[[Path, str, list[str]], tuple[dict[str, Any], float]] = _train,
+                  train: Callable[[Path, str, list[str]], tuple[dict[str, Any], float]] = train,
                   ) -> dict[Hashable, dict[str, Any]]:
     """Every run of ``runs`` (key → (name, overrides)), from the ledger where it is there,
     else copied from a ``shared`` ledger (another study's) that holds a run with exactly the

@@ -179,10 +179,10 @@ def test_extrapolation_in_the_learner_accepts_what_helps_and_rolls_back_exactly_
         np.testing.assert_array_equal(v, theta1[k], err_msg=k)
 
 
-def test_extrapolation_with_the_real_probe_logs_every_jump(models, tmp_path):
+def test_extrapolation_with_the_real_probe_logs_every_jump_and_the_update_geometry(models, tmp_path):
     cfg = _config(models, tmp_path, **{"schedule.mode": "sync", "train.steps": 5,
                                        "learner.extrapolation.enabled": True, "learner.extrapolation.probe_prompts": 8,
-                                       "learner.extrapolation.factors": "[3, 5]"})
+                                       "learner.extrapolation.factors": "[3, 5]", "train.update_geometry_every": 2})
     Trainer(cfg, progress=False).run()
     records = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     jumps = {r["step"]: r for r in records if "extrapolation_factor" in r}
@@ -191,3 +191,10 @@ def test_extrapolation_with_the_real_probe_logs_every_jump(models, tmp_path):
         assert r["extrapolation_factor"] in (1, 3, 5) and 0 <= r["extrapolation_base_score"] <= 1
         assert r["extrapolation_seconds"] > 0 and 1 <= len(r["extrapolation_tried"]) <= 2
     assert (tmp_path / "t" / "report.png").is_file()
+    # the update geometry every 2 steps: the 14 attention/MLP matrices of the 2-layer student,
+    # against θ_0 (no alignment yet at the first measurement: nothing moved before it)
+    geometry = {r["step"]: r["update_geometry"] for r in records if "update_geometry" in r}
+    assert sorted(geometry) == [2, 4] and len(geometry[2]) == 14
+    for module, (norm, rank1, align) in geometry[4].items():
+        assert norm > 0 and 0 < rank1 <= 1 and -1 <= align <= 1, module
+        assert geometry[2][module][2] is None
