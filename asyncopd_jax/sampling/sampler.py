@@ -224,16 +224,22 @@ class Sampler:
         )
 
     def _recompute_cache(self, state, carry: DecodeState, ids, mask, positions, step: int) -> DecodeState:
-        """Rebuild the KV cache (and next logits) under new weights from the tokens so far."""
+        """Rebuild the KV cache (and next logits) under new weights from the tokens so far.
+
+        Only the written prefix is recomputed, rounded up to a power of two of response
+        slots (≤ log₂T + 1 compiled shapes): a swap at step s costs a forward pass over
+        P + ~s tokens, not P + T. The cache keeps all P + T slots; those from ``step`` on
+        are invalid until the decode loop writes them.
+        """
         t_max = carry.tokens.shape[1]
-        tokens = jnp.concatenate([jnp.asarray(ids), carry.tokens], axis=1)
-        written = jnp.arange(t_max) < step
-        valid = jnp.concatenate([jnp.asarray(mask), carry.mask & written[None]], axis=1)
-        resp_pos = carry.prompt_lengths[:, None] + jnp.arange(t_max)[None]
+        width = min(t_max, 1 << max(step - 1, 0).bit_length())  # smallest power of two >= step
+        tokens = jnp.concatenate([jnp.asarray(ids), carry.tokens[:, :width]], axis=1)
+        # carry.mask is True only on tokens already sampled: slots from ``step`` on are invalid
+        valid = jnp.concatenate([jnp.asarray(mask), carry.mask[:, :width]], axis=1)
+        resp_pos = carry.prompt_lengths[:, None] + jnp.arange(width)[None]
         all_pos = jnp.concatenate([jnp.asarray(positions), resp_pos], axis=1)
-        # One shape for every recompute (slots not yet written are invalid): one compile.
         # The last written slot, P + step − 1, predicts the next token.
         cache, next_logits = self._prefill(
-            state, tokens, valid, all_pos, jnp.int32(ids.shape[1] + step - 1), slots=tokens.shape[1]
+            state, tokens, valid, all_pos, jnp.int32(ids.shape[1] + step - 1), slots=ids.shape[1] + t_max
         )
         return dataclasses.replace(carry, cache=cache, next_logits=next_logits)

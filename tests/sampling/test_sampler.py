@@ -132,17 +132,18 @@ def test_swapping_in_identical_weights_changes_nothing_but_the_version():
 
 def test_swapping_different_weights_records_versions_and_recomputes_the_cache():
     old, new = tiny_decoder(5), tiny_decoder(6)
-    params = SamplingParams(temperature=0.0, max_new_tokens=10, chunk_steps=4)
+    # A swap after 3 steps: the recompute covers a 4-slot prefix whose last slot is unwritten.
+    params = SamplingParams(temperature=0.0, max_new_tokens=10, chunk_steps=3)
     _, new_state = nnx.split(new)
     batch = _sample(old, params, weight_source=lambda v: (7, new_state) if v == 0 else None)
     versions = np.asarray(batch.token_version)
-    np.testing.assert_array_equal(versions, np.where(np.arange(10) < 4, 0, 7)[None].repeat(3, 0))
+    np.testing.assert_array_equal(versions, np.where(np.arange(10) < 3, 0, 7)[None].repeat(3, 0))
     tokens = np.asarray(batch.response_tokens)
     # Each token is the argmax of the weights that sampled it, on the full prefix: after the
     # swap the cache must hold the new weights' keys and values for the old tokens too.
-    np.testing.assert_array_equal(tokens[:, :4], teacher_forced_logits(old, batch).argmax(-1)[:, :4])
-    np.testing.assert_array_equal(tokens[:, 4:], teacher_forced_logits(new, batch).argmax(-1)[:, 4:])
-    assert not np.array_equal(tokens[:, 4:], teacher_forced_logits(old, batch).argmax(-1)[:, 4:])
+    np.testing.assert_array_equal(tokens[:, :3], teacher_forced_logits(old, batch).argmax(-1)[:, :3])
+    np.testing.assert_array_equal(tokens[:, 3:], teacher_forced_logits(new, batch).argmax(-1)[:, 3:])
+    assert not np.array_equal(tokens[:, 3:], teacher_forced_logits(old, batch).argmax(-1)[:, 3:])
     np.testing.assert_array_equal(batch.oldest_version, [0, 0, 0])
     np.testing.assert_array_equal(batch.newest_version, [7, 7, 7])
 

@@ -53,6 +53,8 @@ def test_the_verdict_follows_the_speedups(speedups, claim):
     text = _verdict({"accuracy probe": speedups}, final)
     assert f"with the accuracy probe: {claim}" in text
     assert "relative update norm 0.3 in the MLP against 0.1 in attention; rank-1 energy 0.60" in text
+    # a reason is given exactly when the speed-up is not there
+    assert ("most likely reason" in text) == (claim == "not reproduced")
 
 
 @pytest.mark.slow
