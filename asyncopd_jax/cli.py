@@ -1,6 +1,7 @@
 """The ``asyncopd`` command: ``train``, ``sft``, ``eval``, ``study`` and ``stage``.
 
-    asyncopd train                                  # the embedded demo (configs/demo.yaml)
+    asyncopd train                                  # the bundled demo (asyncopd_jax/configs/demo.yaml)
+    asyncopd train --config rl                      # a bundled config by name: demo, rl, …
     asyncopd train --config my.yaml --set learner.batch_size=64 --set schedule.mode=sync
     asyncopd train --set schedule.placement=processes   # stages in their own processes
     asyncopd train --resume runs/demo               # continue a stopped or killed run
@@ -18,10 +19,11 @@ from pathlib import Path
 
 from flax import nnx
 
-from asyncopd_jax.config import ConfigError, OptimConfig, TaskConfig, load_config
+from asyncopd_jax import configs
+from asyncopd_jax.config import ConfigError, OptimConfig, TaskConfig, check_resume_changes, load_config
 from asyncopd_jax.studies.training_runs import default_jobs
 
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+DEMO_CONFIG = configs.DEMO
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -32,13 +34,13 @@ def _train(args: argparse.Namespace) -> None:
         config_file = run_dir / "config.yaml"
         if not config_file.is_file():
             raise ConfigError(f"cannot resume: {config_file} does not exist")
+        if args.config is not None:
+            raise ConfigError("--resume reads the run's own config.yaml; change fields with --set instead of --config")
         cfg = load_config(config_file, args.set)
+        check_resume_changes(load_config(config_file), cfg)
         cfg = cfg.__class__(**{**cfg.__dict__, "name": run_dir.name, "output_dir": str(run_dir.parent)})
     else:
-        config_file = args.config or DEMO_CONFIG
-        if args.config is None and not DEMO_CONFIG.is_file():
-            raise ConfigError(f"the embedded demo config {DEMO_CONFIG} is missing (install the project with pip install -e .)")
-        cfg = load_config(config_file, args.set)
+        cfg = load_config(args.config or DEMO_CONFIG, args.set)
     print(f"asyncopd train: {cfg.name} ({cfg.estimator.name}, {cfg.schedule.mode}, {cfg.schedule.placement}) → "
           f"{Path(cfg.output_dir) / cfg.name}")
     if cfg.schedule.placement == "processes":
@@ -131,16 +133,22 @@ def _stage(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncopd", description="Asynchronous on-policy distillation in JAX.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (by default: one line naming what to fix)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="distil a student from a teacher (default: the built-in demo)")
-    train.add_argument("--config", type=Path, help=f"YAML config (default: {DEMO_CONFIG.name})")
+    train = sub.add_parser("train", parents=[common],
+                           help="distil a student from a teacher (default: the built-in demo)")
+    train.add_argument("--config", help=f"a YAML file or a bundled config: {', '.join(configs.names())} "
+                       "(default: demo)")
     train.add_argument("--set", action="append", default=[], metavar="A.B=C", help="override a config field")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue runs/<name> from its last checkpoint")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(fn=_train)
 
-    sft = sub.add_parser("sft", help="train a built-in model on the built-in task by supervised fine-tuning")
+    sft = sub.add_parser("sft", parents=[common],
+                         help="train a built-in model on the built-in task by supervised fine-tuning")
     sft.add_argument("--model", choices=["teacher", "student"], required=True)
     sft.add_argument("--steps", type=int, default=1000)
     sft.add_argument("--batch-size", type=int, default=64)
@@ -150,12 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     sft.add_argument("--out", type=Path, required=True, help="output directory (Hugging Face layout)")
     sft.set_defaults(fn=_sft)
 
-    ev = sub.add_parser("eval", help="held-out accuracy of a model on the built-in task")
+    ev = sub.add_parser("eval", parents=[common], help="held-out accuracy of a model on the built-in task")
     ev.add_argument("--model", required=True, help="builtin:NAME or a Hugging Face directory")
     ev.add_argument("--task", action="append", default=[], metavar="FIELD=VALUE", help="task config field")
     ev.set_defaults(fn=_eval)
 
-    study = sub.add_parser("study", help="run a study and write its report (docs/study/NAME.md)")
+    study = sub.add_parser("study", parents=[common], help="run a study and write its report (docs/study/NAME.md)")
     study.add_argument("name", help="the study: kl_direction (E1), stabilisers (E2), cache_bias_variance (E3), "
                        "throughput (E4), rl_staleness (AReaL's η ablation), extrapolation (EffOPD)")
     study.add_argument("--quick", action="store_true", help="a minutes-long version (its numbers are not findings)")
@@ -166,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="training runs side by side, each pinned to its own cores (default: one per core)")
     study.set_defaults(fn=_study)
 
-    stage = sub.add_parser("stage", help="run one rollout or scoring process of a run started with "
+    stage = sub.add_parser("stage", parents=[common], help="run one rollout or scoring process of a run started with "
                                           "schedule.placement=processes (started for you; by hand on other hosts)")
     stage.add_argument("role", choices=["rollout", "scoring"])
     stage.add_argument("--exchange", type=Path, required=True, help="the run's exchange directory (runs/<name>/exchange)")
@@ -181,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)  # its own exit status; errors go to its log
     try:
         args.fn(args)
-    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as err:
-        print(f"asyncopd {args.command}: error: {err}", file=sys.stderr)
+    except (ConfigError, OSError, ValueError) as err:  # the user's input or environment, not a bug here
+        if args.debug:
+            raise
+        print(f"asyncopd {args.command}: error: {err} (--debug shows the traceback)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"\nasyncopd {args.command}: interrupted; resume with --resume", file=sys.stderr)

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
+from asyncopd_jax import configs
 from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorOptions
 from asyncopd_jax.sampling.distribution import SamplingParams
 from asyncopd_jax.teacher.scorer import ScoringParams
@@ -488,6 +489,29 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+# Fields a resumed run may change (``asyncopd train --resume DIR --set …``): how long it
+# runs and what it logs, never what it computes.
+SAFE_ON_RESUME = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.log_every",
+                  "train.diagnostics_every", "train.diagnostic_prompts", "train.update_geometry_every")
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        return {k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): data}
+
+
+def check_resume_changes(saved: RunConfig, resumed: RunConfig) -> None:
+    """Raise a :class:`ConfigError` naming every field that ``resumed`` changes from the
+    run's ``saved`` config, unless all of them are in :data:`SAFE_ON_RESUME`."""
+    old, new = _flat(to_dict(saved)), _flat(to_dict(resumed))
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in SAFE_ON_RESUME)
+    if changed:
+        diffs = ", ".join(f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in changed)
+        raise ConfigError(f"--resume would change {diffs}: a resumed run must compute what it started computing; "
+                          f"allowed changes: {', '.join(SAFE_ON_RESUME)} (start a new run for anything else)")
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``a.b=c`` overrides (values parsed as YAML scalars) to a config mapping."""
     data = yaml.safe_load(yaml.safe_dump(data)) or {}
@@ -506,13 +530,24 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Read a YAML config (or start from defaults), apply overrides, validate."""
+    """Read a YAML config (a path or a bundled config's name, see :mod:`asyncopd_jax.configs`;
+    None: the defaults), apply overrides, validate."""
     data: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            path = configs.resolve(path)
+        except FileNotFoundError as err:
+            raise ConfigError(str(err)) from None
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"{path} is not valid YAML{where}: {problem}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a mapping of config sections (name:, task:, …), "
+                              f"not a {type(data).__name__}")
     return _from_dict(RunConfig, apply_overrides(data, list(overrides)), "")
 
 

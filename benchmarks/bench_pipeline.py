@@ -1,6 +1,6 @@
 """Sync vs fully async OPD, each in its best stage placement, against the overlap bound.
 
-Runs the demo workload (``configs/demo.yaml`` with a shorter run) as separate
+Runs the demo workload (``asyncopd_jax/configs/demo.yaml`` with a shorter run) as separate
 ``asyncopd train`` processes, as a user would: ``sync`` (η = 0) and ``fully_async``
 (η = 2), each with the stages as threads of one process and as separate processes
 (``schedule.placement``). Reports samples/s of each (after the first ``--skip`` steps,
@@ -29,9 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from asyncopd_jax import configs
 from asyncopd_jax.pipeline.trace import load_spans
 
-DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+DEMO = configs.DEMO
 
 
 def run(mode: str, placement: str, args, out: Path) -> dict:

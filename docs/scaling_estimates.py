@@ -287,11 +287,11 @@ def example_report(e: Example) -> None:
 
 
 EXAMPLES = [
-    Example("Qwen3-1.7B ← Qwen3-8B, one 8-GPU node (configs/qwen3_1.7b_from_8b_gpu.yaml, H100 80 GB)",
+    Example("Qwen3-1.7B ← Qwen3-8B, one 8-GPU node (asyncopd_jax/configs/qwen3_1.7b_from_8b_gpu.yaml, H100 80 GB)",
             QWEN3["1.7B"], QWEN3["8B"], 4, 2, batch=64, rows_per_step=8, group=64, prompt=20, response=1024,
             chunk=64, logprob_chunk=512, learner_chips=4, learner_chip=CHIPS["H100-80GB"],
             stage_chip=CHIPS["H100-80GB"]),
-    Example("Qwen3-0.6B ← Qwen3-4B, TPU v5p (configs/qwen3_0.6b_from_4b_tpu.yaml, 16 learner chips)",
+    Example("Qwen3-0.6B ← Qwen3-4B, TPU v5p (asyncopd_jax/configs/qwen3_0.6b_from_4b_tpu.yaml, 16 learner chips)",
             QWEN3["0.6B"], QWEN3["4B"], 4, 2, batch=64, rows_per_step=64, group=64, prompt=20, response=1024,
             chunk=64, logprob_chunk=512, learner_chips=16, learner_chip=CHIPS["v5p"], stage_chip=CHIPS["v5p"]),
 ]

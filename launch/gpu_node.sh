@@ -45,7 +45,7 @@ script's own --set options, so they win (do not override stages.rollout_processe
 stages.scoring_processes or their devices: the script derives them).
 
 Example (8 GPUs: learner 0-3, rollout 4-5, scoring 6-7):
-  launch/gpu_node.sh configs/qwen3_1.7b_from_8b_gpu.yaml --set name=qwen3-1.7b-a
+  launch/gpu_node.sh asyncopd_jax/configs/qwen3_1.7b_from_8b_gpu.yaml --set name=qwen3-1.7b-a
 EOF
 }
 

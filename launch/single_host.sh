@@ -37,7 +37,7 @@ Arguments after the config go to `asyncopd train` unchanged, after the script's 
 
 Examples:
   # 8-core CPU box: learner on 0-2, two rollout processes on 3-5 and 6-7
-  LEARNER_CORES=0-2 ROLLOUT_CORES=3-7 ROLLOUT_PROCESSES=2 launch/single_host.sh configs/demo.yaml
+  LEARNER_CORES=0-2 ROLLOUT_CORES=3-7 ROLLOUT_PROCESSES=2 launch/single_host.sh asyncopd_jax/configs/demo.yaml
   # one GPU shared by the learner and one rollout process that also scores
   MEM_FRACTION=0.45 ROLLOUT_DEVICES=0 launch/single_host.sh my.yaml --set name=one-gpu
   # two GPUs: learner on 0, rollout (+ scoring) on 1

@@ -59,8 +59,8 @@ Example:
   export TPU_NAME=opd-v5p-32 ZONE=us-east5-a RUN_DIR=/mnt/shared/runs
   launch/tpu_pod.sh exec 'sudo mkdir -p /mnt/shared && sudo mount -t nfs 10.0.0.2:/share /mnt/shared'
   launch/tpu_pod.sh setup
-  launch/tpu_pod.sh train configs/qwen3_0.6b_from_4b_tpu.yaml --set name=qwen3-0.6b-a
-  STAGE_TPU_NAME=opd-v5p-8 launch/tpu_pod.sh stages configs/qwen3_0.6b_from_4b_tpu.yaml --set name=qwen3-0.6b-a
+  launch/tpu_pod.sh train asyncopd_jax/configs/qwen3_0.6b_from_4b_tpu.yaml --set name=qwen3-0.6b-a
+  STAGE_TPU_NAME=opd-v5p-8 launch/tpu_pod.sh stages asyncopd_jax/configs/qwen3_0.6b_from_4b_tpu.yaml --set name=qwen3-0.6b-a
   launch/tpu_pod.sh logs
 EOF
 }

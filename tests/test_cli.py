@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from asyncopd_jax import configs
 from asyncopd_jax.cli import main
+from asyncopd_jax.config import ConfigError, check_resume_changes, load_config, save_config
 from asyncopd_jax.models import save_pretrained
 from asyncopd_jax.tasks.builtin import new_model
 from asyncopd_jax.tasks.tokenizer import save_tokenizer
@@ -69,3 +71,46 @@ def test_sft_writes_a_loadable_model_and_eval_reads_it(capsys, tmp_path):
     assert main(["eval", "--model", "builtin:teacher", "--task", "eval_prompts=64"]) == 0
     teacher = float(capsys.readouterr().out.rsplit(":", 1)[1].strip().rstrip("%"))
     assert teacher >= 90.0  # the shipped teacher solves the held-out problems
+
+
+def test_malformed_or_missing_config_files_name_the_file_and_line(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: demo\ntask: {difficulty: 3\nseed: 1\n")
+    err = _error(capsys, ["train", "--config", str(bad)])
+    assert f"{bad} is not valid YAML at line" in err and err.count("\n") == 1
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- name\n- seed\n")
+    assert "must hold a mapping of config sections" in _error(capsys, ["train", "--config", str(listing)])
+    err = _error(capsys, ["train", "--config", str(tmp_path / "nowhere.yaml")])
+    assert f"config file not found: {tmp_path / 'nowhere.yaml'}" in err and "bundled config: demo" in err
+
+
+def test_bundled_configs_load_by_name():
+    assert load_config("rl").algorithm == "rl" and load_config("rl.yaml") == load_config(configs.RL)
+    assert load_config("demo") == load_config(configs.DEMO)
+    assert {"demo", "rl"} <= set(configs.names())
+
+
+def test_an_unusable_output_directory_is_one_line(capsys, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    err = _error(capsys, ["train", "--set", f"output_dir={blocker / 'runs'}", "--set", "train.steps=1"])
+    assert str(blocker) in err
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config field train.stpes"):
+        main(["train", "--debug", "--set", "train.stpes=3"])
+
+
+def test_resume_refuses_changes_that_alter_the_computation(capsys, tmp_path):
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    save_config(load_config("demo"), run / "config.yaml")
+    err = _error(capsys, ["train", "--resume", str(run), "--set", "optim.learning_rate=0.5",
+                          "--set", "seed=5"])
+    assert "optim.learning_rate (0.003 → 0.5)" in err and "seed (0 → 5)" in err
+    assert "allowed changes: train.steps" in err
+    assert "--set instead of --config" in _error(capsys, ["train", "--resume", str(run), "--config", "demo"])
+    saved = load_config(run / "config.yaml")
+    check_resume_changes(saved, load_config(run / "config.yaml", ["train.steps=999", "train.eval_every=7"]))

@@ -244,7 +244,7 @@ def _write_report(out_dir: Path, results, settings: Settings, seeds: int, comman
     report.heading("Verdict")
     report.text(_verdict(avg, estimators))
     report.config("Settings", {**dataclasses.asdict(settings), "seeds": list(range(seeds)), "lags": LAGS,
-                               "budgets": BUDGETS, "config": "configs/demo.yaml + the overrides in "
+                               "budgets": BUDGETS, "config": "asyncopd_jax/configs/demo.yaml + the overrides in "
                                "asyncopd_jax/studies/cache_bias_variance.py::train_policies"})
     return report.write()
 

@@ -196,7 +196,7 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         report.text("Runs that stopped with an error: " + "; ".join(failed))
     report.heading("Verdict")
     report.text(_verdict({probe_name[arm]: v for arm, v in speedups.items()}, final))
-    report.config("Settings of every run (configs/demo.yaml plus these overrides)",
+    report.config("Settings of every run (asyncopd_jax/configs/demo.yaml plus these overrides)",
                   {f"{arm}, seed={seed}": r["sets"] for (arm, seed), r in results.items()})
     return report.write()
 

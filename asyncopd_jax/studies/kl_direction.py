@@ -129,7 +129,7 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
 
     report.heading("Verdict")
     report.text(_verdict(values, s, seeds))
-    report.config("Settings of every run (configs/demo.yaml plus these overrides)",
+    report.config("Settings of every run (asyncopd_jax/configs/demo.yaml plus these overrides)",
                   {f"{e}, k={k}, lr={lr:g}, seed={seed}": results[e, k, lr, seed]["sets"]
                    for (e, k, lr, seed) in results})
     return report.write()

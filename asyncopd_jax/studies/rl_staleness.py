@@ -3,7 +3,7 @@
 AReaL (Fu et al., 2025) trains fully asynchronously with a bound η on how many policy
 versions a consumed sample may lag; its ablation (1.5B model, AIME24) has naive PPO
 fall from 42.0 (η = 0) to 23.3 (η = 4) and 34.0 (η = ∞) while decoupled PPO holds 42.2
-at η = 4, 38.7 at η = 16 and 36.9 at η = ∞. Here ``configs/rl.yaml`` (reward-driven RL
+at η = 4, 38.7 at η = 16 and 36.9 at η = ∞. Here ``asyncopd_jax/configs/rl.yaml`` (reward-driven RL
 on the built-in task from the distilled student, G = 8 answers per prompt, fully async)
 runs for η ∈ {0, 1, 2, 4, 8, ∞} with ``ppo_clip`` (naive PPO: clipped ratio against the
 behaviour policy, dual clip) and ``decoupled_ppo`` (clip around the proximal policy,
@@ -114,7 +114,7 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
     plt = pyplot()
 
     report = Report(out_dir, "rl_staleness", "AReaL's staleness ablation: naive vs decoupled PPO", command)
-    report.text(f"Each run is `configs/rl.yaml` (reward-driven RL on the built-in task from the distilled student, "
+    report.text(f"Each run is `asyncopd_jax/configs/rl.yaml` (reward-driven RL on the built-in task from the distilled student, "
                 f"{s.batch_size // 8} prompts × G = 8 answers per batch, learning rate 1e-4, {s.steps} steps) with "
                 f"the objective below, seeds 0–{seeds - 1}, and one of two staleness settings: **bound η** "
                 f"(`schedule.mode: fully_async`, `schedule.max_staleness: η`, AReaL's setting; η = ∞ runs as "
@@ -169,7 +169,7 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
 
     report.heading("Verdict")
     report.text(_verdict(summary, s, seeds))
-    report.config("Settings of every run (configs/rl.yaml plus these overrides)",
+    report.config("Settings of every run (asyncopd_jax/configs/rl.yaml plus these overrides)",
                   {f"{o}, {sch} η={_label(e)}, seed={seed}": r["sets"] for (sch, o, e, seed), r in results.items()})
     return report.write()
 

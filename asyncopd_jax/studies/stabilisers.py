@@ -128,7 +128,7 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         report.text("Runs that stopped with an error: " + "; ".join(failed))
     report.heading("Verdict")
     report.text(_verdict(summary, s, seeds))
-    report.config("Settings of every run (configs/demo.yaml plus these overrides)",
+    report.config("Settings of every run (asyncopd_jax/configs/demo.yaml plus these overrides)",
                   {f"{v}, N={n}, k={k}, seed={seed}": r["sets"] for (v, n, k, seed), r in results.items()})
     return report.write()
 

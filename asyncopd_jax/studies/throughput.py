@@ -314,7 +314,7 @@ def _write_report(out_dir: Path, measured: dict, s: Settings, command: str) -> P
     plt = pyplot()
 
     report = Report(out_dir, "throughput", "E4: throughput of sync, n-step-off and fully async OPD", command)
-    report.text(f"Each measured run is the demo workload (`configs/demo.yaml`) for {s.steps} optimizer steps; "
+    report.text(f"Each measured run is the demo workload (`asyncopd_jax/configs/demo.yaml`) for {s.steps} optimizer steps; "
                 f"samples/s over steps {s.skip + 1}–{s.steps} (the first include compilation). "
                 "n_step_off: n = 1; fully_async: η = 2. ρ: the time to sample and score a batch over the time "
                 "to learn from it, from the sync run's stage spans. Machine: this one (2 shared CPU cores).")
@@ -368,7 +368,7 @@ def _write_report(out_dir: Path, measured: dict, s: Settings, command: str) -> P
     plt.close(fig)
     report.heading("Verdict")
     report.text(_verdict(measured, simulated, s))
-    report.config("Settings of every measured run (configs/demo.yaml plus these overrides)",
+    report.config("Settings of every measured run (asyncopd_jax/configs/demo.yaml plus these overrides)",
                   {f"{b}, {m}, {p}": v["sets"] for (b, m, p), v in measured.items()})
     return report.write()
 

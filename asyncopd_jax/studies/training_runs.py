@@ -32,10 +32,10 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+from asyncopd_jax import configs
 from asyncopd_jax.config import load_config
 
-DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
-RL = Path(__file__).resolve().parents[2] / "configs" / "rl.yaml"
+DEMO, RL = configs.DEMO, configs.RL
 
 # The per-step metrics a ledger keeps (the rest stays in the run directory).
 LEDGER_KEYS = ("step", "loss", "grad_norm", "zero_grad_fraction", "importance_ratio_max", "staleness_mean",

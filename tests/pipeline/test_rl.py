@@ -4,15 +4,15 @@ under the synchronous and the fully asynchronous schedule."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from asyncopd_jax import configs
 from asyncopd_jax.config import load_config
 from asyncopd_jax.pipeline.trainer import Trainer
 
-RL_CONFIG = Path(__file__).parents[2] / "configs" / "rl.yaml"
+RL_CONFIG = configs.RL
 
 
 @pytest.mark.parametrize("mode", ["sync", "fully_async"])
