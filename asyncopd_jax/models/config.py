@@ -22,6 +22,27 @@ import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ROPE_TYPES = ("default", "llama3")
+_ROPE_REQUIRED = {"llama3": ("factor", "original_max_position_embeddings")}
+# Fields without which the shapes of the model are unknown.
+_REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+# Mixture-of-experts switches: a config that sets one describes layers this dense decoder lacks.
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok")
+_ACTIVATIONS = ("silu", "swish")  # the SwiGLU gate; transformers treats both names alike
+
+
+def _check_rope(scaling: dict[str, Any], field: str) -> None:
+    """Refuse a RoPE scaling :func:`rope_inverse_frequencies` does not implement (it would
+    otherwise compute unscaled frequencies), or one lacking the values it needs."""
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError(f"{field}.rope_type = {rope_type!r} is not implemented; allowed: {', '.join(_ROPE_TYPES)} "
+                         f"(or no {field})")
+    missing = [k for k in _ROPE_REQUIRED.get(rope_type, ()) if k not in scaling]
+    if missing:
+        raise ValueError(f"{field} (rope_type {rope_type!r}) lacks {', '.join(missing)}; allowed: an object with "
+                         f"{', '.join(_ROPE_REQUIRED[rope_type])}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +78,8 @@ class DecoderConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type", "default") not in ("default", "llama3"):
-            raise ValueError(
-                f"unsupported rope_scaling {self.rope_scaling!r}; supported rope_type: default, llama3"
-            )
+        if self.rope_scaling is not None:
+            _check_rope(self.rope_scaling, "rope_scaling")
 
     @property
     def qkv_bias(self) -> bool:
@@ -78,17 +97,60 @@ class DecoderConfig:
         return self.model_type == "qwen3"
 
     @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> DecoderConfig:
-        """Build from a parsed Hugging Face ``config.json``."""
+    def from_hf_dict(cls, raw: dict[str, Any], *, source: str | Path = "config.json") -> DecoderConfig:
+        """Build from a parsed Hugging Face ``config.json``.
+
+        Refuses (``ValueError`` naming ``source``, the field, its value and what is allowed)
+        any setting this decoder would otherwise silently ignore: another architecture,
+        sliding-window attention, a RoPE scaling it does not implement, mixture-of-experts
+        layers, another activation. Fields that do not change the forward pass
+        (``torch_dtype``, ``initializer_range``, ``use_cache``, …) are ignored.
+        """
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}: expected a JSON object of model settings, found {type(raw).__name__}")
         model_type = raw.get("model_type")
+        arch = raw.get("architectures")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            arch = raw.get("architectures")
             raise ValueError(
-                f"unsupported architecture: model_type={model_type!r} architectures={arch!r}; "
-                f"supported model_type: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"{source}: unsupported architecture: model_type={model_type!r} architectures={arch!r}; "
+                f"allowed model_type: {', '.join(SUPPORTED_MODEL_TYPES)} (dense decoders)"
             )
-        if raw.get("use_sliding_window"):
-            raise ValueError("config.json sets use_sliding_window=true, which this decoder does not implement")
+        # Another head or body under a supported model_type (a classifier, an MoE variant)
+        # has weights this decoder would not load.
+        if arch is not None and (not isinstance(arch, list) or any(a != _ARCHITECTURES[model_type] for a in arch)):
+            raise ValueError(f"{source}: architectures = {arch!r} is not supported for model_type {model_type!r}; "
+                             f"allowed: [{_ARCHITECTURES[model_type]!r}]")
+        for name in _MOE_FIELDS:
+            if raw.get(name):
+                raise ValueError(f"{source}: {name} = {raw[name]!r} describes mixture-of-experts layers, which this "
+                                 "decoder does not implement; allowed: absent, null or 0 (dense models only)")
+        act = raw.get("hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"{source}: hidden_act = {act!r} is not implemented; allowed: {', '.join(_ACTIVATIONS)}")
+        for name in _REQUIRED_INTS:
+            if name not in raw:
+                raise ValueError(f"{source}: missing field {name!r} (a positive integer); is this the config.json "
+                                 "of a Hugging Face model?")
+        for name in _REQUIRED_INTS + _OPTIONAL_INTS:
+            value = raw.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{source}: {name} = {value!r} is invalid; allowed: a positive integer")
+        max_positions = raw.get("max_position_embeddings") or 4096
+        # Qwen2/Qwen3 apply the window only with use_sliding_window (transformers drops it
+        # otherwise); a Llama config that carries one was trained with a window no Llama
+        # implementation applies. A window covering the whole context changes nothing.
+        window = raw.get("sliding_window")
+        if model_type != "llama" and not raw.get("use_sliding_window"):
+            window = None
+        if isinstance(window, int) and window < max_positions:
+            switch = "use_sliding_window = true with " if model_type != "llama" else ""
+            fix = ("set use_sliding_window to false" if model_type != "llama"
+                   else "set sliding_window to null if the model was trained with full attention")
+            raise ValueError(
+                f"{source}: {switch}sliding_window = {window} (< max_position_embeddings = {max_positions}) asks for "
+                f"sliding-window attention, which this decoder does not implement; allowed: a window of at least "
+                f"max_position_embeddings, or none ({fix})"
+            )
         heads = raw["num_attention_heads"]
         rope_scaling = raw.get("rope_scaling")
         rope_theta = raw.get("rope_theta")
@@ -97,37 +159,52 @@ class DecoderConfig:
             rope_theta = rope_parameters.get("rope_theta", rope_theta)
             if rope_parameters.get("rope_type", "default") != "default":
                 rope_scaling = rope_parameters
+        rope_field = "rope_parameters" if rope_scaling is rope_parameters else "rope_scaling"
+        if rope_scaling is not None and not isinstance(rope_scaling, dict):
+            raise ValueError(f"{source}: {rope_field} = {rope_scaling!r} is invalid; allowed: null or an object "
+                             f"with rope_type {' or '.join(_ROPE_TYPES)}")
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
             rope_scaling = None
         if rope_scaling is not None and "rope_type" not in rope_scaling:
             rope_scaling = {**rope_scaling, "rope_type": rope_scaling.get("type")}
-        return cls(
-            model_type=model_type,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta if rope_theta is not None else 10_000.0,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=raw.get("attention_bias", False) if model_type != "qwen2" else False,
-            mlp_bias=raw.get("mlp_bias", False),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=raw.get("eos_token_id"),
-            pad_token_id=raw.get("pad_token_id"),
-        )
+        if rope_scaling is not None:
+            try:
+                _check_rope(rope_scaling, rope_field)
+            except ValueError as err:
+                raise ValueError(f"{source}: {err}") from None
+        try:
+            return cls(
+                model_type=model_type,
+                vocab_size=raw["vocab_size"],
+                hidden_size=raw["hidden_size"],
+                intermediate_size=raw["intermediate_size"],
+                num_hidden_layers=raw["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=raw.get("num_key_value_heads") or heads,
+                head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+                rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+                rope_theta=rope_theta if rope_theta is not None else 10_000.0,
+                rope_scaling=rope_scaling,
+                max_position_embeddings=max_positions,
+                tie_word_embeddings=raw.get("tie_word_embeddings", False),
+                # transformers' Qwen2 always biases q, k, v and never o_proj, and no Qwen MLP
+                # has a bias: both fields are ignored there, as transformers ignores them.
+                attention_bias=raw.get("attention_bias", False) if model_type != "qwen2" else False,
+                mlp_bias=raw.get("mlp_bias", False) if model_type == "llama" else False,
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_id=raw.get("eos_token_id"),
+                pad_token_id=raw.get("pad_token_id"),
+            )
+        except ValueError as err:  # the dataclass's own checks, which cannot know the file
+            raise ValueError(f"{source}: {err}") from None
 
     @classmethod
     def from_json(cls, path: str | Path) -> DecoderConfig:
+        """Read a ``config.json``; ``FileNotFoundError`` / ``ValueError`` naming the file."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"missing model config: {path} does not exist")
-        return cls.from_hf_dict(json.loads(path.read_text()))
+        return cls.from_hf_dict(read_json(path), source=path)
 
     def to_hf_dict(self, dtype: str = "float32") -> dict[str, Any]:
         """The ``config.json`` content ``transformers`` expects for this family."""
@@ -168,6 +245,16 @@ class DecoderConfig:
         if eos is None:
             return ()
         return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file; a one-line ``ValueError`` naming the file if it is not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        where = f" (line {err.lineno}, column {err.colno}: {err.msg})" if isinstance(err, json.JSONDecodeError) else ""
+        raise ValueError(f"{path} is not valid JSON{where}; it is truncated or corrupt: re-download or re-save it") \
+            from None
 
 
 def rope_inverse_frequencies(config: DecoderConfig) -> np.ndarray:

@@ -12,15 +12,16 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
-from asyncopd_jax.models.config import DecoderConfig
+from asyncopd_jax.models.config import DecoderConfig, read_json
 from asyncopd_jax.models.decoder import Decoder
 
 SINGLE_FILE = "model.safetensors"
@@ -38,11 +39,28 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
     return prefix + ".".join([*module, leaf]), transpose
 
 
+def _unreadable(file: Path, err: Exception) -> ValueError:
+    """The error for a safetensors file that cannot be read: its path, the reason, the fix."""
+    return ValueError(f"{file} is truncated or corrupt ({err}); re-download or re-save it")
+
+
+def _open(file: Path, stack: contextlib.ExitStack) -> Any:
+    """``safe_open`` whose failure (a bad header, a file shorter than its header says) is a
+    ``ValueError`` naming the file, not safetensors' bare ``SafetensorError``."""
+    try:
+        return stack.enter_context(safe_open(file, framework="flax"))
+    except SafetensorError as err:
+        raise _unreadable(file, err) from None
+
+
 def _tensor_files(path: Path) -> dict[str, Path]:
     """Tensor name → the safetensors file that holds it (single file or sharded index)."""
     index = path / INDEX_FILE
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        raw = read_json(index)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no \"weight_map\" object; re-download or re-save the checkpoint")
         files = {name: path / file for name, file in weight_map.items()}
         missing = sorted({str(f) for f in files.values() if not f.is_file()})
         if missing:
@@ -54,8 +72,15 @@ def _tensor_files(path: Path) -> dict[str, Path]:
             f"no weights in {path}: expected {SINGLE_FILE} or {INDEX_FILE} (found: "
             f"{', '.join(sorted(p.name for p in path.iterdir())) or 'nothing'})"
         )
-    with safe_open(single, framework="flax") as f:
-        return {name: single for name in f.keys()}
+    with contextlib.ExitStack() as stack:
+        return {name: single for name in _open(single, stack).keys()}
+
+
+def _unused(names: set[str], config: DecoderConfig) -> list[str]:
+    """Checkpoint tensors the model has no parameter for, except those it may safely drop."""
+    # A tied model reuses the embedding as its head: a stored copy of the head is redundant.
+    redundant = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    return sorted(n for n in names if n not in redundant and not n.endswith(_IGNORED_SUFFIXES))
 
 
 def from_pretrained(path: str | Path, dtype: jnp.dtype | str | None = None) -> Decoder:
@@ -72,36 +97,59 @@ def from_pretrained(path: str | Path, dtype: jnp.dtype | str | None = None) -> D
 
     Raises:
       FileNotFoundError: the directory, ``config.json`` or a weight file is missing.
-      ValueError: unsupported architecture, or a tensor missing or of the wrong shape
-        (the tensor is named).
+      ValueError: unsupported architecture or setting in ``config.json``, a truncated or
+        corrupt file, or weights that do not match ``config.json`` (a tensor missing, of
+        the wrong shape, or left over); the file and tensor are named.
     """
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory not found: {path}")
-    raw = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else None
-    if raw is None:
-        raise FileNotFoundError(f"missing model config: {path / 'config.json'} does not exist")
-    config = DecoderConfig.from_hf_dict(raw)
+        raise FileNotFoundError(f"model directory not found: {path}; expected a Hugging Face checkpoint directory "
+                                "(config.json + *.safetensors)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"missing model config: {config_file} does not exist; a Hugging Face checkpoint "
+                                "directory needs its config.json")
+    raw = read_json(config_file)
+    config = DecoderConfig.from_hf_dict(raw, source=config_file)
     dtype = jnp.dtype(dtype or raw.get("torch_dtype") or raw.get("dtype") or "float32")
 
     abstract = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     files = _tensor_files(path)
     loaded = {}
+    used: set[str] = set()
     with contextlib.ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(f, framework="flax")) for f in set(files.values())}
+        handles = {f: _open(f, stack) for f in sorted(set(files.values()))}
         for key, variable in nnx.to_flat_state(state):
             name, transpose = _hf_name(key)
             if name not in files:
-                raise ValueError(f"checkpoint {path} has no tensor {name!r} (needed for {config.model_type})")
-            tensor = handles[files[name]].get_tensor(name)
+                raise ValueError(
+                    f"{path}: the weights have no tensor {name!r}, which config.json ({config.model_type}) needs; "
+                    "weights and config.json do not match (check num_hidden_layers, tie_word_embeddings, "
+                    "attention_bias, mlp_bias)"
+                )
+            try:
+                tensor = handles[files[name]].get_tensor(name)
+            except SafetensorError as err:
+                raise _unreadable(files[name], err) from None
             expected = tuple(variable.shape[::-1]) if transpose else tuple(variable.shape)
             if tuple(tensor.shape) != expected:
                 raise ValueError(
-                    f"tensor {name!r} has shape {list(tensor.shape)} in {files[name].name}, "
-                    f"but config.json implies {list(expected)}"
+                    f"{files[name]}: tensor {name!r} has shape {list(tensor.shape)}, but {config_file} implies "
+                    f"{list(expected)}; weights and config.json belong to different models"
                 )
             loaded[key] = jnp.asarray(tensor.T if transpose else tensor, dtype)
+            used.add(name)
+    # A tensor nothing reads means config.json describes a different model (fewer layers,
+    # no biases where the weights have them): loading would silently drop it.
+    unused = _unused(set(files) - used, config)
+    if unused:
+        more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+        raise ValueError(
+            f"{path}: the weights hold tensor(s) that config.json does not account for: "
+            f"{', '.join(map(repr, unused[:5]))}{more}; weights and config.json do not match (check "
+            "num_hidden_layers, attention_bias, mlp_bias)"
+        )
     flat = [(key, variable.replace(loaded[key])) for key, variable in nnx.to_flat_state(state)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 

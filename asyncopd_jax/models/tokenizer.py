@@ -6,21 +6,35 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+from asyncopd_jax.models.config import read_json
+
+# Files that hold a vocabulary (fast, SentencePiece, byte-level BPE); tokenizer_config.json
+# alone holds none, and transformers' error for that case is a paragraph about converters.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """``transformers.AutoTokenizer`` from a local directory; never downloads.
 
     Raises:
-      FileNotFoundError: the directory or every tokenizer file is missing.
+      FileNotFoundError: the directory is missing, or holds no vocabulary file.
+      ValueError: the tokenizer files are there but cannot be read (the directory named).
     """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer directory not found: {path}")
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
-        raise FileNotFoundError(f"no tokenizer in {path}: expected one of {', '.join(_TOKENIZER_FILES)}")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        found = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
+        raise FileNotFoundError(f"no tokenizer in {path}: expected one of {', '.join(_TOKENIZER_FILES)} "
+                                f"(found: {found}); copy the model's tokenizer files into it")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:  # transformers and tokenizers raise many types, some multi-line
+        for file in sorted(path.glob("*.json")):  # name the broken file where it is one
+            read_json(file)
+        cause = " ".join(str(err).split()) or type(err).__name__  # one line for the CLI
+        raise ValueError(f"cannot load the tokenizer in {path}: {cause}; if its files are truncated or corrupt, "
+                         "re-download or re-save them") from None
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str], *, chat_template: bool | None = None) -> list[list[int]]:
@@ -67,7 +81,8 @@ def check_same_vocabulary(
         often padded beyond the tokenizer), checked equal when given.
 
     Raises:
-      ValueError: saying how they differ (sizes, and the first differing tokens).
+      ValueError: naming both tokenizers and saying how they differ (sizes, and the first
+        differing tokens).
     """
     s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
     problems = []
@@ -80,4 +95,6 @@ def check_same_vocabulary(
     if student_vocab_size is not None and teacher_vocab_size is not None and student_vocab_size != teacher_vocab_size:
         problems.append(f"model vocab_size differs: student {student_vocab_size}, teacher {teacher_vocab_size}")
     if problems:
-        raise ValueError("teacher and student vocabularies differ: " + "; ".join(problems))
+        names = f"student {student.name_or_path or '(unnamed)'}, teacher {teacher.name_or_path or '(unnamed)'}"
+        raise ValueError(f"teacher and student vocabularies differ ({names}): " + "; ".join(problems)
+                         + "; pick a teacher and student that share one tokenizer (the same model family)")

@@ -26,6 +26,7 @@ from typing import Any
 
 SUFFIXES = (".jsonl", ".parquet")
 _SHOWN_ROWS = 10  # rows named in an error message
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,24 +42,45 @@ class DatasetError(ValueError):
     """A dataset file that cannot be used as configured; the message says where and why."""
 
 
+@dataclasses.dataclass(frozen=True)
+class _BadRow:
+    """A row that could not be parsed: what is wrong (``kind``) and the parser's detail.
+    Yielded rather than raised, so that every such row of the file is named at once."""
+
+    kind: str
+    detail: str
+
+
 def _rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(1-based row number, parsed row or :class:`_BadRow`) for every non-empty row."""
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
+        with path.open("rb") as f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    # utf-8-sig: a byte-order mark some editors write before the first row
+                    line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+                except UnicodeDecodeError as err:
+                    yield number, _BadRow("not UTF-8 text", f"byte {err.start + 1}")
+                    continue
                 if not line.strip():
                     continue
                 try:
                     yield number, json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise DatasetError(f"{path}: row {number} is not valid JSON ({err.msg}, column {err.colno})") \
-                        from None
+                    yield number, _BadRow("not valid JSON", f"{err.msg}, column {err.colno}")
     elif path.suffix == ".parquet":
         try:
+            import pyarrow as pa
             import pyarrow.parquet as pq
         except ImportError:
             raise DatasetError(f"{path}: reading Parquet needs pyarrow: pip install \"asyncopd-jax[parquet]\"") \
                 from None
-        for number, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as err:  # not Parquet, truncated, …
+            raise DatasetError(f"{path}: cannot be read as Parquet ({' '.join(str(err).split())}); "
+                               "the file is truncated or corrupt: write it again") from None
+        for number, row in enumerate(table.to_pylist(), start=1):
             yield number, row
     else:
         raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r}; allowed: {', '.join(SUFFIXES)}")
@@ -82,9 +104,11 @@ def _rows_text(rows: list[int]) -> str:
 
 def read_examples(path: str | Path, prompt_field: str, answer_field: str | None = None, *,
                   require_answers: bool = False) -> list[Example]:
-    """Every example of ``path``; a :class:`DatasetError` naming the rows at fault if any
-    row lacks the prompt field (or, with ``require_answers``, the answer field), or holds a
-    prompt that is not a non-empty string."""
+    """Every example of ``path``; a :class:`DatasetError` naming the rows at fault (all of
+    them, not just the first) if any row is not a JSON object (invalid JSON, not UTF-8, an
+    array, …), lacks the prompt field (or, with ``require_answers``, the answer field, or
+    holds a null answer), or holds a prompt that is not a non-empty string. A Parquet file
+    that cannot be read is named too."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found")
@@ -92,11 +116,18 @@ def read_examples(path: str | Path, prompt_field: str, answer_field: str | None 
         raise DatasetError(f"{path}: task.answer_field must name the reference answers (reward-driven RL needs them)")
     examples: list[Example] = []
     missing: dict[str, list[int]] = {}
+    bad: dict[str, list[tuple[int, str]]] = {}  # kind → (row, detail): unparsable rows, non-objects
     not_text: list[int] = []
-    first_keys: list[str] | None = None
+    null_answers: list[int] = []
+    first_keys: tuple[int, list[str]] | None = None  # the first object row: its number and fields
     for number, row in _rows(path):
+        if not isinstance(row, (dict, _BadRow)):
+            row = _BadRow("not a JSON object", f"a JSON {_JSON_TYPES.get(type(row), type(row).__name__)}")
+        if isinstance(row, _BadRow):
+            bad.setdefault(row.kind, []).append((number, row.detail))
+            continue
         if first_keys is None:
-            first_keys = sorted(row) if isinstance(row, dict) else []
+            first_keys = (number, sorted(row))
         try:
             prompt = _field(row, prompt_field)
         except KeyError:
@@ -110,16 +141,27 @@ def read_examples(path: str | Path, prompt_field: str, answer_field: str | None 
                 if require_answers:
                     missing.setdefault(f"{answer_field!r} (task.answer_field)", []).append(number)
                     continue
+            if answer is None and require_answers:  # a JSON null would pass as "no answer" into the rewards
+                null_answers.append(number)
+                continue
         if not isinstance(prompt, str) or not prompt.strip():
             not_text.append(number)
             continue
         examples.append(Example(prompt, None if answer is None else str(answer), number))
-    problems = [f"{_rows_text(rows)} have no field {what}" if len(rows) > 1 else f"{_rows_text(rows)} has no field {what}"
-                for what, rows in missing.items()]
+    problems = []
+    for kind, rows in bad.items():
+        # The parser's detail for the first row only: it differs from row to row.
+        numbers, (first, detail) = [n for n, _ in rows], rows[0]
+        problems.append(f"{_rows_text(numbers)} is {kind} ({detail})" if len(rows) == 1 else
+                        f"{_rows_text(numbers)} are {kind} (row {first}: {detail})")
+    problems += [f"{_rows_text(rows)} have no field {what}" if len(rows) > 1 else f"{_rows_text(rows)} has no field {what}"
+                 for what, rows in missing.items()]
     if not_text:
         problems.append(f"{_rows_text(not_text)}: the prompt is not a non-empty string")
+    if null_answers:
+        problems.append(f"{_rows_text(null_answers)}: the answer {answer_field!r} (task.answer_field) is null")
     if problems:
-        keys = f"; row 1 has: {', '.join(first_keys)}" if first_keys else ""
+        keys = f"; row {first_keys[0]} has: {', '.join(first_keys[1])}" if first_keys and first_keys[1] else ""
         raise DatasetError(f"{path}: " + "; ".join(problems) + keys)
     if not examples:
         raise DatasetError(f"{path}: no examples (the file is empty)")

@@ -95,16 +95,29 @@ def make_task(task: TaskConfig, tokenizer: PreTrainedTokenizerBase, *, max_new_t
               max_positions: int | None = None) -> PromptTask:
     """The task ``task.name`` names: the built-in ``arith`` task or a user's ``dataset``.
 
-    ``max_new_tokens`` (``sampling.max_new_tokens``) bounds a dataset task's answers (the
-    built-in task knows its own); ``max_positions``, the model's context, is checked
-    against the longest dataset prompt."""
+    ``max_new_tokens`` (``sampling.max_new_tokens``) bounds the rollouts' answers (and a
+    dataset task's evaluation answers; the built-in task evaluates with its own longest
+    solution). ``max_positions``, the model's context, must hold the longest prompt plus
+    the answer: a ``ValueError`` (a ``DatasetError`` naming the rows for a dataset) if not,
+    since positions past the context the model was trained on give silently degraded answers.
+    """
     if task.name == "dataset":
         from asyncopd_jax.tasks.dataset_task import DatasetTask
 
         return DatasetTask(task, tokenizer, max_new_tokens=max_new_tokens, max_positions=max_positions)
     from asyncopd_jax.tasks.builtin import TaskData
 
-    return TaskData(task, tokenizer)
+    data = TaskData(task, tokenizer)
+    answer = max(max_new_tokens, data.max_new_tokens)  # rollouts: sampling.max_new_tokens; evaluation: the task's
+    if max_positions is not None and data.prompt_slots + answer > max_positions:
+        raise ValueError(
+            f"task.name = {task.name}: the longest prompt ({data.prompt_slots} tokens at task.difficulty = "
+            f"{task.difficulty}, task.max_value = {task.max_value}) + the answer ({answer} tokens: "
+            f"sampling.max_new_tokens = {max_new_tokens}, longest solution {data.max_new_tokens}) is longer than the "
+            f"model's context ({max_positions} positions, the max_position_embeddings of the student's config.json); "
+            "lower sampling.max_new_tokens, task.difficulty or task.max_value"
+        )
+    return data
 
 
 __all__ = ["PromptTask", "make_task"]
