@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 
 from asyncopd_jax import configs
+from asyncopd_jax.atomic_files import write_text_atomically
 from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorOptions
 from asyncopd_jax.sampling.distribution import SamplingParams
 from asyncopd_jax.teacher.scorer import ScoringParams
@@ -552,4 +553,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    write_text_atomically(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from asyncopd_jax.atomic_files import write_text_atomically
 from asyncopd_jax.config import RunConfig, save_config
 
 
@@ -32,17 +33,30 @@ class RunDir:
             f.write(json.dumps(record) + "\n")
 
     def read_metrics(self) -> list[dict[str, Any]]:
+        """Every record; a torn last line (the process was killed while appending it) is
+        skipped, a torn line anywhere else is an error naming the file and line."""
         if not self.metrics_file.is_file():
             return []
-        return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
+        lines = self.metrics_file.read_text().split("\n")
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                if number == len(lines):  # no newline after it: the append never finished
+                    continue
+                raise ValueError(f"{self.metrics_file}: line {number} is not a JSON record ({err.msg})") from None
+        return records
 
     def truncate_metrics(self, last_step: int) -> None:
         """Keep records up to ``last_step``: a resumed run repeats nothing after its checkpoint."""
         kept = [r for r in self.read_metrics() if r.get("step", 0) <= last_step]
-        self.metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        write_text_atomically(self.metrics_file, "".join(json.dumps(r) + "\n" for r in kept))
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_text_atomically(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
 
     def read_summary(self) -> dict[str, Any]:
         path = self.path / "summary.json"

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
+
+from asyncopd_jax.atomic_files import write_text_atomically
 
 
 class Tracer:
@@ -60,9 +61,7 @@ class Tracer:
 
     def dump(self, path: str | Path) -> None:
         """This process's raw events (written atomically), for the learner to merge."""
-        tmp = Path(f"{path}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.events()))
-        os.replace(tmp, path)
+        write_text_atomically(path, json.dumps(self.events()))
 
     def write(self, path: str | Path, others: Iterable[Path] = ()) -> None:
         """``trace.json``: this tracer's events and those dumped by other processes."""
@@ -81,7 +80,7 @@ class Tracer:
         meta += [{"name": "thread_name", "ph": "M", "pid": pids[p], "tid": tids[(p, t)], "args": {"name": t}}
                  for p, t in threads]
         body = [{**e, "pid": pids[e["pid"]], "tid": tids[(e["pid"], e["tid"])]} for e in events]
-        Path(path).write_text(json.dumps({"traceEvents": meta + body, "displayTimeUnit": "ms"}))
+        write_text_atomically(path, json.dumps({"traceEvents": meta + body, "displayTimeUnit": "ms"}))
 
 
 def load_spans(path: str | Path) -> list[dict]:
