@@ -14,7 +14,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from flax import nnx
@@ -131,6 +136,30 @@ def _stage(args: argparse.Namespace) -> int:
     return run_stage(args.exchange, args.role, args.index, parse_cpu_list(args.cores), args.parent_pid, args.niceness)
 
 
+@contextlib.contextmanager
+def _library_log_to_file() -> Iterator[Path]:
+    """Send Python logging (Orbax, absl, asyncio) to a file instead of the terminal while the
+    command runs: a failed checkpoint write makes Orbax log its traceback before it raises,
+    and the user should see one line saying what happened. The file appears only if
+    something is logged; the previous logging setup is restored afterwards."""
+    path = Path(tempfile.gettempdir()) / f"asyncopd-{os.getpid()}.log"
+    handler = logging.FileHandler(path, delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level, sys.unraisablehook
+    root.handlers, root.level = [handler], logging.WARNING
+    # TensorStore's callbacks into Orbax's closed event loop after a failed write end as
+    # unraisable exceptions ("Event loop is closed"): to the same file.
+    sys.unraisablehook = lambda u: logging.getLogger("unraisable").error(
+        "%s: %s", u.err_msg or "unraisable exception", u.exc_value,
+        exc_info=(u.exc_type, u.exc_value, u.exc_traceback))
+    try:
+        yield path
+    finally:
+        handler.close()
+        root.handlers, root.level, sys.unraisablehook = saved
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncopd", description="Asynchronous on-policy distillation in JAX.")
     common = argparse.ArgumentParser(add_help=False)
@@ -187,12 +216,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "stage":
         return args.fn(args)  # its own exit status; errors go to its log
+    with contextlib.nullcontext() if args.debug else _library_log_to_file() as log:
+        return _run(args, log)
+
+
+def _run(args: argparse.Namespace, log: Path | None) -> int:
+    """Run the command; the user's mistakes and I/O failures are one line on stderr."""
     try:
         args.fn(args)
     except (ConfigError, OSError, ValueError) as err:  # the user's input or environment, not a bug here
         if args.debug:
             raise
-        print(f"asyncopd {args.command}: error: {err} (--debug shows the traceback)", file=sys.stderr)
+        details = f"details in {log}; " if log is not None and log.is_file() else ""
+        print(f"asyncopd {args.command}: error: {err} ({details}--debug shows the traceback)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"\nasyncopd {args.command}: interrupted; resume with --resume", file=sys.stderr)

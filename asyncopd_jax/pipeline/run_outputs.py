@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,19 @@ import orbax.checkpoint as ocp
 
 from asyncopd_jax.atomic_files import write_text_atomically
 from asyncopd_jax.config import RunConfig, save_config
+
+
+class CheckpointSaveFailed(OSError):
+    """A checkpoint could not be written; the message names the last good one."""
+
+
+def _io_reason(err: BaseException) -> str:
+    """The operating system's reason inside an Orbax / TensorStore error (they carry it as
+    ``[os_error_code='28']``), else the error's first line."""
+    code = re.search(r"os_error_code='(\d+)'", str(err))
+    if code:
+        return os.strerror(int(code.group(1)))
+    return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
 
 
 class RunDir:
@@ -78,13 +94,31 @@ class RunDir:
         return self._checkpoints
 
     def save_checkpoint(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-        """The train state (as a flat dict of its leaves) and loop metadata, at ``step``."""
+        """The train state (as a flat dict of its leaves) and loop metadata, at ``step``.
+
+        Raises:
+          CheckpointSaveFailed: the save did not complete (a full disk, a file-size limit, a
+            vanished directory); the half-written checkpoint is removed, the earlier ones
+            are untouched (Orbax commits a checkpoint by renaming its finished directory).
+        """
         leaves = jax.tree_util.tree_leaves(state)
         flat = {f"{i:05d}": leaf for i, leaf in enumerate(leaves)}
-        self.checkpoints.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)), force=True
-        )
-        self.checkpoints.wait_until_finished()
+        try:
+            self.checkpoints.save(
+                step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
+            self.checkpoints.wait_until_finished()
+        except Exception as err:  # Orbax and TensorStore report I/O failures as ValueError and others
+            for partial in (self.path / "checkpoints").glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+            self._checkpoints = None  # a fresh manager: the failed one may hold the failed save's state
+            last = self.latest_checkpoint()
+            kept = (f"the last good checkpoint is step {last} in {self.path / 'checkpoints' / str(last)}"
+                    if last is not None else "there is no earlier checkpoint")
+            raise CheckpointSaveFailed(
+                f"saving the checkpoint of step {step} failed ({_io_reason(err)}); {kept}; free space or fix "
+                f"the cause, then continue with: asyncopd train --resume {self.path}") from err
 
     def latest_checkpoint(self) -> int | None:
         return self.checkpoints.latest_step()
