@@ -131,6 +131,13 @@ class _SafetensorsWriter:
         self.wait_until_finished()
 
 
+def _gone(root: Path) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"the snapshot directory {root} was removed while the run was using it (a cleaner of /tmp or "
+        "/dev/shm?); the run stops; continue it with asyncopd train --resume (stages.snapshot_dir sets "
+        "another place)")
+
+
 class DiskSnapshotStore:
     """Versioned snapshots under ``root`` (Orbax or flat safetensors), saved asynchronously.
 
@@ -170,14 +177,19 @@ class DiskSnapshotStore:
         """Start saving ``version``; returns once the arrays are copied off the device."""
         if self._writer is None:
             raise RuntimeError(f"this snapshot store is read-only (a reader of {self.root})")
-        self.flush()  # one save in flight at a time: the previous one commits first
+        self.flush()  # one save in flight at a time (the previous one commits first); raises if root is gone
         self._writer.save(self.root / str(version), nnx.to_pure_dict(params))
 
     def flush(self) -> None:
         """Wait until the last published version is committed, then drop old versions."""
         if self._writer is None:
             return
-        self._writer.wait_until_finished()
+        try:
+            self._writer.wait_until_finished()
+        except Exception as err:  # the writers report a vanished directory in their own ways
+            if not self.root.is_dir():
+                raise _gone(self.root) from err
+            raise
         self._remove_old()
 
     def _remove_old(self) -> None:
@@ -197,7 +209,10 @@ class DiskSnapshotStore:
     # --- reader side ------------------------------------------------------------------
 
     def committed_versions(self) -> list[int]:
-        return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit() and p.is_dir())
+        try:
+            return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit() and p.is_dir())
+        except FileNotFoundError:
+            raise _gone(self.root) from None
 
     def latest_version(self) -> int | None:
         versions = self.committed_versions()
@@ -216,6 +231,8 @@ class DiskSnapshotStore:
             last = self._last
             if last is not None and last[0] == chosen:
                 return last
+            if not self.root.is_dir():
+                raise _gone(self.root)
             with _pinned(self.root / f"{chosen}.lock"):
                 # Under the shared lock the writer cannot delete it; it may have just before.
                 if (self.root / str(chosen)).is_dir():

@@ -219,3 +219,33 @@ def test_ctrl_c_checkpoints_and_stops_every_process(models, tmp_path):  # noqa: 
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     checkpoints = [int(p.name) for p in (tmp_path / "t" / "checkpoints").iterdir() if p.name.isdigit()]
     assert checkpoints == [steps[-1]], (checkpoints, steps)  # the step reached, saved on Ctrl-C
+
+
+def test_a_snapshot_directory_removed_mid_run_stops_it_with_that_reason(models, tmp_path):  # noqa: F811
+    """A cleaner of /dev/shm removes the snapshots under a running learner and its stage
+    processes: the run stops within seconds with an error naming the directory, and every
+    stage process is gone."""
+    import shutil
+
+    cfg = _config(models, tmp_path, **{"schedule.placement": "processes", "schedule.mode": "fully_async",
+                                       "train.steps": 200, "train.checkpoint_every": 4})
+    trainer = Trainer(cfg, progress=False)
+    removed: dict = {}
+
+    def remove_after_three_steps():
+        metrics = tmp_path / "t" / "metrics.jsonl"
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            time.sleep(0.01)
+        shutil.rmtree(trainer.snapshot_dir)
+        removed["at"] = time.monotonic()
+
+    threading.Thread(target=remove_after_three_steps, daemon=True).start()
+    with pytest.raises((FileNotFoundError, PipelineStopped)) as info:
+        trainer.run()
+    took = time.monotonic() - removed["at"]
+    text = f"{info.value} {info.value.__cause__}"
+    assert f"the snapshot directory {trainer.snapshot_dir} was removed" in text, text
+    assert took < 30, f"the run took {took:.1f} s to stop"
+    for pid in trainer.stages.pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -238,3 +238,19 @@ def test_a_reader_reads_each_version_once(tmp_path, monkeypatch, fmt):
     assert _version_of(reader.load(0)[1]) == 0  # an older version is read again
     assert reads == ["0", "1", "0"]
     writer.close()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_snapshot_directory_removed_under_its_users_is_a_clear_error(tmp_path, fmt):
+    import shutil
+
+    _, template = nnx.split(tiny_decoder(0))
+    writer = _store(tmp_path, template, fmt)
+    writer.publish(1, _params_of_version(template, 1))
+    writer.flush()
+    reader = DiskSnapshotStore(tmp_path / "snapshots", template, read_only=True, format=fmt)
+    assert reader.load()[0] == 1
+    shutil.rmtree(tmp_path / "snapshots")
+    for action in (reader.load, reader.latest_version, lambda: writer.publish(2, _params_of_version(template, 2))):
+        with pytest.raises(FileNotFoundError, match=f"the snapshot directory {tmp_path / 'snapshots'} was removed"):
+            action()
