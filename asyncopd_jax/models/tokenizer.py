@@ -28,7 +28,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         raise FileNotFoundError(f"no tokenizer in {path}: expected one of {', '.join(_TOKENIZER_FILES)} "
                                 f"(found: {found}); copy the model's tokenizer files into it")
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except Exception as err:  # transformers and tokenizers raise many types, some multi-line
         for file in sorted(path.glob("*.json")):  # name the broken file where it is one
             read_json(file)
