@@ -5,6 +5,11 @@ into ``M`` micro-batches; each contributes ``Σ_tokens loss / N`` where N is the
 count of the whole mini-batch (:func:`~asyncopd_jax.estimators.normalized_token_sum`), so
 the summed gradients are exactly those of the mini-batch token mean, whatever M is.
 The policy version is the optimizer-step count, ``TrainState.step``.
+
+Faults (:mod:`asyncopd_jax.learner.faults`): rows with a NaN or inf in their teacher
+scores or behaviour log-probs are dropped before the loss (metric ``nonfinite_rows``); a
+step whose loss, gradient or update is not finite is not applied (the state comes back
+unchanged, ``TrainState.step`` included) and its metrics show it, for the caller to stop.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from asyncopd_jax.alignment import response_hidden
 from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
 from asyncopd_jax.estimator_registry import EstimatorOptions, evaluate_estimator, required_ids, student_logprobs
 from asyncopd_jax.estimators import gather_logprobs_from_hidden, normalized_token_sum
+from asyncopd_jax.learner.faults import drop_nonfinite_rows
 from asyncopd_jax.learner.packing import plan_micro_batches, take_micro_batch
 from asyncopd_jax.learner.sharding import batch_shardings, state_shardings
 from asyncopd_jax.models.decoder import Decoder
@@ -129,12 +135,24 @@ def _add(acc: Accumulated, part: Accumulated) -> Accumulated:
 
 
 def _apply(optimizer: optax.GradientTransformation, state: TrainState, acc: Accumulated, total: Array):
-    """The optimizer step on the summed gradients; the step's metrics."""
+    """The optimizer step on the summed gradients; the step's metrics.
+
+    A loss, gradient norm or update norm that is not finite leaves the whole state as it
+    was (parameters, optimizer moments, step count): a diverged step must never reach the
+    weights, which the caller may checkpoint or publish. The caller sees it in the
+    metrics (:func:`asyncopd_jax.learner.faults.step_is_finite`) and stops. The update
+    norm is checked too because a finite loss can still give a non-finite update (e.g. an
+    infinite learning rate), which would only show in the next step's loss.
+    """
     grads, loss, metrics = acc
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": total}
-    return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+    grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
+    params, opt_state = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old),
+                                               (params, opt_state), (state.params, state.opt_state))
+    metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "update_norm": update_norm, "tokens": total}
+    return TrainState(params=params, opt_state=opt_state, step=state.step + finite.astype(state.step.dtype)), metrics
 
 
 def make_train_step(
@@ -149,12 +167,16 @@ def make_train_step(
     """A jitted ``(state, batch) → (state, metrics)`` doing one optimizer step.
 
     Metrics are token-weighted means over the mini-batch (the estimator's metrics,
-    ``loss``) plus ``grad_norm``; the state is donated. With ``mesh`` (and a
+    ``loss``) plus ``grad_norm``, ``update_norm``, ``tokens`` (the tokens trained on) and
+    ``nonfinite_rows`` (rows dropped for a NaN / inf in their scores, see
+    :func:`~asyncopd_jax.learner.faults.drop_nonfinite_rows`); the state is donated, and
+    comes back unchanged if the loss, gradient or update is not finite. With ``mesh`` (and a
     ``state_example`` to derive shardings from) parameters and optimizer state are
     FSDP-sharded and the batch is split over ``(data, fsdp)``.
     """
 
     def step(state: TrainState, batch: LearnerBatch):
+        batch, dropped = drop_nonfinite_rows(batch)  # before `total`: the mean is over the rows kept
         total = jnp.sum(batch.rollout.response_mask).astype(jnp.float32)
         micro_batched = _split_micro_batches(batch, micro_batches)
         first = jax.tree_util.tree_map(lambda x: x[0], micro_batched)
@@ -167,7 +189,8 @@ def make_train_step(
         acc, _ = jax.lax.scan(
             lambda acc, mb: (_add(acc, _micro_batch(graphdef, loss_fn, state.params, mb, total)), None),
             zeros, micro_batched)
-        return _apply(optimizer, state, acc, total)
+        state, metrics = _apply(optimizer, state, acc, total)
+        return state, {**metrics, "nonfinite_rows": jnp.sum(dropped)}
 
     if mesh is None:
         return jax.jit(step, donate_argnums=(0,))
@@ -197,10 +220,13 @@ def make_packed_train_step(
     token-budget micro-batches of similar-length rows, each trimmed to its own slots
     (:mod:`asyncopd_jax.learner.packing`); one jitted gradient per micro-batch (compiled
     once per bucketed shape), then one jitted optimizer step on their sum. The metrics
-    add ``micro_batches`` and ``padding_fraction`` (padded slots / all slots computed)."""
+    add ``micro_batches`` and ``padding_fraction`` (padded slots / all slots computed).
+    Dropped non-finite rows (``nonfinite_rows``) are still packed, with no response
+    tokens: they cost their prompt slots and weigh nothing."""
     rows_per_device = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     gradients = jax.jit(functools.partial(_micro_batch, graphdef, loss_fn))
     add = jax.jit(_add, donate_argnums=(0,))
+    drop = jax.jit(drop_nonfinite_rows)  # one dispatch, not one per field
     apply = jax.jit(functools.partial(_apply, optimizer), donate_argnums=(0,))
     if mesh is not None:  # keep parameters and moments FSDP-sharded as create_train_state placed them
         if state_example is None:
@@ -210,6 +236,7 @@ def make_packed_train_step(
                         out_shardings=(state_shardings(state_example, mesh), replicated))
 
     def step(state: TrainState, batch: LearnerBatch):
+        batch, dropped = drop(batch)  # before planning: dropped rows have no tokens
         prompt_mask, response_mask = np.asarray(batch.rollout.prompt_mask), np.asarray(batch.rollout.response_mask)
         plans = plan_micro_batches(prompt_mask.sum(1), response_mask.sum(1), prompt_slots=prompt_mask.shape[1],
                                    response_slots=response_mask.shape[1], token_budget=token_budget, bucket=bucket,
@@ -225,7 +252,8 @@ def make_packed_train_step(
         state, metrics = apply(state, acc, total)
         slots = sum(p.padded_tokens for p in plans)
         real = int(prompt_mask.sum() + response_mask.sum())
-        return state, {**metrics, "micro_batches": len(plans), "padding_fraction": 1 - real / slots}
+        return state, {**metrics, "micro_batches": len(plans), "padding_fraction": 1 - real / slots,
+                       "nonfinite_rows": int(np.sum(np.asarray(dropped)))}
 
     return step
 

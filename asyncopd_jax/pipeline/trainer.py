@@ -52,6 +52,7 @@ from asyncopd_jax.learner import (
     make_train_step,
 )
 from asyncopd_jax.learner.extrapolation import Extrapolator
+from asyncopd_jax.learner.faults import nonfinite_step_error, step_is_finite
 from asyncopd_jax.learner.update_geometry import update_geometry
 from asyncopd_jax.learner.optimizer import learning_rate_schedule
 from asyncopd_jax.models import Decoder, check_same_vocabulary, from_pretrained, load_tokenizer, save_pretrained
@@ -139,6 +140,10 @@ class Trainer:
             self.extrapolation_probe = self._extrapolation_probe()
         self.scoring = cfg.scoring
         self.start_step, self.worker_index = 0, 0
+        # Faults at run time: rows dropped for NaN / inf scores so far, and the checkpoint a
+        # diverged step's error points to (step, path), None before the first one.
+        self.nonfinite_rows_total = 0
+        self.last_checkpoint: tuple[int, Path] | None = None
         self.rollout_seed = cfg.seed * 1_000_003
         if resume:
             self._resume()
@@ -159,6 +164,8 @@ class Trainer:
         self.state, meta = self.run_dir.restore_checkpoint(self.state)
         self.start_step = int(meta["step"])
         self.worker_index = int(meta.get("worker_index", 0))
+        self.nonfinite_rows_total = int(meta.get("nonfinite_rows_total", 0))
+        self.last_checkpoint = (self.start_step, self._checkpoint_path(self.start_step))
         if self.leader:
             self.run_dir.truncate_metrics(self.start_step)
 
@@ -349,7 +356,7 @@ class Trainer:
         student = nnx.merge(self.graphdef, distributed.gather(self.state.params))
         summary = {**summary, "student_after": self.evaluate_student(), "steps": step,
                    "dropped_stale": buffer.dropped_stale, "dropped_future": buffer.dropped_future,
-                   "stage_seconds": self.tracer.totals()}
+                   "nonfinite_rows": self.nonfinite_rows_total, "stage_seconds": self.tracer.totals()}
         if self.leader:
             save_pretrained(student, self.run_dir.path / "student")  # Hugging Face layout
             self.data.tokenizer.save_pretrained(self.run_dir.path / "student")
@@ -392,10 +399,16 @@ class Trainer:
 
     def _checkpoint(self, step: int, pool: RolloutPool | StageProcesses | FixedLagRollouts | _Follower) -> None:
         with self.tracer.span("checkpoint", step=step):
-            meta = {"step": step, "worker_index": pool.groups_started}
+            meta = {"step": step, "worker_index": pool.groups_started,
+                    "nonfinite_rows_total": self.nonfinite_rows_total}
             self.run_dir.save_checkpoint(step, self.state, meta)
+        self.last_checkpoint = (step, self._checkpoint_path(step))
         pool.checkpointed()
         self._write_trace(pool)
+
+    def _checkpoint_path(self, step: int) -> Path:
+        """Where Orbax keeps the checkpoint of ``step`` (its step directory)."""
+        return self.run_dir.path / "checkpoints" / str(step)
 
     def _write_trace(self, pool: RolloutPool | StageProcesses | FixedLagRollouts | _Follower) -> None:
         if not self.leader:
@@ -435,6 +448,13 @@ class Trainer:
             with self.tracer.span("learn", step=step):
                 self.state, metrics = self.train_step(self.state, mini)
                 metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            if not step_is_finite(metrics):
+                # The jitted step left the state as it was; stop before this step is logged,
+                # extrapolated, published or checkpointed (the caller's `finally` stops the
+                # stages). Hours of NaN steps would teach nothing and hide where it began.
+                raise nonfinite_step_error(step + 1, metrics, self.last_checkpoint)
+            metrics["nonfinite_rows"] = int(metrics.get("nonfinite_rows", 0))  # dropped from the loss
+            self.nonfinite_rows_total += metrics["nonfinite_rows"]
             step += 1
             jump = self._extrapolate(step)  # before the version is published: it carries the jump
             elapsed = throughput.add(rows, int(metrics["tokens"]))
@@ -443,7 +463,8 @@ class Trainer:
                 "staleness_mean": stale["mean"], "staleness_max": stale["max"], "staleness_hist": stale["hist"],
                 **rollout_acc, "samples_per_s": throughput.samples / elapsed,
                 "tokens_per_s": throughput.tokens / elapsed, "dropped_stale": buffer.dropped_stale,
-                "dropped_future": buffer.dropped_future, "time": elapsed,
+                "dropped_future": buffer.dropped_future, "nonfinite_rows_total": self.nonfinite_rows_total,
+                "time": elapsed,
                 "trace_s": time.time() - self.tracer.origin,  # the same clock as trace.json's spans
                 **probe, **jump,
             }
