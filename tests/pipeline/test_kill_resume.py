@@ -113,6 +113,7 @@ def test_sigkill_of_the_learner_then_resume_is_the_uninterrupted_run(models, tmp
     assert got["student_after"] == pytest.approx(want["student_after"], abs=1e-9), f"seed {seed}"
 
 
+@pytest.mark.slow  # ~2 min on 2 cores; the threads variant above runs in CI
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists child processes through /proc")
 def test_sigkill_of_the_learner_with_stage_processes_leaves_no_orphan_and_resumes(models, tmp_path):  # noqa: F811
     """Stages in their own processes, fully async: the stage processes exit by themselves

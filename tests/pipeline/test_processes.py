@@ -221,6 +221,7 @@ def test_ctrl_c_checkpoints_and_stops_every_process(models, tmp_path):  # noqa: 
     assert checkpoints == [steps[-1]], (checkpoints, steps)  # the step reached, saved on Ctrl-C
 
 
+@pytest.mark.slow  # ~1 min; tests/pipeline/test_snapshots.py checks the error itself in CI
 def test_a_snapshot_directory_removed_mid_run_stops_it_with_that_reason(models, tmp_path):  # noqa: F811
     """A cleaner of /dev/shm removes the snapshots under a running learner and its stage
     processes: the run stops within seconds with an error naming the directory, and every
