@@ -24,6 +24,7 @@ from tests.pipeline.test_trainer import _config, models  # noqa: F401
 LIMIT = 400_000  # bytes: a checkpoint of the tiny student and its Adam moments is ~1.2 MB
 
 
+@pytest.mark.slow  # ~2 min on 2 cores (two CLI runs); keeps CI under 30 minutes
 @pytest.mark.skipif(not (sys.platform.startswith("linux") and hasattr(resource, "prlimit")),
                     reason="sets another process's file-size limit with prlimit (Linux)")
 def test_a_full_disk_at_checkpoint_time_keeps_the_last_good_checkpoint(models, tmp_path):  # noqa: F811
