@@ -205,7 +205,10 @@ def assert_estimators_vanish_at_the_teacher(temperature: float, batch: RolloutBa
 
 # One temperature (≠ 1, where a forgotten temperature shows) keeps the eleven compiled train
 # steps per placement affordable; the log-prob test above covers both temperatures.
-@pytest.mark.parametrize("placement", PLACEMENTS)
+# The processes placement of this check (~80 s) runs with -m slow to keep CI under 30 minutes;
+# test_learner_log_probs_equal_the_sampler_behaviour_log_probs covers that placement in CI.
+@pytest.mark.parametrize("placement", [pytest.param(p, marks=pytest.mark.slow) if p == "processes" else p
+                                       for p in PLACEMENTS])
 def test_every_estimator_is_zero_with_zero_gradient_when_the_teacher_is_the_student(placement):
     assert_estimators_vanish_at_the_teacher(*rollout(placement, 0.7))
 
