@@ -23,6 +23,7 @@ import pytest
 from asyncopd_jax.config import save_config
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.trainer import Trainer
+from tests.pipeline.test_processes import _children
 from tests.pipeline.test_trainer import _config, models  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,16 +38,6 @@ def _cli(*args: str) -> subprocess.Popen:
 
 def _steps(run: Path) -> list[int]:
     return [r["step"] for r in RunDir(run).read_metrics()]
-
-
-def _children(pid: int) -> set[int]:
-    found: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found.update(int(c) for c in (task / "children").read_text().split())
-        except OSError:
-            pass
-    return found
 
 
 def _alive(pid: int) -> bool:
