@@ -101,14 +101,16 @@ class Trainer:
                               "(its processes read each batch from the run's spool)")
 
         student, tokenizer = load_model_and_tokenizer(cfg.student.path, cfg.student.dtype)
+        context = student.config.max_position_embeddings
         self.teacher = None  # reward-driven RL may run without one (rl.distill_coef = 0)
         if cfg.teacher.path:
             teacher, teacher_tokenizer = load_model_and_tokenizer(cfg.teacher.path, cfg.teacher.dtype)
             check_same_vocabulary(tokenizer, teacher_tokenizer, student_vocab_size=student.config.vocab_size,
                                   teacher_vocab_size=teacher.config.vocab_size)
             self.teacher = teacher
-        self.data = make_task(cfg.task, tokenizer, max_new_tokens=cfg.sampling.max_new_tokens,
-                              max_positions=student.config.max_position_embeddings)
+            # the student samples prompt + answer and the teacher scores all of it: both must hold it
+            context = min(context, teacher.config.max_position_embeddings)
+        self.data = make_task(cfg.task, tokenizer, max_new_tokens=cfg.sampling.max_new_tokens, max_positions=context)
 
         learner = cfg.learner
         self.eta = cfg.schedule.eta(learner.mini_batches)

@@ -38,9 +38,9 @@ class DatasetTask(PromptTask):
             shown = ", ".join(map(str, too_long[:10])) + (f" and {len(too_long) - 10} more" if len(too_long) > 10 else "")
             raise DatasetError(
                 f"{task.path}: rows {shown}: prompt + sampling.max_new_tokens ({max_new_tokens}) is longer than the "
-                f"model's context ({max_positions} positions; longest prompt {self.prompt_slots} tokens), the "
-                "max_position_embeddings of the student's config.json; shorten those prompts, drop them, or lower "
-                "sampling.max_new_tokens")
+                f"models' context ({max_positions} positions; longest prompt {self.prompt_slots} tokens), the smaller "
+                "max_position_embeddings of the student's and the teacher's config.json; shorten those prompts, drop "
+                "them, or lower sampling.max_new_tokens")
 
     def encode(self, items: list[Example]) -> list[list[int]]:
         return [self._ids[e] for e in items]

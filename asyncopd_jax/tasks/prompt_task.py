@@ -97,7 +97,8 @@ def make_task(task: TaskConfig, tokenizer: PreTrainedTokenizerBase, *, max_new_t
 
     ``max_new_tokens`` (``sampling.max_new_tokens``) bounds the rollouts' answers (and a
     dataset task's evaluation answers; the built-in task evaluates with its own longest
-    solution). ``max_positions``, the model's context, must hold the longest prompt plus
+    solution). ``max_positions``, the models' context (the smaller of the student's and the
+    teacher's), must hold the longest prompt plus
     the answer: a ``ValueError`` (a ``DatasetError`` naming the rows for a dataset) if not,
     since positions past the context the model was trained on give silently degraded answers.
     """
@@ -114,8 +115,8 @@ def make_task(task: TaskConfig, tokenizer: PreTrainedTokenizerBase, *, max_new_t
             f"task.name = {task.name}: the longest prompt ({data.prompt_slots} tokens at task.difficulty = "
             f"{task.difficulty}, task.max_value = {task.max_value}) + the answer ({answer} tokens: "
             f"sampling.max_new_tokens = {max_new_tokens}, longest solution {data.max_new_tokens}) is longer than the "
-            f"model's context ({max_positions} positions, the max_position_embeddings of the student's config.json); "
-            "lower sampling.max_new_tokens, task.difficulty or task.max_value"
+            f"models' context ({max_positions} positions, the smaller max_position_embeddings of the student's and "
+            "the teacher's config.json); lower sampling.max_new_tokens, task.difficulty or task.max_value"
         )
     return data
 

@@ -198,3 +198,18 @@ def test_extrapolation_with_the_real_probe_logs_every_jump_and_the_update_geomet
     for module, (norm, rank1, align) in geometry[4].items():
         assert norm > 0 and 0 < rank1 <= 1 and -1 <= align <= 1, module
         assert geometry[2][module][2] is None
+
+
+def test_prompts_must_fit_the_teachers_context_too(models, tmp_path):  # noqa: F811
+    """The teacher scores the whole of prompt + answer: a teacher with a shorter context than
+    the student's is refused before anything runs, naming its context."""
+    import shutil
+
+    teacher = tmp_path / "short-teacher"
+    shutil.copytree(models / "student", teacher)
+    config = json.loads((teacher / "config.json").read_text())
+    config["max_position_embeddings"] = 16  # the default task's prompts (11) + 12 new tokens do not fit
+    (teacher / "config.json").write_text(json.dumps(config))
+    cfg = _config(models, tmp_path, **{"teacher.path": str(teacher)})
+    with pytest.raises(ValueError, match=r"is longer than the models' context \(16 positions, the smaller "):
+        Trainer(cfg, progress=False)

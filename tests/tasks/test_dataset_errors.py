@@ -88,9 +88,9 @@ def test_dataset_prompts_too_long_for_the_context_name_every_row(tmp_path):
     with pytest.raises(DatasetError) as err:
         _dataset_task(path, max_new_tokens=16, max_positions=32)
     assert str(err.value) == (
-        f"{path}: rows 2, 4: prompt + sampling.max_new_tokens (16) is longer than the model's context (32 positions; "
-        "longest prompt 42 tokens), the max_position_embeddings of the student's config.json; shorten those prompts, "
-        "drop them, or lower sampling.max_new_tokens")
+        f"{path}: rows 2, 4: prompt + sampling.max_new_tokens (16) is longer than the models' context (32 "
+        "positions; longest prompt 42 tokens), the smaller max_position_embeddings of the student's and the "
+        "teacher's config.json; shorten those prompts, drop them, or lower sampling.max_new_tokens")
     # exactly filling the context is fine: 22 + 10 = 32
     path = _lines(tmp_path / "e.jsonl", [{"q": "1+2="}, {"q": "1+" * 10 + "1="}])
     assert _dataset_task(path, max_new_tokens=10, max_positions=32).prompt_slots == 22
@@ -102,9 +102,9 @@ def test_builtin_prompts_too_long_for_the_context_name_the_fields(tmp_path):
         make_task(task, build_tokenizer(), max_new_tokens=120, max_positions=128)
     assert str(err.value) == (
         "task.name = arith: the longest prompt (34 tokens at task.difficulty = 8, task.max_value = 999) + the answer "
-        "(120 tokens: sampling.max_new_tokens = 120, longest solution 104) is longer than the model's context "
-        "(128 positions, the max_position_embeddings of the student's config.json); lower sampling.max_new_tokens, "
-        "task.difficulty or task.max_value")
+        "(120 tokens: sampling.max_new_tokens = 120, longest solution 104) is longer than the models' context "
+        "(128 positions, the smaller max_position_embeddings of the student's and the teacher's config.json); "
+        "lower sampling.max_new_tokens, task.difficulty or task.max_value")
     # the evaluation's own answers count too: sampling.max_new_tokens below them does not hide them
     with pytest.raises(ValueError, match=r"the answer \(104 tokens: sampling.max_new_tokens = 28, longest solution 104\)"):
         make_task(task, build_tokenizer(), max_new_tokens=28, max_positions=128)

@@ -57,7 +57,7 @@ def test_a_prompt_too_long_for_the_model_names_its_rows(tmp_path):
     cfg = _config(tmp_path, data, **{"task.prompt_field": "prompt"})
     tokenizer = load_tokenizer(resolve_model_path("builtin:student"))
     with pytest.raises(DatasetError, match=r"long.jsonl: rows 2: prompt \+ sampling.max_new_tokens \(28\) is longer "
-                                           r"than the model's context \(128 positions; longest prompt 124 tokens\)"):
+                                           r"than the models' context \(128 positions; longest prompt 124 tokens\)"):
         DatasetTask(cfg.task, tokenizer, max_new_tokens=28, max_positions=128)
 
 
