@@ -143,14 +143,21 @@ def _apply(optimizer: optax.GradientTransformation, state: TrainState, acc: Accu
     metrics (:func:`asyncopd_jax.learner.faults.step_is_finite`) and stops. The update
     norm is checked too because a finite loss can still give a non-finite update (e.g. an
     infinite learning rate), which would only show in the next step's loss.
+
+    A mini-batch with no tokens to learn from (``total`` = 0: every row dropped as
+    non-finite) is not a fault but must not move the weights either: Adam's momentum alone
+    would. Its parameters and moments stay, its step counts (the policy version advances
+    with the same weights), and it reports ``update_norm`` 0.
     """
     grads, loss, metrics = acc
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
-    params, opt_state = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old),
+    applied = finite & (total > 0)
+    params, opt_state = jax.tree_util.tree_map(lambda new, old: jnp.where(applied, new, old),
                                                (params, opt_state), (state.params, state.opt_state))
+    update_norm = jnp.where(total > 0, update_norm, 0.0)  # a non-finite norm with tokens is kept: it stops the run
     metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "update_norm": update_norm, "tokens": total}
     return TrainState(params=params, opt_state=opt_state, step=state.step + finite.astype(state.step.dtype)), metrics
 

@@ -240,3 +240,25 @@ def test_a_nonfinite_step_leaves_the_state_unchanged(clean):
             np.testing.assert_array_equal(a, b)  # NaN == NaN here: the injected weight stays as it was
     after, metrics = step(start, clean)
     assert int(after.step) == 1 and np.isfinite(float(metrics["update_norm"]))
+
+
+def test_a_batch_with_every_row_dropped_does_not_move_the_weights(clean):
+    """After one good Adam step the first moment is non-zero, so a zero gradient would
+    still move the weights. A batch whose every row is non-finite has no token to learn
+    from: parameters and moments stay, the step counts (the run goes on), ``update_norm``
+    is 0 and ``nonfinite_rows`` is the batch size."""
+    optimizer = optax.adam(1e-2)
+    graphdef, state = create_train_state(tiny_decoder(0, scale=0.7), optimizer)
+    step = make_train_step(graphdef, optimizer, PolicyLoss("forward_kl_topk"))
+    state, _ = step(state, clean)  # momentum now non-zero
+    topk = np.array(clean.cache.topk_logp)
+    topk[:, 0, 0] = np.nan  # every row's first token is a real one
+    poisoned = dataclasses.replace(clean, cache=dataclasses.replace(clean.cache, topk_logp=jnp.asarray(topk)))
+    before = jax.device_get(state)
+    after, metrics = jax.device_get(step(state, poisoned))
+    assert int(metrics["nonfinite_rows"]) == topk.shape[0] and float(metrics["tokens"]) == 0
+    assert float(metrics["update_norm"]) == 0 and np.isfinite(float(metrics["loss"]))
+    assert int(after.step) == int(before.step) + 1
+    for a, b in zip(jax.tree_util.tree_leaves((after.params, after.opt_state)),
+                    jax.tree_util.tree_leaves((before.params, before.opt_state))):
+        np.testing.assert_array_equal(a, b)
