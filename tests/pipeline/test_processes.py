@@ -83,20 +83,31 @@ def test_the_stages_run_in_their_own_processes_and_the_run_learns(models, tmp_pa
     assert not trainer.snapshot_dir.exists()  # the RAM-backed snapshots are cleaned up
 
 
-def _kill_when(trainer, role_name, committed: int, seen: set, killed: dict) -> threading.Thread:
-    """Kill ``role_name`` with SIGKILL once ``committed`` scored records exist; note every
-    record name ever seen in the spool."""
+def _claims(exchange: Path, owner: str) -> set[str]:
+    """Record names ``owner`` has claimed (a ticket to sample, a sampled group to score)."""
+    return {p.name.rsplit("@", 1)[0] + ".npz" for spool in ("tickets", "sampled")
+            for p in (exchange / spool / "claimed").glob(f"*@{owner}.npz")}
+
+
+def _kill_when(trainer, role_name, committed: int, seen: set, killed: dict,
+               while_holding: bool = False) -> threading.Thread:
+    """Kill ``role_name`` with SIGKILL once ``committed`` scored records exist (and, with
+    ``while_holding``, while it holds a claimed record: ``killed["held"]``, listed after the
+    kill, so exact); note every record name ever seen in the spool."""
 
     def watch():
-        scored = trainer.run_dir.path / "exchange" / "scored"
+        exchange = trainer.run_dir.path / "exchange"
+        scored = exchange / "scored"
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and "at" not in killed:
             if scored.is_dir():
                 seen.update(p.name for p in scored.glob("*.npz"))
             stages = getattr(trainer, "stages", None)
-            if stages is not None and len(seen) >= committed:
+            if (stages is not None and len(seen) >= committed
+                    and (not while_holding or _claims(exchange, role_name))):
                 os.kill(stages.pids[role_name], signal.SIGKILL)
                 killed["at"] = time.monotonic()
+                killed["held"] = _claims(exchange, role_name)
             time.sleep(0.005)
         while time.monotonic() < deadline and not killed.get("done"):  # keep listing until the run ends
             if scored.is_dir():
@@ -111,10 +122,19 @@ def _kill_when(trainer, role_name, committed: int, seen: set, killed: dict) -> t
     return thread
 
 
-def test_a_killed_rollout_process_stops_the_run_in_seconds_and_resume_loses_nothing(models, tmp_path):  # noqa: F811
+# A rollout process samples and scores its groups; with ``stages.scoring_processes`` the
+# teacher runs in a process of its own, which claims sampled records from a spool: killed,
+# it dies holding a claim that must be given back, not lost.
+KILLABLE = [pytest.param("rollout-0", {}, id="rollout"),
+            pytest.param("scoring-0", {"stages.scoring_processes": 1}, id="scoring")]
+
+
+@pytest.mark.parametrize("role,stages", KILLABLE)
+def test_a_killed_stage_process_stops_the_run_in_seconds_and_resume_loses_nothing(models, tmp_path, role,  # noqa: F811
+                                                                                 stages):
     cfg = _config(models, tmp_path, **{
         "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": 2,
-        "train.steps": 16, "train.checkpoint_every": 5,
+        "train.steps": 16, "train.checkpoint_every": 5, **stages,
     })
     trainer = Trainer(cfg, progress=False)
     seen: set = set()
@@ -122,16 +142,16 @@ def test_a_killed_rollout_process_stops_the_run_in_seconds_and_resume_loses_noth
     # One group per batch: at most 7 records ever exist, so the learner reaches step 5 (a
     # checkpoint) but never step 10; the records of steps 6 and 7 are committed but not
     # covered by a checkpoint when the run stops.
-    watcher = _kill_when(trainer, "rollout-0", committed=7, seen=seen, killed=killed)
+    watcher = _kill_when(trainer, role, committed=7, seen=seen, killed=killed)
     with pytest.raises(PipelineStopped) as info:
         trainer.run()
     stopped_at = time.monotonic()
     killed["done"] = True
     watcher.join(10)
-    assert "at" in killed, "the rollout process was never killed"
+    assert "at" in killed, f"{role} was never killed"
     assert stopped_at - killed["at"] < 15, f"the run took {stopped_at - killed['at']:.1f} s to stop"
     cause = info.value.__cause__
-    assert isinstance(cause, StageFailed) and "rollout-0" in str(cause) and "SIGKILL" in str(cause)
+    assert isinstance(cause, StageFailed) and role in str(cause) and "SIGKILL" in str(cause)
     for pid in trainer.stages.pids.values():  # every stage process is gone (and reaped)
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -152,21 +172,25 @@ def test_a_killed_rollout_process_stops_the_run_in_seconds_and_resume_loses_noth
     assert not (on_disk & left), "records committed before the crash were not consumed after the resume"
 
 
-def test_a_killed_stage_process_is_restarted_when_configured(models, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("role,stages", KILLABLE)
+def test_a_killed_stage_process_is_restarted_when_configured(models, tmp_path, role, stages):  # noqa: F811
     cfg = _config(models, tmp_path, **{
         "schedule.placement": "processes", "schedule.mode": "fully_async", "stages.restarts": 1, "train.steps": 10,
-        "train.checkpoint_every": 100,
+        "train.checkpoint_every": 100, **stages,
     })
     trainer = Trainer(cfg, progress=False)
     seen: set = set()
     killed: dict = {}
-    watcher = _kill_when(trainer, "rollout-0", committed=3, seen=seen, killed=killed)
+    watcher = _kill_when(trainer, role, committed=3, seen=seen, killed=killed, while_holding=True)
     trainer.run()
     killed["done"] = True
     watcher.join(10)
-    assert "at" in killed
+    assert "at" in killed and killed["held"], "the stage was not killed while holding a record"
     assert [r["step"] for r in _records(tmp_path / "t")] == list(range(1, 11))
     assert trainer.stages.restarts_left == 0
+    # what the killed process held was given back and finished by its successor (scored
+    # records are deleted only after a checkpoint, and there is none before the end)
+    assert killed["held"] <= seen | {p.name for p in (tmp_path / "t" / "exchange" / "scored").glob("*.npz")}
 
 
 def _children(pid: int) -> set[int]:
