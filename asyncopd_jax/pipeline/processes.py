@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from asyncopd_jax.config import RunConfig, StagesConfig, load_config, parse_cpu_list, save_config
+from asyncopd_jax.pipeline.heap import HeapTrimmer
 from asyncopd_jax.pipeline.spool import Spool, group_from_record, read_record
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
@@ -216,7 +217,9 @@ def run_stage(exchange_dir: str | Path, role: str, index: int, cores: Sequence[i
         inbox = exchange.tickets if role == "rollout" else exchange.sampled
         outbox = exchange.scored if (role == "scoring" or not layout["scoring_processes"]) else exchange.sampled
         last_dump = time.monotonic()
+        trim_heap = HeapTrimmer()
         while not should_stop():
+            trim_heap()
             claim = inbox.claim(name)
             if claim is None:
                 time.sleep(POLL_SECONDS)

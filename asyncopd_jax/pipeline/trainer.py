@@ -58,6 +58,7 @@ from asyncopd_jax.learner.optimizer import learning_rate_schedule
 from asyncopd_jax.models import Decoder, check_same_vocabulary, from_pretrained, load_tokenizer, save_pretrained
 from asyncopd_jax.pipeline.diagnostics import ProbeDiagnostics
 from asyncopd_jax.pipeline.fixed_lag import FixedLagRollouts
+from asyncopd_jax.pipeline.heap import HeapTrimmer
 from asyncopd_jax.pipeline.processes import Exchange, StageProcesses, default_snapshot_dir, plan_stages
 from asyncopd_jax.pipeline.reward_stage import RewardStage
 from asyncopd_jax.pipeline.rollout import GroupProducer, RolloutPool
@@ -331,6 +332,7 @@ class Trainer:
         bar = _progress(self.start_step, cfg.train.steps, enabled=self.progress and self.leader)
         step = self.start_step
         throughput = _Throughput()
+        trim_heap = HeapTrimmer()  # resident memory flat over days (pipeline/heap.py)
         try:
             while step < cfg.train.steps:
                 with self.tracer.span("wait_for_rollouts"):
@@ -344,6 +346,7 @@ class Trainer:
                 buffer.finish_batch()
                 if step // cfg.train.checkpoint_every > last_checkpoint_slot or step >= cfg.train.steps:
                     self._checkpoint(step, pool)
+                trim_heap()
         except KeyboardInterrupt:
             self._checkpoint(step, pool)
             raise
