@@ -368,6 +368,9 @@ class StageProcesses:
             done, self._consumed = self._consumed, []
         for name in done:
             self.exchange.scored.path(name).unlink(missing_ok=True)
+        with self._lock:  # deleted: never listed again, so forget them (the sets stay bounded)
+            self._seen.difference_update(done)
+            self._admitted.difference_update(int(name) for name in done)
 
     # --- the three threads ------------------------------------------------------------------
 

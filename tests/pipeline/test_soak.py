@@ -85,13 +85,20 @@ def test_soak(models, tmp_path):  # noqa: F811
     short = max(STEPS // 40, 25)
     rates = [short / (t[a + short] - t[a]) for a in range(WINDOW, len(t) - short, short)]
     early, late = rates[: len(rates) // 2], rates[len(rates) // 2:]
-    warm = [s for s in samples if s[0] >= WINDOW] or samples  # after compilation and warm-up
+    # After compilation and warm-up, before the end of the run (its final checkpoint,
+    # evaluation and saved student allocate once, not per step).
+    warm = [s for s in samples if WINDOW <= s[0] < STEPS] or samples
     rss = [s[1] / 1024 for s in warm]
     half = len(warm) // 2
     files, threads = [s[2] for s in warm], [s[3] for s in warm]
-    quarters = [rss[min(int(q * len(rss)), len(rss) - 1)] for q in (0, 0.25, 0.5, 0.75, 1)]
+    tenths = [rss[min(int(q * len(rss)), len(rss) - 1)] for q in np.linspace(0, 1, 11)]
+    # the trend of the second half (KB per step): a leak is a steady slope, freed memory the
+    # allocator still holds between heap trims (pipeline/heap.py) is noise around it
+    late_steps, late_rss = np.array([s[0] for s in warm[half:]]), np.array(rss[half:])
+    slope_kb = float(np.polyfit(late_steps, late_rss, 1)[0] * 1024)
     print(f"\nsoak: {STEPS} steps in {seconds:.0f} s, {len(kills)} rollout processes killed; RSS from step "
-          f"{warm[0][0]} at quarters of the run {' → '.join(f'{x:.0f}' for x in quarters)} MiB; staleness max "
+          f"{warm[0][0]} to {warm[-1][0]} at tenths of the run {' → '.join(f'{x:.0f}' for x in tenths)} MiB "
+          f"(second half trend {slope_kb:+.2f} KB/step); staleness max "
           f"{worst} (η = {eta}); steps/s: first {WINDOW} {WINDOW / (t[WINDOW] - t[0]):.1f} (compilation "
           f"included), last {WINDOW} {WINDOW / (t[-1] - t[-1 - WINDOW]):.1f}; {short}-step windows after the "
           f"warm-up: first half median {np.median(early):.1f} best {max(early):.1f}, second half median "
@@ -99,7 +106,8 @@ def test_soak(models, tmp_path):  # noqa: F811
           f"{min(threads)}–{max(threads)}")
     assert worst <= eta
     assert kills, "no rollout process was killed"
-    assert rss[-1] <= 1.15 * rss[0] + 64, quarters  # flat: no per-step growth
+    assert max(rss[half:]) <= 1.05 * rss[0] + 32, tenths  # flat: no per-step growth
+    assert slope_kb < 2, slope_kb  # < 2 KB per step: < 2 GB over a million steps
     assert max(late) >= 0.7 * max(early), (early, late)
     # bounded: the second half never holds more than the first half's peak (plus slack)
     assert max(files[half:]) <= max(files[:half]) + 4, files
