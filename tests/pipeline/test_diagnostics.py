@@ -6,6 +6,7 @@ import json
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from asyncopd_jax.pipeline.diagnostics import exact_kls
 from asyncopd_jax.pipeline.trainer import Trainer
@@ -28,6 +29,7 @@ def test_exact_kls_match_numpy_over_masked_positions_in_uneven_chunks():
         np.testing.assert_allclose(got[name], per_token[mask].mean(), rtol=1e-4, err_msg=name)
 
 
+@pytest.mark.slow  # CI time (~40 s): the exact-KL test above runs in CI
 def test_a_run_logs_the_probe_kls_every_few_steps(models, tmp_path):  # noqa: F811
     cfg = _config(models, tmp_path, **{"schedule.mode": "fixed_lag", "schedule.lag": 2, "train.steps": 8,
                                        "train.diagnostics_every": 4, "train.diagnostic_prompts": 16})

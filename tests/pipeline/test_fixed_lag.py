@@ -35,6 +35,7 @@ def test_every_token_is_exactly_lag_versions_old_and_the_run_repeats(models, tmp
     assert abs(other[-1]["loss"] - records[-1]["loss"]) > 1e-4
 
 
+@pytest.mark.slow  # CI time: the exact-lag test above runs in CI
 def test_lag_zero_is_the_sync_schedule_step_for_step(models, tmp_path):  # noqa: F811
     fixed = _run(models, tmp_path, "fixed", **{"schedule.mode": "fixed_lag", "schedule.lag": 0})
     sync = _run(models, tmp_path, "sync", **{"schedule.mode": "sync"})

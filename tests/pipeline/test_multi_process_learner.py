@@ -11,12 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from asyncopd_jax.config import save_config
 from tests.pipeline.test_trainer import _config, _kl_start_end, models  # noqa: F401 - fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # CI time: tests/learner/test_distributed.py runs a two-process learner in CI
 def test_a_learner_over_two_processes_runs_the_pipeline(models, tmp_path):  # noqa: F811
     cfg = _config(models, tmp_path, **{
         "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": 2,

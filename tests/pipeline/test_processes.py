@@ -128,11 +128,16 @@ def _kill_when(trainer, role_name, committed: int, seen: set, killed: dict,
 # A rollout process samples and scores its groups; with ``stages.scoring_processes`` the
 # teacher runs in a process of its own, which claims sampled records from a spool: killed,
 # it dies holding a claim that must be given back, not lost.
-KILLABLE = [pytest.param("rollout-0", {}, id="rollout"),
-            pytest.param("scoring-0", {"stages.scoring_processes": 1}, id="scoring")]
+# CI time: each test runs one of the two roles in CI and the other with -m slow.
+ROLLOUT = pytest.param("rollout-0", {}, id="rollout")
+SCORING = pytest.param("scoring-0", {"stages.scoring_processes": 1}, id="scoring")
 
 
-@pytest.mark.parametrize("role,stages", KILLABLE)
+def _slow(param):
+    return pytest.param(*param.values, marks=pytest.mark.slow, id=param.id)
+
+
+@pytest.mark.parametrize("role,stages", [ROLLOUT, _slow(SCORING)])
 def test_a_killed_stage_process_stops_the_run_in_seconds_and_resume_loses_nothing(models, tmp_path, role,  # noqa: F811
                                                                                  stages):
     cfg = _config(models, tmp_path, **{
@@ -175,7 +180,7 @@ def test_a_killed_stage_process_stops_the_run_in_seconds_and_resume_loses_nothin
     assert not (on_disk & left), "records committed before the crash were not consumed after the resume"
 
 
-@pytest.mark.parametrize("role,stages", KILLABLE)
+@pytest.mark.parametrize("role,stages", [_slow(ROLLOUT), SCORING])
 def test_a_killed_stage_process_is_restarted_when_configured(models, tmp_path, role, stages):  # noqa: F811
     cfg = _config(models, tmp_path, **{
         "schedule.placement": "processes", "schedule.mode": "fully_async", "stages.restarts": 1, "train.steps": 10,

@@ -15,7 +15,7 @@ from asyncopd_jax.pipeline.trainer import Trainer
 RL_CONFIG = configs.RL
 
 
-@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("fully_async", marks=pytest.mark.slow)])  # CI time
 def test_rl_raises_the_verifier_reward_from_the_warm_start(tmp_path, mode):
     steps = 40
     cfg = load_config(RL_CONFIG, [

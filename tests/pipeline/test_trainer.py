@@ -150,6 +150,7 @@ def _leaves(tree):
     return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+@pytest.mark.slow  # CI time: the real-probe extrapolation test below runs in CI
 def test_extrapolation_in_the_learner_accepts_what_helps_and_rolls_back_exactly_what_does_not(models, tmp_path):
     """After step 1 (an extrapolation point) with D = θ₁ − θ₀: a probe that rewards moving
     further keeps θ₀ + 11·D on attention/MLP weights (all five factors tried, each better)
