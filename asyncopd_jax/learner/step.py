@@ -154,10 +154,10 @@ def _apply(optimizer: optax.GradientTransformation, state: TrainState, acc: Accu
     params = optax.apply_updates(state.params, updates)
     grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
-    applied = finite & (total > 0)
-    params, opt_state = jax.tree_util.tree_map(lambda new, old: jnp.where(applied, new, old),
+    has_tokens = total > 0
+    params, opt_state = jax.tree_util.tree_map(lambda new, old: jnp.where(finite & has_tokens, new, old),
                                                (params, opt_state), (state.params, state.opt_state))
-    update_norm = jnp.where(total > 0, update_norm, 0.0)  # a non-finite norm with tokens is kept: it stops the run
+    update_norm = jnp.where(has_tokens, update_norm, 0.0)  # a non-finite norm with tokens is kept: it stops the run
     metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "update_norm": update_norm, "tokens": total}
     return TrainState(params=params, opt_state=opt_state, step=state.step + finite.astype(state.step.dtype)), metrics
 

@@ -75,7 +75,7 @@ class Tracer:
         """This process's kept events and its count of dropped ones (written atomically),
         for the learner to merge."""
         with self._lock:
-            record = {"events": list(self._events), "dropped": self.dropped}
+            record = {"process": self.process, "events": list(self._events), "dropped": self.dropped}
         write_text_atomically(path, json.dumps(record))
 
     def write(self, path: str | Path, others: Iterable[Path] = ()) -> None:
@@ -88,8 +88,7 @@ class Tracer:
             except (OSError, ValueError):
                 continue  # a process that never dumped, or was killed mid-write (dump is atomic)
             events += record["events"]
-            if record["events"]:
-                dropped[record["events"][0]["pid"]] = record["dropped"]
+            dropped[record["process"]] = record["dropped"]
         # Chrome's format wants numeric process and thread ids; name them with metadata events.
         processes = sorted({e["pid"] for e in events} | {self.process}, key=lambda p: (p != self.process, p))
         pids = {name: i for i, name in enumerate(processes)}
