@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from asyncopd_jax.studies.report import Report, mean_spread, pyplot
-from asyncopd_jax.studies.training_runs import exact_staleness_note, fixed_lag_sets, run_trainings
+from asyncopd_jax.studies.training_runs import fixed_lag_sets, run_trainings
+from asyncopd_jax.studies.verdicts import exact_staleness_note, student_before, trains
 
 # estimator → the cache it needs (top-K and N = 8 everywhere, as in the demo)
 ESTIMATORS: dict[str, list[str]] = {
@@ -68,11 +69,17 @@ def run(out_dir: str | Path, work_dir: str | Path, *, quick: bool = False, seeds
     return _write_report(Path(out_dir), results, s, seeds, command)
 
 
-def _final(result: dict, key: str) -> float:
+def _statistic(result: dict, key: str) -> float:
+    """One number of a run: ``accuracy`` (held-out, at the end), ``drift`` (the probe's
+    KL(π_t ‖ π_{t−k}), mean over the run), ``largest_ratio`` (the largest π_θ/μ of an emitted
+    token in the run) or the last value of a logged metric (``probe_reverse_kl``, …)."""
     if key == "accuracy":
         return float(result["summary"].get("student_after", np.nan))
-    values = [r[key] for r in result["records"] if key in r]
-    return float(values[-1]) if values else np.nan
+    column = {"drift": "probe_drift_kl", "largest_ratio": "importance_ratio_max"}.get(key, key)
+    values = [r[column] for r in result["records"] if column in r]
+    if not values:
+        return np.nan
+    return float(np.mean(values) if key == "drift" else np.max(values) if key == "largest_ratio" else values[-1])
 
 
 def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command: str) -> Path:
@@ -85,14 +92,12 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
                 f"old), seeds 0–{seeds - 1}. Accuracy: held-out, greedy, {s.eval_prompts} problems, after the last "
                 f"step. KLs: exact over the vocabulary, per token, on {s.probe_prompts} probe prompts answered by the "
                 "student (measured before the last batch of steps). \"a ± b\": mean ± half-range over seeds.")
-    teacher = [r["summary"].get("teacher_accuracy") for r in results.values() if r["summary"]]
-    before = [r["summary"].get("student_before") for r in results.values() if r["summary"]]
-    if teacher:
-        report.text(f"Teacher: {100 * teacher[0]:.1f} %; student before distillation: {100 * before[0]:.1f} %.")
+    teacher, before = student_before(results)
+    report.text(f"Teacher: {100 * teacher:.1f} %; student before distillation: {100 * before:.1f} %.")
     report.text(exact_staleness_note(results, lambda key: key[1]))
 
     def values(estimator, lag, lr, key):
-        return [_final(results[estimator, lag, lr, seed], key) for seed in range(seeds)]
+        return [_statistic(results[estimator, lag, lr, seed], key) for seed in range(seeds)]
 
     for lr in s.learning_rates:
         report.heading(f"Learning rate {lr:g}")
@@ -102,6 +107,10 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         report.table(["final KL(π ‖ q) / KL(q ‖ π)", *[f"k = {k}" for k in s.lags]],
                      [[e, *[f"{np.nanmean(values(e, k, lr, 'probe_reverse_kl')):.3g} / "
                             f"{np.nanmean(values(e, k, lr, 'probe_forward_kl')):.3g}" for k in s.lags]]
+                      for e in ESTIMATORS])
+        report.table(["drift KL(π_t ‖ π_t−k), run mean / largest π_θ/μ", *[f"k = {k}" for k in s.lags]],
+                     [[e, *[f"{np.nanmean(values(e, k, lr, 'drift')):.3g} / "
+                            f"{np.nanmean(values(e, k, lr, 'largest_ratio')):.3g}" for k in s.lags]]
                       for e in ESTIMATORS])
         failed = [f"{e} k = {k} seed {seed}: {results[e, k, lr, seed]['error']}" for e in ESTIMATORS
                   for k in s.lags for seed in range(seeds) if results[e, k, lr, seed]["error"]]
@@ -128,31 +137,57 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         plt.close(fig)
 
     report.heading("Verdict")
-    report.text(_verdict(values, s, seeds))
+    report.text(_verdict(values, s, seeds, before))
     report.config("Settings of every run (asyncopd_jax/configs/demo.yaml plus these overrides)",
                   {f"{e}, k={k}, lr={lr:g}, seed={seed}": results[e, k, lr, seed]["sets"]
                    for (e, k, lr, seed) in results})
     return report.write()
 
 
-def _verdict(values, s: Settings, seeds: int) -> str:
+def _verdict(values, s: Settings, seeds: int, before: float) -> str:
+    """Finding 1 from the accuracies: per learning rate, the accuracy each direction loses from
+    k = 0 to the largest k (per seed, mean over the direction's estimators that train at k = 0,
+    :func:`verdicts.trains`), and each estimator's path with the first k at which it falls
+    under half its k = 0 accuracy."""
     k_max = max(s.lags)
     parts = []
     for lr in s.learning_rates:
-        def drop(estimator):  # accuracy lost from k = 0 to the largest lag, per seed
-            return np.array(values(estimator, 0, lr, "accuracy")) - np.array(values(estimator, k_max, lr, "accuracy"))
+        def accuracy(estimator, lag):
+            return np.array(values(estimator, lag, lr, "accuracy"))
 
-        forward = np.mean([drop(e) for e in FORWARD], axis=0)
-        reverse = np.mean([drop(e) for e in ESTIMATORS if e not in FORWARD], axis=0)
-        gap = reverse - forward  # per seed
+        def path(estimator):
+            start = np.mean(accuracy(estimator, 0))
+            text = (f"{estimator} {mean_spread(100 * accuracy(estimator, 0))} → "
+                    f"{mean_spread(100 * accuracy(estimator, k_max))} %")
+            low = [k for k in s.lags if k > 0 and np.mean(accuracy(estimator, k)) < start / 2]
+            if low:
+                ratio = np.nanmean(values(estimator, low[0], lr, "largest_ratio"))
+                text += f" (under half from k = {low[0]}, largest π_θ/μ there {ratio:.3g})"
+            return text
+
+        trained = [e for e in ESTIMATORS if trains(accuracy(e, 0), before)]
+        left_out = [f"{e} ({mean_spread(100 * accuracy(e, 0))} % at k = 0)" for e in ESTIMATORS if e not in trained]
+        forward = [e for e in trained if e in FORWARD]
+        reverse = [e for e in trained if e not in FORWARD]
+        text = f"At learning rate {lr:g}, from k = 0 to k = {k_max}: {'; '.join(path(e) for e in trained)}."
+        if left_out:
+            text += (f" Left out, as they do not train without staleness (under {100 * before:.1f} + 10 points): "
+                     f"{', '.join(left_out)}.")
+        if not forward or not reverse:
+            parts.append(text + " Verdict: no comparison (a direction has no estimator that trains at k = 0).")
+            continue
+
+        def drop(estimators):  # per seed: accuracy lost from k = 0 to the largest lag, mean over estimators
+            return np.mean([accuracy(e, 0) - accuracy(e, k_max) for e in estimators], axis=0)
+
+        gap = drop(reverse) - drop(forward)  # per seed
         if np.all(gap > 0.02):
             verdict = "reproduced"
         elif np.mean(gap) > 0.02:
             verdict = "partly reproduced (not on every seed)"
         else:
             verdict = "not reproduced"
-        parts.append(f"At learning rate {lr:g}, going from k = 0 to k = {k_max} costs the forward-KL estimators "
-                     f"{100 * np.mean(forward):.1f} points of accuracy on average and the reverse-KL estimators "
-                     f"{100 * np.mean(reverse):.1f} (per seed, reverse minus forward: "
-                     f"{', '.join(f'{100 * g:+.1f}' for g in gap)} points): {verdict}.")
+        parts.append(text + f" The forward-KL estimators lose {100 * np.mean(drop(forward)):.1f} points on average, "
+                     f"the reverse-KL estimators {100 * np.mean(drop(reverse)):.1f} (per seed, reverse minus forward: "
+                     f"{', '.join(f'{100 * g:+.1f}' for g in gap)} points). Verdict: {verdict}.")
     return "Finding 1 (forward KL is robust to staleness, reverse KL vulnerable): " + " ".join(parts)

@@ -146,21 +146,6 @@ def _append(path: Path, line: Mapping[str, Any]) -> None:
         f.write(json.dumps(line, separators=(",", ":")) + "\n")
 
 
-def exact_staleness_note(results: Mapping[Hashable, Mapping[str, Any]], lag_of: Callable[[Hashable], int]) -> str:
-    """A report's sentence on ``fixed_lag``: whether, in every run, every token consumed
-    after step k was exactly k versions old (staleness mean = max = k at each step)."""
-    wrong = []
-    for key, result in results.items():
-        lag = lag_of(key)
-        late = [r for r in result["records"] if r["step"] > lag and "staleness_max" in r]
-        if not late or any(r["staleness_max"] != lag or r["staleness_mean"] != lag for r in late):
-            wrong.append(str(key))
-    if wrong:
-        return f"Staleness was NOT exactly k after step k in {len(wrong)} runs: {', '.join(wrong)}."
-    return (f"Staleness: in all {len(results)} runs, every token consumed after step k was exactly k versions old "
-            "(the per-step staleness mean and maximum in metrics.jsonl both equal k).")
-
-
 # --- running what is missing -------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncopd_jax.studies.training_runs import compact, exact_staleness_note, expand, read_ledger, run_trainings
+from asyncopd_jax.studies.training_runs import compact, expand, read_ledger, run_trainings
 
 RESULT = {
     "sets": ["seed=0", "schedule.lag=2"],
@@ -83,24 +83,6 @@ def test_side_by_side_runs_are_pinned_to_disjoint_shares_of_the_cores(tmp_path):
     assert len(shares) == 2  # both workers ran something, each on its own share
     first, second = shares
     assert not set(first) & set(second) and set(first) | set(second) == set(cores)
-
-
-def _lagged(lag: int, steps: int, off_at: int | None = None) -> dict:
-    records = [{"step": t, "staleness_mean": float(min(t - 1, lag)), "staleness_max": min(t - 1, lag)}
-               for t in range(1, steps + 1)]
-    if off_at is not None:
-        records[off_at - 1]["staleness_mean"] = lag - 0.5  # one token a version fresher than k
-    return {"records": records}
-
-
-def test_the_staleness_note_checks_every_step_after_k():
-    good = {("e", 0): _lagged(0, 5), ("e", 3): _lagged(3, 6)}
-    assert exact_staleness_note(good, lambda key: key[1]).startswith("Staleness: in all 2 runs")
-    bad = {**good, ("e", 2): _lagged(2, 6, off_at=5)}
-    assert exact_staleness_note(bad, lambda key: key[1]) == \
-        "Staleness was NOT exactly k after step k in 1 runs: ('e', 2)."
-    # a run that never got past step k proves nothing
-    assert "NOT" in exact_staleness_note({("e", 4): _lagged(4, 4)}, lambda key: key[1])
 
 
 def test_a_run_another_study_holds_with_the_same_settings_is_copied_not_trained(tmp_path):
