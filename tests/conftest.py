@@ -8,6 +8,22 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+# One persistent XLA compilation cache per test session, shared with the stage processes the
+# tests start (they inherit the environment): the end-to-end tests build the same models and
+# step functions over and over, and most of their time is compilation. The cache is new for each
+# session (nothing carries over from another run or JAX version) and removed at its end; it
+# is keyed by the computation, so a changed function never hits a stale entry.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not os.environ.get("MUTANT_UNDER_TEST"):
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="asyncopd-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"  # skip the many trivial ops
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
 # Under mutation testing (tools/mutation.sh) a failing property test need not be shrunk to
 # a minimal example: the failure alone kills the mutant, and shrinking costs minutes.
 if os.environ.get("MUTANT_UNDER_TEST"):

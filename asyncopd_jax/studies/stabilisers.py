@@ -143,8 +143,9 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
 def _verdict(summary: dict, s: Settings, seeds: int, before: float) -> str:
     """Finding 2 from the accuracies: at each k, the best stabiliser (N = 1: they work on the
     emitted token) against recompute + IS with the same N = 1 and with N = 8 candidates.
-    A lag at which none of the three trains (:func:`verdicts.trains`) is no evidence."""
-    parts, beaten, matched_only, evidence = [], [], [], []
+    A lag at which none of the three trains (:func:`verdicts.trains`) is no evidence; one at
+    which only recompute with N = 8 trains is named (the comparison there is also one of N)."""
+    parts, beaten, matched_only, evidence, only_n8 = [], [], [], [], []
     for lag in s.lags:
         def accuracies(variant, n):
             return np.array([summary[variant, n, lag, seed]["accuracy"] for seed in range(seeds)])
@@ -157,6 +158,8 @@ def _verdict(summary: dict, s: Settings, seeds: int, before: float) -> str:
         if not any(trains(a, before) for a in (stabiliser, recompute1, recompute8)):
             continue
         evidence.append(lag)
+        if not trains(stabiliser, before) and not trains(recompute1, before):
+            only_n8.append(lag)
         gap = f"{100 * (np.mean(stabiliser) - np.mean(recompute8)):+.1f}"
         if beats(stabiliser, recompute8):
             beaten.append(f"{best} at k = {lag} by {gap} points")
@@ -165,6 +168,9 @@ def _verdict(summary: dict, s: Settings, seeds: int, before: float) -> str:
     floor = (f" No evidence at k = {', '.join(str(k) for k in s.lags if k not in evidence)}: neither the best "
              f"stabiliser nor recompute trains there (mean accuracy under {100 * before:.1f} + 10 points)."
              if len(evidence) < len(s.lags) else "")
+    if only_n8:
+        floor += (f" At k = {', '.join(str(k) for k in only_n8)} nothing with N = 1 trains (stabilisers or recompute), "
+                  "so there recompute's lead is also that of its 8 candidates per position.")
     if beaten:
         verdict = "not reproduced: " + "; ".join(beaten) + " over recompute with N = 8 (more than the seeds' spread)"
     elif matched_only:

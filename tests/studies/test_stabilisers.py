@@ -82,6 +82,20 @@ def test_a_lag_where_nothing_trains_is_no_evidence():
     text = _verdict(_summary(at_two, lags), settings, seeds=2, before=BEFORE)
     assert "not reproduced: m2po at k = 2 by +5.0 points" in text and "k = 4 by" not in text, text
     assert "No evidence at k = 4: neither the best stabiliser nor recompute trains there" in text, text
+    assert "nothing with N = 1 trains" not in text
+
+
+def test_a_lead_that_only_n8_recompute_has_is_named_as_such():
+    def only_n8(variant, n, lag, seed):  # recompute + IS trains with 8 candidates; nothing with N = 1 does
+        return 0.4 if (variant, n) == ("recompute + IS", 8) else BEFORE
+    text = _verdict(_summary(only_n8), QUICK, seeds=2, before=BEFORE)
+    assert "At k = 2 nothing with N = 1 trains (stabilisers or recompute), so there recompute's lead is also " \
+           "that of its 8 candidates per position." in text, text
+    assert text.endswith("Verdict: reproduced: no stabiliser beats recomputing by more than the seeds' spread."), text
+
+    def recompute_n1_trains_too(variant, n, lag, seed):
+        return 0.3 if (variant, n) == ("recompute + IS", 1) else only_n8(variant, n, lag, seed)
+    assert "nothing with N = 1 trains" not in _verdict(_summary(recompute_n1_trains_too), QUICK, seeds=2, before=BEFORE)
 
 
 @pytest.mark.slow
