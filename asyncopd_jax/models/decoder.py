@@ -152,7 +152,16 @@ class Decoder(nnx.Module):
     ``model(input_ids)`` returns fp32 logits ``[B, S, V]``; row s is the distribution of
     token s + 1. Use :meth:`forward` for the KV-cache path and :meth:`hidden_states` +
     :meth:`lm_head_weight` for the fused log-prob gather.
+
+    ``vocab_limit`` (default None: all ``config.vocab_size`` rows) narrows the output to
+    the first ``vocab_limit`` ids: a teacher and a student that share one tokenizer but pad
+    their embeddings to different sizes (Qwen2.5 0.5B: 151,936 rows, 7B: 152,064) are
+    compared over the ids both have, so ``V`` is the same on both sides. The softmax over
+    the narrower output is the model's distribution conditioned on a real token (the
+    padding rows are never a tokenizer's output). Set it before splitting the model.
     """
+
+    vocab_limit: int | None = None
 
     def __init__(self, config: DecoderConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
         self.config = config
@@ -219,10 +228,13 @@ class Decoder(nnx.Module):
         return hidden
 
     def lm_head_weight(self) -> Array:
-        """``[H, V]`` output projection (the embedding's transpose when tied)."""
+        """``[H, V]`` output projection (the embedding's transpose when tied), V =
+        ``vocab_limit`` or ``config.vocab_size``."""
         if self.config.tie_word_embeddings:
-            return self.embed_tokens.embedding[...].T
-        return self.lm_head.kernel[...]
+            head = self.embed_tokens.embedding[...].T
+        else:
+            head = self.lm_head.kernel[...]
+        return head if self.vocab_limit is None else head[:, : self.vocab_limit]
 
     def logits(self, hidden: Array) -> Array:
         """``[..., H]`` hidden states → fp32 logits ``[..., V]``."""

@@ -63,22 +63,12 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str], *, ch
     return encoded
 
 
-def check_same_vocabulary(
-    student: PreTrainedTokenizerBase,
-    teacher: PreTrainedTokenizerBase,
-    *,
-    student_vocab_size: int | None = None,
-    teacher_vocab_size: int | None = None,
-) -> None:
+def check_same_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> None:
     """Fail unless teacher and student map every token string to the same id.
 
     Distillation compares the two models' distributions id by id, so any difference in
-    the vocabularies (or in the models' logit widths) silently pairs unrelated tokens.
-
-    Args:
-      student, teacher: the two tokenizers.
-      student_vocab_size, teacher_vocab_size: the models' ``vocab_size`` (embedding rows,
-        often padded beyond the tokenizer), checked equal when given.
+    the vocabularies silently pairs unrelated tokens. (The models' logit widths may still
+    differ by padding: :func:`shared_vocab_size`.)
 
     Raises:
       ValueError: naming both tokenizers and saying how they differ (sizes, and the first
@@ -92,9 +82,34 @@ def check_same_vocabulary(
     if differing:
         examples = ", ".join(f"{tok!r}: student {s_vocab.get(tok)} vs teacher {t_vocab.get(tok)}" for tok in differing[:5])
         problems.append(f"{len(differing)} tokens map to different ids (e.g. {examples})")
-    if student_vocab_size is not None and teacher_vocab_size is not None and student_vocab_size != teacher_vocab_size:
-        problems.append(f"model vocab_size differs: student {student_vocab_size}, teacher {teacher_vocab_size}")
     if problems:
-        names = f"student {student.name_or_path or '(unnamed)'}, teacher {teacher.name_or_path or '(unnamed)'}"
-        raise ValueError(f"teacher and student vocabularies differ ({names}): " + "; ".join(problems)
+        raise ValueError(f"teacher and student vocabularies differ ({_names(student, teacher)}): " + "; ".join(problems)
                          + "; pick a teacher and student that share one tokenizer (the same model family)")
+
+
+def shared_vocab_size(tokenizer: PreTrainedTokenizerBase, student_vocab_size: int, teacher_vocab_size: int,
+                      ) -> int | None:
+    """The logit width both models must use, or None when their ``vocab_size`` agree.
+
+    Models of one family share a tokenizer but may pad their embeddings to different sizes
+    (Qwen2.5 0.5B: 151,936 rows, 7B: 152,064, tokenizer 151,665); the rows past the
+    tokenizer are never a real token, so both are compared over the first
+    ``min(student_vocab_size, teacher_vocab_size)`` ids (``Decoder.vocab_limit``).
+
+    Raises:
+      ValueError: a token id of the tokenizer has no row in one of the models.
+    """
+    if student_vocab_size == teacher_vocab_size:
+        return None
+    shared = min(student_vocab_size, teacher_vocab_size)
+    largest_id = max(tokenizer.get_vocab().values())
+    if largest_id >= shared:
+        smaller = "student" if student_vocab_size < teacher_vocab_size else "teacher"
+        raise ValueError(f"model vocab_size differs (student {student_vocab_size}, teacher {teacher_vocab_size}) and "
+                         f"the tokenizer's ids reach {largest_id}, past the {smaller}'s {shared} rows: the two models "
+                         "do not have a row for every token; pick a teacher and student of one family")
+    return shared
+
+
+def _names(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> str:
+    return f"student {student.name_or_path or '(unnamed)'}, teacher {teacher.name_or_path or '(unnamed)'}"

@@ -41,11 +41,13 @@ class StageWorker:
         self.scorer = None
         if scores_here and cfg.needs_teacher_scores:
             teacher = from_pretrained(resolve_model_path(cfg.teacher.path), dtype=cfg.teacher.dtype)
+            teacher.vocab_limit = layout["vocab_limit"]  # the learner's (Trainer: shared_vocab_size)
             self.scorer = TeacherScorer(teacher, cfg.scoring)
         self.producer = None
         if role == "rollout":
             directory = resolve_model_path(cfg.student.path)
             student = from_pretrained(directory, dtype=cfg.student.dtype)
+            student.vocab_limit = layout["vocab_limit"]
             data = make_task(cfg.task, load_tokenizer(directory), max_new_tokens=cfg.sampling.max_new_tokens,
                              max_positions=student.config.max_position_embeddings)
             graphdef, params = nnx.split(student)

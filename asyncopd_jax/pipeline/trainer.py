@@ -55,7 +55,8 @@ from asyncopd_jax.learner.extrapolation import Extrapolator
 from asyncopd_jax.learner.faults import nonfinite_step_error, step_is_finite
 from asyncopd_jax.learner.update_geometry import update_geometry
 from asyncopd_jax.learner.optimizer import learning_rate_schedule
-from asyncopd_jax.models import Decoder, check_same_vocabulary, from_pretrained, load_tokenizer, save_pretrained
+from asyncopd_jax.models import (Decoder, check_same_vocabulary, from_pretrained, load_tokenizer, save_pretrained,
+                                 shared_vocab_size)
 from asyncopd_jax.pipeline.diagnostics import ProbeDiagnostics
 from asyncopd_jax.pipeline.fixed_lag import FixedLagRollouts
 from asyncopd_jax.pipeline.heap import HeapTrimmer
@@ -104,10 +105,14 @@ class Trainer:
         student, tokenizer = load_model_and_tokenizer(cfg.student.path, cfg.student.dtype)
         context = student.config.max_position_embeddings
         self.teacher = None  # reward-driven RL may run without one (rl.distill_coef = 0)
+        self.vocab_limit: int | None = None
         if cfg.teacher.path:
             teacher, teacher_tokenizer = load_model_and_tokenizer(cfg.teacher.path, cfg.teacher.dtype)
-            check_same_vocabulary(tokenizer, teacher_tokenizer, student_vocab_size=student.config.vocab_size,
-                                  teacher_vocab_size=teacher.config.vocab_size)
+            check_same_vocabulary(tokenizer, teacher_tokenizer)
+            # embeddings padded to different sizes: both models output the ids they share
+            self.vocab_limit = shared_vocab_size(tokenizer, student.config.vocab_size, teacher.config.vocab_size)
+            if self.vocab_limit is not None:
+                student.vocab_limit = teacher.vocab_limit = self.vocab_limit
             self.teacher = teacher
             # the student samples prompt + answer and the teacher scores all of it: both must hold it
             context = min(context, teacher.config.max_position_embeddings)
@@ -284,7 +289,7 @@ class Trainer:
         if cfg.schedule.placement == "processes":
             _, specs = plan_stages(cfg.stages, sorted(os.sched_getaffinity(0)))
             layout = {"snapshots": str(self.snapshot_dir), "snapshot_format": self.snapshot_format, "seed": self.rollout_seed, "group_size": group,
-                      "origin": self.tracer.origin}
+                      "origin": self.tracer.origin, "vocab_limit": self.vocab_limit}
             stages = StageProcesses(cfg=cfg, exchange=Exchange(self.run_dir.path / "exchange"), buffer=buffer,
                                     specs=specs, group_size=group, first_index=self.worker_index, layout=layout,
                                     tracer=self.tracer)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from flax import nnx
 
-from asyncopd_jax.models import Decoder, check_same_vocabulary, from_pretrained, load_tokenizer, save_pretrained
+from asyncopd_jax.models import (Decoder, check_same_vocabulary, from_pretrained, load_tokenizer, save_pretrained,
+                                 shared_vocab_size)
 from asyncopd_jax.tasks.tokenizer import save_tokenizer
 from tests.models.test_tokenizer import make_tokenizer
 from tests.tiny_models import tiny_config, tiny_decoder
@@ -245,9 +246,19 @@ def test_a_vocabulary_mismatch_names_both_tokenizers(tmp_path):
     student = load_tokenizer(save_tokenizer(tmp_path / "student"))  # the built-in character tokenizer
     teacher = load_tokenizer(make_tokenizer(tmp_path / "teacher", ["x", "y"]))  # a word-level one
     with pytest.raises(ValueError) as err:
-        check_same_vocabulary(student, teacher, student_vocab_size=32, teacher_vocab_size=64)
+        check_same_vocabulary(student, teacher)
     message = _one_line(err)
     assert message.startswith(f"teacher and student vocabularies differ (student {tmp_path / 'student'}, "
                               f"teacher {tmp_path / 'teacher'}): tokenizer sizes differ: student 19, teacher 8; "), message
-    assert "model vocab_size differs: student 32, teacher 64" in message
     assert message.endswith("; pick a teacher and student that share one tokenizer (the same model family)")
+
+
+def test_models_padded_past_the_tokenizer_share_its_ids_and_no_fewer(tmp_path):
+    tokenizer = load_tokenizer(save_tokenizer(tmp_path / "t"))  # the built-in tokenizer: ids 0 .. 18
+    assert shared_vocab_size(tokenizer, 32, 32) is None
+    assert shared_vocab_size(tokenizer, 32, 40) == 32 and shared_vocab_size(tokenizer, 40, 19) == 19
+    with pytest.raises(ValueError) as err:
+        shared_vocab_size(tokenizer, 18, 32)
+    assert _one_line(err) == ("model vocab_size differs (student 18, teacher 32) and the tokenizer's ids reach 18, "
+                              "past the student's 18 rows: the two models do not have a row for every token; pick a "
+                              "teacher and student of one family")
