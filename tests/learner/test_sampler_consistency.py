@@ -129,7 +129,7 @@ def _rollout_processes(temperature: float, tmp_path: Path) -> tuple[RolloutBatch
         cfg=cfg, exchange=Exchange(tmp_path / "exchange"), buffer=buffer, group_size=4, first_index=0,
         specs=[StageSpec("rollout", 0), StageSpec("scoring", 0)], tracer=tracer,
         layout={"snapshots": str(tmp_path / "snapshots"), "snapshot_format": "safetensors", "seed": 0,
-                "group_size": 4, "origin": tracer.origin},
+                "group_size": 4, "origin": tracer.origin, "vocab_limit": None},
     )
     stages.start()
     try:
