@@ -111,8 +111,7 @@ class Trainer:
             check_same_vocabulary(tokenizer, teacher_tokenizer)
             # embeddings padded to different sizes: both models output the ids they share
             self.vocab_limit = shared_vocab_size(tokenizer, student.config.vocab_size, teacher.config.vocab_size)
-            if self.vocab_limit is not None:
-                student.vocab_limit = teacher.vocab_limit = self.vocab_limit
+            student.vocab_limit = teacher.vocab_limit = self.vocab_limit
             self.teacher = teacher
             # the student samples prompt + answer and the teacher scores all of it: both must hold it
             context = min(context, teacher.config.max_position_embeddings)

@@ -75,11 +75,10 @@ def _statistic(result: dict, key: str) -> float:
     token in the run) or the last value of a logged metric (``probe_reverse_kl``, …)."""
     if key == "accuracy":
         return float(result["summary"].get("student_after", np.nan))
-    column = {"drift": "probe_drift_kl", "largest_ratio": "importance_ratio_max"}.get(key, key)
+    column, reduce = {"drift": ("probe_drift_kl", np.mean),
+                      "largest_ratio": ("importance_ratio_max", np.max)}.get(key, (key, lambda v: v[-1]))
     values = [r[column] for r in result["records"] if column in r]
-    if not values:
-        return np.nan
-    return float(np.mean(values) if key == "drift" else np.max(values) if key == "largest_ratio" else values[-1])
+    return float(reduce(values)) if values else np.nan
 
 
 def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command: str) -> Path:

@@ -27,6 +27,7 @@ import numpy as np
 
 from asyncopd_jax.studies.report import Report, mean_spread, pyplot
 from asyncopd_jax.studies.training_runs import LEDGER_KEYS, RL, run_trainings, train
+from asyncopd_jax.studies.verdicts import student_before
 
 KEYS = (*LEDGER_KEYS, "eval_accuracy", "eval_seconds", "time")
 OBJECTIVES = {"ppo_clip": "naive PPO (ppo_clip)", "decoupled_ppo": "decoupled PPO"}
@@ -126,9 +127,9 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
                 "zero-grad tokens: share of tokens the objective's clip or mask leaves without gradient; seconds: "
                 "wall-clock of training with the held-out evaluations taken out (exact-η runs sample in the "
                 "learner's thread, so their seconds are not comparable). \"a ± b\": mean ± half-range over seeds.")
-    before = [r["summary"].get("student_before") for r in results.values() if r["summary"]]
-    if before:
-        report.text(f"Student before RL: {100 * before[0]:.1f} % held-out.")
+    _, before = student_before(results)
+    if not math.isnan(before):
+        report.text(f"Student before RL: {100 * before:.1f} % held-out.")
     summary = {key: summarise(r) for key, r in results.items()}
 
     def cell(arm, objective, field, scale=1.0, digits=3):

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from asyncopd_jax.config import load_config
-from asyncopd_jax.models import Decoder, save_pretrained
+from asyncopd_jax.models import Decoder, from_pretrained, save_pretrained
 from asyncopd_jax.pipeline.trainer import Trainer
 from asyncopd_jax.tasks.builtin import model_config, new_model
 from asyncopd_jax.tasks.tokenizer import save_tokenizer
@@ -55,8 +55,6 @@ def models(tmp_path_factory):
 
 def test_the_padded_model_differs_unless_narrowed(models):
     """The test below can fail: unnarrowed, the extra rows take most of the padded model's mass."""
-    from asyncopd_jax.models import from_pretrained
-
     base, big = from_pretrained(models / "base"), from_pretrained(models / "padded")
     ids = jnp.array([[1, 5, 7, 9, 4]])
     wide = jax.nn.softmax(big(ids), axis=-1)
