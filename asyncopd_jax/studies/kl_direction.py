@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncopd_jax.studies.report import Report, mean_spread, pyplot
-from asyncopd_jax.studies.training_runs import fixed_lag_sets, run_trainings
+from asyncopd_jax.studies.training_runs import fixed_lag_sets, mean_curve, run_trainings
 from asyncopd_jax.studies.verdicts import exact_staleness_note, student_before, trains
 
 # estimator → the cache it needs (top-K and N = 8 everywhere, as in the demo)
@@ -118,13 +118,9 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         fig, axes = plt.subplots(2, 3, figsize=(14, 7), sharex=True)
         for ax, estimator in zip(axes.ravel(), ESTIMATORS):
             for k in s.lags:
-                curves = []
-                for seed in range(seeds):
-                    recs = [r for r in results[estimator, k, lr, seed]["records"] if "probe_reverse_kl" in r]
-                    curves.append([(r["step"], r["probe_reverse_kl"]) for r in recs])
-                if curves and curves[0]:
-                    steps = [p[0] for p in curves[0]]
-                    mean = np.nanmean([[p[1] for p in c] for c in curves if len(c) == len(steps)], axis=0)
+                steps, mean = mean_curve([results[estimator, k, lr, seed] for seed in range(seeds)],
+                                         "probe_reverse_kl")
+                if steps:
                     ax.plot(steps, mean, marker=".", label=f"k = {k}")
             ax.set_title(estimator, fontsize=10)
             ax.set_yscale("log")

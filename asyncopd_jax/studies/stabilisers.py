@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncopd_jax.studies.report import Report, mean_spread
-from asyncopd_jax.studies.training_runs import fixed_lag_sets, run_trainings
+from asyncopd_jax.studies.report import Report, mean_spread, pyplot
+from asyncopd_jax.studies.training_runs import fixed_lag_sets, mean_curve, run_trainings
 from asyncopd_jax.studies.verdicts import beats, exact_staleness_note, student_before, trains
 
 N8 = ["sampling.num_candidates=8"]
@@ -45,6 +45,12 @@ VARIANTS: dict[tuple[str, int], tuple[str, list[str]]] = {
 # the stabilisers at each N, each compared with the best recompute variant at the same N
 STABILISERS: dict[int, tuple[str, ...]] = {1: ("ppo_clip", "decoupled_ppo", "truncated_is", "m2po"), 8: ("ppo_clip",)}
 RECOMPUTE = ("recompute + IS", "recompute + IS + ratio clip")
+# With N = 8 four variants form a 2 × 2 design, all with IS: (signal, ratio clip) → variant. It separates what
+# recomputing the signal does from what the clip does.
+FACTORIAL: dict[tuple[str, bool], str] = {
+    ("stale", False): "stale signal + IS", ("stale", True): "ppo_clip",
+    ("recomputed", False): "recompute + IS", ("recomputed", True): "recompute + IS + ratio clip",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +142,13 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
                      [[v, n, cell(v, n, lag, "accuracy", 100), cell(v, n, lag, "reverse_kl"),
                        cell(v, n, lag, "zero_grad"), cell(v, n, lag, "grad_norm"), cell(v, n, lag, "ratio_max")]
                       for v, n in variants])
+    _plots(report, results, summary, s, seeds)
+    report.heading("Signal × ratio clip (N = 8)")
+    report.table(["N = 8, accuracy (%)", *[f"k = {k}, {'clip' if clip else 'no clip'}" for k in s.lags
+                                           for clip in (False, True)]],
+                 [[f"{signal} signal", *[cell(FACTORIAL[signal, clip], 8, k, "accuracy", 100) for k in s.lags
+                                         for clip in (False, True)]] for signal in ("stale", "recomputed")])
+    report.text(_factorial(summary, s, seeds))
     failed = [f"{v} N={n} k={k} seed {seed}: {r['error']}" for (v, n, k, seed), r in results.items() if r["error"]]
     if failed:
         report.text("Runs that stopped with an error: " + "; ".join(failed))
@@ -177,3 +190,63 @@ def _verdict(summary: dict, s: Settings, seeds: int, before: float) -> str:
         verdict = "reproduced: no stabiliser beats recomputing with the same N by more than the seeds' spread"
     return ("Finding 2 (stabilisers do not beat recompute for reverse KL): " + " ".join(parts) + floor +
             f" Verdict: {verdict}.")
+
+
+def _factorial(summary: dict, s: Settings, seeds: int) -> str:
+    """What recomputing the signal and what the ratio clip each change at N = 8, per k: the
+    difference of mean accuracy with one factor switched and the other held, marked where it
+    is outside the seeds' spread (:func:`verdicts.beats` either way)."""
+    def accuracies(signal, clip, lag):
+        return np.array([summary[FACTORIAL[signal, clip], 8, lag, seed]["accuracy"] for seed in range(seeds)])
+
+    def effect(a, b):  # a − b in points, "*" where it is outside the seeds' spread
+        mark = "*" if beats(a, b) or beats(b, a) else ""
+        return f"{100 * (np.mean(a) - np.mean(b)):+.1f}{mark}"
+
+    parts = [f"k = {lag}: the clip {effect(accuracies('stale', True, lag), accuracies('stale', False, lag))} "
+             f"(stale signal) / {effect(accuracies('recomputed', True, lag), accuracies('recomputed', False, lag))} "
+             f"(recomputed); recomputing {effect(accuracies('recomputed', False, lag), accuracies('stale', False, lag))}"
+             f" (no clip) / {effect(accuracies('recomputed', True, lag), accuracies('stale', True, lag))} (clip)"
+             for lag in s.lags]
+    return ("Accuracy points each factor adds with the other held (* outside the seeds' spread): " + "; ".join(parts)
+            + ".")
+
+
+def _plots(report: Report, results: dict, summary: dict, s: Settings, seeds: int) -> None:
+    """Final accuracy against k for every variant (one panel per N), and the exact reverse KL
+    during training of the N = 8 variants (one panel per k)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    for ax, n in zip(axes, (1, 8)):
+        for variant, v_n in VARIANTS:
+            if v_n != n:
+                continue
+            values = np.array([[100 * summary[variant, n, k, seed]["accuracy"] for seed in range(seeds)]
+                               for k in s.lags])
+            mean = values.mean(axis=1)
+            ax.errorbar(s.lags, mean, yerr=[mean - values.min(axis=1), values.max(axis=1) - mean], marker="o",
+                        capsize=3, label=variant)
+        ax.set_title(f"N = {n}", fontsize=10)
+        ax.set_xlabel("staleness k")
+        ax.set_xticks(list(s.lags))
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("held-out accuracy (%)")
+    report.figure(fig, "accuracy.png", "Final held-out accuracy against staleness, mean and range over seeds")
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(s.lags), figsize=(4.5 * len(s.lags), 3.6), sharey=True, squeeze=False)
+    for ax, lag in zip(axes[0], s.lags):
+        for variant, n in VARIANTS:
+            if n != 8:
+                continue
+            steps, mean = mean_curve([results[variant, n, lag, seed] for seed in range(seeds)], "probe_reverse_kl")
+            if steps:
+                ax.plot(steps, mean, marker=".", label=variant)
+        ax.set_title(f"N = 8, k = {lag}", fontsize=10)
+        ax.set_yscale("log")
+        ax.set_xlabel("learner step")
+    axes[0, 0].set_ylabel("exact KL(π ‖ q) on the probe")
+    axes[0, 0].legend(fontsize=7)
+    report.figure(fig, "reverse_kl.png", "Exact reverse KL of the student to the teacher during training, "
+                  "N = 8 variants, mean over seeds")
+    plt.close(fig)

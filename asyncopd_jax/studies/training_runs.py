@@ -32,6 +32,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from asyncopd_jax import configs
 from asyncopd_jax.config import load_config
 
@@ -53,6 +55,15 @@ def fixed_lag_sets(*, seed: int, lag: int, learning_rate: float, batch_size: int
             f"train.steps={steps}", f"train.eval_every={10**6}", f"train.checkpoint_every={10**6}",
             f"train.diagnostics_every={diagnostics_every}", f"train.diagnostic_prompts={probe_prompts}",
             f"task.eval_prompts={eval_prompts}"]
+
+
+def mean_curve(results: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], np.ndarray]:
+    """``(steps, mean)``: the logged metric ``key`` against the step, averaged over the runs
+    (one per seed) that logged it at the same steps as the first; ``([], [])`` if it did not."""
+    curves = [[(r["step"], r[key]) for r in result["records"] if key in r] for result in results]
+    steps = [step for step, _ in curves[0]] if curves else []
+    same = [[value for _, value in c] for c in curves if [step for step, _ in c] == steps]
+    return steps, (np.nanmean(same, axis=0) if steps else np.array([]))
 
 
 def run_training(work: Path, name: str, sets: Sequence[str], base: Path = DEMO) -> dict[str, Any]:

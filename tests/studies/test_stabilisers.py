@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from asyncopd_jax.studies import stabilisers
-from asyncopd_jax.studies.stabilisers import QUICK, STABILISERS, VARIANTS, _verdict, summarise
+from asyncopd_jax.studies.stabilisers import FACTORIAL, QUICK, STABILISERS, VARIANTS, _factorial, _verdict, summarise
 
 
 def test_summarise_takes_the_last_probe_kl_and_means_over_steps():
@@ -108,9 +108,25 @@ def test_a_lag_where_nothing_trains_is_no_evidence():
     assert "No evidence at k = 4 N = 1, k = 4 N = 8: neither side trains there" in text, text
 
 
+def test_the_factorial_separates_the_clip_from_the_signal():
+    # recompute + IS has seeds 0 and 0.3: recomputing without the clip adds 13 points and the clip adds 10 to
+    # the recomputed signal, both inside that spread; with the clip, recomputing costs 5 points (no spread)
+    def accuracy(variant, n, lag, seed):
+        values = {"stale signal + IS": 0.02, "ppo_clip": 0.3, "recompute + IS": 0.3 * seed,
+                  "recompute + IS + ratio clip": 0.25}
+        return values.get(variant, 0.0) if n == 8 else 0.9
+    text = _factorial(_summary(accuracy), QUICK, seeds=2)
+    assert text.endswith("k = 2: the clip +28.0* (stale signal) / +10.0 (recomputed); recomputing +13.0 (no clip) / "
+                         "-5.0* (clip)."), text
+    assert set(FACTORIAL.values()) <= {v for v, n in VARIANTS if n == 8}
+
+
 @pytest.mark.slow
 def test_the_quick_study_writes_its_report(tmp_path):
     path = stabilisers.run(tmp_path / "docs", tmp_path / "work", quick=True, seeds=1, command="asyncopd study x")
     text = path.read_text()
     assert "| m2po | 1 |" in text and "| recompute + IS | 8 |" in text and "## Verdict" in text
+    assert "| recomputed signal |" in text and "the clip" in text
+    for plot in ("accuracy.png", "reverse_kl.png"):
+        assert f"](stabilisers/{plot})" in text and (path.parent / "stabilisers" / plot).stat().st_size > 10_000
     assert "stopped with an error" not in text

@@ -8,9 +8,10 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from asyncopd_jax.studies.training_runs import compact, expand, read_ledger, run_trainings
+from asyncopd_jax.studies.training_runs import compact, expand, mean_curve, read_ledger, run_trainings
 
 RESULT = {
     "sets": ["seed=0", "schedule.lag=2"],
@@ -101,3 +102,12 @@ def test_a_ledger_line_of_the_first_format_still_reads():
     old = {"name": "r", "sets": [], "summary": {}, "error": None,
            "columns": {"step": [1, 2], "probe_reverse_kl": [None, 0.5]}}
     assert expand(old)["records"] == [{"step": 1}, {"step": 2, "probe_reverse_kl": 0.5}]
+
+
+def test_a_mean_curve_averages_the_seeds_that_logged_at_the_same_steps():
+    def run(*pairs):
+        return {"records": [{"step": 1, "loss": 0.0}] + [{"step": step, "kl": kl} for step, kl in pairs]}
+    steps, mean = mean_curve([run((2, 1.0), (4, 3.0)), run((2, 3.0), (4, 5.0)), run((2, 100.0))], "kl")
+    assert steps == [2, 4] and mean.tolist() == [2.0, 4.0]  # the third run stopped early: left out
+    steps, mean = mean_curve([run(), run()], "kl")
+    assert steps == [] and mean.size == 0
