@@ -72,7 +72,8 @@ def test_the_quick_study_writes_its_report(tmp_path):
     path = kl_direction.run(tmp_path / "docs", tmp_path / "work", quick=True, seeds=1, jobs=2,
                             command="asyncopd study x")
     text = path.read_text()
-    assert text.count("| reverse_kl_hybrid |") == 2 and "## Verdict" in text
+    # three tables per learning rate: accuracy, KLs, drift and largest ratio
+    assert text.count("| reverse_kl_hybrid |") == 3 * len(QUICK.learning_rates) and "## Verdict" in text
     assert (tmp_path / "docs" / "kl_direction" / "reverse_kl_lr0.003.png").is_file()
     ledger = tmp_path / "docs" / "kl_direction" / "runs.jsonl"
     assert len(ledger.read_text().splitlines()) == len(ESTIMATORS) * len(QUICK.lags)
