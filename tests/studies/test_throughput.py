@@ -9,11 +9,18 @@ import pytest
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.studies import throughput
 from asyncopd_jax.studies.throughput import (
+    FULL,
+    QUICK,
     Lengths,
     StageCosts,
+    _calibration,
+    _verdict,
+    best_async_over_sync,
     fit_lengths,
+    load_measurements,
     measured_rate,
     simulate_split,
+    save_measurements,
     simulate_sync,
     stage_costs,
 )
@@ -106,9 +113,48 @@ def test_stage_costs_and_rate_from_a_trace_and_metrics(tmp_path, monkeypatch):
     assert measured_rate(records, skip=2) == pytest.approx((48 - 20) / 1.0)
 
 
+def _measured(rates: dict[str, list[float]], balance="small batch (B = 16)"):
+    """QUICK's modes at one balance with per-round ``rates``; sync's costs differ per round."""
+    return {(balance, mode, placement): {"rates": rates[mode], "sets": [f"schedule.mode={mode}"],
+                                         "costs": [_costs(decode=0.01 * (r + 1)) for r in range(len(rates[mode]))]
+                                         if mode == "sync" else []}
+            for mode, placement in QUICK.modes}
+
+
+def test_ratios_are_taken_within_a_round_and_the_calibration_is_the_median_round():
+    measured = _measured({"sync": [100.0, 50.0, 80.0], "fully_async": [150.0, 100.0, 80.0]})
+    assert best_async_over_sync(measured, "small batch (B = 16)", QUICK) == [1.5, 2.0, 1.0]
+    assert _calibration(measured, "small batch (B = 16)").decode_step_s == pytest.approx(0.03)  # 80: round 2
+
+
+@pytest.mark.parametrize("async_rate,builtin,tail,verdict", [
+    (200.0, 2.0, 3.0, "reproduced: every measured and simulated case is in AsyncOPD's range"),
+    (110.0, 1.0, 1.2, "not reproduced: no measured or simulated case reaches AsyncOPD's range"),
+    (110.0, 1.0, 3.0, "partly reproduced: in AsyncOPD's range only 2 of 5 cases (simulated long-tailed answers, "
+                      "D = 2; simulated long-tailed answers, D = 4)"),
+])
+def test_the_speed_up_verdict_names_the_cases_in_the_published_range(async_rate, builtin, tail, verdict):
+    measured = _measured({"sync": [100.0], "fully_async": [async_rate]})
+    simulated = {(shape, d): (1.0, 1.0, speedup) for d in QUICK.devices
+                 for shape, speedup in (("builtin", builtin), ("long_tail", tail))}
+    text = _verdict(measured, simulated, QUICK)
+    assert text.endswith(f"Verdict on AsyncOPD's speed-up: {verdict}."), text
+
+
+def test_saved_measurements_read_back_only_for_the_same_settings(tmp_path):
+    measured = _measured({"sync": [100.0, 90.0], "fully_async": [150.0, 140.0]})
+    path = tmp_path / "measured.json"
+    save_measurements(path, measured, QUICK)
+    assert load_measurements(path, QUICK) == measured
+    assert load_measurements(path, FULL) is None and load_measurements(tmp_path / "none.json", QUICK) is None
+
+
 @pytest.mark.slow
 def test_the_quick_study_writes_its_report(tmp_path):
     path = throughput.run(tmp_path / "docs", tmp_path / "work", quick=True, command="asyncopd study x")
     text = path.read_text()
     assert "## Measured on this machine" in text and "### Answer lengths: long_tail" in text
-    assert (tmp_path / "docs" / "throughput" / "speedup.png").is_file()
+    assert (tmp_path / "docs" / "throughput" / "speedup.png").is_file() and "Verdict on AsyncOPD's speed-up" in text
+    # the measurements are saved: the report is rebuilt from them without measuring again
+    again = throughput.run(tmp_path / "docs", tmp_path / "nowhere", quick=True, command="asyncopd study x")
+    assert again.read_text() == text and not (tmp_path / "nowhere").exists()
