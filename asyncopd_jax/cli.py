@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -161,6 +163,10 @@ def _library_log_to_file() -> Iterator[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # `kill -USR1 <pid>`: every thread's stack on stderr, for a run that seems stuck (not where
+    # stderr has no file descriptor, e.g. captured in-process by a test)
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     parser = argparse.ArgumentParser(prog="asyncopd", description="Asynchronous on-policy distillation in JAX.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true",

@@ -239,7 +239,14 @@ def test_ctrl_c_checkpoints_and_stops_every_process(models, tmp_path):  # noqa: 
         assert proc.poll() is None and len(stages) >= 2, proc.stdout.read().decode(errors="replace")[-3000:]
         os.killpg(proc.pid, signal.SIGINT)
         sent = time.monotonic()
-        output = proc.communicate(timeout=120)[0].decode(errors="replace")
+        try:
+            output = proc.communicate(timeout=120)[0].decode(errors="replace")
+        except subprocess.TimeoutExpired:  # stuck: fail with every thread's stack (cli.py registers SIGUSR1)
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(3)
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail("not stopped 120 s after Ctrl-C; its threads:\n" + proc.communicate()[0].decode(
+                errors="replace")[-8000:])
         took = time.monotonic() - sent
     finally:
         if proc.poll() is None:
