@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -337,8 +339,15 @@ class Trainer:
         step = self.start_step
         throughput = _Throughput()
         trim_heap = HeapTrimmer()  # resident memory flat over days (pipeline/heap.py)
+        # Ctrl-C sets a flag read between steps: a KeyboardInterrupt raised wherever the main thread
+        # happens to be was seen swallowed (a CI run kept training after SIGINT; docs/reliability.md).
+        interrupted = threading.Event()
+        previous_sigint = (signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set())
+                           if threading.current_thread() is threading.main_thread() else None)
         try:
             while step < cfg.train.steps:
+                if interrupted.is_set():
+                    raise KeyboardInterrupt
                 with self.tracer.span("wait_for_rollouts"):
                     groups = self._take_batch(buffer, version)
                 last_checkpoint_slot = step // cfg.train.checkpoint_every
@@ -355,6 +364,8 @@ class Trainer:
             self._checkpoint(step, pool)
             raise
         finally:
+            if previous_sigint is not None:
+                signal.signal(signal.SIGINT, previous_sigint)
             buffer.stop()
             pool.join(timeout=120)
             snapshots.close()
