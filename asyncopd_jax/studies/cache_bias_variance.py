@@ -20,7 +20,6 @@ an estimator as far off as the gradient is long).
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from asyncopd_jax import estimators as est
 from asyncopd_jax.alignment import response_aligned
 from asyncopd_jax.config import load_config
 from asyncopd_jax.sampling import Sampler, SamplingParams
-from asyncopd_jax.studies.report import Report, mean_spread, pyplot
+from asyncopd_jax.studies.report import Report, load_measured, mean_spread, pyplot, save_measured
 from asyncopd_jax.studies.training_runs import DEMO
 from asyncopd_jax.studies.verdicts import beats
 
@@ -216,19 +215,16 @@ def _measure(work: Path, settings: Settings, seeds: int) -> dict[int, list[dict]
 def save_statistics(path: Path, results: dict[int, list[dict]], settings: Settings, seeds: int) -> None:
     """Write the per-seed statistics next to the report (versioned with it, like the training
     studies' ledgers), with the settings and seeds they were measured under."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     rows = [{"lag": k, "seed": seed, "estimator": name, "budget": budget, **values}
             for k, per_seed in results.items() for seed, stats in enumerate(per_seed)
             for (name, budget), values in stats.items()]
-    path.write_text(json.dumps({"settings": dataclasses.asdict(settings), "seeds": seeds, "rows": rows}, indent=0))
+    save_measured(path, settings, {"seeds": seeds, "rows": rows})
 
 
 def load_statistics(path: Path, settings: Settings, seeds: int) -> dict[int, list[dict]] | None:
     """The statistics saved at ``path`` if they were measured with these settings and seeds, else None."""
-    if not path.is_file():
-        return None
-    saved = json.loads(path.read_text())
-    if saved["settings"] != dataclasses.asdict(settings) or saved["seeds"] != seeds:
+    saved = load_measured(path, settings)
+    if saved is None or saved["seeds"] != seeds:
         return None
     results: dict[int, list[dict]] = {k: [{} for _ in range(seeds)] for k in LAGS}
     for row in saved["rows"]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -71,3 +72,22 @@ def mean_spread(values: Sequence[float], digits: int = 3) -> str:
     if len(values) == 1:
         return f"{mean:.{digits}g}"
     return f"{mean:.{digits}g} ± {(max(values) - min(values)) / 2:.2g}"
+
+
+def save_measured(path: Path, settings: Any, payload: dict[str, Any]) -> None:
+    """Write a study's measurements (``payload``) as JSON next to its report, with the
+    settings (a dataclass) they were taken under."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": _plain(settings), **payload}, indent=0))
+
+
+def load_measured(path: Path, settings: Any) -> dict[str, Any] | None:
+    """What :func:`save_measured` wrote at ``path``, if it was taken with ``settings``, else None."""
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    return saved if saved["settings"] == _plain(settings) else None
+
+
+def _plain(settings: Any) -> Any:
+    return json.loads(json.dumps(dataclasses.asdict(settings)))  # tuples as lists, as JSON reads them back

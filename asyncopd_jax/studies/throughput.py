@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from asyncopd_jax.pipeline.trace import load_spans
-from asyncopd_jax.studies.report import Report, mean_spread, pyplot
+from asyncopd_jax.studies.report import Report, load_measured, mean_spread, pyplot, save_measured
 from asyncopd_jax.studies.training_runs import run_training
 
 # (mode, placement) measured at every balance
@@ -330,18 +329,15 @@ def _measure(work: Path, s: Settings) -> dict[tuple[str, str, str], dict[str, An
 
 def save_measurements(path: Path, measured: dict[tuple[str, str, str], dict[str, Any]], s: Settings) -> None:
     """Write the measurements, with the settings they were taken under, as JSON."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     rows = [{"balance": b, "mode": m, "placement": p, "rates": e["rates"], "sets": e["sets"],
              "costs": [dataclasses.asdict(c) for c in e["costs"]]} for (b, m, p), e in measured.items()]
-    path.write_text(json.dumps({"settings": json.loads(json.dumps(dataclasses.asdict(s))), "runs": rows}, indent=1))
+    save_measured(path, s, {"runs": rows})
 
 
 def load_measurements(path: Path, s: Settings) -> dict[tuple[str, str, str], dict[str, Any]] | None:
     """The measurements saved at ``path`` if they were taken with settings ``s``, else None."""
-    if not path.is_file():
-        return None
-    saved = json.loads(path.read_text())
-    if saved["settings"] != json.loads(json.dumps(dataclasses.asdict(s))):
+    saved = load_measured(path, s)
+    if saved is None:
         return None
     return {(r["balance"], r["mode"], r["placement"]): {"rates": r["rates"], "sets": r["sets"],
                                                         "costs": [StageCosts(**c) for c in r["costs"]]}
