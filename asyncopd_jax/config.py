@@ -18,6 +18,7 @@ import yaml
 from asyncopd_jax import configs
 from asyncopd_jax.atomic_files import write_text_atomically
 from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorOptions
+from asyncopd_jax.estimators import Aggregation
 from asyncopd_jax.sampling.distribution import SamplingParams
 from asyncopd_jax.teacher.scorer import ScoringParams
 
@@ -62,19 +63,23 @@ class EstimatorConfig:
     behavior_weight_cap: float | None = 5.0
     tis_cap: float = 2.0
     m2po_budget: float = 0.04
+    second_moment_clip_budget: float = 0.04
     stabiliser_signal: Literal["stale", "recompute"] = "stale"
+    # how per-token losses become the loss (verl's loss_agg_mode names; see estimators/reductions.py)
+    aggregation: Aggregation = "token-mean"
 
     def options(self) -> EstimatorOptions:
         return EstimatorOptions(
             mc_clip_eps=self.mc_clip_eps, mc_importance_sampling=self.mc_importance_sampling,
             topk_tail=self.topk_tail, control_variate=self.control_variate,
             ppo_clip_eps=self.ppo_clip_eps, dual_clip=self.dual_clip, behavior_weight_cap=self.behavior_weight_cap,
-            tis_cap=self.tis_cap, m2po_budget=self.m2po_budget, stabiliser_signal=self.stabiliser_signal,
+            tis_cap=self.tis_cap, m2po_budget=self.m2po_budget,
+            second_moment_clip_budget=self.second_moment_clip_budget, stabiliser_signal=self.stabiliser_signal,
         )
 
 
 # The estimators that train on an advantage (a policy-gradient surrogate) and so on a reward.
-RL_ESTIMATORS = ("ppo_clip", "decoupled_ppo", "truncated_is", "m2po")
+RL_ESTIMATORS = ("ppo_clip", "decoupled_ppo", "truncated_is", "m2po", "second_moment_clip")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +95,7 @@ class RLConfig:
 
     samples_per_prompt: int = 8  # G
     normalize_std: bool = True  # GRPO: divide by the group's reward std; False: Dr. GRPO (centre only)
+    advantage_std: Literal["unbiased", "population"] = "unbiased"  # that std over G − 1 (verl, AReaL, Tunix) or G
     distill_coef: float = 0.0  # β
 
 

@@ -37,7 +37,9 @@ class EstimatorOptions:
       dual_clip: dual-clip constant ``c > 1`` of the PPO-style losses, or None.
       behavior_weight_cap: decoupled PPO's cap on ``π_prox / μ``.
       tis_cap: truncated IS cap.
-      m2po_budget, m2po_min_low, m2po_min_high: M2PO's second-moment budget and floors.
+      m2po_budget: M2PO's second-moment budget τ_M2 (``m2po``).
+      second_moment_clip_budget, second_moment_clip_min_low, second_moment_clip_min_high:
+        the budget and the range floors of ``second_moment_clip``.
       stabiliser_signal: the reward the stabilisers use as advantage: ``"stale"`` =
         ``log q − log μ`` fixed at rollout time (the async-RL practice), ``"recompute"``
         = ``log q − log π_θ`` at learner time.
@@ -55,8 +57,9 @@ class EstimatorOptions:
     behavior_weight_cap: float | None = 5.0
     tis_cap: float = 2.0
     m2po_budget: float = 0.04
-    m2po_min_low: float = 0.3
-    m2po_min_high: float = 0.5
+    second_moment_clip_budget: float = 0.04
+    second_moment_clip_min_low: float = 0.3
+    second_moment_clip_min_high: float = 0.5
     stabiliser_signal: Literal["stale", "recompute"] = "stale"
     distill_coef: float = 0.0
 
@@ -187,12 +190,20 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
         ),
         EstimatorSpec(
             "m2po", (),
-            lambda b, c, s, p, o: est.m2po_clip(
+            lambda b, c, s, p, o: est.m2po_loss(
                 s.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o), b.response_mask,
-                second_moment_budget=o.m2po_budget, min_low_margin=o.m2po_min_low,
-                min_high_margin=o.m2po_min_high, dual_clip=o.dual_clip,
+                second_moment_budget=o.m2po_budget,
             ),
-            description="PPO surrogate with M2PO's second-moment-budgeted clip",
+            description="M2PO: mask the largest squared log-ratios until the batch's second moment is in budget",
+        ),
+        EstimatorSpec(
+            "second_moment_clip", (),
+            lambda b, c, s, p, o: est.second_moment_clip_loss(
+                s.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o), b.response_mask,
+                second_moment_budget=o.second_moment_clip_budget, min_low_margin=o.second_moment_clip_min_low,
+                min_high_margin=o.second_moment_clip_min_high, dual_clip=o.dual_clip,
+            ),
+            description="PPO surrogate with a clip range set by a second-moment budget (not M2PO; E2's earlier arm)",
         ),
     ]
 }

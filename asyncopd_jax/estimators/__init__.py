@@ -4,8 +4,10 @@ Every function here is a pure function of arrays (no model, no config), computes
 fp32 whatever the input dtype, and follows one alignment convention: per-position
 inputs are response-local and target-aligned (``[B, T]``, ``[B, T, K]`` or
 ``[B, T, N]``; index t describes the distribution of response token t). Estimators
-return per-token values ``[B, T]``; reduce them with :func:`token_mean` or, across
-micro-batches and devices, with :func:`token_sum` / :func:`normalized_token_sum`.
+return per-token values ``[B, T]``; reduce them with :func:`aggregate` (token mean or
+verl's sequence-level modes) or, across micro-batches and devices, with
+:func:`loss_denominator` / :func:`normalized_loss` (:func:`token_mean` and
+:func:`normalized_token_sum` are the token-mean cases).
 
 Names state the KL direction: ``forward_kl_*`` is KL(teacher ‖ student) and
 ``reverse_kl_*`` is KL(student ‖ teacher).
@@ -16,7 +18,17 @@ from asyncopd_jax.estimators.candidates import sample_candidates
 from asyncopd_jax.estimators.forward_kl import forward_kl_dense, forward_kl_mc, forward_kl_topk
 from asyncopd_jax.estimators.logprobs import gather_logprobs, gather_logprobs_from_hidden
 from asyncopd_jax.estimators.logspace import LOG_RATIO_CLIP, expectation, importance_ratio, with_tail
-from asyncopd_jax.estimators.reductions import normalized_token_sum, token_mean, token_sum
+from asyncopd_jax.estimators.reductions import (
+    AGGREGATIONS,
+    Aggregation,
+    aggregate,
+    loss_denominator,
+    loss_numerator,
+    normalized_loss,
+    normalized_token_sum,
+    token_mean,
+    token_sum,
+)
 from asyncopd_jax.estimators.reverse_kl import (
     reverse_kl_dense,
     reverse_kl_hybrid,
@@ -27,14 +39,19 @@ from asyncopd_jax.estimators.reverse_kl import (
 from asyncopd_jax.estimators.stabilisers import (
     clipped_surrogate,
     decoupled_ppo_loss,
-    m2po_clip,
-    m2po_threshold,
+    m2po_loss,
+    m2po_mask,
     ppo_clip_loss,
+    second_moment_clip_loss,
+    second_moment_clip_range,
     truncated_is_loss,
 )
 
 __all__ = [
+    "AGGREGATIONS",
+    "Aggregation",
     "LOG_RATIO_CLIP",
+    "aggregate",
     "clipped_surrogate",
     "decoupled_ppo_loss",
     "expectation",
@@ -45,8 +62,11 @@ __all__ = [
     "gather_logprobs_from_hidden",
     "group_advantages",
     "importance_ratio",
-    "m2po_clip",
-    "m2po_threshold",
+    "loss_denominator",
+    "loss_numerator",
+    "m2po_loss",
+    "m2po_mask",
+    "normalized_loss",
     "normalized_token_sum",
     "ppo_clip_loss",
     "reverse_kl_dense",
@@ -55,6 +75,8 @@ __all__ = [
     "reverse_kl_mc_loo",
     "reverse_kl_topk",
     "sample_candidates",
+    "second_moment_clip_loss",
+    "second_moment_clip_range",
     "token_mean",
     "token_sum",
     "truncated_is_loss",

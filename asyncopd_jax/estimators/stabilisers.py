@@ -156,7 +156,99 @@ def truncated_is_loss(
     return -jax.lax.stop_gradient(advantages).astype(jnp.float32) * weight * score
 
 
-def m2po_threshold(
+def m2po_mask(
+    logp: Array,
+    behavior_logp: Array,
+    mask: Array,
+    *,
+    second_moment_budget: float = 0.04,
+    axis_name: str | None = None,
+) -> Array:
+    """M2PO's token mask (Zheng et al. 2025, "Prosperity before Collapse", arXiv 2510.01161).
+
+    The paper's rule: "a masking strategy that selectively excludes tokens until the
+    batch-level M2 of the remaining tokens falls below a predefined threshold τ_M2".
+
+    With ``δ = log π_θ − log μ`` on the valid tokens of the whole batch, remove the token
+    with the largest ``δ²``, then the next largest, …, until the second moment of the
+    tokens kept, ``M₂ = mean_kept(δ²)``, is at most the budget ``τ_M2`` (0.04 in the
+    paper). Because the mean of the k smallest ``δ²`` grows with k, this keeps exactly the
+    ``k*`` tokens of smallest ``δ²``, with ``k*`` the largest k whose prefix mean is within
+    budget (0 when even the smallest is over it; every token when the whole batch is).
+    Ties at the boundary are broken by position (row-major, then device order).
+
+    How the peers differ: AReaL (``_apply_m2po_masking``) takes ``δ`` against the proximal
+    policy (π_θ at the start of the step: the same here on a batch's first optimizer
+    step), stops at a strict ``<``, always keeps at least one token, and masks each
+    micro-batch on each rank on its own; the M2PO authors' code clips instead of masking
+    (:func:`second_moment_clip_loss`). verl has no M2PO.
+
+    The statistic is batch-global: inside ``shard_map`` pass the data-parallel
+    ``axis_name`` and every device sorts the ``δ²`` of all devices (an all-gather of one
+    float per token), so that each keeps the same tokens it would keep in one batch.
+
+    Args:
+      logp: ``[B, T]`` or ``[B, T, N]`` log π_θ (no gradient flows through the mask).
+      behavior_logp: same shape, log μ.
+      mask: same shape; valid tokens (the others are never kept and do not count).
+      second_moment_budget: ``τ_M2 ≥ 0``.
+      axis_name: the mesh axis the batch is split over, or None.
+
+    Returns:
+      bool, the shape of ``logp``: True on the tokens kept.
+    """
+    if isinstance(second_moment_budget, (int, float)) and second_moment_budget < 0:
+        raise ValueError(f"m2po_mask: second_moment_budget must be >= 0, got {second_moment_budget}")
+    delta = jax.lax.stop_gradient(logp).astype(jnp.float32) - jax.lax.stop_gradient(behavior_logp).astype(jnp.float32)
+    square = jnp.where(mask.astype(bool), delta * delta, jnp.inf).ravel()  # invalid tokens sort last
+    local = square.shape[0]
+    if axis_name is not None:
+        square = jax.lax.all_gather(square, axis_name, tiled=True)
+    order = jnp.argsort(square, stable=True)
+    ranked = square[order]
+    finite = jnp.isfinite(ranked)
+    prefix = jnp.cumsum(jnp.where(finite, ranked, 0.0))
+    kept = jnp.arange(1, ranked.shape[0] + 1, dtype=jnp.float32)
+    within = finite & (prefix <= kept * second_moment_budget)  # mean of the k smallest ≤ budget
+    keep_count = jnp.max(jnp.where(within, kept, 0.0))
+    keep = jnp.zeros(ranked.shape, bool).at[order].set(kept <= keep_count)
+    if axis_name is not None:
+        keep = jax.lax.dynamic_slice_in_dim(keep, jax.lax.axis_index(axis_name) * local, local)
+    return keep.reshape(logp.shape)
+
+
+def m2po_loss(
+    logp: Array,
+    behavior_logp: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    second_moment_budget: float = 0.04,
+    axis_name: str | None = None,
+) -> Array:
+    """M2PO: the importance-weighted policy gradient on the tokens :func:`m2po_mask` keeps.
+
+    ``L = −M · A · π_θ / μ`` with ``M`` the mask (no ratio clipping on the kept tokens;
+    the removed ones give loss 0 and no gradient, and stay in the token count of a token
+    mean, as they do in a PPO-clipped loss).
+
+    Args:
+      logp: ``[B, T]`` or ``[B, T, N]`` log π_θ (differentiated).
+      behavior_logp: same shape, log μ (stop-gradient).
+      advantages: same shape (stop-gradient).
+      mask: same shape; the valid tokens.
+      second_moment_budget: ``τ_M2``, see :func:`m2po_mask`.
+      axis_name: the data-parallel mesh axis, see :func:`m2po_mask`.
+
+    Returns:
+      Per-element loss, fp32, same shape as ``logp``.
+    """
+    keep = m2po_mask(logp, behavior_logp, mask, second_moment_budget=second_moment_budget, axis_name=axis_name)
+    ratio = importance_ratio(logp, jax.lax.stop_gradient(behavior_logp))
+    return jnp.where(keep, -jax.lax.stop_gradient(advantages).astype(jnp.float32) * ratio, 0.0)
+
+
+def second_moment_clip_range(
     logp: Array,
     behavior_logp: Array,
     advantages: Array,
@@ -164,7 +256,7 @@ def m2po_threshold(
     *,
     second_moment_budget: float = 0.04,
 ) -> Array:
-    """M2PO's adaptive log-ratio bound τ, computed on device (sort + prefix sums).
+    """The adaptive log-ratio bound τ of :func:`second_moment_clip_loss` (sort + prefix sums).
 
     With ``δ = log μ − log π_θ``, select the valid tokens whose ratio moves against the
     sign of the advantage, i.e. ``A · δ > 0`` (``A > 0`` and ``π_θ < μ``, or ``A < 0``
@@ -206,7 +298,7 @@ def m2po_threshold(
     return jnp.where(within_budget | (count == 0), jnp.inf, solved)
 
 
-def m2po_clip(
+def second_moment_clip_loss(
     logp: Array,
     behavior_logp: Array,
     advantages: Array,
@@ -217,9 +309,19 @@ def m2po_clip(
     min_high_margin: float = 0.5,
     dual_clip: float | None = None,
 ) -> Array:
-    """PPO surrogate with M2PO's adaptive, second-moment-budgeted clip range.
+    """PPO surrogate whose clip range is set by a second-moment budget on the log-ratio.
 
-    τ from :func:`m2po_threshold`; the ratio ``r = π_θ / μ`` is clipped to
+    This is the trust region that the M2PO authors' code (Infini-AI-Lab/M2PO, a verl fork,
+    ``compute_m2po_policy_loss``) runs, not the masking rule their paper describes (that is
+    :func:`m2po_loss`): the second moment is budgeted over the "harmful" tokens only, by
+    capping their ``δ²`` at ``τ²`` (water-filling) instead of removing tokens, and ``τ``
+    becomes a PPO clip range, so a harmful token past ``e^±τ`` loses its gradient but every
+    other token keeps an unclipped one. An earlier version of this library ran it under
+    the name ``m2po`` (E2's first arm, ``docs/study/stabilisers.md``); it is kept, under a
+    name that says what it does, so that the authors' code can be compared with their
+    paper. (Unlike their code, τ is found on device, without a host round trip.)
+
+    τ from :func:`second_moment_clip_range`; the ratio ``r = π_θ / μ`` is clipped to
     ``[min(e^−τ, 1 − m_low), max(e^τ, 1 + m_high)]``: the range never gets narrower than
     the minimum margins ``m_low, m_high``. Everything runs on device inside jit.
 
@@ -228,7 +330,7 @@ def m2po_clip(
       behavior_logp: same shape, log μ (stop-gradient).
       advantages: same shape (stop-gradient).
       mask: same shape; the tokens over which τ is chosen.
-      second_moment_budget: see :func:`m2po_threshold`.
+      second_moment_budget: see :func:`second_moment_clip_range`.
       min_low_margin, min_high_margin: ``m_low ∈ [0, 1)``, ``m_high ≥ 0``.
       dual_clip: ``c > 1`` or ``None``.
 
@@ -236,7 +338,7 @@ def m2po_clip(
       Per-element loss, fp32, same shape as ``logp``.
     """
     ratio_floor, ratio_ceiling = clip_bounds((min_low_margin, min_high_margin))
-    tau = m2po_threshold(
+    tau = second_moment_clip_range(
         logp, behavior_logp, advantages, mask, second_moment_budget=second_moment_budget
     )
     low = jnp.minimum(jnp.exp(-tau), ratio_floor)

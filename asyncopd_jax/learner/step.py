@@ -1,9 +1,11 @@
 """The learner's jitted train step: micro-batched, exact token mean, sharded over a mesh.
 
 A train step is one optimizer step on one mini-batch. The mini-batch ``[B, ...]`` is cut
-into ``M`` micro-batches; each contributes ``Σ_tokens loss / N`` where N is the token
-count of the whole mini-batch (:func:`~asyncopd_jax.estimators.normalized_token_sum`), so
-the summed gradients are exactly those of the mini-batch token mean, whatever M is.
+into ``M`` micro-batches; each contributes its numerator of the loss divided by the
+denominator of the whole mini-batch (:func:`~asyncopd_jax.estimators.normalized_loss`: for
+the token mean, ``Σ_tokens loss / N`` with N the mini-batch's token count; the
+sequence-level aggregation modes likewise), so the summed gradients are exactly those of
+the mini-batch's loss, whatever M is.
 The policy version is the optimizer-step count, ``TrainState.step``.
 
 Faults (:mod:`asyncopd_jax.learner.faults`): rows with a NaN or inf in their teacher
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +30,7 @@ from flax import nnx
 from asyncopd_jax.alignment import response_hidden
 from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
 from asyncopd_jax.estimator_registry import EstimatorOptions, evaluate_estimator, required_ids, student_logprobs
-from asyncopd_jax.estimators import gather_logprobs_from_hidden, normalized_token_sum
+from asyncopd_jax.estimators import Aggregation, gather_logprobs_from_hidden, loss_denominator, normalized_loss
 from asyncopd_jax.learner.faults import drop_nonfinite_rows
 from asyncopd_jax.learner.packing import plan_micro_batches, take_micro_batch
 from asyncopd_jax.learner.sharding import batch_shardings, state_shardings
@@ -66,12 +69,15 @@ class PolicyLoss:
       temperature: the sampler's temperature: π_θ is scored at it, so that importance
         ratios compare the distribution the behaviour policy actually sampled from.
       chunk_size: rows per chunk of the fused LM-head gather.
+      aggregation: how per-token losses become the loss (``estimator.aggregation``, see
+        :mod:`asyncopd_jax.estimators.reductions`).
     """
 
     estimator: str
     options: EstimatorOptions = EstimatorOptions()
     temperature: float = 1.0
     chunk_size: int = 512
+    aggregation: Aggregation = "token-mean"
 
     def student(self, model: Decoder, batch: LearnerBatch) -> StudentLogProbs:
         """The student's log-probs on every id the estimator needs (one fused gather)."""
@@ -81,12 +87,12 @@ class PolicyLoss:
             ids, lambda i: gather_logprobs_from_hidden(hidden, head, i, self.chunk_size, self.temperature)
         )
 
-    def __call__(self, model: Decoder, batch: LearnerBatch, total_tokens: Array) -> tuple[Array, dict[str, Array]]:
+    def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]:
         values, metrics = evaluate_estimator(
             self.estimator, batch.rollout, batch.cache, self.student(model, batch),
             proximal=batch.proximal, options=self.options,
         )
-        return normalized_token_sum(values, batch.rollout.response_mask, total_tokens), metrics
+        return normalized_loss(values, batch.rollout.response_mask, denominator, self.aggregation), metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,15 +100,26 @@ class SFTLoss:
     """Negative log-likelihood of the response tokens (supervised fine-tuning)."""
 
     chunk_size: int = 512
+    aggregation: Aggregation = "token-mean"
 
-    def __call__(self, model: Decoder, batch: LearnerBatch, total_tokens: Array) -> tuple[Array, dict[str, Array]]:
+    def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]:
         hidden, head = response_hidden(model, batch.rollout), model.lm_head_weight()
         logp = gather_logprobs_from_hidden(hidden, head, batch.rollout.response_tokens, self.chunk_size)
-        nll = normalized_token_sum(-logp, batch.rollout.response_mask, total_tokens)
-        return nll, {}
+        return normalized_loss(-logp, batch.rollout.response_mask, denominator, self.aggregation), {}
 
 
-LossFn = Callable[[Decoder, LearnerBatch, Array], tuple[Array, dict[str, Array]]]
+class LossFn(Protocol):
+    """A part's share of the mini-batch's loss, and its metrics: ``(model, micro-batch, the whole
+    mini-batch's denominator) → (loss, metrics)``, aggregated as ``aggregation`` says."""
+
+    aggregation: Aggregation
+
+    def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]: ...
+
+
+def _denominator(loss_fn: LossFn, batch: LearnerBatch) -> Array:
+    """The whole mini-batch's loss denominator (its token count for the token mean)."""
+    return loss_denominator(batch.rollout.response_mask, loss_fn.aggregation)
 
 
 def _split_micro_batches(tree, micro_batches: int):
@@ -114,14 +131,14 @@ Accumulated = tuple[nnx.State, Array, dict[str, Array]]  # (gradients, loss, met
 
 
 def _micro_batch(graphdef: nnx.GraphDef, loss_fn: LossFn, params: nnx.State, mb: LearnerBatch,
-                 total: Array) -> Accumulated:
+                 total: Array, denominator: Array) -> Accumulated:
     """Gradients, loss and metrics of one micro-batch as its share of the mini-batch: the
-    loss is already normalised by the mini-batch's ``total`` tokens; each metric (a token
-    mean over the micro-batch) is weighted by the micro-batch's share of them, except the
-    ``*_max`` ones."""
+    loss is already normalised by the mini-batch's ``denominator``; each metric (a token
+    mean over the micro-batch) is weighted by the micro-batch's share of the mini-batch's
+    ``total`` tokens, except the ``*_max`` ones."""
 
     def objective(p):
-        return loss_fn(nnx.merge(graphdef, p), mb, total)
+        return loss_fn(nnx.merge(graphdef, p), mb, denominator)
 
     (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
     weight = jnp.sum(mb.rollout.response_mask) / jnp.maximum(total, 1.0)
@@ -185,16 +202,17 @@ def make_train_step(
     def step(state: TrainState, batch: LearnerBatch):
         batch, dropped = drop_nonfinite_rows(batch)  # before `total`: the mean is over the rows kept
         total = jnp.sum(batch.rollout.response_mask).astype(jnp.float32)
+        denominator = _denominator(loss_fn, batch)
         micro_batched = _split_micro_batches(batch, micro_batches)
         first = jax.tree_util.tree_map(lambda x: x[0], micro_batched)
-        shapes = jax.eval_shape(lambda: _micro_batch(graphdef, loss_fn, state.params, first, total))
+        shapes = jax.eval_shape(lambda: _micro_batch(graphdef, loss_fn, state.params, first, total, denominator))
         zeros = (
             jax.tree_util.tree_map(jnp.zeros_like, state.params),
             jnp.zeros((), jnp.float32),
             {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0.0, v.dtype) for k, v in shapes[2].items()},
         )
         acc, _ = jax.lax.scan(
-            lambda acc, mb: (_add(acc, _micro_batch(graphdef, loss_fn, state.params, mb, total)), None),
+            lambda acc, mb: (_add(acc, _micro_batch(graphdef, loss_fn, state.params, mb, total, denominator)), None),
             zeros, micro_batched)
         state, metrics = _apply(optimizer, state, acc, total)
         return state, {**metrics, "nonfinite_rows": jnp.sum(dropped)}
@@ -249,12 +267,13 @@ def make_packed_train_step(
                                    response_slots=response_mask.shape[1], token_budget=token_budget, bucket=bucket,
                                    row_multiple=rows_per_device)
         total = jnp.asarray(response_mask.sum(), jnp.float32)
+        denominator = _denominator(loss_fn, batch)  # of the untrimmed mini-batch: its T is the horizon
         acc = None
         for plan in plans:
             mb = take_micro_batch(batch, plan)
             if mesh is not None:
                 mb = jax.device_put(mb, batch_shardings(mb, mesh))
-            part = gradients(state.params, mb, total)
+            part = gradients(state.params, mb, total, denominator)
             acc = part if acc is None else add(acc, part)
         state, metrics = apply(state, acc, total)
         slots = sum(p.padded_tokens for p in plans)

@@ -20,6 +20,7 @@ import numpy as np
 from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.config import RunConfig
 from asyncopd_jax.estimators import group_advantages
+from asyncopd_jax.estimators.advantages import StdKind
 
 # (problems, sampled batch) → per-sample reward (1 solved, 0 not, NaN uncheckable)
 RewardFn = Callable[[list, RolloutBatch], list]
@@ -34,17 +35,19 @@ class RewardStage:
       samples_per_prompt: G, answers per prompt (1 for distillation).
       advantages: attach ``group_advantages`` of the rewards to the batch (RL).
       normalize_std: GRPO's division by the group's reward std (False: Dr. GRPO).
+      std: which std: ``"unbiased"`` (G − 1, the peers') or ``"population"`` (G).
     """
 
     rewards: RewardFn
     samples_per_prompt: int = 1
     advantages: bool = False
     normalize_std: bool = True
+    std: StdKind = "unbiased"
 
     @classmethod
     def from_config(cls, cfg: RunConfig, rewards: RewardFn) -> "RewardStage":
         return cls(rewards, samples_per_prompt=cfg.samples_per_prompt, advantages=cfg.algorithm == "rl",
-                   normalize_std=cfg.rl.normalize_std)
+                   normalize_std=cfg.rl.normalize_std, std=cfg.rl.advantage_std)
 
     def prompts_per_group(self, group_size: int) -> int:
         """Distinct prompts in a group of ``group_size`` samples."""
@@ -62,7 +65,7 @@ class RewardStage:
         rewards = np.asarray(self.rewards(problems, batch), np.float32)
         if self.advantages:
             advantage = np.asarray(group_advantages(rewards, self.samples_per_prompt,
-                                                    normalize_std=self.normalize_std))
+                                                    normalize_std=self.normalize_std, std=self.std))
             batch = dataclasses.replace(
                 batch, advantages=jnp.asarray(np.broadcast_to(advantage[:, None], batch.response_tokens.shape)))
         return batch, rewards

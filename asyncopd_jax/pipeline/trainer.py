@@ -126,7 +126,7 @@ class Trainer:
         self.lr = learning_rate_schedule(cfg.optim, cfg.train.steps)
         self.graphdef, self.state = create_train_state(student, self.optimizer, self.mesh)
         self.loss = PolicyLoss(cfg.estimator.name, cfg.estimator_options(), cfg.sampling.temperature,
-                               learner.logprob_chunk)
+                               learner.logprob_chunk, cfg.estimator.aggregation)
         if learner.token_budget:  # dynamic batching
             if self.multi_process:
                 raise ConfigError("learner.token_budget > 0 is not supported for a learner over several processes "

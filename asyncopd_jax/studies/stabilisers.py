@@ -1,7 +1,8 @@
 """E2 of the staleness study: async-RL stabilisers against recomputing the reverse-KL signal.
 
 AsyncOPD's second finding: for reverse KL under staleness, the stabilisers of
-asynchronous RL (PPO clip, AReaL's decoupled PPO, truncated IS, M2PO) do not beat
+asynchronous RL (PPO clip, AReaL's decoupled PPO, truncated IS, M2PO, and the
+second-moment-budgeted clip that this study first ran as "M2PO") do not beat
 recomputing the signal ``log q − log π_θ`` at learner time with importance weights.
 Every variant distils the built-in task under ``fixed_lag`` (exact staleness k) with
 N = 1 (the emitted token) and N = 8 (Monte-Carlo candidates). The stabilisers work with
@@ -34,6 +35,7 @@ VARIANTS: dict[tuple[str, int], tuple[str, list[str]]] = {
     ("decoupled_ppo", 1): ("decoupled_ppo", []),
     ("truncated_is", 1): ("truncated_is", []),
     ("m2po", 1): ("m2po", []),
+    ("second_moment_clip", 1): ("second_moment_clip", []),  # what E2 ran as "m2po" before the paper's rule landed
     ("recompute + IS", 1): ("reverse_kl_pg", []),
     ("recompute + IS + ratio clip", 1): ("reverse_kl_pg", CLIP),
     ("stale signal, no IS", 8): ("reverse_kl_mc_stale", N8 + NO_IS),
@@ -43,7 +45,8 @@ VARIANTS: dict[tuple[str, int], tuple[str, list[str]]] = {
     ("recompute + IS + ratio clip", 8): ("reverse_kl_mc", N8 + CLIP),
 }
 # the stabilisers at each N, each compared with the best recompute variant at the same N
-STABILISERS: dict[int, tuple[str, ...]] = {1: ("ppo_clip", "decoupled_ppo", "truncated_is", "m2po"), 8: ("ppo_clip",)}
+STABILISERS: dict[int, tuple[str, ...]] = {
+    1: ("ppo_clip", "decoupled_ppo", "truncated_is", "m2po", "second_moment_clip"), 8: ("ppo_clip",)}
 RECOMPUTE = ("recompute + IS", "recompute + IS + ratio clip")
 # N → the variant that is also run without staleness (k = 0; E1 ran exactly these, so they are copied from its
 # ledger, not trained): where nothing trains at a lag, it tells staleness from a budget too small to train at all.

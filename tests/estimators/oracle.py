@@ -45,7 +45,21 @@ def ppo_clip(logp, behavior_logp, adv, low, high, dual_clip=None):
     return loss
 
 
-def m2po_tau(logp, behavior_logp, adv, mask, budget):
+def m2po_mask(logp, behavior_logp, mask, budget):
+    """The paper's rule, literally: while the second moment of (log π − log μ)² over the kept
+    valid tokens is over the budget, remove the kept token with the largest one (first in
+    row-major order among equals is kept longest)."""
+    delta = np.asarray(logp, np.float64) - np.asarray(behavior_logp, np.float64)
+    sq = (delta * delta).ravel()
+    keep = (np.asarray(mask) > 0).ravel().copy()
+    while keep.any() and sq[keep].mean() > budget:
+        candidates = np.flatnonzero(keep)
+        largest = sq[candidates].max()
+        keep[candidates[sq[candidates] == largest][-1]] = False  # the last of equals goes first
+    return keep.reshape(np.shape(logp))
+
+
+def second_moment_clip_tau(logp, behavior_logp, adv, mask, budget):
     """Largest τ with mean(min(δ², τ²)) ≤ budget over the selected tokens, by bisection."""
     delta = np.asarray(behavior_logp, np.float64) - logp
     sel = (np.asarray(mask) > 0) & (adv * delta > 0)
@@ -90,12 +104,31 @@ def reverse_kl_hybrid(student_logits, teacher_logits, support_ids, candidate_ids
     return value, grad
 
 
-def group_advantages(rewards, group_size, normalize_std=True, eps=1e-6):
-    """Loop over groups: r − mean, divided by (population std + eps) when normalize_std."""
+def group_advantages(rewards, group_size, normalize_std=True, eps=1e-6, ddof=1):
+    """Loop over groups: r − mean, divided by (std + eps) when normalize_std (std over G − ddof);
+    a group of one keeps its raw reward (mean 0, std 1)."""
     rewards = np.asarray(rewards, np.float64)
     out = np.empty_like(rewards)
     for start in range(0, len(rewards), group_size):
         g = rewards[start:start + group_size]
-        a = g - g.mean()
-        out[start:start + group_size] = a / (g.std() + eps) if normalize_std else a
+        mean, std = (0.0, 1.0) if group_size == 1 else (g.mean(), g.std(ddof=ddof))
+        out[start:start + group_size] = (g - mean) / (std + eps) if normalize_std else g - mean
     return out
+
+
+def aggregate(values, mask, mode, horizon=None):
+    """The aggregation modes, row by row (rows with no valid token are left out of the
+    sequence counts)."""
+    values, mask = np.asarray(values, np.float64), np.asarray(mask, np.float64)
+    rows = [(v[m != 0] * m[m != 0]).sum() for v, m in zip(values, mask)]
+    counts = mask.sum(-1)
+    sequences = int((counts > 0).sum())
+    if mode == "token-mean":
+        return sum(rows) / max(counts.sum(), 1.0)
+    if mode == "seq-mean-token-mean":
+        return sum(r / c for r, c in zip(rows, counts) if c > 0) / max(sequences, 1)
+    if mode == "seq-mean-token-sum":
+        return sum(rows) / max(sequences, 1)
+    if mode == "seq-mean-token-sum-norm":
+        return sum(rows) / max(sequences * (mask.shape[-1] if horizon is None else horizon), 1)
+    raise ValueError(mode)

@@ -48,10 +48,13 @@ def _estimators() -> dict[str, Callable]:
         prox = jax.lax.stop_gradient(lp)
         return jnp.mean(est.decoupled_ppo_loss(lp, prox, g(mu, ids), jax.lax.stop_gradient(g(q, ids) - lp)), -1)
 
-    def m2po(s, q, mu, ids):
-        lp = g(s, ids)
-        adv = jax.lax.stop_gradient(g(q, ids) - lp)
-        return jnp.mean(est.m2po_clip(lp, g(mu, ids), adv, jnp.ones(ids.shape, bool)), -1)
+    def batch_masked(fn):
+        def run(s, q, mu, ids):
+            lp = g(s, ids)
+            adv = jax.lax.stop_gradient(g(q, ids) - lp)
+            return jnp.mean(fn(lp, g(mu, ids), adv, jnp.ones(ids.shape, bool)), -1)
+
+        return run
 
     def hybrid(s, q, mu, ids):
         support = _support(ids)[..., :3]  # some candidates fall inside it, some outside
@@ -73,7 +76,9 @@ def _estimators() -> dict[str, Callable]:
         "ppo_clip": stabiliser(est.ppo_clip_loss, dual_clip=3.0),
         "truncated_is": stabiliser(est.truncated_is_loss),
         "decoupled_ppo": decoupled,
-        "m2po": m2po,
+        # a budget that keeps some candidates and removes others
+        "m2po": batch_masked(lambda *a: est.m2po_loss(*a, second_moment_budget=0.5)),
+        "second_moment_clip": batch_masked(est.second_moment_clip_loss),
     }
 
 
@@ -97,7 +102,7 @@ def test_shape_jit_and_vmap(name):
     assert eager.shape == (B, T) and eager.dtype == jnp.float32
     assert np.all(np.isfinite(eager))
     np.testing.assert_allclose(jax.jit(fn)(s, q, mu, ids), eager, rtol=1e-5, atol=1e-6)
-    if name != "m2po":  # m2po's threshold pools the whole batch, so it is not per-row
+    if name not in ("m2po", "second_moment_clip"):  # their statistic pools the whole batch: not per-row
         stacked = [np.stack([x, x[::-1]]) for x in (s, q, mu, ids)]
         batched = jax.vmap(fn)(*stacked)
         np.testing.assert_allclose(batched[0], eager, rtol=1e-5, atol=1e-6)
@@ -144,7 +149,8 @@ def _logprob_level() -> dict[str, Callable]:
         "ppo_clip": lambda lp, mu, q, a, m: est.ppo_clip_loss(lp, mu, a, dual_clip=3.0),
         "decoupled_ppo": lambda lp, mu, q, a, m: est.decoupled_ppo_loss(lp, lp - 0.1, mu, a),
         "truncated_is": lambda lp, mu, q, a, m: est.truncated_is_loss(lp, mu, a),
-        "m2po": lambda lp, mu, q, a, m: est.m2po_clip(lp, mu, a, m),
+        "m2po": lambda lp, mu, q, a, m: est.m2po_loss(lp, mu, a, m, second_moment_budget=0.5),
+        "second_moment_clip": lambda lp, mu, q, a, m: est.second_moment_clip_loss(lp, mu, a, m),
         "token_mean": lambda lp, mu, q, a, m: est.token_mean(lp[..., 0], m[..., 0]),
         "normalized_token_sum": lambda lp, mu, q, a, m: est.normalized_token_sum(lp[..., 0], m[..., 0], 7),
     }

@@ -9,9 +9,11 @@ import pytest
 
 from asyncopd_jax.estimators import (
     decoupled_ppo_loss,
-    m2po_clip,
-    m2po_threshold,
+    m2po_loss,
+    m2po_mask,
     ppo_clip_loss,
+    second_moment_clip_loss,
+    second_moment_clip_range,
     truncated_is_loss,
 )
 from tests.estimators import oracle
@@ -91,11 +93,11 @@ def test_truncated_is(shape):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("budget", [0.01, 0.04, 10.0])
-def test_m2po_threshold_matches_bisection(shape, budget):
+def test_second_moment_clip_range_matches_bisection(shape, budget):
     logp, behavior, adv = _problem(shape, seed=3, spread=0.4)
     mask = np.random.default_rng(4).uniform(size=shape) > 0.2
-    tau = jax.jit(lambda *a: m2po_threshold(*a, second_moment_budget=budget))(logp, behavior, adv, mask)
-    want = oracle.m2po_tau(logp, behavior, adv, mask, budget)
+    tau = jax.jit(lambda *a: second_moment_clip_range(*a, second_moment_budget=budget))(logp, behavior, adv, mask)
+    want = oracle.second_moment_clip_tau(logp, behavior, adv, mask, budget)
     if np.isinf(want):
         assert np.isinf(tau)
     else:
@@ -105,23 +107,23 @@ def test_m2po_threshold_matches_bisection(shape, budget):
         np.testing.assert_allclose(np.mean(np.minimum(delta**2, float(tau) ** 2)), budget, rtol=1e-3)
 
 
-def test_m2po_clip_uses_adaptive_range_with_floors():
+def test_second_moment_clip_loss_uses_adaptive_range_with_floors():
     logp, behavior, adv = _problem((4, 16), seed=5, spread=1.0)
     mask = np.ones_like(logp, bool)
-    tau = float(m2po_threshold(logp, behavior, adv, mask, second_moment_budget=0.04))
+    tau = float(second_moment_clip_range(logp, behavior, adv, mask, second_moment_budget=0.04))
     low, high = min(np.exp(-tau), 0.7), max(np.exp(tau), 1.5)
-    got = jax.jit(lambda *a: m2po_clip(*a))(logp, behavior, adv, mask)
+    got = jax.jit(lambda *a: second_moment_clip_loss(*a))(logp, behavior, adv, mask)
     np.testing.assert_allclose(got, oracle.ppo_clip(logp, behavior, adv, low, high), rtol=1e-5, atol=1e-6)
 
 
-def test_m2po_with_empty_mask_does_not_clip_and_is_finite():
+def test_second_moment_clip_with_empty_mask_does_not_clip_and_is_finite():
     logp, behavior, adv = _problem((2, 3), seed=6)
     mask = np.zeros_like(logp, bool)
-    assert np.isinf(m2po_threshold(logp, behavior, adv, mask))
-    loss, grad = jax.value_and_grad(lambda lp: m2po_clip(lp, behavior, adv, mask).sum())(logp)
+    assert np.isinf(second_moment_clip_range(logp, behavior, adv, mask))
+    loss, grad = jax.value_and_grad(lambda lp: second_moment_clip_loss(lp, behavior, adv, mask).sum())(logp)
     assert np.isfinite(loss) and np.all(np.isfinite(grad))
     r = np.exp(logp.astype(np.float64) - behavior)
-    np.testing.assert_allclose(m2po_clip(logp, behavior, adv, mask), -adv * r, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(second_moment_clip_loss(logp, behavior, adv, mask), -adv * r, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_clip_arguments_raise():
@@ -144,14 +146,14 @@ def test_bad_clip_arguments_raise():
                                oracle.ppo_clip(logp, behavior, adv, 0.8, 1.0), rtol=1e-5, atol=1e-6)
 
 
-def test_m2po_clip_with_a_wide_adaptive_range_and_dual_clip():
+def test_second_moment_clip_loss_with_a_wide_adaptive_range_and_dual_clip():
     """A budget large enough that τ exceeds both margins: the adaptive bounds e^∓τ, not the
     floors, set the range; the budget and the dual clip are passed through."""
     logp, behavior, adv = _problem((4, 16), seed=7, spread=1.5)
     mask = np.ones_like(logp, bool)
-    tau = float(m2po_threshold(logp, behavior, adv, mask, second_moment_budget=0.5))
+    tau = float(second_moment_clip_range(logp, behavior, adv, mask, second_moment_budget=0.5))
     assert np.isfinite(tau) and np.exp(-tau) < 0.7 and np.exp(tau) > 1.5
-    got = m2po_clip(logp, behavior, adv, mask, second_moment_budget=0.5, dual_clip=3.0)
+    got = second_moment_clip_loss(logp, behavior, adv, mask, second_moment_budget=0.5, dual_clip=3.0)
     want = oracle.ppo_clip(logp, behavior, adv, np.exp(-tau), np.exp(tau), dual_clip=3.0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     r = np.exp(logp.astype(np.float64) - behavior)
@@ -165,15 +167,15 @@ def test_decoupled_ppo_keeps_a_token_whose_weight_equals_the_cap():
     np.testing.assert_allclose(at_cap, oracle.ppo_clip(logp, behavior, adv, 0.8, 1.2), rtol=1e-5, atol=1e-6)
 
 
-def test_m2po_threshold_default_budget_is_0_04():
+def test_second_moment_clip_range_default_budget_is_0_04():
     logp, behavior, adv = _problem((4, 16), seed=5, spread=1.0)
     mask = np.ones_like(logp, bool)
-    np.testing.assert_array_equal(m2po_threshold(logp, behavior, adv, mask),
-                                  m2po_threshold(logp, behavior, adv, mask, second_moment_budget=0.04))
-    assert np.isfinite(m2po_threshold(logp, behavior, adv, mask))
+    np.testing.assert_array_equal(second_moment_clip_range(logp, behavior, adv, mask),
+                                  second_moment_clip_range(logp, behavior, adv, mask, second_moment_budget=0.04))
+    assert np.isfinite(second_moment_clip_range(logp, behavior, adv, mask))
 
 
-def test_m2po_threshold_ignores_tokens_whose_ratio_has_not_moved():
+def test_second_moment_clip_range_ignores_tokens_whose_ratio_has_not_moved():
     """δ = 0 (π_θ = μ) or A = 0: nothing to clip; such tokens must not dilute the mean."""
     logp, behavior, adv = _problem((4, 16), seed=9, spread=1.0)
     mask = np.ones_like(logp, bool)
@@ -183,30 +185,30 @@ def test_m2po_threshold_ignores_tokens_whose_ratio_has_not_moved():
     adv_zero[1] = 0.0  # row 1: no advantage
     without = mask.copy()
     without[:2] = False
-    want = m2po_threshold(still, behavior, adv_zero, without, second_moment_budget=0.1)
+    want = second_moment_clip_range(still, behavior, adv_zero, without, second_moment_budget=0.1)
     assert np.isfinite(want)
-    np.testing.assert_array_equal(m2po_threshold(still, behavior, adv_zero, mask, second_moment_budget=0.1), want)
+    np.testing.assert_array_equal(second_moment_clip_range(still, behavior, adv_zero, mask, second_moment_budget=0.1), want)
 
 
-def test_m2po_threshold_matches_bisection_on_many_random_problems():
-    threshold = jax.jit(lambda lp, mu, a, m, b: m2po_threshold(lp, mu, a, m, second_moment_budget=b))
+def test_second_moment_clip_range_matches_bisection_on_many_random_problems():
+    threshold = jax.jit(lambda lp, mu, a, m, b: second_moment_clip_range(lp, mu, a, m, second_moment_budget=b))
     rng = np.random.default_rng(10)
     for seed in range(40):
         logp, behavior, adv = _problem((3, 7), seed=100 + seed, spread=rng.uniform(0.2, 1.5))
         mask = rng.uniform(size=logp.shape) > 0.3
         budget = float(rng.choice([0.01, 0.05, 0.2, 0.5]))
-        got, want = float(threshold(logp, behavior, adv, mask, budget)), oracle.m2po_tau(logp, behavior, adv, mask, budget)
+        got, want = float(threshold(logp, behavior, adv, mask, budget)), oracle.second_moment_clip_tau(logp, behavior, adv, mask, budget)
         if np.isinf(want):
             assert np.isinf(got), seed
         else:
             np.testing.assert_allclose(got, want, rtol=1e-4, err_msg=str(seed))
 
 
-def test_m2po_threshold_edge_cases():
+def test_second_moment_clip_range_edge_cases():
     def tau(delta, adv, mask=None, budget=0.25):
         delta, adv = np.asarray(delta, np.float32), np.asarray(adv, np.float32)
         mask = np.ones(delta.shape, bool) if mask is None else np.asarray(mask)
-        return float(m2po_threshold(-delta, np.zeros_like(delta), adv, mask, second_moment_budget=budget))
+        return float(second_moment_clip_range(-delta, np.zeros_like(delta), adv, mask, second_moment_budget=budget))
 
     # Exactly at the budget (δ² = 0.25 = budget on every selected token): nothing to clip.
     assert np.isinf(tau([0.5, -0.5, 0.5], [1.0, -1.0, 1.0]))
@@ -214,3 +216,103 @@ def test_m2po_threshold_edge_cases():
     np.testing.assert_allclose(tau([2.0, 0.3], [1.0, -1.0]), 0.5, rtol=1e-6)
     # Selected tokens within budget, many unselected ones: +inf (the unselected do not count).
     assert np.isinf(tau([0.4, 0.4] + [0.3] * 10, [1.0, 1.0] + [-1.0] * 10))
+
+
+# M2PO (the paper's rule): a token mask, batch-global, no clipping.
+
+
+def _m2po_problem(shape, seed, spread, ties=False):
+    logp, behavior, adv = _problem(shape, seed=seed, spread=spread)
+    if ties:  # log-ratios on a coarse grid: many equal δ², also at the boundary (grids exact in fp32, so the
+        # fp32 differences are the exact ones the float64 oracle sees)
+        behavior = (np.round(behavior * 64) / 64).astype(np.float32)
+        logp = (behavior + np.round((logp - behavior) * 4) / 4).astype(np.float32)
+    mask = np.random.default_rng(seed + 1).uniform(size=shape) > 0.25
+    return logp, behavior, adv, mask
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("budget", [0.0, 0.01, 0.04, 0.3, 100.0])
+@pytest.mark.parametrize("ties", [False, True])
+def test_m2po_mask_removes_the_largest_squared_log_ratios_as_the_paper_does(shape, budget, ties):
+    logp, behavior, adv, mask = _m2po_problem(shape, seed=11, spread=0.4, ties=ties)
+    got = np.asarray(jax.jit(lambda *a: m2po_mask(*a, second_moment_budget=budget))(logp, behavior, mask))
+    want = oracle.m2po_mask(logp, behavior, mask, budget)
+    np.testing.assert_array_equal(got, want)
+    assert not (got & ~mask).any()  # padding is never kept
+
+
+def test_m2po_mask_matches_the_paper_on_many_random_problems():
+    masker = jax.jit(lambda lp, mu, m, b: m2po_mask(lp, mu, m, second_moment_budget=b))
+    rng = np.random.default_rng(12)
+    kept_some = removed_some = 0
+    for seed in range(40):
+        logp, behavior, _, mask = _m2po_problem((3, 9), seed=200 + seed, spread=rng.uniform(0.05, 1.0),
+                                               ties=seed % 2 == 0)
+        budget = float(rng.choice([0.01, 0.04, 0.2]))
+        got = np.asarray(masker(logp, behavior, mask, budget))
+        np.testing.assert_array_equal(got, oracle.m2po_mask(logp, behavior, mask, budget), err_msg=str(seed))
+        kept_some += got.any()
+        removed_some += (mask & ~got).any()
+    assert kept_some > 20 and removed_some > 20  # both regimes exercised
+
+
+def test_m2po_mask_defining_property_and_default_budget():
+    logp, behavior, _, mask = _m2po_problem((4, 32), seed=13, spread=0.3)
+    keep = np.asarray(m2po_mask(logp, behavior, mask))
+    np.testing.assert_array_equal(keep, np.asarray(m2po_mask(logp, behavior, mask, second_moment_budget=0.04)))
+    sq = (logp.astype(np.float64) - behavior) ** 2
+    assert 0 < keep.sum() < mask.sum()
+    assert sq[keep].mean() <= 0.04
+    # every removed valid token has a larger δ² than every kept one, and keeping the smallest removed
+    # one as well would break the budget
+    removed = mask & ~keep
+    assert sq[removed].min() >= sq[keep].max()
+    assert np.append(sq[keep], sq[removed].min()).mean() > 0.04
+
+
+def test_m2po_loss_is_the_unclipped_importance_weighted_gradient_on_kept_tokens():
+    logp, behavior, adv, mask = _m2po_problem((4, 16), seed=14, spread=0.5)
+    keep = oracle.m2po_mask(logp, behavior, mask, 0.1)
+    loss_fn = lambda lp: m2po_loss(lp, behavior, adv, mask, second_moment_budget=0.1)  # noqa: E731
+    r = np.exp(logp.astype(np.float64) - behavior)
+    np.testing.assert_allclose(loss_fn(logp), np.where(keep, -adv * r, 0.0), rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda lp: loss_fn(lp).sum())(logp)
+    np.testing.assert_allclose(grad, np.where(keep, -adv * r, 0.0), rtol=1e-5, atol=1e-6)
+    # nothing is clipped: kept ratios outside PPO's [0.8, 1.2] still carry their full gradient
+    assert (keep & ((r < 0.8) | (r > 1.2)) & (adv != 0)).any()
+    # the advantages and the behaviour log-probs get no gradient
+    for index in (1, 2):
+        args = [logp, behavior, adv]
+        g = jax.grad(lambda x: m2po_loss(*[x if i == index else a for i, a in enumerate(args)], mask).sum())(
+            args[index])
+        np.testing.assert_array_equal(g, 0.0)
+
+
+def test_m2po_is_batch_global_with_axis_name():
+    """Split over 4 devices (vmap with an axis name, as shard_map names its mesh axis), each
+    device keeps exactly the tokens the whole batch keeps; without the axis each device would
+    use its own budget."""
+    logp, behavior, adv, mask = _m2po_problem((8, 12), seed=15, spread=0.35)
+    whole = oracle.m2po_mask(logp, behavior, mask, 0.04)
+    split = [x.reshape(4, 2, 12) for x in (logp, behavior, mask)]
+    got = jax.vmap(lambda lp, mu, m: m2po_mask(lp, mu, m, axis_name="data"), axis_name="data")(*split)
+    np.testing.assert_array_equal(np.asarray(got).reshape(8, 12), whole)
+    alone = jax.vmap(lambda lp, mu, m: m2po_mask(lp, mu, m))(*split)
+    assert not np.array_equal(np.asarray(alone).reshape(8, 12), whole)
+    loss = jax.vmap(lambda lp, mu, a, m: m2po_loss(lp, mu, a, m, axis_name="data"), axis_name="data")(
+        *split[:2], adv.reshape(4, 2, 12), split[2])
+    np.testing.assert_allclose(np.asarray(loss).reshape(8, 12), m2po_loss(logp, behavior, adv, mask), rtol=1e-6)
+
+
+def test_m2po_edge_cases():
+    zeros = np.zeros((2, 3), np.float32)
+    assert not np.asarray(m2po_mask(zeros, zeros, np.zeros((2, 3), bool))).any()  # no valid token
+    assert np.asarray(m2po_mask(zeros, zeros, np.ones((2, 3), bool), second_moment_budget=0.0)).all()  # δ = 0
+    far = np.full((2, 3), -1.0, np.float32)  # every δ² = 1 > budget: nothing kept
+    assert not np.asarray(m2po_mask(far, zeros, np.ones((2, 3), bool))).any()
+    # exactly at the budget: kept (M₂ ≤ τ)
+    at = np.full((2, 3), -0.5, np.float32)
+    assert np.asarray(m2po_mask(at, zeros, np.ones((2, 3), bool), second_moment_budget=0.25)).all()
+    with pytest.raises(ValueError, match="second_moment_budget must be >= 0"):
+        m2po_mask(zeros, zeros, np.ones((2, 3), bool), second_moment_budget=-1.0)

@@ -51,3 +51,17 @@ def test_lag_zero_is_the_sync_schedule_step_for_step(models, tmp_path):  # noqa:
 def test_bad_fixed_lag_settings_name_the_field(models, tmp_path, sets, message):  # noqa: F811
     with pytest.raises(ConfigError, match=message):
         _config(models, tmp_path, **{"schedule.mode": "fixed_lag", **sets})
+
+
+def test_the_configured_aggregation_reaches_the_learner(models, tmp_path):  # noqa: F811
+    """``estimator.aggregation`` is the learner's: the first step (the same rollouts, the same
+    per-token losses) is the token sum S over the token count N in the token mean, and over
+    (sequences × horizon) with Dr. GRPO's seq-mean-token-sum-norm (horizon: max_new_tokens)."""
+    lag0 = {"schedule.mode": "fixed_lag", "schedule.lag": 0, "train.steps": 1}
+    token = _run(models, tmp_path, "token", **lag0)[0]
+    cfg = _config(models, tmp_path, **{"name": "norm", "train.checkpoint_every": 100,
+                                       "estimator.aggregation": "seq-mean-token-sum-norm", **lag0})
+    Trainer(cfg, progress=False).run()
+    norm = json.loads((tmp_path / "norm" / "metrics.jsonl").read_text().splitlines()[0])
+    assert norm["tokens"] == token["tokens"] < 8 * 12  # some answers end before the horizon
+    np.testing.assert_allclose(norm["loss"] * 8 * 12, token["loss"] * token["tokens"], rtol=1e-5)

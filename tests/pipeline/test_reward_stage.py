@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,7 +32,19 @@ def test_rl_groups_repeat_each_prompt_and_carry_group_relative_advantages():
     np.testing.assert_allclose(batch.advantages, np.broadcast_to(want[:, None], (8, 5)), atol=1e-6)
     normalized = RewardStage(stage.rewards, samples_per_prompt=4, advantages=True, normalize_std=True)
     batch, _ = normalized(list(range(8)), _batch(8))
+    np.testing.assert_allclose(batch.advantages[:4, 0], want[:4] / (np.std(rewards[:4], ddof=1) + 1e-6), rtol=1e-5)
+    population = RewardStage(stage.rewards, samples_per_prompt=4, advantages=True, std="population")
+    batch, _ = population(list(range(8)), _batch(8))
     np.testing.assert_allclose(batch.advantages[:4, 0], want[:4] / (np.std(rewards[:4]) + 1e-6), rtol=1e-5)
+
+
+def test_the_config_chooses_the_std():
+    from asyncopd_jax.config import RunConfig, RLConfig
+
+    for std in ("unbiased", "population"):
+        cfg = RunConfig(algorithm="rl", estimator=dataclasses.replace(RunConfig().estimator, name="ppo_clip"),
+                        rl=RLConfig(samples_per_prompt=2, advantage_std=std))
+        assert RewardStage.from_config(cfg, lambda p, b: []).std == std
 
 
 def test_distillation_rewards_leave_the_batch_alone():
