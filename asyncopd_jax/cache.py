@@ -89,6 +89,10 @@ class RolloutBatch:
       advantages: ``[B, T]`` fp32 or None (reward-driven RL only): each response's
         group-relative reward advantage, the same on all its tokens, filled in by the
         reward stage (:mod:`asyncopd_jax.pipeline.reward_stage`).
+      reference_logp: ``[B, T]`` fp32 or None: log π_ref of each response token under a
+        fixed reference policy (e.g. the starting student) at the sampling temperature, for
+        a KL-to-reference term; filled in by the scoring stage
+        (:class:`asyncopd_jax.teacher.ReferenceScorer`).
     """
 
     prompt_tokens: Array
@@ -102,12 +106,13 @@ class RolloutBatch:
     student_topk_ids: Array | None = None
     student_topk_behavior_logp: Array | None = None
     advantages: Array | None = None
+    reference_logp: Array | None = None
 
     def __post_init__(self) -> None:
         _check_shapes(
             self,
             "response_tokens",
-            ("response_mask", "behavior_logp", "token_version", "advantages"),
+            ("response_mask", "behavior_logp", "token_version", "advantages", "reference_logp"),
             (("candidate_ids", "candidate_behavior_logp"), ("student_topk_ids", "student_topk_behavior_logp")),
         )
         if _is_array_like(self.prompt_tokens) and _is_array_like(self.response_tokens):
@@ -173,6 +178,8 @@ class StudentLogProbs:
       student_topk: ``[B, T, K]`` or None, on ``RolloutBatch.student_topk_ids``.
       teacher_topk: ``[B, T, Kq]`` or None, on ``TeacherScoreCache.topk_ids``.
       teacher_samples: ``[B, T, M]`` or None, on ``TeacherScoreCache.sample_ids``.
+      entropy: ``[B, T]`` or None, the entropy of the student's distribution at each
+        position (from the same fused pass).
     """
 
     token: Array
@@ -180,8 +187,9 @@ class StudentLogProbs:
     student_topk: Array | None = None
     teacher_topk: Array | None = None
     teacher_samples: Array | None = None
+    entropy: Array | None = None
 
     def __post_init__(self) -> None:
         _check_shapes(
-            self, "token", (), (("candidates",), ("student_topk",), ("teacher_topk",), ("teacher_samples",))
+            self, "token", ("entropy",), (("candidates",), ("student_topk",), ("teacher_topk",), ("teacher_samples",))
         )

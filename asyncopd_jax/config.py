@@ -61,25 +61,35 @@ class EstimatorConfig:
     ppo_clip_eps: float = 0.2
     dual_clip: float | None = None
     behavior_weight_cap: float | None = 5.0
+    behavior_weight_mode: Literal["mask", "truncate"] = "mask"
+    behavior_weight_floor: float | None = None
+    gspo_clip_low: float = 3e-4
+    gspo_clip_high: float = 4e-4
     tis_cap: float = 2.0
     m2po_budget: float = 0.04
     second_moment_clip_budget: float = 0.04
     stabiliser_signal: Literal["stale", "recompute"] = "stale"
     # how per-token losses become the loss (verl's loss_agg_mode names; see estimators/reductions.py)
     aggregation: Aggregation = "token-mean"
+    entropy_coef: float = 0.0  # entropy bonus c: −c · H(π_θ) on every token (the entropy is a metric either way)
+    reference_kl_coef: float = 0.0  # weight of a KL(π_θ ‖ π_ref) term; π_ref: the `reference` model
+    reference_kl: Literal["k1", "k2", "k3"] = "k3"  # its estimator (see estimators/regularisers.py)
 
     def options(self) -> EstimatorOptions:
         return EstimatorOptions(
             mc_clip_eps=self.mc_clip_eps, mc_importance_sampling=self.mc_importance_sampling,
             topk_tail=self.topk_tail, control_variate=self.control_variate,
             ppo_clip_eps=self.ppo_clip_eps, dual_clip=self.dual_clip, behavior_weight_cap=self.behavior_weight_cap,
+            behavior_weight_mode=self.behavior_weight_mode, behavior_weight_floor=self.behavior_weight_floor,
+            gspo_clip_eps=(self.gspo_clip_low, self.gspo_clip_high),
             tis_cap=self.tis_cap, m2po_budget=self.m2po_budget,
             second_moment_clip_budget=self.second_moment_clip_budget, stabiliser_signal=self.stabiliser_signal,
+            entropy_coef=self.entropy_coef, reference_kl_coef=self.reference_kl_coef, reference_kl=self.reference_kl,
         )
 
 
 # The estimators that train on an advantage (a policy-gradient surrogate) and so on a reward.
-RL_ESTIMATORS = ("ppo_clip", "decoupled_ppo", "truncated_is", "m2po", "second_moment_clip")
+RL_ESTIMATORS = ("ppo_clip", "decoupled_ppo", "truncated_is", "m2po", "second_moment_clip", "gspo", "gspo_token")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +263,8 @@ class RunConfig:
     task: TaskConfig = TaskConfig()
     student: ModelSource = ModelSource()
     teacher: ModelSource = ModelSource()
+    # π_ref of estimator.reference_kl_coef (scored by the scoring stage); path '' = the student's starting weights
+    reference: ModelSource = ModelSource()
     sampling: SamplingParams = SamplingParams(max_new_tokens=32, num_candidates=4, chunk_steps=8)
     scoring: ScoringParams = ScoringParams(chunk_size=64)
     estimator: EstimatorConfig = EstimatorConfig()
@@ -271,6 +283,12 @@ class RunConfig:
     def needs_teacher_scores(self) -> bool:
         """Whether rollouts are scored by the teacher (all but RL with ``distill_coef = 0``)."""
         return self.algorithm == "opd" or self.rl.distill_coef != 0
+
+    @property
+    def needs_scoring(self) -> bool:
+        """Whether rollouts go through a scoring stage: teacher scores, or reference log-probs
+        for a KL-to-reference term."""
+        return self.needs_teacher_scores or self.estimator.reference_kl_coef != 0
 
     @property
     def samples_per_prompt(self) -> int:
@@ -345,6 +363,12 @@ def _validate(cfg: RunConfig) -> None:
          and (cfg.distributed.num_processes == 0 or cfg.distributed.process_id < cfg.distributed.num_processes),
          "-1 (from the environment) or 0 .. distributed.num_processes - 1"),
         ("train.steps", cfg.train.steps, cfg.train.steps >= 1, ">= 1"),
+        ("estimator.reference_kl_coef", cfg.estimator.reference_kl_coef, cfg.estimator.reference_kl_coef >= 0,
+         ">= 0 (0: no KL-to-reference term)"),
+        ("estimator.m2po_budget", cfg.estimator.m2po_budget, cfg.estimator.m2po_budget >= 0, ">= 0"),
+        ("estimator.behavior_weight_floor", cfg.estimator.behavior_weight_floor,
+         cfg.estimator.behavior_weight_floor is None or 0 <= cfg.estimator.behavior_weight_floor
+         < (cfg.estimator.behavior_weight_cap or float("inf")), "null, or >= 0 and below estimator.behavior_weight_cap"),
         ("train.diagnostics_every", cfg.train.diagnostics_every, cfg.train.diagnostics_every >= 0, ">= 0 (0: off)"),
         ("train.diagnostic_prompts", cfg.train.diagnostic_prompts, cfg.train.diagnostic_prompts >= 1, ">= 1"),
         ("train.update_geometry_every", cfg.train.update_geometry_every, cfg.train.update_geometry_every >= 0,
@@ -397,9 +421,9 @@ def _validate_algorithm(cfg: RunConfig) -> None:
     if cfg.needs_teacher_scores and not cfg.teacher.path:
         raise ConfigError(f"teacher.path = '' is invalid with rl.distill_coef = {rl.distill_coef}; allowed: a model "
                           "directory (or set rl.distill_coef = 0 to train from rewards alone)")
-    if not cfg.needs_teacher_scores and cfg.stages.scoring_processes:
-        raise ConfigError(f"stages.scoring_processes = {cfg.stages.scoring_processes} is invalid with algorithm = rl "
-                          "and rl.distill_coef = 0 (nothing to score); allowed: 0")
+    if not cfg.needs_scoring and cfg.stages.scoring_processes:
+        raise ConfigError(f"stages.scoring_processes = {cfg.stages.scoring_processes} is invalid with algorithm = rl, "
+                          "rl.distill_coef = 0 and estimator.reference_kl_coef = 0 (nothing to score); allowed: 0")
     if cfg.task.name == "dataset" and not cfg.task.answer_field:
         raise ConfigError("task.answer_field = '' is invalid with algorithm = rl; allowed: the field holding each "
                           "example's reference answer (the reward checks answers against it)")

@@ -36,6 +36,10 @@ class EstimatorOptions:
       ppo_clip_eps: clip range of ``ppo_clip``, ``decoupled_ppo``.
       dual_clip: dual-clip constant ``c > 1`` of the PPO-style losses, or None.
       behavior_weight_cap: decoupled PPO's cap on ``π_prox / μ``.
+      behavior_weight_mode: what that cap does: mask the token (``"mask"``) or clamp the
+        weight (``"truncate"``).
+      behavior_weight_floor: decoupled PPO masks tokens whose ``π_prox / μ`` is below it.
+      gspo_clip_eps: GSPO's clip range of the sequence ratio, ``(ε_low, ε_high)``.
       tis_cap: truncated IS cap.
       m2po_budget: M2PO's second-moment budget τ_M2 (``m2po``).
       second_moment_clip_budget, second_moment_clip_min_low, second_moment_clip_min_high:
@@ -46,6 +50,11 @@ class EstimatorOptions:
       distill_coef: reward-driven RL (``RolloutBatch.advantages`` present) only: β, the
         weight of that teacher signal added to the reward advantage (0: pure RL, no
         teacher scores needed).
+      entropy_coef: weight c of the entropy bonus ``−c · H(π_θ)`` added to every token's
+        loss (0: none; the entropy is a metric either way).
+      reference_kl_coef, reference_kl: weight and estimator (k1 / k2 / k3) of a
+        KL(π_θ ‖ π_ref) term added to every token's loss, on
+        ``RolloutBatch.reference_logp`` (0: none).
     """
 
     mc_clip_eps: float | tuple[float, float] | None = None
@@ -55,6 +64,9 @@ class EstimatorOptions:
     ppo_clip_eps: float | tuple[float, float] = 0.2
     dual_clip: float | None = None
     behavior_weight_cap: float | None = 5.0
+    behavior_weight_mode: Literal["mask", "truncate"] = "mask"
+    behavior_weight_floor: float | None = None
+    gspo_clip_eps: tuple[float, float] = (3e-4, 4e-4)
     tis_cap: float = 2.0
     m2po_budget: float = 0.04
     second_moment_clip_budget: float = 0.04
@@ -62,6 +74,9 @@ class EstimatorOptions:
     second_moment_clip_min_high: float = 0.5
     stabiliser_signal: Literal["stale", "recompute"] = "stale"
     distill_coef: float = 0.0
+    entropy_coef: float = 0.0
+    reference_kl_coef: float = 0.0
+    reference_kl: est.ReferenceKL = "k3"
 
 
 EstimatorFn = Callable[
@@ -126,6 +141,11 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
             description="KL(teacher‖student) on the teacher's top-K ids",
         ),
         EstimatorSpec(
+            "forward_kl_topk_renormalized", ("teacher_topk",),
+            lambda b, c, s, p, o: est.forward_kl_topk_renormalized(s.teacher_topk, c.topk_logp),
+            description="KL(teacher‖student), both renormalised over the teacher's top-K ids (Tunix's distill_top_k)",
+        ),
+        EstimatorSpec(
             "forward_kl_mc", ("teacher_samples",),
             lambda b, c, s, p, o: est.forward_kl_mc(s.teacher_samples, c.sample_logp, control_variate=o.control_variate),
             description="KL(teacher‖student), Monte Carlo over teacher samples",
@@ -177,9 +197,26 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
             lambda b, c, s, p, o: est.decoupled_ppo_loss(
                 s.token, p.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o),
                 clip_eps=o.ppo_clip_eps, dual_clip=o.dual_clip, behavior_weight_cap=o.behavior_weight_cap,
+                behavior_weight_mode=o.behavior_weight_mode, behavior_weight_floor=o.behavior_weight_floor,
             ),
             needs_proximal=True,
             description="AReaL decoupled PPO (needs proximal log-probs)",
+        ),
+        EstimatorSpec(
+            "gspo", (),
+            lambda b, c, s, p, o: est.gspo_loss(
+                s.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o), b.response_mask,
+                clip_eps=o.gspo_clip_eps, level="sequence",
+            ),
+            description="GSPO: PPO clip on the response's geometric-mean ratio (aggregate with seq-mean-token-mean)",
+        ),
+        EstimatorSpec(
+            "gspo_token", (),
+            lambda b, c, s, p, o: est.gspo_loss(
+                s.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o), b.response_mask,
+                clip_eps=o.gspo_clip_eps, level="token",
+            ),
+            description="GSPO-token: GSPO's sequence ratio with per-token advantages",
         ),
         EstimatorSpec(
             "truncated_is", (),
@@ -249,21 +286,26 @@ def required_ids(name: str, batch: RolloutBatch, cache: TeacherScoreCache) -> di
     return ids
 
 
-def student_logprobs(ids: Mapping[str, Array], gather: Callable[[Array], Array]) -> StudentLogProbs:
-    """Score every id set with one call of ``gather`` (``[B, T, K] ids → [B, T, K] log-probs``).
+def student_logprobs(ids: Mapping[str, Array],
+                     gather: Callable[[Array], Array | tuple[Array, Array]]) -> StudentLogProbs:
+    """Score every id set with one call of ``gather`` (``[B, T, K] ids → [B, T, K] log-probs``,
+    or ``→ (log-probs, [B, T] entropy)``: then the entropy is kept too).
 
     The id sets of :func:`required_ids` are concatenated along the last axis so that
-    one fused pass (e.g. :func:`asyncopd_jax.estimators.gather_logprobs_from_hidden`)
+    one fused pass (e.g. :func:`asyncopd_jax.estimators.gather_logprobs_and_entropy_from_hidden`)
     serves them all, then split back into a :class:`StudentLogProbs`.
     """
     names = list(ids)
     parts = [ids[n][..., None] if n == "token" else ids[n] for n in names]
     sizes = [p.shape[-1] for p in parts]
     logp = gather(jnp.concatenate([p.astype(jnp.int32) for p in parts], axis=-1))
+    entropy = None
+    if isinstance(logp, tuple):
+        logp, entropy = logp
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     fields = {n: logp[..., o : o + s] for n, o, s in zip(names, offsets, sizes)}
     fields["token"] = fields["token"][..., 0]
-    return StudentLogProbs(**fields)
+    return StudentLogProbs(**fields, entropy=entropy)
 
 
 def evaluate_estimator(
@@ -277,12 +319,15 @@ def evaluate_estimator(
 ) -> tuple[Array, dict[str, Array]]:
     """Evaluate the named estimator: per-token losses ``[B, T]`` and scalar metrics.
 
-    Reduce the losses with ``token_mean(values, batch.response_mask)`` (or the
-    sum/count forms across micro-batches). Metrics are token means over the response
-    mask: the loss, the 1-sample reverse-KL signal ``log π_θ − log q`` on the sampled
-    tokens, the importance ratio ``π_θ / μ`` of the sampled tokens (mean and max), and
-    ``zero_grad_fraction``, the share of tokens the estimator gives no gradient at all
-    (PPO-style clipped or M2PO-masked).
+    The losses include the optional regularisers of ``options`` (entropy bonus,
+    KL to a reference). Reduce them with ``aggregate(values, batch.response_mask, mode)``
+    (or the numerator/denominator forms across micro-batches). Metrics are token means
+    over the response mask: the loss, the 1-sample reverse-KL signal ``log π_θ − log q``
+    on the sampled tokens, the importance ratio ``π_θ / μ`` of the sampled tokens (mean
+    and max), ``zero_grad_fraction``, the share of tokens the estimator gives no gradient
+    at all (PPO-style clipped or M2PO-masked), the student's ``entropy`` where
+    ``student.entropy`` is given, and ``reference_kl`` (k3) where the batch has
+    reference log-probs.
 
     Args:
       name: one of :data:`ESTIMATORS`.
@@ -309,6 +354,17 @@ def evaluate_estimator(
                 f"but its ids have shape {list(ids[field].shape)}"
             )
     values = spec.fn(batch, cache, student, proximal, options)
+    if options.entropy_coef:
+        if student.entropy is None:
+            raise ValueError(f"entropy_coef = {options.entropy_coef} needs StudentLogProbs.entropy "
+                             "(gather_logprobs_and_entropy_from_hidden)")
+        values = values - options.entropy_coef * student.entropy
+    if options.reference_kl_coef:
+        if batch.reference_logp is None:
+            raise ValueError(f"reference_kl_coef = {options.reference_kl_coef} needs RolloutBatch.reference_logp "
+                             "(the scoring stage scores the reference policy)")
+        values = values + options.reference_kl_coef * est.reference_kl(student.token, batch.reference_logp,
+                                                                       options.reference_kl)
     mask = batch.response_mask
     # ∂(Σ values)/∂(student log-probs), elementwise and cheap: a token whose every entry is
     # 0 contributes nothing to the update.
@@ -324,6 +380,11 @@ def evaluate_estimator(
         "importance_ratio_max": jnp.max(jnp.where(mask, token_ratio, 0.0)),
         "zero_grad_fraction": est.token_mean((~moved).astype(jnp.float32), mask),
     }
+    if student.entropy is not None:
+        metrics["entropy"] = est.token_mean(jax.lax.stop_gradient(student.entropy), mask)
+    if batch.reference_logp is not None:
+        metrics["reference_kl"] = est.token_mean(
+            est.reference_kl(jax.lax.stop_gradient(student.token), batch.reference_logp, "k3"), mask)
     if cache is not None:  # reward-driven RL without distillation has no teacher scores
         metrics["reverse_kl_signal"] = est.token_mean(jax.lax.stop_gradient(student.token) - cache.token_logp, mask)
     return values, metrics

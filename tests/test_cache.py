@@ -238,3 +238,29 @@ def test_rl_distillation_without_teacher_scores_is_a_clear_error():
     s = _all_logprobs(student, batch, cache)
     with pytest.raises(ValueError, match="distill_coef = 0.5 needs the teacher's scores"):
         evaluate_estimator("ppo_clip", batch, None, s, options=EstimatorOptions(distill_coef=0.5))
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_the_regularisers_are_added_to_every_estimator_by_name(kind):
+    """``entropy_coef`` adds −c·H and ``reference_kl_coef`` β·k(π_θ, π_ref) to each token's
+    loss, with the estimator ``reference_kl`` names; the metrics report the entropy and k3."""
+    student, _, batch, cache = _world(7)
+    s = _all_logprobs(student, batch, cache)
+    s = dataclasses.replace(s, entropy=jnp.asarray(np.random.default_rng(8).uniform(0.5, 2.0, size=(B, T)),
+                                                   jnp.float32))
+    reference = (np.asarray(s.token) + np.random.default_rng(9).normal(scale=0.3, size=(B, T))).astype(np.float32)
+    batch = dataclasses.replace(batch, reference_logp=jnp.asarray(reference))
+    options = EstimatorOptions(entropy_coef=0.1, reference_kl_coef=0.5, reference_kl=kind)
+    for name in ("forward_kl_topk", "ppo_clip"):
+        base, base_metrics = evaluate_estimator(name, batch, cache, s)
+        got, metrics = evaluate_estimator(name, batch, cache, s, options=options)
+        np.testing.assert_allclose(got, base - 0.1 * s.entropy + 0.5 * est.reference_kl(s.token, reference, kind),
+                                   rtol=1e-5, atol=1e-6)
+        mask = np.asarray(batch.response_mask)
+        np.testing.assert_allclose(metrics["entropy"], np.asarray(s.entropy)[mask].mean(), rtol=1e-6)
+        d = np.asarray(s.token, np.float64) - reference
+        np.testing.assert_allclose(metrics["reference_kl"], (np.exp(-d) - 1 + d)[mask].mean(), rtol=1e-5)
+    with pytest.raises(ValueError, match="reference_kl_coef = 0.5 needs RolloutBatch.reference_logp"):
+        evaluate_estimator("ppo_clip", dataclasses.replace(batch, reference_logp=None), cache, s, options=options)
+    with pytest.raises(ValueError, match="entropy_coef = 0.1 needs StudentLogProbs.entropy"):
+        evaluate_estimator("ppo_clip", batch, cache, dataclasses.replace(s, entropy=None), options=options)

@@ -85,8 +85,15 @@ def test_rl_config_and_what_it_needs():
      r"rl.samples_per_prompt = 64 is invalid; allowed: a divisor of the 32 samples"),
     ([*RL, "rl.distill_coef=-1"], r"rl.distill_coef = -1.0 is invalid; allowed: >= 0"),
     ([*RL, "rl.distill_coef=0.5", "teacher.path=''"], r"teacher.path = '' is invalid with rl.distill_coef = 0.5"),
-    ([*RL, "stages.scoring_processes=1"], r"stages.scoring_processes = 1 is invalid with algorithm = rl and "
-                                          r"rl.distill_coef = 0 \(nothing to score\)"),
+    ([*RL, "stages.scoring_processes=1"], r"stages.scoring_processes = 1 is invalid with algorithm = rl, "
+                                          r"rl.distill_coef = 0 and estimator.reference_kl_coef = 0 \(nothing to "
+                                          r"score\)"),
+    (["estimator.reference_kl_coef=-0.1"], r"estimator.reference_kl_coef = -0.1 is invalid; allowed: >= 0"),
+    (["estimator.behavior_weight_floor=6"], r"estimator.behavior_weight_floor = 6.0 is invalid; allowed: null, or "
+                                            r">= 0 and below estimator.behavior_weight_cap"),
+    (["estimator.aggregation=seq-mean"], r"estimator.aggregation = 'seq-mean' is invalid; allowed: token-mean, "
+                                         r"seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm"),
+    (["estimator.reference_kl=k4"], r"estimator.reference_kl = 'k4' is invalid; allowed: k1, k2, k3"),
     ([*RL, "task.name=dataset", "task.path=x.jsonl", "task.answer_field=''"],
      r"task.answer_field = '' is invalid with algorithm = rl"),
     (["algorithm=ppo"], r"algorithm = 'ppo' is invalid; allowed: opd, rl"),

@@ -15,8 +15,17 @@ Names state the KL direction: ``forward_kl_*`` is KL(teacher ‖ student) and
 
 from asyncopd_jax.estimators.advantages import group_advantages, with_distillation
 from asyncopd_jax.estimators.candidates import sample_candidates
-from asyncopd_jax.estimators.forward_kl import forward_kl_dense, forward_kl_mc, forward_kl_topk
-from asyncopd_jax.estimators.logprobs import gather_logprobs, gather_logprobs_from_hidden
+from asyncopd_jax.estimators.forward_kl import (
+    forward_kl_dense,
+    forward_kl_mc,
+    forward_kl_topk,
+    forward_kl_topk_renormalized,
+)
+from asyncopd_jax.estimators.logprobs import (
+    gather_logprobs,
+    gather_logprobs_and_entropy_from_hidden,
+    gather_logprobs_from_hidden,
+)
 from asyncopd_jax.estimators.logspace import LOG_RATIO_CLIP, expectation, importance_ratio, with_tail
 from asyncopd_jax.estimators.reductions import (
     AGGREGATIONS,
@@ -29,6 +38,7 @@ from asyncopd_jax.estimators.reductions import (
     token_mean,
     token_sum,
 )
+from asyncopd_jax.estimators.regularisers import ReferenceKL, reference_kl
 from asyncopd_jax.estimators.reverse_kl import (
     reverse_kl_dense,
     reverse_kl_hybrid,
@@ -39,6 +49,7 @@ from asyncopd_jax.estimators.reverse_kl import (
 from asyncopd_jax.estimators.stabilisers import (
     clipped_surrogate,
     decoupled_ppo_loss,
+    gspo_loss,
     m2po_loss,
     m2po_mask,
     ppo_clip_loss,
@@ -58,9 +69,12 @@ __all__ = [
     "forward_kl_dense",
     "forward_kl_mc",
     "forward_kl_topk",
+    "forward_kl_topk_renormalized",
     "gather_logprobs",
+    "gather_logprobs_and_entropy_from_hidden",
     "gather_logprobs_from_hidden",
     "group_advantages",
+    "gspo_loss",
     "importance_ratio",
     "loss_denominator",
     "loss_numerator",
@@ -69,6 +83,8 @@ __all__ = [
     "normalized_loss",
     "normalized_token_sum",
     "ppo_clip_loss",
+    "ReferenceKL",
+    "reference_kl",
     "reverse_kl_dense",
     "reverse_kl_hybrid",
     "reverse_kl_mc",

@@ -71,6 +71,33 @@ def forward_kl_topk(student_logp: Array, teacher_logp: Array, *, tail: bool = Tr
     return expectation(teacher_logp, teacher_logp - student_logp)
 
 
+def forward_kl_topk_renormalized(student_logp: Array, teacher_logp: Array) -> Array:
+    """Forward KL between teacher and student both renormalised over the teacher's top-K.
+
+    With ``q_K = q / q(S_q)`` and ``π_K = π_θ / π_θ(S_q)`` on the support:
+
+        Σ_{v∈S_q} q_K(v) [log q_K(v) − log π_K(v)]
+
+    Tunix's logit distillation with ``distill_top_k`` computes this (there from the top-K
+    logits, ``log_softmax`` over the K of them, which is the same renormalisation; it also
+    softens both by a temperature T and multiplies the KL by T²: pass log-probs at that
+    temperature and scale the result). It is 0 with 0 gradient whenever π_θ and q agree
+    *up to a factor on S_q*: unlike :func:`forward_kl_topk` it does not ask the student to
+    put the teacher's mass on S_q, only to share it out as the teacher does. Invariant to
+    whether the inputs are full-vocabulary log-probs or raw logits on the support.
+
+    Args:
+      student_logp: ``[B, T, K]`` student log-probs (or logits) on the teacher's top-K ids.
+      teacher_logp: ``[B, T, K]`` teacher log-probs (or logits) on the same ids (stop-gradient).
+
+    Returns:
+      ``[B, T]`` fp32, ≥ 0.
+    """
+    teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logp).astype(jnp.float32), axis=-1)
+    student_logp = jax.nn.log_softmax(student_logp.astype(jnp.float32), axis=-1)
+    return expectation(teacher_logp, teacher_logp - student_logp)
+
+
 def forward_kl_mc(student_logp: Array, teacher_logp: Array, *, control_variate: bool = False) -> Array:
     """Monte-Carlo forward KL over N samples drawn from the teacher.
 

@@ -5,7 +5,12 @@ sampled token, N Monte-Carlo candidates, a top-K support), never the ``[B, T, V]
 logits themselves. :func:`gather_logprobs_from_hidden` fuses the LM head, the
 log-softmax and the gather over chunks of positions with a custom VJP that recomputes
 each chunk's logits in the backward pass, so that neither pass holds more than
-``[chunk_size, V]`` logits at a time.
+``[chunk_size, V]`` logits at a time. :func:`gather_logprobs_and_entropy_from_hidden`
+also returns each position's entropy from the same pass (the exponentials of the
+log-normaliser serve both), differentiable too, for an entropy metric or bonus.
+
+The custom VJP gives reverse-mode derivatives (``jax.grad``, ``jax.vjp``) only:
+forward mode (``jax.jvp``, ``jax.jacfwd``) raises, as for any ``jax.custom_vjp``.
 """
 
 from __future__ import annotations
@@ -59,21 +64,32 @@ def _chunk_logits(hidden: Array, lm_head: Array, temperature: float) -> Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused_gather(hidden: Array, lm_head: Array, ids: Array, chunk_size: int, temperature: float) -> Array:
-    """``[n, c, H], [H, V], [n, c, K] → [n, c, K]`` log-probs, chunk by chunk."""
-    logp, _ = _fused_gather_fwd(hidden, lm_head, ids, chunk_size, temperature)
-    return logp
+def _fused_gather(hidden: Array, lm_head: Array, ids: Array, chunk_size: int,
+                  temperature: float) -> tuple[Array, Array]:
+    """``[n, c, H], [H, V], [n, c, K] → ([n, c, K] log-probs, [n, c] entropies)``, chunk by chunk."""
+    out, _ = _fused_gather_fwd(hidden, lm_head, ids, chunk_size, temperature)
+    return out
+
+
+def _normaliser_and_entropy(logits: Array) -> tuple[Array, Array]:
+    """``[C, V]`` → the log-normaliser ``lse`` and the entropy ``lse − Σ_v p_v z_v``, both
+    ``[C]``, from one pass of exponentials."""
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    weights = jnp.exp(logits - top)
+    total = jnp.sum(weights, axis=-1)
+    lse = top[:, 0] + jnp.log(total)
+    return lse, lse - jnp.sum(weights * logits, axis=-1) / total
 
 
 def _fused_gather_fwd(hidden, lm_head, ids, chunk_size, temperature):
     def one_chunk(_, xs):
         h, idx = xs
         logits = _chunk_logits(h, lm_head, temperature)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        return None, (jnp.take_along_axis(logits, idx, axis=-1) - lse[:, None], lse)
+        lse, entropy = _normaliser_and_entropy(logits)
+        return None, (jnp.take_along_axis(logits, idx, axis=-1) - lse[:, None], lse, entropy)
 
-    _, (logp, lse) = jax.lax.scan(one_chunk, None, (hidden, ids))
-    return logp, (hidden, lm_head, ids, lse)
+    _, (logp, lse, entropy) = jax.lax.scan(one_chunk, None, (hidden, ids))
+    return (logp, entropy), (hidden, lm_head, ids, lse, entropy)
 
 
 # Columns of the [H, V] weight gradient updated per step in the backward pass: each row
@@ -100,57 +116,60 @@ def _add_weight_grad(d_head: Array, h: Array, d_logits: Array) -> Array:
     return jax.lax.fori_loop(0, -(-vocab // width), add_slice, d_head)
 
 
-def _fused_gather_bwd(chunk_size, temperature, residuals, g):
-    # d logp[r, k] / d z[r, v] = (1[v = ids[r, k]] − softmax(z)[r, v]) / τ, so
-    # dz[r] = (scatter_add(g[r] at ids[r]) − softmax(z[r]) · Σ_k g[r, k]) / τ.
-    # Scatter-add (not set) so that duplicate ids accumulate.
-    hidden, lm_head, ids, lse = residuals
+def _fused_gather_bwd(chunk_size, temperature, residuals, cotangents):
+    # With z the scaled logits and p = softmax(z):
+    #   d logp[r, k] / d z[r, v] = 1[v = ids[r, k]] − p[r, v]
+    #   d H[r] / d z[r, v]       = −p[r, v] (log p[r, v] + H[r])
+    # so dz[r] = (scatter_add(g[r] at ids[r]) − p[r] Σ_k g[r, k] − g_H[r] p[r] (log p[r] + H[r])) / τ
+    # (divided by τ once for z = logits / τ). Scatter-add (not set) so that duplicate ids accumulate.
+    hidden, lm_head, ids, lse, entropy = residuals
+    g, g_entropy = cotangents
     rows = jnp.arange(hidden.shape[1])[:, None]
 
     def one_chunk(d_head, xs):
-        h, idx, chunk_lse, chunk_g = xs
+        h, idx, chunk_lse, chunk_entropy, chunk_g, chunk_g_entropy = xs
         logits = _chunk_logits(h, lm_head, temperature)
-        probs = jnp.exp(logits - chunk_lse[:, None])
-        d_logits = -probs * jnp.sum(chunk_g, axis=-1, keepdims=True)
+        logp = logits - chunk_lse[:, None]
+        probs = jnp.exp(logp)
+        d_logits = -probs * (jnp.sum(chunk_g, axis=-1, keepdims=True)
+                             + chunk_g_entropy[:, None] * (logp + chunk_entropy[:, None]))
         d_logits = d_logits.at[rows, idx].add(chunk_g) / temperature
         d_hidden = jnp.dot(d_logits, lm_head.T.astype(jnp.float32)).astype(hidden.dtype)
         return _add_weight_grad(d_head, h, d_logits), d_hidden
 
     d_head0 = jnp.zeros(lm_head.shape, jnp.float32)
-    d_head, d_hidden = jax.lax.scan(one_chunk, d_head0, (hidden, ids, lse, g.astype(jnp.float32)))
+    d_head, d_hidden = jax.lax.scan(
+        one_chunk, d_head0, (hidden, ids, lse, entropy, g.astype(jnp.float32), g_entropy.astype(jnp.float32)))
     return d_hidden, d_head.astype(lm_head.dtype), None
 
 
 _fused_gather.defvjp(_fused_gather_fwd, _fused_gather_bwd)
 
 
-def gather_logprobs_from_hidden(
+def gather_logprobs_and_entropy_from_hidden(
     hidden: Array,
     lm_head: Array,
     ids: Array,
     chunk_size: int = 512,
     temperature: float = 1.0,
-) -> Array:
-    """``log softmax(hidden @ lm_head / τ)[ids]`` without ever holding ``[B, T, V]``.
+) -> tuple[Array, Array]:
+    """:func:`gather_logprobs_from_hidden` and each position's entropy, from one pass.
 
-    Same values and gradients (w.r.t. ``hidden`` and ``lm_head``) as
-    ``gather_logprobs(hidden @ lm_head, ids, τ)``, but the ``B·T`` positions are
-    processed in chunks of ``chunk_size`` rows under ``lax.scan``: the forward keeps only
-    the per-row log-normaliser, and the backward recomputes each chunk's logits (one
-    extra matmul) to form ``dz = (onehot(ids)·g − softmax(z)·Σg) / τ``. Peak memory is
-    ``O(chunk_size · V)`` in both passes, plus the ``[H, V]`` weight gradient (fp32
-    accumulator) that any path needs. Duplicate ids in a row are handled (their
-    gradients add up).
+    ``H[b, t] = −Σ_v p_v log p_v`` of ``p = softmax(hidden[b, t] @ lm_head / τ)``,
+    computed chunk by chunk as ``logsumexp(z) − Σ_v p_v z_v`` from the exponentials the
+    log-normaliser already needs, so the ``[B, T, V]`` distribution never exists.
+    Differentiable (``jax.grad``) in ``hidden`` and ``lm_head`` through both outputs:
+    ``∂H/∂z_v = −p_v (log p_v + H) / τ``.
 
     Args:
-      hidden: ``[B, T, H]`` final hidden states, target-aligned (row t predicts token t).
-      lm_head: ``[H, V]`` output projection (transpose of a tied embedding if tied).
+      hidden: ``[B, T, H]`` final hidden states, target-aligned.
+      lm_head: ``[H, V]`` output projection.
       ids: ``[B, T]`` or ``[B, T, K]`` integer ids.
-      chunk_size: rows per chunk (static); positions are padded up to a multiple.
+      chunk_size: rows per chunk (static).
       temperature: ``τ > 0`` (static).
 
     Returns:
-      ``[B, T]`` or ``[B, T, K]`` fp32, matching ``ids``.
+      ``(log-probs [B, T] or [B, T, K], entropy [B, T])``, fp32.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -169,7 +188,7 @@ def gather_logprobs_from_hidden(
     pad = n_chunks * chunk - rows
     flat_hidden = jnp.pad(hidden.reshape(rows, hidden.shape[-1]), ((0, pad), (0, 0)))
     flat_ids = jnp.pad(support.reshape(rows, support.shape[-1]).astype(jnp.int32), ((0, pad), (0, 0)))
-    logp = _fused_gather(
+    logp, entropy = _fused_gather(
         flat_hidden.reshape(n_chunks, chunk, -1),
         lm_head,
         flat_ids.reshape(n_chunks, chunk, -1),
@@ -177,4 +196,36 @@ def gather_logprobs_from_hidden(
         float(temperature),
     )
     logp = logp.reshape(n_chunks * chunk, -1)[:rows].reshape(*batch_shape, support.shape[-1])
-    return logp[..., 0] if squeeze else logp
+    entropy = entropy.reshape(n_chunks * chunk)[:rows].reshape(batch_shape)
+    return (logp[..., 0] if squeeze else logp), entropy
+
+
+def gather_logprobs_from_hidden(
+    hidden: Array,
+    lm_head: Array,
+    ids: Array,
+    chunk_size: int = 512,
+    temperature: float = 1.0,
+) -> Array:
+    """``log softmax(hidden @ lm_head / τ)[ids]`` without ever holding ``[B, T, V]``.
+
+    Same values and gradients (w.r.t. ``hidden`` and ``lm_head``) as
+    ``gather_logprobs(hidden @ lm_head, ids, τ)``, but the ``B·T`` positions are
+    processed in chunks of ``chunk_size`` rows under ``lax.scan``: the forward keeps only
+    the per-row log-normaliser, and the backward recomputes each chunk's logits (one
+    extra matmul) to form ``dz = (onehot(ids)·g − softmax(z)·Σg) / τ``. Peak memory is
+    ``O(chunk_size · V)`` in both passes, plus the ``[H, V]`` weight gradient (fp32
+    accumulator) that any path needs. Duplicate ids in a row are handled (their
+    gradients add up). Reverse mode only (a custom VJP): ``jax.jvp`` raises.
+
+    Args:
+      hidden: ``[B, T, H]`` final hidden states, target-aligned (row t predicts token t).
+      lm_head: ``[H, V]`` output projection (transpose of a tied embedding if tied).
+      ids: ``[B, T]`` or ``[B, T, K]`` integer ids.
+      chunk_size: rows per chunk (static); positions are padded up to a multiple.
+      temperature: ``τ > 0`` (static).
+
+    Returns:
+      ``[B, T]`` or ``[B, T, K]`` fp32, matching ``ids``.
+    """
+    return gather_logprobs_and_entropy_from_hidden(hidden, lm_head, ids, chunk_size, temperature)[0]

@@ -11,10 +11,12 @@ distillation the per-token advantage is the reward ``log q − log μ`` (stale s
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 
-from asyncopd_jax.estimators.logspace import importance_ratio
+from asyncopd_jax.estimators.logspace import LOG_RATIO_CLIP, importance_ratio
 
 Array = jax.Array
 
@@ -95,14 +97,24 @@ def decoupled_ppo_loss(
     clip_eps: ClipEps = 0.2,
     dual_clip: float | None = None,
     behavior_weight_cap: float | None = 5.0,
+    behavior_weight_mode: Literal["mask", "truncate"] = "mask",
+    behavior_weight_floor: float | None = None,
 ) -> Array:
     """AReaL's decoupled PPO: trust region around π_prox, off-policy weight π_prox / μ.
 
     ``r = π_θ / π_prox`` is clipped around 1 (PPO surrogate ``L_clip``); the loss is
-    weighted by ``w = π_prox / μ``: ``L = w · L_clip``. Tokens with ``w > cap`` are masked
-    out (loss 0, no gradient), as in AReaL; keep them in the token count of the mean.
-    π_prox is the policy at the start of this learner step (a no-grad forward before
-    the first optimizer step).
+    weighted by ``w = π_prox / μ``: ``L = w · L_clip``. Above the cap ``c``:
+
+    * ``behavior_weight_mode="mask"`` (AReaL's ``token_mask``, its default): tokens with
+      ``w > c`` are masked out (loss 0, no gradient);
+    * ``"truncate"`` (AReaL's ``token_truncate``): ``w`` is clamped to ``c``, so the token
+      still trains, with a bounded weight (biased towards μ where ``w > c``).
+
+    Tokens with ``w`` below ``behavior_weight_floor`` (if set) are masked out in either
+    mode: tokens π_prox finds far less likely than μ did (raising their weight would add
+    bias, and their weight is already small). Masked tokens stay in the token count of
+    the mean. π_prox is the policy at the start of this learner step (a no-grad forward
+    before the first optimizer step).
 
     Args:
       logp: ``[B, T]`` or ``[B, T, N]`` log π_θ (differentiated).
@@ -111,18 +123,85 @@ def decoupled_ppo_loss(
       advantages: same shape (stop-gradient).
       clip_eps: ``ε`` or ``(ε_low, ε_high)``.
       dual_clip: ``c > 1`` or ``None``.
-      behavior_weight_cap: the cap on ``w``; ``None`` keeps every token.
+      behavior_weight_cap: the cap ``c`` on ``w``; ``None``: no cap.
+      behavior_weight_mode: what the cap does: ``"mask"`` or ``"truncate"``.
+      behavior_weight_floor: mask out tokens with ``w`` below it; ``None``: no floor.
 
     Returns:
       Per-element loss, fp32, same shape as ``logp``.
     """
+    if behavior_weight_mode not in ("mask", "truncate"):
+        raise ValueError(f"behavior_weight_mode = {behavior_weight_mode!r} is invalid; allowed: mask, truncate")
+    if behavior_weight_floor is not None and behavior_weight_cap is not None \
+            and not 0 <= behavior_weight_floor < behavior_weight_cap:
+        raise ValueError(f"behavior_weight_floor = {behavior_weight_floor} is invalid; allowed: "
+                         f"0 <= floor < behavior_weight_cap = {behavior_weight_cap}")
     proximal_logp = jax.lax.stop_gradient(proximal_logp)
     ratio = importance_ratio(logp, proximal_logp)
     loss = clipped_surrogate(ratio, advantages, *clip_bounds(clip_eps), dual_clip)
     weight = importance_ratio(proximal_logp, jax.lax.stop_gradient(behavior_logp))
-    if behavior_weight_cap is None:
-        return weight * loss
-    return jnp.where(weight <= behavior_weight_cap, weight * loss, 0.0)
+    keep = jnp.ones(weight.shape, bool)
+    if behavior_weight_cap is not None:
+        if behavior_weight_mode == "truncate":
+            weight = jnp.minimum(weight, behavior_weight_cap)
+        else:
+            keep = weight <= behavior_weight_cap
+    if behavior_weight_floor is not None:
+        keep = keep & (weight >= behavior_weight_floor)
+    return jnp.where(keep, weight * loss, 0.0)
+
+
+def gspo_loss(
+    logp: Array,
+    behavior_logp: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    clip_eps: ClipEps = (3e-4, 4e-4),
+    level: Literal["sequence", "token"] = "sequence",
+) -> Array:
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): PPO clip on a sequence-level ratio.
+
+    The ratio of response i is the geometric mean of its tokens' ratios,
+    ``s_i = exp((1/|y_i|) Σ_t m_t (log π_θ − log μ))``, and every token of the response
+    gets ``L_t = max(−A_t s, −A_t clip(s, 1 − ε_low, 1 + ε_high))`` with
+
+    * ``level="sequence"``: ``s = s_i`` (its gradient ``s_i · (1/|y_i|) Σ_t ∇log π_θ``
+      flows through the mean: the paper's GSPO);
+    * ``level="token"``: ``s = sg[s_i] · π_θ(y_t) / sg[π_θ(y_t)]`` (GSPO-token: the same
+      value, and with a sequence-level advantage the same gradient; it lets the advantage
+      differ per token, as the teacher's per-token reward does in distillation).
+
+    The paper's objective averages each response's tokens, then the responses: aggregate
+    with ``seq-mean-token-mean`` (verl forces that mode for GSPO; here it is the caller's
+    choice). The clip range is the paper's ``(3e-4, 4e-4)`` by default: a sequence ratio
+    moves far less than a token's. The log-ratio is clamped to ±20 (verl: at most 10).
+    A row's statistic uses its own tokens only: rows must be whole on a device (as under
+    data parallelism), so there is no ``axis_name``.
+
+    Args:
+      logp: ``[B, T]`` log π_θ of the response tokens (differentiated).
+      behavior_logp: ``[B, T]`` log μ (stop-gradient).
+      advantages: ``[B, T]`` (stop-gradient); GSPO's is the response's, on all its tokens.
+      mask: ``[B, T]`` valid tokens.
+      clip_eps: ``ε`` or ``(ε_low, ε_high)``.
+      level: ``"sequence"`` or ``"token"``.
+
+    Returns:
+      ``[B, T]`` fp32 per-token loss (0 where ``mask`` is 0).
+    """
+    if level not in ("sequence", "token"):
+        raise ValueError(f"gspo_loss: level = {level!r} is invalid; allowed: sequence, token")
+    logp = logp.astype(jnp.float32)
+    weights = mask.astype(jnp.float32)
+    log_ratio = jnp.where(weights != 0, logp - jax.lax.stop_gradient(behavior_logp).astype(jnp.float32), 0.0)
+    sequence = jnp.sum(log_ratio * weights, axis=-1, keepdims=True) / jnp.maximum(
+        jnp.sum(weights, axis=-1, keepdims=True), 1.0)  # [B, 1] mean log-ratio of each response
+    if level == "token":
+        sequence = jax.lax.stop_gradient(sequence) + logp - jax.lax.stop_gradient(logp)
+    ratio = jnp.exp(jnp.clip(sequence, -LOG_RATIO_CLIP, LOG_RATIO_CLIP))
+    ratio = jnp.broadcast_to(ratio, logp.shape)
+    return jnp.where(weights != 0, clipped_surrogate(ratio, advantages, *clip_bounds(clip_eps)), 0.0)
 
 
 def truncated_is_loss(

@@ -35,7 +35,7 @@ Array = jax.Array
 # The float fields of a rollout that a loss reads. ``student_topk_behavior_logp`` is left out
 # on purpose: with top-k / top-p or greedy sampling, the student's top-K ids outside the
 # kept set have log μ = −inf legitimately, and no estimator reads it.
-ROLLOUT_FIELDS: tuple[str, ...] = ("behavior_logp", "candidate_behavior_logp", "advantages")
+ROLLOUT_FIELDS: tuple[str, ...] = ("behavior_logp", "candidate_behavior_logp", "advantages", "reference_logp")
 # Every score field of the teacher cache (the ``*_ids`` fields are integers).
 CACHE_FIELDS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(TeacherScoreCache) if not f.name.endswith("_ids"))

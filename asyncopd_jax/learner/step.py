@@ -30,7 +30,13 @@ from flax import nnx
 from asyncopd_jax.alignment import response_hidden
 from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
 from asyncopd_jax.estimator_registry import EstimatorOptions, evaluate_estimator, required_ids, student_logprobs
-from asyncopd_jax.estimators import Aggregation, gather_logprobs_from_hidden, loss_denominator, normalized_loss
+from asyncopd_jax.estimators import (
+    Aggregation,
+    gather_logprobs_and_entropy_from_hidden,
+    gather_logprobs_from_hidden,
+    loss_denominator,
+    normalized_loss,
+)
 from asyncopd_jax.learner.faults import drop_nonfinite_rows
 from asyncopd_jax.learner.packing import plan_micro_batches, take_micro_batch
 from asyncopd_jax.learner.sharding import batch_shardings, state_shardings
@@ -83,8 +89,8 @@ class PolicyLoss:
         """The student's log-probs on every id the estimator needs (one fused gather)."""
         hidden, head = response_hidden(model, batch.rollout), model.lm_head_weight()
         ids = required_ids(self.estimator, batch.rollout, batch.cache)
-        return student_logprobs(
-            ids, lambda i: gather_logprobs_from_hidden(hidden, head, i, self.chunk_size, self.temperature)
+        return student_logprobs(  # the entropy comes from the same pass, almost free: a metric, or a bonus
+            ids, lambda i: gather_logprobs_and_entropy_from_hidden(hidden, head, i, self.chunk_size, self.temperature)
         )
 
     def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]:

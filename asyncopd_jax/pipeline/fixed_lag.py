@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from asyncopd_jax.pipeline.rollout import GroupProducer, score_group
 from asyncopd_jax.pipeline.staleness import RolloutGroup
-from asyncopd_jax.teacher import TeacherScorer
+from asyncopd_jax.teacher import Scorers
 
 
 class FixedLagRollouts:
@@ -28,7 +28,7 @@ class FixedLagRollouts:
     buffer's. The snapshot store handed to ``producer`` must keep ``lag + 1`` versions.
     """
 
-    def __init__(self, *, producer: GroupProducer, scorer: TeacherScorer | None, lag: int, first_version: int):
+    def __init__(self, *, producer: GroupProducer, scorer: Scorers | None, lag: int, first_version: int):
         self.producer, self.scorer, self.lag = producer, scorer, lag
         self.first_version = first_version  # the oldest policy this run holds
         self._index = first_version

@@ -25,7 +25,11 @@ from asyncopd_jax.pipeline.snapshots import SnapshotStore
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import Sampler
-from asyncopd_jax.teacher import TeacherScorer
+from asyncopd_jax.config import RunConfig
+from asyncopd_jax.models import from_pretrained
+from asyncopd_jax.models.decoder import Decoder
+from asyncopd_jax.tasks.assets import resolve_model_path
+from asyncopd_jax.teacher import ReferenceScorer, Scorers, TeacherScorer
 
 # (rng, n) → (prompt token lists, per-prompt problems for the reward)
 PromptSource = Callable[[np.random.Generator, int], tuple[list[list[int]], list]]
@@ -84,21 +88,37 @@ class GroupProducer:
         return RolloutGroup(batch, None, oldest, newest, {"rewards": rewards})
 
 
-def score_group(scorer: TeacherScorer | None, group: RolloutGroup, seed: int, index: int,
+def make_scorers(cfg: RunConfig, teacher: Decoder | None, vocab_limit: int | None) -> Scorers | None:
+    """The scoring stage's work for this run, wherever it runs (a thread or a stage process):
+    the teacher's scores where the run needs them, and the reference policy's log-probs
+    where the loss has a KL-to-reference term (the reference loaded here, from
+    ``reference.path`` or else the student's starting weights). None: nothing to score."""
+    teacher_scorer = TeacherScorer(teacher, cfg.scoring) if cfg.needs_teacher_scores else None
+    reference = None
+    if cfg.estimator.reference_kl_coef:
+        model = from_pretrained(resolve_model_path(cfg.reference.path or cfg.student.path), dtype=cfg.reference.dtype)
+        model.vocab_limit = vocab_limit
+        reference = ReferenceScorer(model, cfg.sampling.temperature, cfg.learner.logprob_chunk)
+    return None if teacher_scorer is None and reference is None else Scorers(teacher_scorer, reference)
+
+
+def score_group(scorers: Scorers | None, group: RolloutGroup, seed: int, index: int,
                 tracer: Tracer) -> RolloutGroup:
-    """``group`` with its teacher score cache filled in (unchanged when ``scorer`` is None:
-    reward-driven RL without distillation needs no teacher scores)."""
-    if scorer is None:
+    """``group`` with its teacher score cache (and its reference log-probs) filled in;
+    unchanged when ``scorers`` is None (reward-driven RL without distillation or a
+    reference needs no scores)."""
+    if scorers is None:
         return group
     with tracer.span("score"):
-        cache = jax.block_until_ready(scorer.score(group.batch, jax.random.fold_in(group_key(seed, index), 1)))
-    return dataclasses.replace(group, cache=cache)
+        batch, cache = jax.block_until_ready(
+            scorers.score(group.batch, jax.random.fold_in(group_key(seed, index), 1)))
+    return dataclasses.replace(group, batch=batch, cache=cache)
 
 
 class RolloutPool:
     """``workers`` threads producing scored :class:`RolloutGroup` s of ``group_size`` prompts."""
 
-    def __init__(self, *, producer: GroupProducer, scorer: TeacherScorer | None, buffer: StalenessBuffer, workers: int,
+    def __init__(self, *, producer: GroupProducer, scorer: Scorers | None, buffer: StalenessBuffer, workers: int,
                  first_index: int = 0):
         self.producer, self.scorer, self.buffer = producer, scorer, buffer
         self._threads = [threading.Thread(target=self._run, args=(i,), name=f"rollout-{i}", daemon=True)

@@ -17,14 +17,13 @@ from flax import nnx
 from asyncopd_jax.config import RunConfig
 from asyncopd_jax.models import from_pretrained, load_tokenizer
 from asyncopd_jax.pipeline.reward_stage import RewardStage
-from asyncopd_jax.pipeline.rollout import GroupProducer, score_group
+from asyncopd_jax.pipeline.rollout import GroupProducer, make_scorers, score_group
 from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore
 from asyncopd_jax.pipeline.spool import group_from_record, group_to_record
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import Sampler
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.tasks.prompt_task import PromptTask, make_task
-from asyncopd_jax.teacher import TeacherScorer
 
 
 def stop_token_ids(cfg: RunConfig, data: PromptTask, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -39,10 +38,12 @@ class StageWorker:
         self.role, self.seed, self.tracer = role, int(layout["seed"]), tracer
         scores_here = role == "scoring" or not layout["scoring_processes"]
         self.scorer = None
-        if scores_here and cfg.needs_teacher_scores:
-            teacher = from_pretrained(resolve_model_path(cfg.teacher.path), dtype=cfg.teacher.dtype)
-            teacher.vocab_limit = layout["vocab_limit"]  # the learner's (Trainer: shared_vocab_size)
-            self.scorer = TeacherScorer(teacher, cfg.scoring)
+        if scores_here:
+            teacher = None
+            if cfg.needs_teacher_scores:
+                teacher = from_pretrained(resolve_model_path(cfg.teacher.path), dtype=cfg.teacher.dtype)
+                teacher.vocab_limit = layout["vocab_limit"]  # the learner's (Trainer: shared_vocab_size)
+            self.scorer = make_scorers(cfg, teacher, layout["vocab_limit"])
         self.producer = None
         if role == "rollout":
             directory = resolve_model_path(cfg.student.path)

@@ -64,7 +64,7 @@ from asyncopd_jax.pipeline.fixed_lag import FixedLagRollouts
 from asyncopd_jax.pipeline.heap import HeapTrimmer
 from asyncopd_jax.pipeline.processes import Exchange, StageProcesses, default_snapshot_dir, plan_stages
 from asyncopd_jax.pipeline.reward_stage import RewardStage
-from asyncopd_jax.pipeline.rollout import GroupProducer, RolloutPool
+from asyncopd_jax.pipeline.rollout import GroupProducer, RolloutPool, make_scorers
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore, DiskSnapshotStore
 from asyncopd_jax.pipeline.spool import group_from_record, read_record
@@ -74,7 +74,7 @@ from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import Sampler
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.tasks.prompt_task import make_task
-from asyncopd_jax.teacher import TeacherScorer
+from asyncopd_jax.teacher import Scorers
 
 
 def _concat(items: list) -> Any:
@@ -274,9 +274,9 @@ class Trainer:
             interruptible=interruptible,
         )
 
-    def _scorer(self) -> TeacherScorer | None:
-        """The teacher scorer for rollouts in this process (None: the run needs no scores)."""
-        return TeacherScorer(self.teacher, self.scoring) if self.cfg.needs_teacher_scores else None
+    def _scorer(self) -> Scorers | None:
+        """The scoring of rollouts in this process (None: the run needs no scores)."""
+        return make_scorers(self.cfg, self.teacher, self.vocab_limit)
 
     def _start_stages(self, buffer: StalenessBuffer) -> RolloutPool | StageProcesses | FixedLagRollouts:
         """Rollout and scoring, as threads of this process or as stage processes (or, for

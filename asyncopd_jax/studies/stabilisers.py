@@ -140,6 +140,10 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
                 "zero-gradient tokens: the share of response tokens a loss gives no gradient (clipped or masked), "
                 "mean over steps; grad norm: mean over steps; ratio: the largest π_θ/μ of an emitted token in "
                 "the run. \"a ± b\": mean ± half-range over seeds.")
+    report.text("`m2po` is the M2PO paper's rule (mask the tokens with the largest squared log-ratio until the "
+                "batch's second moment is within τ_M2 = 0.04; no clipping); `second_moment_clip` is the trust region "
+                "the M2PO authors' code runs instead (a PPO clip range set by that budget over the harmful tokens), "
+                "which this study ran under the name m2po until 2026-11-24.")
     teacher, before = student_before(results)
     report.text(f"Teacher: {100 * teacher:.1f} %; student before distillation: {100 * before:.1f} %.")
     report.text(exact_staleness_note(results, lambda key: key[2]))

@@ -16,7 +16,7 @@ from flax import nnx
 
 from asyncopd_jax.alignment import response_hidden
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
-from asyncopd_jax.estimators import sample_candidates
+from asyncopd_jax.estimators import gather_logprobs_from_hidden, sample_candidates
 from asyncopd_jax.models.decoder import Decoder
 
 Array = jax.Array
@@ -127,3 +127,45 @@ class TeacherScorer:
     def score(self, batch: RolloutBatch, key: Array | None = None) -> TeacherScoreCache:
         """Score one rollout batch (``key`` seeds the teacher samples)."""
         return self._score(self.state, batch, jax.random.key(0) if key is None else key)
+
+
+class ReferenceScorer:
+    """Log-probs of the sampled tokens under a fixed reference policy π_ref (e.g. the
+    starting student), for a KL-to-reference term (``RolloutBatch.reference_logp``).
+
+    Args:
+      model: the reference (split once; its weights are fixed).
+      temperature: the sampling temperature: π_ref is scored at the temperature the learner
+        scores π_θ at, so that ``log π_θ − log π_ref`` compares the same distributions.
+      chunk_size: rows per chunk of the fused LM-head gather.
+    """
+
+    def __init__(self, model: Decoder, temperature: float = 1.0, chunk_size: int = 512):
+        self.graphdef, self.state = nnx.split(model)
+        self.temperature, self.chunk_size = temperature, chunk_size
+        self._score = jax.jit(self._score_fn)
+
+    def _score_fn(self, state, batch: RolloutBatch) -> Array:
+        model: Decoder = nnx.merge(self.graphdef, state)
+        return gather_logprobs_from_hidden(response_hidden(model, batch), model.lm_head_weight(),
+                                           batch.response_tokens, self.chunk_size, self.temperature)
+
+    def score(self, batch: RolloutBatch) -> Array:
+        """``[B, T]`` fp32 log π_ref of ``batch.response_tokens``."""
+        return self._score(self.state, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scorers:
+    """What the scoring stage runs on a rollout: the teacher (its score cache) and, for a
+    KL-to-reference term, the reference policy (the batch's ``reference_logp``)."""
+
+    teacher: TeacherScorer | None = None
+    reference: ReferenceScorer | None = None
+
+    def score(self, batch: RolloutBatch, key: Array) -> tuple[RolloutBatch, TeacherScoreCache | None]:
+        """``(batch with its reference log-probs, the teacher's cache)``; each part only where
+        its scorer is set (``key`` seeds the teacher samples)."""
+        if self.reference is not None:
+            batch = dataclasses.replace(batch, reference_logp=self.reference.score(batch))
+        return batch, None if self.teacher is None else self.teacher.score(batch, key)

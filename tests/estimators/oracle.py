@@ -132,3 +132,22 @@ def aggregate(values, mask, mode, horizon=None):
     if mode == "seq-mean-token-sum-norm":
         return sum(rows) / max(sequences * (mask.shape[-1] if horizon is None else horizon), 1)
     raise ValueError(mode)
+
+
+def gspo(logp, behavior_logp, adv, mask, low, high, level):
+    """Per-token GSPO loss and the gradient of its masked sum w.r.t. logp, row by row."""
+    logp, behavior_logp, adv = (np.asarray(x, np.float64) for x in (logp, behavior_logp, adv))
+    mask = np.asarray(mask, np.float64)
+    loss, grad = np.zeros_like(logp), np.zeros_like(logp)
+    for b in range(logp.shape[0]):
+        m = mask[b]
+        n = max(m.sum(), 1.0)
+        s = np.exp(np.sum(m * (logp[b] - behavior_logp[b])) / n)
+        unclipped, clipped = -adv[b] * s, -adv[b] * np.clip(s, low, high)
+        loss[b] = np.where(m != 0, np.maximum(unclipped, clipped), 0.0)
+        active = (m != 0) & (unclipped >= clipped) & ~((s < low) & (adv[b] < 0)) & ~((s > high) & (adv[b] > 0))
+        if level == "sequence":  # every active token's loss moves with every token of the row
+            grad[b] = m / n * np.sum(np.where(active, -adv[b] * s, 0.0))
+        else:
+            grad[b] = np.where(active, -adv[b] * s, 0.0)
+    return loss, grad

@@ -7,7 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from asyncopd_jax.estimators import gather_logprobs, gather_logprobs_from_hidden
+from asyncopd_jax.estimators import (
+    gather_logprobs,
+    gather_logprobs_and_entropy_from_hidden,
+    gather_logprobs_from_hidden,
+)
 from tests.estimators import oracle
 
 B, T, H, V = 2, 5, 8, 11
@@ -141,3 +145,27 @@ def test_ids_without_a_support_axis_give_one_log_prob_per_position():
     got = gather_logprobs_from_hidden(hidden, head, one, 4)
     assert got.shape == one.shape
     np.testing.assert_allclose(got, gather_logprobs_from_hidden(hidden, head, ids, 4)[..., 0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [3, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_entropy_from_the_fused_pass_matches_the_oracle_in_value_and_gradient(chunk_size, temperature):
+    hidden, head, ids = _problem(seed=4, k=2)
+    rng = np.random.default_rng(5)
+    g_logp, g_entropy = rng.normal(size=ids.shape).astype(np.float32), rng.normal(size=(B, T)).astype(np.float32)
+    logp, entropy = gather_logprobs_and_entropy_from_hidden(hidden, head, ids, chunk_size, temperature)
+    full = oracle.log_softmax((hidden @ head).astype(np.float64) / temperature)
+    np.testing.assert_allclose(entropy, -np.sum(np.exp(full) * full, -1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(logp, np.take_along_axis(full, ids, -1), rtol=1e-5, atol=1e-6)
+
+    def dense(h, w):  # the same two outputs through plain autodiff over the [B, T, V] log-softmax
+        lp = jax.nn.log_softmax(h @ w / temperature, axis=-1)
+        return jnp.sum(jnp.take_along_axis(lp, ids, -1) * g_logp) + jnp.sum(-jnp.sum(jnp.exp(lp) * lp, -1) * g_entropy)
+
+    def fused(h, w):
+        lp, ent = gather_logprobs_and_entropy_from_hidden(h, w, ids, chunk_size, temperature)
+        return jnp.sum(lp * g_logp) + jnp.sum(ent * g_entropy)
+
+    for got, want in zip(jax.jit(jax.grad(fused, argnums=(0, 1)))(hidden, head),
+                         jax.grad(dense, argnums=(0, 1))(hidden, head)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)

@@ -9,6 +9,7 @@ import pytest
 
 from asyncopd_jax.estimators import (
     decoupled_ppo_loss,
+    gspo_loss,
     m2po_loss,
     m2po_mask,
     ppo_clip_loss,
@@ -316,3 +317,67 @@ def test_m2po_edge_cases():
     assert np.asarray(m2po_mask(at, zeros, np.ones((2, 3), bool), second_moment_budget=0.25)).all()
     with pytest.raises(ValueError, match="second_moment_budget must be >= 0"):
         m2po_mask(zeros, zeros, np.ones((2, 3), bool), second_moment_budget=-1.0)
+
+
+# GSPO and decoupled PPO's truncate mode and floor.
+
+
+def _gspo_problem(seed, spread=0.02, sequence_advantage=False):
+    logp, behavior, adv = _problem((5, 7), seed=seed, spread=spread)
+    mask = np.arange(7)[None, :] < np.array([7, 3, 5, 1, 6])[:, None]
+    if sequence_advantage:
+        adv = np.broadcast_to(adv[:, :1], adv.shape).copy()
+    return logp, behavior, adv, mask
+
+
+@pytest.mark.parametrize("level", ["sequence", "token"])
+def test_gspo_value_and_gradient(level):
+    logp, behavior, adv, mask = _gspo_problem(20)
+    loss_fn = lambda lp: gspo_loss(lp, behavior, adv, mask, clip_eps=(0.01, 0.02), level=level)  # noqa: E731
+    want, want_grad = oracle.gspo(logp, behavior, adv, mask, 0.99, 1.02, level)
+    np.testing.assert_allclose(loss_fn(logp), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda lp: loss_fn(lp).sum())(logp), want_grad, rtol=1e-4, atol=1e-6)
+    s = np.exp([(m * (lp - mu)).sum() / m.sum() for lp, mu, m in zip(logp.astype(np.float64), behavior, mask)])
+    assert ((s < 0.99) | (s > 1.02)).any() and ((s > 0.99) & (s < 1.02)).any()  # clipped and unclipped rows
+
+
+def test_gspo_token_equals_gspo_with_a_sequence_advantage_and_defaults_to_the_papers_clip():
+    logp, behavior, adv, mask = _gspo_problem(21, spread=0.001, sequence_advantage=True)
+    seq, tok = (jax.value_and_grad(lambda lp: gspo_loss(lp, behavior, adv, mask, level=level).sum())(logp)
+                for level in ("sequence", "token"))
+    np.testing.assert_allclose(seq[0], tok[0], rtol=1e-6)
+    np.testing.assert_allclose(seq[1], tok[1], rtol=1e-5, atol=1e-7)
+    want, _ = oracle.gspo(logp, behavior, adv, mask, 1 - 3e-4, 1 + 4e-4, "sequence")
+    np.testing.assert_allclose(gspo_loss(logp, behavior, adv, mask), want, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="level = 'row' is invalid; allowed: sequence, token"):
+        gspo_loss(logp, behavior, adv, mask, level="row")
+
+
+def test_decoupled_ppo_truncate_mode_clamps_the_behaviour_weight():
+    logp, behavior, adv = _problem((3, 5, 4), seed=22, spread=1.0)
+    proximal = (logp - 0.1).astype(np.float32)
+    weight = np.exp(proximal.astype(np.float64) - behavior)
+    assert (weight > 2.0).any() and (weight <= 2.0).any()
+    got = decoupled_ppo_loss(logp, proximal, behavior, adv, behavior_weight_cap=2.0, behavior_weight_mode="truncate")
+    np.testing.assert_allclose(got, np.minimum(weight, 2.0) * oracle.ppo_clip(logp, proximal, adv, 0.8, 1.2),
+                               rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda lp: decoupled_ppo_loss(lp, proximal, behavior, adv, behavior_weight_cap=2.0,
+                                                  behavior_weight_mode="truncate").sum())(logp)
+    assert np.all(np.asarray(grad)[(weight > 2.0) & (np.abs(adv) > 0.5)] != 0)  # the capped tokens still train
+    with pytest.raises(ValueError, match="behavior_weight_mode = 'clip' is invalid; allowed: mask, truncate"):
+        decoupled_ppo_loss(logp, proximal, behavior, adv, behavior_weight_mode="clip")
+
+
+@pytest.mark.parametrize("mode", ["mask", "truncate"])
+def test_decoupled_ppo_floor_masks_tokens_whose_weight_is_too_small(mode):
+    logp, behavior, adv = _problem((3, 5, 4), seed=23, spread=1.0)
+    proximal = (behavior + np.random.default_rng(24).normal(scale=1.0, size=behavior.shape)).astype(np.float32)
+    weight = np.exp(proximal.astype(np.float64) - behavior)
+    got = decoupled_ppo_loss(logp, proximal, behavior, adv, behavior_weight_cap=3.0, behavior_weight_mode=mode,
+                             behavior_weight_floor=0.5)
+    capped = np.minimum(weight, 3.0) if mode == "truncate" else np.where(weight <= 3.0, weight, 0.0)
+    want = np.where(weight >= 0.5, capped * oracle.ppo_clip(logp, proximal, adv, 0.8, 1.2), 0.0)
+    assert (weight < 0.5).any() and (weight > 3.0).any()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="behavior_weight_floor = 4.0 is invalid"):
+        decoupled_ppo_loss(logp, proximal, behavior, adv, behavior_weight_cap=3.0, behavior_weight_floor=4.0)

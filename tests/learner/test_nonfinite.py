@@ -40,6 +40,7 @@ FIELD_ESTIMATOR = {
     "behavior_logp": "ppo_clip",
     "candidate_behavior_logp": "reverse_kl_mc",
     "advantages": "ppo_clip",  # reward-driven RL: the stabilisers weigh the reward advantage
+    "reference_logp": "ppo_clip",  # with a KL-to-reference term (FIELD_OPTIONS)
     "token_logp": "reverse_kl_pg",
     "candidate_logp": "reverse_kl_mc",
     "student_topk_logp": "reverse_kl_topk",
@@ -48,16 +49,20 @@ FIELD_ESTIMATOR = {
 }
 # forward_kl_mc's plain form has no gradient through log q: the k3 form has, so that a NaN
 # left in a dropped row would leak (0 · NaN) into the gradient.
-FIELD_OPTIONS = {"sample_logp": EstimatorOptions(control_variate=True)}
+FIELD_OPTIONS = {"sample_logp": EstimatorOptions(control_variate=True),
+                 "reference_logp": EstimatorOptions(reference_kl_coef=0.5)}
 
 
 @pytest.fixture(scope="module")
 def clean() -> LearnerBatch:
-    """8 rows of uneven lengths (so some rows have padding), with RL advantages ``[B, T]``
-    attached so that every checked field is present."""
+    """8 rows of uneven lengths (so some rows have padding), with RL advantages and reference
+    log-probs ``[B, T]`` attached so that every checked field is present."""
     batch = make_learner_batch()
-    advantages = jnp.asarray(np.random.default_rng(0).normal(size=batch.rollout.response_tokens.shape), jnp.float32)
-    return dataclasses.replace(batch, rollout=dataclasses.replace(batch.rollout, advantages=advantages))
+    rng = np.random.default_rng(0)
+    advantages = jnp.asarray(rng.normal(size=batch.rollout.response_tokens.shape), jnp.float32)
+    reference = jnp.asarray(batch.rollout.behavior_logp + rng.normal(scale=0.3, size=advantages.shape), jnp.float32)
+    return dataclasses.replace(batch, rollout=dataclasses.replace(batch.rollout, advantages=advantages,
+                                                                  reference_logp=reference))
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ from asyncopd_jax.pipeline.staleness import StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import Sampler, SamplingParams
 from asyncopd_jax.tasks.tokenizer import save_tokenizer
-from asyncopd_jax.teacher import ScoringParams, TeacherScorer
+from asyncopd_jax.teacher import Scorers, ScoringParams, TeacherScorer
 from tests.tiny_models import tiny_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15], [16, 17], [18, 19, 20, 21], [22], [23, 24]]
@@ -93,7 +93,7 @@ def _rollout_threads(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, 
         reward=RewardStage(lambda problems, batch: [0.0] * len(problems)), group_size=4, seed=0, prompt_slots=PROMPT_SLOTS,
         tracer=Tracer(),
     )
-    pool = RolloutPool(producer=producer, scorer=_scorer(temperature), buffer=buffer, workers=2)
+    pool = RolloutPool(producer=producer, scorer=Scorers(_scorer(temperature)), buffer=buffer, workers=2)
     pool.start()
     try:
         groups = buffer.take(0, timeout=120)

@@ -33,3 +33,39 @@ def test_rl_raises_the_verifier_reward_from_the_warm_start(tmp_path, mode):
     assert summary["student_after"] > summary["student_before"] + 0.03, summary
     if mode == "fully_async":
         assert max(r["staleness_max"] for r in records) <= cfg.schedule.max_staleness
+
+
+def _rl_records(tmp_path, name, *sets):
+    cfg = load_config(RL_CONFIG, [
+        f"output_dir={tmp_path}", f"name={name}", "train.eval_every=1000", "train.checkpoint_every=1000",
+        "teacher.path=''", "learner.batch_size=16", "rl.samples_per_prompt=4", "task.eval_prompts=16", *sets])
+    Trainer(cfg, progress=False).run()
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_entropy_bonus_and_the_kl_to_the_reference_reach_the_loss(tmp_path):
+    """With exact lag 0 the runs see the same rollouts: the step-1 loss differs from the
+    plain one by −c · (the entropy metric); the reference (the starting student, scored by
+    the scoring stage although there is no teacher) matches π_θ at step 1 — KL 0, and k3's
+    gradient 0 there, so step 2 starts from the same weights — and at step 2 the loss
+    differs by β · (the KL metric)."""
+    lag0 = ["schedule.mode=fixed_lag", "schedule.lag=0", "train.steps=2"]
+    base = _rl_records(tmp_path, "base", *lag0)
+    bonus = _rl_records(tmp_path, "bonus", *lag0, "estimator.entropy_coef=0.1")
+    kl = _rl_records(tmp_path, "kl", *lag0, "estimator.reference_kl_coef=0.5")
+    assert bonus[0]["entropy"] == pytest.approx(base[0]["entropy"], rel=1e-6) and base[0]["entropy"] > 0.05
+    assert bonus[0]["loss"] - base[0]["loss"] == pytest.approx(-0.1 * base[0]["entropy"], rel=1e-4)
+    assert "reference_kl" not in base[0] and abs(kl[0]["reference_kl"]) < 1e-6
+    assert kl[0]["loss"] == pytest.approx(base[0]["loss"], rel=1e-5)
+    assert kl[1]["reference_kl"] > 1e-4
+    assert kl[1]["loss"] - base[1]["loss"] == pytest.approx(0.5 * kl[1]["reference_kl"], rel=1e-3)
+
+
+def test_the_reference_is_scored_in_a_scoring_process(tmp_path):
+    """processes placement, RL without a teacher: the scoring process loads the reference
+    and scores every group; the learner's KL to it starts at 0 and grows."""
+    records = _rl_records(tmp_path, "p", "schedule.placement=processes", "schedule.mode=fully_async",
+                          "stages.rollout_processes=1", "stages.scoring_processes=1", "train.steps=6",
+                          "optim.learning_rate=0.003", "estimator.reference_kl_coef=0.5", "estimator.reference_kl=k2")
+    assert abs(records[0]["reference_kl"]) < 1e-6
+    assert max(r["reference_kl"] for r in records[1:]) > 1e-4
