@@ -74,6 +74,7 @@ class EstimatorConfig:
     entropy_coef: float = 0.0  # entropy bonus c: −c · H(π_θ) on every token (the entropy is a metric either way)
     reference_kl_coef: float = 0.0  # weight of a KL(π_θ ‖ π_ref) term; π_ref: the `reference` model
     reference_kl: Literal["k1", "k2", "k3"] = "k3"  # its estimator (see estimators/regularisers.py)
+    check_inputs: bool = False  # debug: checkify that every log-prob fed to the loss is one (a host sync per step)
 
     def options(self) -> EstimatorOptions:
         return EstimatorOptions(
@@ -85,6 +86,7 @@ class EstimatorConfig:
             tis_cap=self.tis_cap, m2po_budget=self.m2po_budget,
             second_moment_clip_budget=self.second_moment_clip_budget, stabiliser_signal=self.stabiliser_signal,
             entropy_coef=self.entropy_coef, reference_kl_coef=self.reference_kl_coef, reference_kl=self.reference_kl,
+            check_inputs=self.check_inputs,
         )
 
 

@@ -55,6 +55,9 @@ class EstimatorOptions:
       reference_kl_coef, reference_kl: weight and estimator (k1 / k2 / k3) of a
         KL(π_θ ‖ π_ref) term added to every token's loss, on
         ``RolloutBatch.reference_logp`` (0: none).
+      check_inputs: add ``checkify`` checks that every log-prob the estimator is given is a
+        log-prob (:mod:`asyncopd_jax.estimators.checks`; a debug mode: the learner then
+        checks each step's error on the host).
     """
 
     mc_clip_eps: float | tuple[float, float] | None = None
@@ -77,6 +80,7 @@ class EstimatorOptions:
     entropy_coef: float = 0.0
     reference_kl_coef: float = 0.0
     reference_kl: est.ReferenceKL = "k3"
+    check_inputs: bool = False
 
 
 EstimatorFn = Callable[
@@ -308,6 +312,27 @@ def student_logprobs(ids: Mapping[str, Array],
     return StudentLogProbs(**fields, entropy=entropy)
 
 
+# The log-prob fields checked with ``check_inputs``, by owner; (field, over distinct ids: its mass is ≤ 1).
+_LOGPROB_FIELDS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "RolloutBatch": (("behavior_logp", False), ("candidate_behavior_logp", False), ("reference_logp", False)),
+    "TeacherScoreCache": (("token_logp", False), ("candidate_logp", False), ("student_topk_logp", True),
+                          ("topk_logp", True), ("sample_logp", False)),
+    "StudentLogProbs": (("token", False), ("candidates", False), ("student_topk", True), ("teacher_topk", True),
+                        ("teacher_samples", False)),
+}
+
+
+def _check_logprobs(name: str, inputs: Mapping[str, object]) -> None:
+    """``checkify`` checks that every log-prob field of the estimator's inputs (label → a
+    RolloutBatch, TeacherScoreCache or StudentLogProbs, or None) holds log-probs."""
+    for label, obj in inputs.items():
+        if obj is None:
+            continue
+        fields = _LOGPROB_FIELDS[type(obj).__name__]
+        est.checks.check_logprobs(name, {f"{label}.{f}": getattr(obj, f) for f, _ in fields},
+                                  supports=tuple(f"{label}.{f}" for f, support in fields if support))
+
+
 def evaluate_estimator(
     name: str,
     batch: RolloutBatch,
@@ -353,6 +378,8 @@ def evaluate_estimator(
                 f"StudentLogProbs.{field} has shape {list(getattr(student, field).shape)}, "
                 f"but its ids have shape {list(ids[field].shape)}"
             )
+    if options.check_inputs:
+        _check_logprobs(name, {"batch": batch, "cache": cache, "student": student, "proximal": proximal})
     values = spec.fn(batch, cache, student, proximal, options)
     if options.entropy_coef:
         if student.entropy is None:

@@ -28,6 +28,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from asyncopd_jax.estimators.checks import check_shapes
+
 Array = jax.Array
 
 StdKind = Literal["unbiased", "population"]
@@ -92,6 +94,7 @@ def with_distillation(sequence_advantage: Array, teacher_logp: Array, student_lo
     the recomputed one). β = 0 gives pure RL; the reward-free limit is the reverse-KL
     policy gradient.
     """
+    check_shapes("with_distillation", {"teacher_logp": (teacher_logp, "B T"), "student_logp": (student_logp, "B T")})
     signal = jax.lax.stop_gradient(jnp.asarray(teacher_logp, jnp.float32) - jnp.asarray(student_logp, jnp.float32))
     advantage = jnp.asarray(sequence_advantage, jnp.float32)
     if advantage.ndim == 1:

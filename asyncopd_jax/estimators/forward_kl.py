@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from asyncopd_jax.estimators.checks import check_logprobs, check_shapes
 from asyncopd_jax.estimators.logspace import dense_logprobs, expectation, importance_ratio, with_tail
 
 Array = jax.Array
@@ -34,11 +35,13 @@ def forward_kl_dense(student_logits: Array, teacher_logits: Array) -> Array:
     Returns:
       ``[B, T]`` fp32, ≥ 0.
     """
+    check_shapes("forward_kl_dense", {"student_logits": (student_logits, "B T V"), "teacher_logits": (teacher_logits, "B T V")})
     student_logp, teacher_logp = dense_logprobs(student_logits, teacher_logits)
     return expectation(teacher_logp, teacher_logp - student_logp)
 
 
-def forward_kl_topk(student_logp: Array, teacher_logp: Array, *, tail: bool = True) -> Array:
+def forward_kl_topk(student_logp: Array, teacher_logp: Array, *, tail: bool = True,
+                    check_inputs: bool = False) -> Array:
     """Forward KL on the teacher's top-K support ``S_q`` (plus, by default, one tail bucket).
 
     ``tail=False`` is the plain truncation of ``estimators.md``:
@@ -60,10 +63,16 @@ def forward_kl_topk(student_logp: Array, teacher_logp: Array, *, tail: bool = Tr
         teacher's top-K ids (distinct).
       teacher_logp: ``[B, T, K]`` teacher log-probs on the same ids (stop-gradient).
       tail: add the tail bucket.
+      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`).
 
     Returns:
       ``[B, T]`` fp32.
     """
+    check_shapes("forward_kl_topk", {"student_logp": (student_logp, "B T K"), "teacher_logp": (teacher_logp, "B T K")})
+    if check_inputs:
+        check_logprobs("forward_kl_topk", {"student_logp": student_logp, "teacher_logp": teacher_logp},
+                       supports=("student_logp", "teacher_logp"))
     teacher_logp = jax.lax.stop_gradient(teacher_logp).astype(jnp.float32)
     student_logp = student_logp.astype(jnp.float32)
     if tail:
@@ -93,12 +102,15 @@ def forward_kl_topk_renormalized(student_logp: Array, teacher_logp: Array) -> Ar
     Returns:
       ``[B, T]`` fp32, ≥ 0.
     """
+    check_shapes("forward_kl_topk_renormalized",
+                 {"student_logp": (student_logp, "B T K"), "teacher_logp": (teacher_logp, "B T K")})
     teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logp).astype(jnp.float32), axis=-1)
     student_logp = jax.nn.log_softmax(student_logp.astype(jnp.float32), axis=-1)
     return expectation(teacher_logp, teacher_logp - student_logp)
 
 
-def forward_kl_mc(student_logp: Array, teacher_logp: Array, *, control_variate: bool = False) -> Array:
+def forward_kl_mc(student_logp: Array, teacher_logp: Array, *, control_variate: bool = False,
+                  check_inputs: bool = False) -> Array:
     """Monte-Carlo forward KL over N samples drawn from the teacher.
 
     With ``v_1..v_N ~ q`` i.i.d. and ``r_n = π_θ(v_n) / q(v_n)``:
@@ -120,10 +132,15 @@ def forward_kl_mc(student_logp: Array, teacher_logp: Array, *, control_variate: 
       student_logp: ``[B, T, N]`` student log-probs on the teacher's samples.
       teacher_logp: ``[B, T, N]`` teacher log-probs on the same samples (stop-gradient).
       control_variate: use the k3 form.
+      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`).
 
     Returns:
       ``[B, T]`` fp32 (averaged over the sample axis).
     """
+    check_shapes("forward_kl_mc", {"student_logp": (student_logp, "B T N"), "teacher_logp": (teacher_logp, "B T N")})
+    if check_inputs:
+        check_logprobs("forward_kl_mc", {"student_logp": student_logp, "teacher_logp": teacher_logp})
     teacher_logp = jax.lax.stop_gradient(teacher_logp).astype(jnp.float32)
     log_ratio = student_logp.astype(jnp.float32) - teacher_logp
     per_sample = -log_ratio

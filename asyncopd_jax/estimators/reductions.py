@@ -37,6 +37,8 @@ from typing import Literal, get_args
 import jax
 import jax.numpy as jnp
 
+from asyncopd_jax.estimators.checks import check_shapes
+
 Array = jax.Array
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -115,6 +117,7 @@ def loss_numerator(values: Array, mask: Array, mode: Aggregation = "token-mean")
       fp32 scalar.
     """
     _check_mode(mode)
+    check_shapes(f"loss_numerator ({mode})", {"values": (values, "B T"), "mask": (mask, "B T")})
     if mode != "seq-mean-token-mean":
         return token_sum(values, mask)[0]
     weights = mask.astype(jnp.float32)

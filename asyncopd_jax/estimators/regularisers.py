@@ -25,6 +25,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from asyncopd_jax.estimators.checks import check_same_shape
 from asyncopd_jax.estimators.logspace import LOG_RATIO_CLIP
 
 Array = jax.Array
@@ -45,6 +46,7 @@ def reference_kl(logp: Array, reference_logp: Array, kind: ReferenceKL = "k3") -
     """
     if kind not in ("k1", "k2", "k3"):
         raise ValueError(f"reference_kl: kind = {kind!r} is invalid; allowed: k1, k2, k3")
+    check_same_shape("reference_kl", {"logp": logp, "reference_logp": reference_logp}, ranks=(1, 2, 3))
     d = logp.astype(jnp.float32) - jax.lax.stop_gradient(reference_logp).astype(jnp.float32)
     if kind == "k1":
         return d

@@ -16,10 +16,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from asyncopd_jax.estimators.checks import check_logprobs, check_shapes
 from asyncopd_jax.estimators.logspace import LOG_RATIO_CLIP, dense_logprobs, expectation, importance_ratio, with_tail
 from asyncopd_jax.estimators.stabilisers import ClipEps, clip_bounds, clipped_surrogate
 
 Array = jax.Array
+
+
+def _check_candidates(fn: str, student_logp: Array, behavior_logp: Array, teacher_logp: Array,
+                      check_inputs: bool) -> None:
+    """The three ``[B, T, N]`` candidate arrays of the Monte-Carlo estimators (see :mod:`.checks`)."""
+    arrays = {"student_logp": student_logp, "behavior_logp": behavior_logp, "teacher_logp": teacher_logp}
+    check_shapes(fn, {name: (array, "B T N") for name, array in arrays.items()})
+    if check_inputs:
+        check_logprobs(fn, arrays)
 
 
 def reverse_kl_dense(student_logits: Array, teacher_logits: Array) -> Array:
@@ -35,11 +45,13 @@ def reverse_kl_dense(student_logits: Array, teacher_logits: Array) -> Array:
     Returns:
       ``[B, T]`` fp32, ≥ 0.
     """
+    check_shapes("reverse_kl_dense", {"student_logits": (student_logits, "B T V"), "teacher_logits": (teacher_logits, "B T V")})
     student_logp, teacher_logp = dense_logprobs(student_logits, teacher_logits)
     return expectation(student_logp, student_logp - teacher_logp)
 
 
-def reverse_kl_topk(student_logp: Array, teacher_logp: Array, *, tail: bool = True) -> Array:
+def reverse_kl_topk(student_logp: Array, teacher_logp: Array, *, tail: bool = True,
+                    check_inputs: bool = False) -> Array:
     """Reverse KL on a student support ``S`` (the rollout student's top-K), plus a tail bucket.
 
     ``tail=False`` is the plain truncation ``Σ_{v∈S} π_θ(v) [log π_θ(v) − log q(v)]``,
@@ -59,10 +71,16 @@ def reverse_kl_topk(student_logp: Array, teacher_logp: Array, *, tail: bool = Tr
         on the support ids (distinct).
       teacher_logp: ``[B, T, K]`` teacher log-probs on the same ids (stop-gradient).
       tail: add the tail bucket.
+      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`).
 
     Returns:
       ``[B, T]`` fp32.
     """
+    check_shapes("reverse_kl_topk", {"student_logp": (student_logp, "B T K"), "teacher_logp": (teacher_logp, "B T K")})
+    if check_inputs:
+        check_logprobs("reverse_kl_topk", {"student_logp": student_logp, "teacher_logp": teacher_logp},
+                       supports=("student_logp", "teacher_logp"))
     student_logp = student_logp.astype(jnp.float32)
     teacher_logp = jax.lax.stop_gradient(teacher_logp).astype(jnp.float32)
     if tail:
@@ -78,6 +96,7 @@ def reverse_kl_mc(
     recompute: bool = True,
     importance_sampling: bool = True,
     clip_eps: ClipEps | None = None,
+    check_inputs: bool = False,
 ) -> Array:
     """Multi-sample Monte-Carlo reverse-KL surrogate over candidates drawn from μ.
 
@@ -111,10 +130,13 @@ def reverse_kl_mc(
       recompute: use the learner-time signal (True) or the stale one (False).
       importance_sampling: weight by ``π_θ / μ``.
       clip_eps: ``None``, ``ε`` or ``(ε_low, ε_high)``.
+      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`).
 
     Returns:
       ``[B, T]`` fp32: the surrogate, averaged over the candidate axis first.
     """
+    _check_candidates("reverse_kl_mc", student_logp, behavior_logp, teacher_logp, check_inputs)
     student_logp = student_logp.astype(jnp.float32)
     behavior_logp = jax.lax.stop_gradient(behavior_logp).astype(jnp.float32)
     teacher_logp = jax.lax.stop_gradient(teacher_logp).astype(jnp.float32)
@@ -129,7 +151,8 @@ def reverse_kl_mc(
     return jnp.mean(per_candidate, axis=-1)
 
 
-def reverse_kl_mc_loo(student_logp: Array, behavior_logp: Array, teacher_logp: Array) -> Array:
+def reverse_kl_mc_loo(student_logp: Array, behavior_logp: Array, teacher_logp: Array, *,
+                      check_inputs: bool = False) -> Array:
     """:func:`reverse_kl_mc` (recompute + IS) with a leave-one-out baseline: the same value,
     the same mean gradient, and a lower variance when the per-token KL is large.
 
@@ -157,10 +180,13 @@ def reverse_kl_mc_loo(student_logp: Array, behavior_logp: Array, teacher_logp: A
       student_logp: ``[B, T, N]`` current student log-probs on the candidates.
       behavior_logp: ``[B, T, N]`` log μ of the candidates, recorded at sampling time.
       teacher_logp: ``[B, T, N]`` teacher log-probs on the candidates (stop-gradient).
+      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`).
 
     Returns:
       ``[B, T]`` fp32.
     """
+    _check_candidates("reverse_kl_mc_loo", student_logp, behavior_logp, teacher_logp, check_inputs)
     student_logp = student_logp.astype(jnp.float32)
     behavior_logp = jax.lax.stop_gradient(behavior_logp).astype(jnp.float32)
     teacher_logp = jax.lax.stop_gradient(teacher_logp).astype(jnp.float32)
@@ -186,6 +212,8 @@ def reverse_kl_hybrid(
     candidate_behavior_logp: Array,
     candidate_teacher_logp: Array,
     candidate_ids: Array,
+    *,
+    check_inputs: bool = False,
 ) -> Array:
     """Exact reverse KL on a support ``S`` plus an importance-sampled estimate of the rest.
 
@@ -214,10 +242,22 @@ def reverse_kl_hybrid(
       candidate_behavior_logp: ``[B, T, N]`` log μ of the candidates.
       candidate_teacher_logp: ``[B, T, N]`` teacher log-probs on the candidates.
       candidate_ids: ``[B, T, N]`` the candidate ids.
+      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`).
 
     Returns:
       ``[B, T]`` fp32.
     """
+    check_shapes("reverse_kl_hybrid", {
+        "support_student_logp": (support_student_logp, "B T K"), "support_teacher_logp": (support_teacher_logp, "B T K"),
+        "support_ids": (support_ids, "B T K"), "candidate_student_logp": (candidate_student_logp, "B T N"),
+        "candidate_behavior_logp": (candidate_behavior_logp, "B T N"),
+        "candidate_teacher_logp": (candidate_teacher_logp, "B T N"), "candidate_ids": (candidate_ids, "B T N")})
+    if check_inputs:
+        check_logprobs("reverse_kl_hybrid", {
+            "support_student_logp": support_student_logp, "support_teacher_logp": support_teacher_logp,
+            "candidate_student_logp": candidate_student_logp, "candidate_behavior_logp": candidate_behavior_logp,
+            "candidate_teacher_logp": candidate_teacher_logp}, supports=("support_student_logp", "support_teacher_logp"))
     support_student_logp = support_student_logp.astype(jnp.float32)
     support_teacher_logp = jax.lax.stop_gradient(support_teacher_logp).astype(jnp.float32)
     head = jnp.sum(jnp.exp(support_student_logp)

@@ -16,6 +16,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from asyncopd_jax.estimators.checks import check_logprobs, check_same_shape, check_shapes
 from asyncopd_jax.estimators.logspace import LOG_RATIO_CLIP, importance_ratio
 
 Array = jax.Array
@@ -68,6 +69,7 @@ def ppo_clip_loss(
     *,
     clip_eps: ClipEps = 0.2,
     dual_clip: float | None = None,
+    check_inputs: bool = False,
 ) -> Array:
     """PPO clipped surrogate with the behaviour policy as base.
 
@@ -80,10 +82,15 @@ def ppo_clip_loss(
       advantages: same shape (stop-gradient).
       clip_eps: ``ε`` or ``(ε_low, ε_high)``.
       dual_clip: ``c > 1`` or ``None``.
+      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`).
 
     Returns:
       Per-element loss, fp32, same shape as ``logp``.
     """
+    check_same_shape("ppo_clip_loss", {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages})
+    if check_inputs:
+        check_logprobs("ppo_clip_loss", {"logp": logp, "behavior_logp": behavior_logp})
     ratio = importance_ratio(logp, jax.lax.stop_gradient(behavior_logp))
     return clipped_surrogate(ratio, advantages, *clip_bounds(clip_eps), dual_clip)
 
@@ -99,6 +106,7 @@ def decoupled_ppo_loss(
     behavior_weight_cap: float | None = 5.0,
     behavior_weight_mode: Literal["mask", "truncate"] = "mask",
     behavior_weight_floor: float | None = None,
+    check_inputs: bool = False,
 ) -> Array:
     """AReaL's decoupled PPO: trust region around π_prox, off-policy weight π_prox / μ.
 
@@ -126,10 +134,15 @@ def decoupled_ppo_loss(
       behavior_weight_cap: the cap ``c`` on ``w``; ``None``: no cap.
       behavior_weight_mode: what the cap does: ``"mask"`` or ``"truncate"``.
       behavior_weight_floor: mask out tokens with ``w`` below it; ``None``: no floor.
+      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`).
 
     Returns:
       Per-element loss, fp32, same shape as ``logp``.
     """
+    check_same_shape("decoupled_ppo_loss", {"logp": logp, "proximal_logp": proximal_logp, "behavior_logp": behavior_logp, "advantages": advantages})
+    if check_inputs:
+        check_logprobs("decoupled_ppo_loss", {"logp": logp, "proximal_logp": proximal_logp, "behavior_logp": behavior_logp})
     if behavior_weight_mode not in ("mask", "truncate"):
         raise ValueError(f"behavior_weight_mode = {behavior_weight_mode!r} is invalid; allowed: mask, truncate")
     if behavior_weight_floor is not None and behavior_weight_cap is not None \
@@ -159,6 +172,7 @@ def gspo_loss(
     *,
     clip_eps: ClipEps = (3e-4, 4e-4),
     level: Literal["sequence", "token"] = "sequence",
+    check_inputs: bool = False,
 ) -> Array:
     """GSPO (Zheng et al. 2025, arXiv 2507.18071): PPO clip on a sequence-level ratio.
 
@@ -186,10 +200,16 @@ def gspo_loss(
       mask: ``[B, T]`` valid tokens.
       clip_eps: ``ε`` or ``(ε_low, ε_high)``.
       level: ``"sequence"`` or ``"token"``.
+      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`).
 
     Returns:
       ``[B, T]`` fp32 per-token loss (0 where ``mask`` is 0).
     """
+    check_shapes("gspo_loss", {"logp": (logp, "B T"), "behavior_logp": (behavior_logp, "B T"),
+                               "advantages": (advantages, "B T"), "mask": (mask, "B T")})
+    if check_inputs:
+        check_logprobs("gspo_loss", {"logp": logp, "behavior_logp": behavior_logp})
     if level not in ("sequence", "token"):
         raise ValueError(f"gspo_loss: level = {level!r} is invalid; allowed: sequence, token")
     logp = logp.astype(jnp.float32)
@@ -210,6 +230,7 @@ def truncated_is_loss(
     advantages: Array,
     *,
     cap: float = 2.0,
+    check_inputs: bool = False,
 ) -> Array:
     """Policy gradient with a truncated importance weight ``min(π_θ / μ, c)``.
 
@@ -222,10 +243,15 @@ def truncated_is_loss(
       behavior_logp: same shape, log μ (stop-gradient).
       advantages: same shape (stop-gradient).
       cap: ``c > 0``.
+      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`).
 
     Returns:
       Per-element loss, fp32, same shape as ``logp``.
     """
+    check_same_shape("truncated_is_loss", {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages})
+    if check_inputs:
+        check_logprobs("truncated_is_loss", {"logp": logp, "behavior_logp": behavior_logp})
     if cap <= 0:
         raise ValueError(f"truncated_is_loss: cap must be > 0, got {cap}")
     logp = logp.astype(jnp.float32)
@@ -242,6 +268,7 @@ def m2po_mask(
     *,
     second_moment_budget: float = 0.04,
     axis_name: str | None = None,
+    check_inputs: bool = False,
 ) -> Array:
     """M2PO's token mask (Zheng et al. 2025, "Prosperity before Collapse", arXiv 2510.01161).
 
@@ -272,10 +299,15 @@ def m2po_mask(
       mask: same shape; valid tokens (the others are never kept and do not count).
       second_moment_budget: ``τ_M2 ≥ 0``.
       axis_name: the mesh axis the batch is split over, or None.
+      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`).
 
     Returns:
       bool, the shape of ``logp``: True on the tokens kept.
     """
+    check_same_shape("m2po_mask", {"logp": logp, "behavior_logp": behavior_logp, "mask": mask})
+    if check_inputs:
+        check_logprobs("m2po_mask", {"logp": logp, "behavior_logp": behavior_logp})
     if isinstance(second_moment_budget, (int, float)) and second_moment_budget < 0:
         raise ValueError(f"m2po_mask: second_moment_budget must be >= 0, got {second_moment_budget}")
     delta = jax.lax.stop_gradient(logp).astype(jnp.float32) - jax.lax.stop_gradient(behavior_logp).astype(jnp.float32)
@@ -304,6 +336,7 @@ def m2po_loss(
     *,
     second_moment_budget: float = 0.04,
     axis_name: str | None = None,
+    check_inputs: bool = False,
 ) -> Array:
     """M2PO: the importance-weighted policy gradient on the tokens :func:`m2po_mask` keeps.
 
@@ -318,11 +351,15 @@ def m2po_loss(
       mask: same shape; the valid tokens.
       second_moment_budget: ``τ_M2``, see :func:`m2po_mask`.
       axis_name: the data-parallel mesh axis, see :func:`m2po_mask`.
+      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`).
 
     Returns:
       Per-element loss, fp32, same shape as ``logp``.
     """
-    keep = m2po_mask(logp, behavior_logp, mask, second_moment_budget=second_moment_budget, axis_name=axis_name)
+    check_same_shape("m2po_loss", {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask})
+    keep = m2po_mask(logp, behavior_logp, mask, second_moment_budget=second_moment_budget, axis_name=axis_name,
+                     check_inputs=check_inputs)
     ratio = importance_ratio(logp, jax.lax.stop_gradient(behavior_logp))
     return jnp.where(keep, -jax.lax.stop_gradient(advantages).astype(jnp.float32) * ratio, 0.0)
 
@@ -359,6 +396,7 @@ def second_moment_clip_range(
     Returns:
       fp32 scalar τ ≥ 0 (or ``+inf``); no gradient.
     """
+    check_same_shape("second_moment_clip_range", {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask})
     logp = jax.lax.stop_gradient(logp).astype(jnp.float32)
     delta = jax.lax.stop_gradient(behavior_logp).astype(jnp.float32) - logp
     adv = jax.lax.stop_gradient(advantages).astype(jnp.float32)
@@ -416,6 +454,7 @@ def second_moment_clip_loss(
     Returns:
       Per-element loss, fp32, same shape as ``logp``.
     """
+    check_same_shape("second_moment_clip_loss", {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask})
     ratio_floor, ratio_ceiling = clip_bounds((min_low_margin, min_high_margin))
     tau = second_moment_clip_range(
         logp, behavior_logp, advantages, mask, second_moment_budget=second_moment_budget

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import checkify
 
 from asyncopd_jax.alignment import response_hidden
 from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
@@ -85,6 +86,11 @@ class PolicyLoss:
     chunk_size: int = 512
     aggregation: Aggregation = "token-mean"
 
+    @property
+    def check_inputs(self) -> bool:
+        """Whether the estimator checks its inputs (``checkify``: the step must be functionalised)."""
+        return self.options.check_inputs
+
     def student(self, model: Decoder, batch: LearnerBatch) -> StudentLogProbs:
         """The student's log-probs on every id the estimator needs (one fused gather)."""
         hidden, head = response_hidden(model, batch.rollout), model.lm_head_weight()
@@ -107,6 +113,7 @@ class SFTLoss:
 
     chunk_size: int = 512
     aggregation: Aggregation = "token-mean"
+    check_inputs: bool = False
 
     def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]:
         hidden, head = response_hidden(model, batch.rollout), model.lm_head_weight()
@@ -119,8 +126,23 @@ class LossFn(Protocol):
     mini-batch's denominator) → (loss, metrics)``, aggregated as ``aggregation`` says."""
 
     aggregation: Aggregation
+    check_inputs: bool  # the loss makes checkify checks: the step runs them and raises on the host
 
     def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]: ...
+
+
+def _checkified(fn: Callable, loss_fn: LossFn) -> Callable:
+    """``fn`` with the loss's ``checkify`` checks functionalised: it returns ``(error, outputs)``
+    (a no-op error when the loss makes no checks, so one code path serves both)."""
+    if not loss_fn.check_inputs:
+        return lambda *args: (None, fn(*args))
+    return checkify.checkify(fn, errors=checkify.user_checks)
+
+
+def _throw(error) -> None:
+    """Raise a failed input check on the host (one line, naming the argument)."""
+    if error is not None:
+        error.throw()
 
 
 def _denominator(loss_fn: LossFn, batch: LearnerBatch) -> Array:
@@ -223,18 +245,24 @@ def make_train_step(
         state, metrics = _apply(optimizer, state, acc, total)
         return state, {**metrics, "nonfinite_rows": jnp.sum(dropped)}
 
+    checked = _checkified(step, loss_fn)
     if mesh is None:
-        return jax.jit(step, donate_argnums=(0,))
-    if state_example is None:
-        raise ValueError("make_train_step with a mesh needs state_example to derive the shardings")
-    shardings = state_shardings(state_example, mesh)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, replicated))
+        jitted = jax.jit(checked, donate_argnums=(0,))
+        place = lambda batch: batch  # noqa: E731
+    else:
+        if state_example is None:
+            raise ValueError("make_train_step with a mesh needs state_example to derive the shardings")
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        jitted = jax.jit(checked, donate_argnums=(0,),
+                         out_shardings=(replicated, (state_shardings(state_example, mesh), replicated)))
+        place = lambda batch: jax.device_put(batch, batch_shardings(batch, mesh))  # noqa: E731
 
-    def sharded_step(state: TrainState, batch: LearnerBatch):
-        return jitted(state, jax.device_put(batch, batch_shardings(batch, mesh)))
+    def train_step(state: TrainState, batch: LearnerBatch):
+        error, out = jitted(state, place(batch))
+        _throw(error)
+        return out
 
-    return sharded_step
+    return train_step
 
 
 def make_packed_train_step(
@@ -255,7 +283,7 @@ def make_packed_train_step(
     Dropped non-finite rows (``nonfinite_rows``) are still packed, with no response
     tokens: they cost their prompt slots and weigh nothing."""
     rows_per_device = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-    gradients = jax.jit(functools.partial(_micro_batch, graphdef, loss_fn))
+    gradients = jax.jit(_checkified(functools.partial(_micro_batch, graphdef, loss_fn), loss_fn))
     add = jax.jit(_add, donate_argnums=(0,))
     drop = jax.jit(drop_nonfinite_rows)  # one dispatch, not one per field
     apply = jax.jit(functools.partial(_apply, optimizer), donate_argnums=(0,))
@@ -279,7 +307,8 @@ def make_packed_train_step(
             mb = take_micro_batch(batch, plan)
             if mesh is not None:
                 mb = jax.device_put(mb, batch_shardings(mb, mesh))
-            part = gradients(state.params, mb, total, denominator)
+            error, part = gradients(state.params, mb, total, denominator)
+            _throw(error)
             acc = part if acc is None else add(acc, part)
         state, metrics = apply(state, acc, total)
         slots = sum(p.padded_tokens for p in plans)

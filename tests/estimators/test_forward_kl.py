@@ -7,7 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from asyncopd_jax.estimators import forward_kl_dense, forward_kl_mc, forward_kl_topk, gather_logprobs, with_tail
+from asyncopd_jax.estimators import (
+    forward_kl_dense,
+    forward_kl_mc,
+    forward_kl_topk,
+    forward_kl_topk_renormalized,
+    gather_logprobs,
+    with_tail,
+)
 from tests.estimators import oracle
 
 B, T, V = 2, 3, 7
@@ -133,3 +140,21 @@ def test_with_tail_keeps_a_tiny_tail_to_float32_precision():
     # and from log1p below −log 2 (a support with little mass)
     small = np.log(np.array([[0.1, 0.05], [0.3, 0.1]], np.float32))
     np.testing.assert_allclose(np.exp(with_tail(small)[:, 2]), [0.85, 0.6], rtol=1e-6)
+
+
+def test_renormalised_top_k_is_the_kl_of_the_renormalised_distributions():
+    """NumPy oracle; invariant to a per-position shift of either input (log-probs or logits);
+    0 with 0 gradient when the student matches the teacher up to a factor on the support."""
+    rng = np.random.default_rng(30)
+    student, teacher = (np.log(rng.dirichlet(np.ones(12), size=(2, 3)))[..., :5].astype(np.float32) for _ in range(2))
+    q = oracle.log_softmax(teacher.astype(np.float64))
+    p = oracle.log_softmax(student.astype(np.float64))
+    np.testing.assert_allclose(forward_kl_topk_renormalized(student, teacher), oracle.kl(q, p), rtol=1e-5, atol=1e-6)
+    shifted = forward_kl_topk_renormalized(student + 3.0, teacher - 1.0)
+    np.testing.assert_allclose(shifted, oracle.kl(q, p), rtol=1e-5, atol=1e-6)
+    value, grad = jax.value_and_grad(lambda s: forward_kl_topk_renormalized(s, teacher).sum())(teacher - 0.7)
+    np.testing.assert_allclose(value, 0.0, atol=1e-6)
+    np.testing.assert_allclose(grad, 0.0, atol=1e-6)
+    # the gradient w.r.t. the student: π_K − q_K on the support
+    grad = jax.grad(lambda s: forward_kl_topk_renormalized(s, teacher).sum())(student)
+    np.testing.assert_allclose(grad, np.exp(p) - np.exp(q), rtol=1e-4, atol=1e-6)

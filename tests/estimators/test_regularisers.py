@@ -34,7 +34,7 @@ def test_reference_kl_estimators(kind, value, grad):
 def test_k3_is_the_default_and_is_clamped_as_verl_clamps_it():
     logp, reference = _problem(1)
     np.testing.assert_array_equal(reference_kl(logp, reference), reference_kl(logp, reference, "k3"))
-    far = reference_kl(jnp.array([-30.0, 30.0, 5.0]), jnp.zeros(3))
+    far = reference_kl(jnp.array([[-30.0, 30.0, 5.0]]), jnp.zeros((1, 3)))[0]
     np.testing.assert_allclose(far, [10.0, 10.0, np.exp(-5.0) + 4.0], rtol=1e-6)  # k3 clamped to at most 10
     with pytest.raises(ValueError, match="kind = 'k4' is invalid; allowed: k1, k2, k3"):
         reference_kl(logp, reference, "k4")

@@ -207,8 +207,8 @@ def test_second_moment_clip_range_matches_bisection_on_many_random_problems():
 
 def test_second_moment_clip_range_edge_cases():
     def tau(delta, adv, mask=None, budget=0.25):
-        delta, adv = np.asarray(delta, np.float32), np.asarray(adv, np.float32)
-        mask = np.ones(delta.shape, bool) if mask is None else np.asarray(mask)
+        delta, adv = np.asarray(delta, np.float32)[None], np.asarray(adv, np.float32)[None]  # [1, T]
+        mask = np.ones(delta.shape, bool) if mask is None else np.asarray(mask)[None]
         return float(second_moment_clip_range(-delta, np.zeros_like(delta), adv, mask, second_moment_budget=budget))
 
     # Exactly at the budget (δ² = 0.25 = budget on every selected token): nothing to clip.

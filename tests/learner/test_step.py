@@ -8,7 +8,7 @@ import optax
 import pytest
 from flax import nnx
 
-from asyncopd_jax.config import MeshConfig, OptimConfig
+from asyncopd_jax.config import EstimatorConfig, MeshConfig, OptimConfig, RunConfig
 from asyncopd_jax.estimator_registry import EstimatorOptions, evaluate_estimator
 from asyncopd_jax.learner import (
     LearnerBatch,
@@ -179,3 +179,23 @@ def test_aggregation_modes_are_exact_over_micro_batches_and_packing(learner_batc
     np.testing.assert_allclose(m1[0]["loss"], oracle.aggregate(np.asarray(values), mask, aggregation), rtol=1e-5)
     token_mean_step, _ = _run(PolicyLoss("forward_kl_topk"), learner_batch, **sgd)
     assert not np.allclose(jax.tree_util.tree_leaves(one.params)[0], jax.tree_util.tree_leaves(token_mean_step.params)[0])
+
+
+@pytest.mark.parametrize("token_budget", [0, 40])
+def test_check_inputs_stops_a_step_fed_raw_logits(learner_batch, token_budget):
+    """estimator.check_inputs: the step (plain, and packed into token-budget micro-batches)
+    runs the estimator's checkify checks and raises on the host, naming the field; a clean
+    batch trains as without the checks."""
+    import dataclasses
+
+    options = EstimatorOptions(check_inputs=True)
+    loss = PolicyLoss("forward_kl_topk", options)
+    kw = dict(optimizer=optax.sgd(1.0), token_budget=token_budget)
+    checked, m_checked = _run(loss, learner_batch, **kw)
+    plain, m_plain = _run(PolicyLoss("forward_kl_topk"), learner_batch, **kw)
+    _assert_params_close(checked, plain, rtol=1e-6, atol=1e-8)
+    cache = dataclasses.replace(learner_batch.cache, topk_logp=learner_batch.cache.topk_logp + 3.0)  # logits, say
+    with pytest.raises(Exception, match=r"forward_kl_topk: cache.topk_logp holds values up to .*; expected "
+                                        r"log-probabilities"):
+        _run(loss, LearnerBatch(learner_batch.rollout, cache, learner_batch.proximal), **kw)
+    assert RunConfig(estimator=EstimatorConfig(check_inputs=True)).estimator_options().check_inputs
