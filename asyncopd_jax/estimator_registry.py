@@ -136,6 +136,14 @@ def _pg(recompute: bool) -> EstimatorFn:
     return run
 
 
+def _gspo(level: Literal["sequence", "token"]) -> EstimatorFn:
+    def run(batch, cache, student, proximal, options):
+        return est.gspo_loss(student.token, batch.behavior_logp, _stabiliser_advantage(batch, cache, student, options),
+                             batch.response_mask, clip_eps=options.gspo_clip_eps, level=level)
+
+    return run
+
+
 ESTIMATORS: dict[str, EstimatorSpec] = {
     spec.name: spec
     for spec in [
@@ -207,19 +215,11 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
             description="AReaL decoupled PPO (needs proximal log-probs)",
         ),
         EstimatorSpec(
-            "gspo", (),
-            lambda b, c, s, p, o: est.gspo_loss(
-                s.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o), b.response_mask,
-                clip_eps=o.gspo_clip_eps, level="sequence",
-            ),
+            "gspo", (), _gspo("sequence"),
             description="GSPO: PPO clip on the response's geometric-mean ratio (aggregate with seq-mean-token-mean)",
         ),
         EstimatorSpec(
-            "gspo_token", (),
-            lambda b, c, s, p, o: est.gspo_loss(
-                s.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o), b.response_mask,
-                clip_eps=o.gspo_clip_eps, level="token",
-            ),
+            "gspo_token", (), _gspo("token"),
             description="GSPO-token: GSPO's sequence ratio with per-token advantages",
         ),
         EstimatorSpec(

@@ -35,3 +35,48 @@ def test_the_wheel_ships_the_configs_and_runs_the_main_job(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "student after" in done.stdout
     assert (work / "runs" / "demo" / "metrics.jsonl").is_file()
+
+
+# Makes the training stack unimportable, as in an environment with the base install only.
+_WITHOUT_TRAINING_STACK = """
+import importlib.abc, sys
+from asyncopd_jax.entry import TRAINING_STACK
+blocked = {name.split(".")[0] for name in TRAINING_STACK} | {"tokenizers", "torch"}
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Block())
+"""
+
+
+def test_the_estimators_need_only_jax_and_numpy_and_the_command_names_its_extra(tmp_path):
+    """The base install (``dependencies``: JAX and NumPy) is the estimator library: it imports
+    and computes with the training stack unimportable; the command then exits 2 with one line
+    naming the extra to install."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert sorted(d.split(">")[0] for d in deps) == ["jax", "numpy"]
+    script = _WITHOUT_TRAINING_STACK + """
+import jax.numpy as jnp
+import asyncopd_jax.estimators as est
+logp = jnp.log(jnp.full((2, 3, 4), 0.2))
+assert est.forward_kl_topk(logp, logp).shape == (2, 3)
+assert est.aggregate(jnp.ones((2, 3)), jnp.ones((2, 3), bool), "seq-mean-token-sum-norm", horizon=6) == 0.5
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in blocked)
+assert not loaded, loaded
+from asyncopd_jax.entry import main
+sys.exit(main(["train"]))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    message = done.stderr.strip()
+    assert "\n" not in message, message
+    assert message.startswith("asyncopd: the training stack is not installed (missing: flax, optax, orbax-checkpoint, "
+                              "transformers, tensorstore, safetensors, pyyaml, matplotlib)"), message
+    assert "pip install 'asyncopd-jax[train]'" in message

@@ -35,7 +35,8 @@ def forward_kl_dense(student_logits: Array, teacher_logits: Array) -> Array:
     Returns:
       ``[B, T]`` fp32, ≥ 0.
     """
-    check_shapes("forward_kl_dense", {"student_logits": (student_logits, "B T V"), "teacher_logits": (teacher_logits, "B T V")})
+    check_shapes("forward_kl_dense",
+                 {"student_logits": (student_logits, "B T V"), "teacher_logits": (teacher_logits, "B T V")})
     student_logp, teacher_logp = dense_logprobs(student_logits, teacher_logits)
     return expectation(teacher_logp, teacher_logp - student_logp)
 

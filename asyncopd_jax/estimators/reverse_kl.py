@@ -45,7 +45,8 @@ def reverse_kl_dense(student_logits: Array, teacher_logits: Array) -> Array:
     Returns:
       ``[B, T]`` fp32, ≥ 0.
     """
-    check_shapes("reverse_kl_dense", {"student_logits": (student_logits, "B T V"), "teacher_logits": (teacher_logits, "B T V")})
+    check_shapes("reverse_kl_dense",
+                 {"student_logits": (student_logits, "B T V"), "teacher_logits": (teacher_logits, "B T V")})
     student_logp, teacher_logp = dense_logprobs(student_logits, teacher_logits)
     return expectation(student_logp, student_logp - teacher_logp)
 
@@ -249,7 +250,8 @@ def reverse_kl_hybrid(
       ``[B, T]`` fp32.
     """
     check_shapes("reverse_kl_hybrid", {
-        "support_student_logp": (support_student_logp, "B T K"), "support_teacher_logp": (support_teacher_logp, "B T K"),
+        "support_student_logp": (support_student_logp, "B T K"),
+        "support_teacher_logp": (support_teacher_logp, "B T K"),
         "support_ids": (support_ids, "B T K"), "candidate_student_logp": (candidate_student_logp, "B T N"),
         "candidate_behavior_logp": (candidate_behavior_logp, "B T N"),
         "candidate_teacher_logp": (candidate_teacher_logp, "B T N"), "candidate_ids": (candidate_ids, "B T N")})

@@ -1,12 +1,17 @@
 """Stabilisers from asynchronous RL, as pure per-token losses.
 
-All functions are elementwise over per-token (``[B, T]``) or per-candidate
-(``[B, T, N]``) arrays and return a loss of the same shape, to be reduced with
-:func:`asyncopd_jax.estimators.token_mean` (after a mean over ``N`` where present).
+The functions take per-token (``[B, T]``) or per-candidate (``[B, T, N]``) arrays and
+return a loss of the same shape, to be reduced with
+:func:`asyncopd_jax.estimators.aggregate` (after a mean over ``N`` where present). PPO
+clip, decoupled PPO and truncated IS are elementwise; M2PO (:func:`m2po_loss`) and the
+second-moment clip choose from a statistic of the whole batch (``axis_name`` for data
+parallelism), GSPO (:func:`gspo_loss`) from one of each response (row).
 Notation: π_θ the current policy (``logp``, the only input with a gradient), μ the
 behaviour policy that sampled the token, ``A`` a detached advantage. For on-policy
 distillation the per-token advantage is the reward ``log q − log μ`` (stale signal) or
 ``log q − log π_θ`` (recomputed); see :mod:`asyncopd_jax.estimators.reverse_kl`.
+Every importance ratio is ``exp`` of a log-ratio clamped to ±20
+(:data:`~asyncopd_jax.estimators.LOG_RATIO_CLIP`: finite in fp32; no gradient past it).
 """
 
 from __future__ import annotations
@@ -140,9 +145,11 @@ def decoupled_ppo_loss(
     Returns:
       Per-element loss, fp32, same shape as ``logp``.
     """
-    check_same_shape("decoupled_ppo_loss", {"logp": logp, "proximal_logp": proximal_logp, "behavior_logp": behavior_logp, "advantages": advantages})
+    check_same_shape("decoupled_ppo_loss", {"logp": logp, "proximal_logp": proximal_logp,
+                                            "behavior_logp": behavior_logp, "advantages": advantages})
     if check_inputs:
-        check_logprobs("decoupled_ppo_loss", {"logp": logp, "proximal_logp": proximal_logp, "behavior_logp": behavior_logp})
+        check_logprobs("decoupled_ppo_loss",
+                       {"logp": logp, "proximal_logp": proximal_logp, "behavior_logp": behavior_logp})
     if behavior_weight_mode not in ("mask", "truncate"):
         raise ValueError(f"behavior_weight_mode = {behavior_weight_mode!r} is invalid; allowed: mask, truncate")
     if behavior_weight_floor is not None and behavior_weight_cap is not None \
@@ -292,6 +299,9 @@ def m2po_mask(
     The statistic is batch-global: inside ``shard_map`` pass the data-parallel
     ``axis_name`` and every device sorts the ``δ²`` of all devices (an all-gather of one
     float per token), so that each keeps the same tokens it would keep in one batch.
+    (Within this project's learner the statistic is that of the arrays the loss sees: the
+    whole mini-batch under ``jit`` over a mesh, but each micro-batch's own with
+    ``learner.micro_batches > 1`` or a token budget, as in AReaL.)
 
     Args:
       logp: ``[B, T]`` or ``[B, T, N]`` log π_θ (no gradient flows through the mask).
@@ -357,7 +367,8 @@ def m2po_loss(
     Returns:
       Per-element loss, fp32, same shape as ``logp``.
     """
-    check_same_shape("m2po_loss", {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask})
+    check_same_shape("m2po_loss",
+                     {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask})
     keep = m2po_mask(logp, behavior_logp, mask, second_moment_budget=second_moment_budget, axis_name=axis_name,
                      check_inputs=check_inputs)
     ratio = importance_ratio(logp, jax.lax.stop_gradient(behavior_logp))
@@ -371,6 +382,7 @@ def second_moment_clip_range(
     mask: Array,
     *,
     second_moment_budget: float = 0.04,
+    axis_name: str | None = None,
 ) -> Array:
     """The adaptive log-ratio bound τ of :func:`second_moment_clip_loss` (sort + prefix sums).
 
@@ -392,17 +404,23 @@ def second_moment_clip_range(
       advantages: same shape.
       mask: same shape; valid tokens.
       second_moment_budget: the budget on the second moment of the clipped log-ratio.
+      axis_name: the data-parallel mesh axis (inside ``shard_map``): τ from the tokens of
+        every device on it.
 
     Returns:
       fp32 scalar τ ≥ 0 (or ``+inf``); no gradient.
     """
-    check_same_shape("second_moment_clip_range", {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask})
+    check_same_shape("second_moment_clip_range",
+                     {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask})
     logp = jax.lax.stop_gradient(logp).astype(jnp.float32)
     delta = jax.lax.stop_gradient(behavior_logp).astype(jnp.float32) - logp
     adv = jax.lax.stop_gradient(advantages).astype(jnp.float32)
     selected = mask.astype(bool) & (adv * delta > 0)
     count = jnp.sum(selected).astype(jnp.float32)
-    sq = jnp.sort(jnp.where(selected, delta * delta, jnp.inf).ravel())  # selected first
+    sq = jnp.where(selected, delta * delta, jnp.inf).ravel()
+    if axis_name is not None:  # batch-global: the selected tokens of every device on the axis
+        count, sq = jax.lax.psum(count, axis_name), jax.lax.all_gather(sq, axis_name, tiled=True)
+    sq = jnp.sort(sq)  # selected first
     size = sq.shape[0]
     k = jnp.arange(size, dtype=jnp.float32)  # number of entries left unclipped
     finite_sq = jnp.where(jnp.isfinite(sq), sq, 0.0)
@@ -425,6 +443,7 @@ def second_moment_clip_loss(
     min_low_margin: float = 0.3,
     min_high_margin: float = 0.5,
     dual_clip: float | None = None,
+    axis_name: str | None = None,
 ) -> Array:
     """PPO surrogate whose clip range is set by a second-moment budget on the log-ratio.
 
@@ -450,14 +469,16 @@ def second_moment_clip_loss(
       second_moment_budget: see :func:`second_moment_clip_range`.
       min_low_margin, min_high_margin: ``m_low ∈ [0, 1)``, ``m_high ≥ 0``.
       dual_clip: ``c > 1`` or ``None``.
+      axis_name: see :func:`second_moment_clip_range`.
 
     Returns:
       Per-element loss, fp32, same shape as ``logp``.
     """
-    check_same_shape("second_moment_clip_loss", {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask})
+    check_same_shape("second_moment_clip_loss",
+                     {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask})
     ratio_floor, ratio_ceiling = clip_bounds((min_low_margin, min_high_margin))
     tau = second_moment_clip_range(
-        logp, behavior_logp, advantages, mask, second_moment_budget=second_moment_budget
+        logp, behavior_logp, advantages, mask, second_moment_budget=second_moment_budget, axis_name=axis_name
     )
     low = jnp.minimum(jnp.exp(-tau), ratio_floor)
     high = jnp.maximum(jnp.exp(tau), ratio_ceiling)

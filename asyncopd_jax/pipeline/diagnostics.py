@@ -59,11 +59,12 @@ def exact_kls(student: Array, teacher: Array, behaviour: Array, student_head: Ar
 
     def one_block(xs):
         s, q, old = xs
-        s_logits = (s @ student_head).astype(jnp.float32) / student_temperature
-        q_logits = (q @ teacher_head).astype(jnp.float32) / teacher_temperature
-        old_logits = (old @ student_head).astype(jnp.float32) / student_temperature
-        return (reverse_kl_dense(s_logits, q_logits), forward_kl_dense(s_logits, q_logits),
-                reverse_kl_dense(s_logits, old_logits))
+        # a block of chunk positions as one [1, chunk, V] row: the estimators' [B, T, V]
+        s_logits = (s @ student_head).astype(jnp.float32)[None] / student_temperature
+        q_logits = (q @ teacher_head).astype(jnp.float32)[None] / teacher_temperature
+        old_logits = (old @ student_head).astype(jnp.float32)[None] / student_temperature
+        return (reverse_kl_dense(s_logits, q_logits)[0], forward_kl_dense(s_logits, q_logits)[0],
+                reverse_kl_dense(s_logits, old_logits)[0])
 
     per_position = jax.lax.map(one_block, (rows(student), rows(teacher), rows(behaviour)))
     reverse, forward, drift = (x.reshape(-1)[:n].reshape(b, t) for x in per_position)

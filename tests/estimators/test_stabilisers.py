@@ -381,3 +381,16 @@ def test_decoupled_ppo_floor_masks_tokens_whose_weight_is_too_small(mode):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="behavior_weight_floor = 4.0 is invalid"):
         decoupled_ppo_loss(logp, proximal, behavior, adv, behavior_weight_cap=3.0, behavior_weight_floor=4.0)
+
+
+def test_second_moment_clip_is_batch_global_with_axis_name():
+    logp, behavior, adv = _problem((8, 12), seed=31, spread=0.6)
+    mask = np.random.default_rng(32).uniform(size=logp.shape) > 0.2
+    whole = float(second_moment_clip_range(logp, behavior, adv, mask))
+    split = [x.reshape(4, 2, 12) for x in (logp, behavior, adv, mask)]
+    got = jax.vmap(lambda *a: second_moment_clip_range(*a, axis_name="data"), axis_name="data")(*split)
+    np.testing.assert_allclose(got, np.full(4, whole), rtol=1e-6)
+    assert np.isfinite(whole) and not np.allclose(jax.vmap(second_moment_clip_range)(*split), whole)
+    loss = jax.vmap(lambda *a: second_moment_clip_loss(*a, axis_name="data"), axis_name="data")(*split)
+    np.testing.assert_allclose(np.asarray(loss).reshape(8, 12), second_moment_clip_loss(logp, behavior, adv, mask),
+                               rtol=1e-6)
