@@ -316,15 +316,15 @@ def _validate(cfg: RunConfig) -> None:
     if cfg.estimator.name not in ESTIMATORS:
         raise ConfigError(f"estimator.name = {cfg.estimator.name!r} is invalid; allowed: {', '.join(sorted(ESTIMATORS))}")
     s = cfg.sampling
-    needs_mc = cfg.estimator.name.startswith("reverse_kl_mc") or cfg.estimator.name == "reverse_kl_hybrid"
-    if needs_mc and s.num_candidates < 1:
-        raise ConfigError(f"estimator.name = {cfg.estimator.name!r} needs sampling.num_candidates >= 1")
-    if cfg.estimator.name in ("reverse_kl_topk", "reverse_kl_hybrid") and s.student_topk < 1:
-        raise ConfigError(f"estimator.name = {cfg.estimator.name!r} needs sampling.student_topk >= 1")
-    if cfg.estimator.name == "forward_kl_topk" and cfg.scoring.topk < 1:
-        raise ConfigError("estimator.name = 'forward_kl_topk' needs scoring.topk >= 1")
-    if cfg.estimator.name == "forward_kl_mc" and cfg.scoring.num_samples < 1:
-        raise ConfigError("estimator.name = 'forward_kl_mc' needs scoring.num_samples >= 1")
+    # what the estimator needs (its spec says), and the setting that produces it
+    producers = {"candidates": ("sampling.num_candidates", s.num_candidates),
+                 "student_topk": ("sampling.student_topk", s.student_topk),
+                 "teacher_topk": ("scoring.topk", cfg.scoring.topk),
+                 "teacher_samples": ("scoring.num_samples", cfg.scoring.num_samples)}
+    for need in ESTIMATORS[cfg.estimator.name].needs:
+        field, value = producers[need]
+        if value < 1:
+            raise ConfigError(f"estimator.name = {cfg.estimator.name!r} needs {field} >= 1")
     _validate_algorithm(cfg)
     extrapolation = cfg.learner.extrapolation
     if extrapolation.enabled and extrapolation.probe_metric == "accuracy" and cfg.task.name == "dataset" \

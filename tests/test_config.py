@@ -28,6 +28,16 @@ def test_bad_fields_name_themselves(override, message):
         load_config(DEMO_CONFIG, [override])
 
 
+@pytest.mark.parametrize("name,field", [
+    ("forward_kl_topk", "scoring.topk"), ("forward_kl_topk_renormalized", "scoring.topk"),
+    ("forward_kl_mc", "scoring.num_samples"), ("reverse_kl_mc_loo", "sampling.num_candidates"),
+])
+def test_every_estimator_asks_for_the_ids_its_spec_needs(name, field):
+    """The config asks the estimator's spec what it needs (no list of names to keep in step)."""
+    with pytest.raises(ConfigError, match=rf"estimator.name = '{name}' needs {field} >= 1"):
+        load_config(DEMO_CONFIG, [f"estimator.name={name}", f"{field}=0"])
+
+
 def test_the_hybrid_estimator_needs_candidates_and_a_student_top_k():
     with pytest.raises(ConfigError, match=r"'reverse_kl_hybrid' needs sampling.num_candidates >= 1"):
         load_config(DEMO_CONFIG, ["estimator.name=reverse_kl_hybrid", "sampling.student_topk=4"])
