@@ -77,17 +77,11 @@ class EstimatorConfig:
     check_inputs: bool = False  # debug: checkify that every log-prob fed to the loss is one (a host sync per step)
 
     def options(self) -> EstimatorOptions:
-        return EstimatorOptions(
-            mc_clip_eps=self.mc_clip_eps, mc_importance_sampling=self.mc_importance_sampling,
-            topk_tail=self.topk_tail, control_variate=self.control_variate,
-            ppo_clip_eps=self.ppo_clip_eps, dual_clip=self.dual_clip, behavior_weight_cap=self.behavior_weight_cap,
-            behavior_weight_mode=self.behavior_weight_mode, behavior_weight_floor=self.behavior_weight_floor,
-            gspo_clip_eps=(self.gspo_clip_low, self.gspo_clip_high),
-            tis_cap=self.tis_cap, m2po_budget=self.m2po_budget,
-            second_moment_clip_budget=self.second_moment_clip_budget, stabiliser_signal=self.stabiliser_signal,
-            entropy_coef=self.entropy_coef, reference_kl_coef=self.reference_kl_coef, reference_kl=self.reference_kl,
-            check_inputs=self.check_inputs,
-        )
+        """The estimator's knobs: every field both classes name, copied by name (GSPO's clip
+        range is one tuple there, two numbers here)."""
+        shared = {f.name for f in dataclasses.fields(EstimatorOptions)} & {f.name for f in dataclasses.fields(self)}
+        return EstimatorOptions(**{name: getattr(self, name) for name in shared},
+                                gspo_clip_eps=(self.gspo_clip_low, self.gspo_clip_high))
 
 
 # The estimators that train on an advantage (a policy-gradient surrogate) and so on a reward.

@@ -111,3 +111,24 @@ def test_rl_config_and_what_it_needs():
 def test_rl_config_errors_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(DEMO_CONFIG, overrides)
+
+
+def test_every_estimator_setting_reaches_the_estimator_options():
+    """Each knob of ``estimator`` set to a non-default value arrives in EstimatorOptions."""
+    import dataclasses
+
+    from asyncopd_jax.config import EstimatorConfig
+    from asyncopd_jax.estimator_registry import EstimatorOptions
+
+    others = {"mc_clip_eps": 0.3, "mc_importance_sampling": False, "topk_tail": False, "control_variate": True,
+              "ppo_clip_eps": 0.1, "dual_clip": 3.0, "behavior_weight_cap": 4.0, "behavior_weight_mode": "truncate",
+              "behavior_weight_floor": 0.5, "tis_cap": 1.5, "m2po_budget": 0.1, "second_moment_clip_budget": 0.2,
+              "stabiliser_signal": "recompute", "entropy_coef": 0.01, "reference_kl_coef": 0.1, "reference_kl": "k2",
+              "check_inputs": True}
+    shared = {f.name for f in dataclasses.fields(EstimatorOptions)} & {f.name for f in dataclasses.fields(EstimatorConfig)}
+    assert shared == set(others)  # a new knob must be added here
+    defaults = EstimatorConfig().options()
+    options = EstimatorConfig(gspo_clip_low=0.01, gspo_clip_high=0.02, **others).options()
+    for name, value in others.items():
+        assert getattr(options, name) == value != getattr(defaults, name), name
+    assert options.gspo_clip_eps == (0.01, 0.02) != defaults.gspo_clip_eps
