@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from asyncopd_jax import estimators as est
@@ -17,7 +18,6 @@ EXAMPLES = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
 
 
 def test_the_train_step_example_trains_on_the_aggregated_top_k_kl():
-    optax = pytest.importorskip("optax")  # the example's optimizer (not part of the base install)
     B, T, V, K = 3, 5, 17, 4
     rng = np.random.default_rng(0)
     teacher = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(B, T, V)), jnp.float32))
