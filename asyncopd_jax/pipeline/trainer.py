@@ -147,7 +147,6 @@ class Trainer:
         self.extrapolator, self.extrapolation_probe = None, None
         if learner.extrapolation.enabled:  # EffOPD (after a resume, anchored at the restored weights)
             self.extrapolation_probe = self._extrapolation_probe()
-        self.scoring = cfg.scoring
         self.start_step, self.worker_index = 0, 0
         # Faults at run time: rows dropped for NaN / inf scores so far, and the checkpoint a
         # diverged step's error points to (step, path), None before the first one.
