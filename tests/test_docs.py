@@ -1,8 +1,11 @@
-"""The examples of docs/estimators.md run as written and compute what the page says."""
+"""The examples of docs/estimators.md and README.md run as written and compute what the pages
+say, and every relative link in README.md and docs/*.md points to a file (and heading) that
+exists."""
 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import jax
@@ -13,8 +16,10 @@ import pytest
 
 from asyncopd_jax import estimators as est
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "estimators.md"
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "estimators.md"
 EXAMPLES = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
+README_EXAMPLES = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 
 
 def test_the_train_step_example_trains_on_the_aggregated_top_k_kl():
@@ -54,3 +59,81 @@ def test_the_shard_map_example_gives_every_device_the_whole_batch_loss():
     np.testing.assert_allclose(got, est.aggregate(whole, mask), rtol=1e-5)
     kept = est.m2po_mask(student, behavior, mask)
     assert 0 < int(kept.sum()) < int(mask.sum())  # the budget bites: a per-device budget would differ
+
+
+def test_the_readme_example_is_the_token_mean_of_the_mc_reverse_kl():
+    namespace: dict = {}
+    exec(README_EXAMPLES[0], namespace)
+    B, T, H, V, N = 2, 5, 8, 19, 3
+    rng = np.random.default_rng(2)
+    hidden = jnp.asarray(rng.normal(size=(B, T, H)), jnp.float32)
+    lm_head = jnp.asarray(rng.normal(size=(H, V)), jnp.float32)
+    cand_ids = jnp.asarray(rng.integers(0, V, size=(B, T, N)))
+    behavior = est.gather_logprobs(jnp.asarray(rng.normal(size=(B, T, V)), jnp.float32), cand_ids)
+    teacher = est.gather_logprobs(jnp.asarray(rng.normal(size=(B, T, V)), jnp.float32), cand_ids)
+    mask = jnp.asarray(np.arange(T)[None] < np.array([5, 3])[:, None])
+    got = namespace["loss_fn"](hidden, lm_head, cand_ids, behavior, teacher, mask, 8.0)
+    per_token = est.reverse_kl_mc(est.gather_logprobs(hidden @ lm_head, cand_ids), behavior, teacher)
+    want = jnp.sum(jnp.where(mask, per_token, 0.0)) / 8.0
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+# Relative links in the pages a reader opens: README.md and docs/*.md.
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
+_CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
+_INLINE_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]*)>?(?:\s+\"[^\"]*\")?\s*\)")
+_REFERENCE_LINK = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$", re.M)
+_HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.M)
+
+
+def _prose(text: str) -> str:
+    """The page without fenced code blocks and code spans, where brackets are not links."""
+    return _CODE_SPAN.sub("", _FENCE.sub("", text))
+
+
+def _anchors(page: Path) -> set[str]:
+    """The ids GitHub gives the page's headings: lower case, punctuation dropped (letters of
+    any script, digits, `_` and `-` kept), spaces to hyphens, repeats numbered -1, -2, ..."""
+    seen: dict[str, int] = {}
+    for heading in _HEADING.findall(_FENCE.sub("", page.read_text())):
+        text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link keeps its text
+        slug = re.sub(r"[^\w\- ]", "", text.replace("`", "").lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        if seen[slug]:
+            seen[f"{slug}-{seen[slug]}"] = 0
+    return set(seen)
+
+
+def broken_links(page: Path) -> list[str]:
+    """Every relative link of ``page`` whose file, or heading in a Markdown file, does not exist."""
+    text = _prose(page.read_text())
+    broken = []
+    for target in _INLINE_LINK.findall(text) + _REFERENCE_LINK.findall(text):
+        if not target or re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+            broken.append(f"{page.relative_to(ROOT)}: {target} (no heading #{anchor} in {resolved.name})")
+    return broken
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page):
+    assert broken_links(page) == []
+
+
+def test_the_link_check_sees_a_broken_file_a_broken_anchor_and_skips_code(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "there.md").write_text("# A `code` heading: here\n\n## Twice\n\n## Twice\n")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](there.md) [ok](there.md#a-code-heading-here) [ok](there.md#twice-1) "
+                    "[ok](#own) [web](https://example.com/x.md)\n`[in code](nowhere.md)`\n"
+                    "```\n[in a block](nowhere.md)\n```\n# Own\n"
+                    "[gone](missing.md) [bad anchor](there.md#nope)\n[ref]: also-missing.md\n")
+    assert broken_links(page) == ["page.md: missing.md (no such file)",
+                                  "page.md: there.md#nope (no heading #nope in there.md)",
+                                  "page.md: also-missing.md (no such file)"]
