@@ -48,23 +48,23 @@ def _train(args: argparse.Namespace) -> None:
         cfg = cfg.__class__(**{**cfg.__dict__, "name": run_dir.name, "output_dir": str(run_dir.parent)})
     else:
         cfg = load_config(args.config or DEMO_CONFIG, args.set)
-    print(f"asyncopd train: {cfg.name} ({cfg.estimator.name}, {cfg.schedule.mode}, {cfg.schedule.placement}) → "
+    import os
+
+    from asyncopd_jax.pipeline import placement
+
+    layout = placement.plan_layout(cfg, run_path=Path(cfg.output_dir) / cfg.name,
+                                   available_cores=sorted(os.sched_getaffinity(0)),
+                                   multi_process=cfg.distributed.initialize)
+    print(f"asyncopd train: {cfg.name} ({cfg.estimator.name}, {cfg.schedule.mode}, {layout.placement}) → "
           f"{Path(cfg.output_dir) / cfg.name}")
-    if cfg.schedule.placement == "processes":
-        import os
-
-        from asyncopd_jax.pipeline.processes import pin_this_process, plan_stages
-
-        learner_cores, specs = plan_stages(cfg.stages, sorted(os.sched_getaffinity(0)))
-        pin_this_process(learner_cores)  # before JAX starts in this process
-        for spec in specs:
-            print(f"  {spec.name}: cores {','.join(map(str, spec.cores)) or 'any'}")
-        print(f"  learner: cores {','.join(map(str, learner_cores)) or 'any'}")
+    print("\n".join(placement.describe(layout)))
+    placement.prepare_learner_process(layout, placement.detect_platform())  # before JAX starts in this process
     if cfg.distributed.initialize:
         from asyncopd_jax.learner import distributed
 
         distributed.initialize(cfg.distributed)  # before anything else starts JAX here
-    summary = Trainer(cfg, resume=bool(args.resume), progress=not args.no_progress).run()
+    # planned before this process pinned itself (a plan made after would see only the learner's cores)
+    summary = Trainer(cfg, resume=bool(args.resume), progress=not args.no_progress, layout=layout).run()
     teacher = summary.get("teacher_accuracy")  # absent: reward-driven RL without a teacher
     rows = [("teacher", teacher)] if teacher is not None else []
     rows += [("student before", summary["student_before"]), ("student after", summary["student_after"])]
@@ -105,7 +105,7 @@ def _sft(args: argparse.Namespace) -> None:
 
 
 def _eval(args: argparse.Namespace) -> None:
-    from asyncopd_jax.pipeline.trainer import load_model_and_tokenizer
+    from asyncopd_jax.pipeline.stage import load_model_and_tokenizer
     from asyncopd_jax.tasks.builtin import TaskData
 
     task = load_config(None, [f"task.{kv}" for kv in args.task]).task if args.task else TaskConfig()
@@ -132,10 +132,10 @@ def _study(args: argparse.Namespace) -> None:
 
 
 def _stage(args: argparse.Namespace) -> int:
-    from asyncopd_jax.config import parse_cpu_list
-    from asyncopd_jax.pipeline.processes import run_stage
+    from asyncopd_jax.pipeline.placement import parse_id_list
+    from asyncopd_jax.pipeline.stage_process import run_stage
 
-    return run_stage(args.exchange, args.role, args.index, parse_cpu_list(args.cores), args.parent_pid, args.niceness)
+    return run_stage(args.exchange, args.role, args.index, parse_id_list(args.cores), args.parent_pid, args.niceness)
 
 
 @contextlib.contextmanager

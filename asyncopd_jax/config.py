@@ -19,6 +19,7 @@ from asyncopd_jax import configs
 from asyncopd_jax.atomic_files import write_text_atomically
 from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorOptions
 from asyncopd_jax.estimators import Aggregation
+from asyncopd_jax.pipeline import placement
 from asyncopd_jax.sampling.distribution import SamplingParams
 from asyncopd_jax.teacher.scorer import ScoringParams
 
@@ -188,14 +189,19 @@ class ScheduleConfig:
 
 @dataclasses.dataclass(frozen=True)
 class StagesConfig:
-    """Stage processes, used when ``schedule.placement = processes``.
+    """Where the stages run (see :mod:`asyncopd_jax.pipeline.placement`, which decides it).
 
-    Cores are Linux CPU lists (``"0"``, ``"2-5"``, ``"0,2"``): a stage's cores are dealt
-    out to its processes in turn, and each process is pinned to its share before JAX
-    starts (so XLA sizes its thread pool to it). ``"auto"`` splits this machine's cores by
-    :func:`asyncopd_jax.pipeline.processes.plan_stages`; ``""`` leaves a stage unpinned.
-    Devices are accelerator ids handed to a process as ``CUDA_VISIBLE_DEVICES`` (GPU);
-    ``""`` leaves them all visible.
+    Devices, for every placement: lists of this host's devices (``"0-3"``, ``"4,5"``; the
+    order of ``jax.local_devices()``, e.g. TPU chips, GPUs, or virtual CPU devices). With
+    ``threads`` each stage runs its computations on its own devices inside the learner's
+    process (``""``: the learner's); with ``processes`` they are dealt out to the role's
+    processes and made visible to each by the platform's mechanism (TPU chip variables,
+    ``CUDA_VISIBLE_DEVICES``; ``""``: every device visible).
+
+    Cores (``processes`` only) are Linux CPU lists dealt out the same way; each process is
+    pinned to its share before JAX starts (so XLA sizes its thread pool to it). ``"auto"``
+    splits this machine's cores by :func:`asyncopd_jax.pipeline.placement.plan_cores`;
+    ``""`` leaves a stage unpinned.
     """
 
     rollout_processes: int = 1  # processes that sample (and score, when scoring_processes = 0)
@@ -203,6 +209,7 @@ class StagesConfig:
     learner_cores: str = "auto"
     rollout_cores: str = "auto"
     scoring_cores: str = "auto"
+    learner_devices: str = ""
     rollout_devices: str = ""
     scoring_devices: str = ""
     rollout_niceness: int = 5  # lower CPU priority: where cores are shared the learner goes first
@@ -296,13 +303,8 @@ class RunConfig:
         return dataclasses.replace(self.estimator.options(), distill_coef=self.rl.distill_coef)
 
     def rollout_group_size(self) -> int:
-        """Samples per rollout group: the batch split over the rollout workers or processes
-        (the whole batch per group when it does not split evenly; ``fixed_lag``: the batch)."""
-        B = self.learner.batch_size
-        if self.schedule.mode == "fixed_lag":
-            return B
-        workers = self.stages.rollout_processes if self.schedule.placement == "processes" else self.schedule.rollout_workers
-        return B // workers if B % workers == 0 else B
+        """Samples per rollout group (see :func:`asyncopd_jax.pipeline.placement.rollout_group_size`)."""
+        return placement.rollout_group_size(self)
 
 
 def _validate(cfg: RunConfig) -> None:
@@ -381,23 +383,13 @@ def _validate(cfg: RunConfig) -> None:
     ]:
         if not ok:
             raise ConfigError(f"{field} = {value!r} is invalid; allowed: {allowed}")
-    if sch.mode == "fixed_lag":
+    if sch.mode == "fixed_lag" and cfg.learner.mini_batches != 1:
         # One rollout batch per optimizer step, sampled in the learner's thread: with M
-        # mini-batches the m-th would be k + m stale, and stage processes would add nothing.
-        if cfg.learner.mini_batches != 1:
-            raise ConfigError(f"learner.mini_batches = {cfg.learner.mini_batches} is invalid with schedule.mode = "
-                              "fixed_lag; allowed: 1 (every step then trains on exactly schedule.lag-stale rollouts)")
-        if sch.placement != "threads":
-            raise ConfigError(f"schedule.placement = {sch.placement!r} is invalid with schedule.mode = fixed_lag; "
-                              "allowed: threads (fixed_lag samples in the learner's own thread)")
-    for field in ("learner_cores", "rollout_cores", "scoring_cores"):
-        value = getattr(cfg.stages, field)
-        if value != "auto":
-            try:
-                parse_cpu_list(value)
-            except ValueError as err:
-                raise ConfigError(f"stages.{field} = {value!r} is invalid; allowed: 'auto', '' or a CPU list "
-                                  f"such as '0', '1-3', '0,2' ({err})") from None
+        # mini-batches the m-th would be k + m stale.
+        raise ConfigError(f"learner.mini_batches = {cfg.learner.mini_batches} is invalid with schedule.mode = "
+                          "fixed_lag; allowed: 1 (every step then trains on exactly schedule.lag-stale rollouts)")
+    for message in placement.validate(cfg):
+        raise ConfigError(message)
 
 
 def _validate_algorithm(cfg: RunConfig) -> None:
@@ -423,20 +415,6 @@ def _validate_algorithm(cfg: RunConfig) -> None:
     if cfg.task.name == "dataset" and not cfg.task.answer_field:
         raise ConfigError("task.answer_field = '' is invalid with algorithm = rl; allowed: the field holding each "
                           "example's reference answer (the reward checks answers against it)")
-
-
-def parse_cpu_list(spec: str) -> tuple[int, ...]:
-    """``"0-2,5"`` → ``(0, 1, 2, 5)``; ``""`` → ``()`` (unpinned)."""
-    cores: list[int] = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        first, _, last = part.partition("-")
-        if not first.isdigit() or (last and not last.isdigit()):
-            raise ValueError(f"{part!r} is not a core number or range")
-        lo, hi = int(first), int(last or first)
-        if hi < lo:
-            raise ValueError(f"range {part!r} runs backwards")
-        cores.extend(range(lo, hi + 1))
-    return tuple(dict.fromkeys(cores))
 
 
 # --- dict / YAML ⇄ dataclasses -----------------------------------------------------

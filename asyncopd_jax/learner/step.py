@@ -322,12 +322,20 @@ def make_packed_train_step(
 def create_train_state(
     model: Decoder, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh | None = None
 ) -> tuple[nnx.GraphDef, TrainState]:
-    """Split ``model`` into graph and parameters, initialise the optimizer, place on ``mesh``."""
+    """Split ``model`` into graph and parameters and initialise the optimizer, on ``mesh``.
+
+    With a mesh the parameters are placed by :func:`state_shardings` (a no-op for weights
+    loaded there already) and the optimizer state is created there by a jitted ``init``
+    whose outputs are sharded the same way: no moment is ever whole on one device."""
     graphdef, params = nnx.split(model)
-    state = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
-    if mesh is not None:
-        state = jax.device_put(state, state_shardings(state, mesh))
-    return graphdef, state
+    if mesh is None:
+        return graphdef, TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
+    params = jax.device_put(params, state_shardings(params, mesh))
+    abstract = jax.eval_shape(lambda p: TrainState(params=p, opt_state=optimizer.init(p),
+                                                   step=jnp.zeros((), jnp.int32)), params)
+    init = jax.jit(lambda p: TrainState(params=p, opt_state=optimizer.init(p), step=jnp.zeros((), jnp.int32)),
+                   out_shardings=state_shardings(abstract, mesh))
+    return graphdef, init(params)
 
 
 def make_proximal_fn(graphdef: nnx.GraphDef, loss: PolicyLoss) -> Callable[[nnx.State, LearnerBatch], StudentLogProbs]:

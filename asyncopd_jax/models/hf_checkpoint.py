@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -48,7 +49,7 @@ def _open(file: Path, stack: contextlib.ExitStack) -> Any:
     """``safe_open`` whose failure (a bad header, a file shorter than its header says) is a
     ``ValueError`` naming the file, not safetensors' bare ``SafetensorError``."""
     try:
-        return stack.enter_context(safe_open(file, framework="flax"))
+        return stack.enter_context(safe_open(file, framework="numpy"))  # host arrays: placed by the caller
     except SafetensorError as err:
         raise _unreadable(file, err) from None
 
@@ -83,7 +84,8 @@ def _unused(names: set[str], config: DecoderConfig) -> list[str]:
     return sorted(n for n in names if n not in redundant and not n.endswith(_IGNORED_SUFFIXES))
 
 
-def from_pretrained(path: str | Path, dtype: jnp.dtype | str | None = None) -> Decoder:
+def from_pretrained(path: str | Path, dtype: jnp.dtype | str | None = None,
+                    sharding: Callable[[tuple[int, ...]], jax.sharding.Sharding] | None = None) -> Decoder:
     """Load a Llama / Qwen2 / Qwen3 decoder from a local Hugging Face directory.
 
     Args:
@@ -91,9 +93,11 @@ def from_pretrained(path: str | Path, dtype: jnp.dtype | str | None = None) -> D
         ``model.safetensors.index.json``). Nothing is downloaded.
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, …); default: the
         checkpoint's own ``torch_dtype``, else fp32.
+      sharding: where each parameter goes, from its shape (e.g. a stage's mesh); each
+        tensor is read on the host and placed there directly. Default: the default device.
 
     Returns:
-      The model, parameters on the default device.
+      The model.
 
     Raises:
       FileNotFoundError: the directory, ``config.json`` or a weight file is missing.
@@ -138,7 +142,8 @@ def from_pretrained(path: str | Path, dtype: jnp.dtype | str | None = None) -> D
                     f"{files[name]}: tensor {name!r} has shape {list(tensor.shape)}, but {config_file} implies "
                     f"{list(expected)}; weights and config.json belong to different models"
                 )
-            loaded[key] = jnp.asarray(tensor.T if transpose else tensor, dtype)
+            value = np.asarray(tensor.T if transpose else tensor, dtype)
+            loaded[key] = jax.device_put(value, sharding(value.shape)) if sharding else jnp.asarray(value)
             used.add(name)
     # A tensor nothing reads means config.json describes a different model (fewer layers,
     # no biases where the weights have them): loading would silently drop it.

@@ -15,21 +15,19 @@ than k; ``staleness_max`` in metrics.jsonl shows it.
 
 from __future__ import annotations
 
-from asyncopd_jax.pipeline.rollout import GroupProducer, score_group
+from pathlib import Path
+
+from asyncopd_jax.pipeline.stage import RolloutStage
 from asyncopd_jax.pipeline.staleness import RolloutGroup
-from asyncopd_jax.teacher import Scorers
 
 
 class FixedLagRollouts:
-    """Produces each step's batch on demand from the policy ``lag`` versions back.
+    """Produces each step's batch on demand from the policy ``lag`` versions back (a
+    :class:`~asyncopd_jax.pipeline.rollout.Stages` with nothing in the background). The
+    snapshot store of ``stage`` must keep ``lag + 1`` versions."""
 
-    Has the stage interface the trainer uses (``start``, ``join``, ``groups_started``,
-    ``consumed``, ``checkpointed``) plus :meth:`take`, which replaces the staleness
-    buffer's. The snapshot store handed to ``producer`` must keep ``lag + 1`` versions.
-    """
-
-    def __init__(self, *, producer: GroupProducer, scorer: Scorers | None, lag: int, first_version: int):
-        self.producer, self.scorer, self.lag = producer, scorer, lag
+    def __init__(self, *, stage: RolloutStage, lag: int, first_version: int):
+        self.stage, self.lag = stage, lag
         self.first_version = first_version  # the oldest policy this run holds
         self._index = first_version
 
@@ -38,8 +36,7 @@ class FixedLagRollouts:
         sampled by version ``max(first_version, version − lag)`` and scored."""
         behaviour = max(self.first_version, version - self.lag)
         self._index = version + 1  # group numbers follow steps: the same in every run
-        group = self.producer.sample(self._index, version=behaviour)
-        return [score_group(self.scorer, group, self.producer.seed, self._index, self.producer.tracer)]
+        return [self.stage.group(self._index, version=behaviour)]
 
     def start(self) -> None:
         """Nothing runs in the background."""
@@ -56,3 +53,6 @@ class FixedLagRollouts:
 
     def checkpointed(self) -> None:
         """Nothing to do: groups never leave this process."""
+
+    def trace_files(self) -> list[Path]:
+        return []

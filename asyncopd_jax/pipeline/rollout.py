@@ -1,21 +1,22 @@
-"""Rollout workers: host threads that sample from the newest snapshot and get teacher scores.
+"""Rollout groups: how one is sampled (:class:`GroupProducer`), the interface every
+placement's stages offer the learner (:class:`Stages`), and the threads placement's
+rollout workers (:class:`RolloutPool`).
 
-Each worker loops: wait for capacity (:class:`StalenessBuffer`), load the newest policy
-snapshot, sample a group of prompts (interruptible: between decode chunks it swaps in a
-newer snapshot if one was published), score the group with the teacher, and hand it to
-the buffer. A worker that raises stops the whole run: the error is recorded in the
-buffer, every waiting thread wakes up, and the learner re-raises it.
-
-On one host all workers and the learner share the devices; JAX releases the GIL while
-a jitted computation runs, so sampling, scoring and learning overlap on separate cores
-(CPU) or as concurrent streams (GPU). See the README for placement on a TPU pod.
+Each worker thread loops: wait for capacity (:class:`StalenessBuffer`), take the newest
+policy snapshot (at least the version the buffer requires), sample a group of prompts
+(interruptible: between decode chunks it swaps in a newer snapshot if one was published),
+score it in the scoring stage, and hand it to the buffer. A worker that raises stops the
+whole run: the error is recorded in the buffer, every waiting thread wakes up, and the
+learner re-raises it. JAX releases the GIL while a jitted computation runs, so sampling,
+scoring and learning overlap, each on its own devices (see ``pipeline/placement.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import jax
 import numpy as np
@@ -25,11 +26,9 @@ from asyncopd_jax.pipeline.snapshots import SnapshotStore
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import Sampler
-from asyncopd_jax.config import RunConfig
-from asyncopd_jax.models import from_pretrained
-from asyncopd_jax.models.decoder import Decoder
-from asyncopd_jax.tasks.assets import resolve_model_path
-from asyncopd_jax.teacher import ReferenceScorer, Scorers, TeacherScorer
+
+if TYPE_CHECKING:
+    from asyncopd_jax.pipeline.stage import RolloutStage
 
 # (rng, n) → (prompt token lists, per-prompt problems for the reward)
 PromptSource = Callable[[np.random.Generator, int], tuple[list[list[int]], list]]
@@ -52,10 +51,12 @@ class GroupProducer:
     """
 
     def __init__(self, *, sampler: Sampler, snapshots: SnapshotStore, prompts: PromptSource, reward: RewardStage,
-                 group_size: int, seed: int, prompt_slots: int, tracer: Tracer, interruptible: bool = True):
+                 group_size: int, seed: int, prompt_slots: int, tracer: Tracer, interruptible: bool = True,
+                 version_timeout: float = 600.0):
         self.sampler, self.snapshots, self.prompts, self.reward = sampler, snapshots, prompts, reward
         self.group_size, self.seed, self.prompt_slots = group_size, seed, prompt_slots
         self.tracer, self.interruptible = tracer, interruptible
+        self.version_timeout = version_timeout  # how long a group waits for the version it must start from
 
     def _newer_snapshot(self, version: int):
         latest = self.snapshots.latest_version()
@@ -64,9 +65,12 @@ class GroupProducer:
                 return self.snapshots.load()
         return None
 
-    def sample(self, index: int, version: int | None = None) -> RolloutGroup:
-        """Sample group ``index`` from snapshot ``version`` (default: the newest); no
-        teacher scores yet."""
+    def sample(self, index: int, version: int | None = None, min_version: int = 0) -> RolloutGroup:
+        """Sample group ``index`` from snapshot ``version`` (default: the newest, once it is
+        ``min_version`` or newer); no teacher scores yet."""
+        if version is None and min_version:
+            with self.tracer.span("wait_for_version", version=min_version):
+                self.snapshots.wait_for(min_version, timeout=self.version_timeout)
         rng = np.random.default_rng([self.seed, index])
         prompts, problems = self.prompts(rng, self.reward.prompts_per_group(self.group_size))
         prompts, problems = self.reward.repeat(prompts), self.reward.repeat(problems)
@@ -88,41 +92,45 @@ class GroupProducer:
         return RolloutGroup(batch, None, oldest, newest, {"rewards": rewards})
 
 
-def make_scorers(cfg: RunConfig, teacher: Decoder | None, vocab_limit: int | None) -> Scorers | None:
-    """The scoring stage's work for this run, wherever it runs (a thread or a stage process):
-    the teacher's scores where the run needs them, and the reference policy's log-probs
-    where the loss has a KL-to-reference term (the reference loaded here, from
-    ``reference.path`` or else the student's starting weights). None: nothing to score."""
-    teacher_scorer = TeacherScorer(teacher, cfg.scoring) if cfg.needs_teacher_scores else None
-    reference = None
-    if cfg.estimator.reference_kl_coef:
-        model = from_pretrained(resolve_model_path(cfg.reference.path or cfg.student.path), dtype=cfg.reference.dtype)
-        model.vocab_limit = vocab_limit
-        reference = ReferenceScorer(model, cfg.sampling.temperature, cfg.learner.logprob_chunk)
-    return None if teacher_scorer is None and reference is None else Scorers(teacher_scorer, reference)
+class Stages(Protocol):
+    """What the learner asks of the rollout and scoring stages, wherever they run
+    (:class:`RolloutPool`, :class:`~asyncopd_jax.pipeline.stage_processes.StageProcesses`,
+    :class:`~asyncopd_jax.pipeline.fixed_lag.FixedLagRollouts`, and the multi-process
+    learner's views in :mod:`asyncopd_jax.pipeline.multihost`)."""
 
+    @property
+    def groups_started(self) -> int:
+        """Index of the last rollout group started (numbered from the run's start)."""
+        ...
 
-def score_group(scorers: Scorers | None, group: RolloutGroup, seed: int, index: int,
-                tracer: Tracer) -> RolloutGroup:
-    """``group`` with its teacher score cache (and its reference log-probs) filled in;
-    unchanged when ``scorers`` is None (reward-driven RL without distillation or a
-    reference needs no scores)."""
-    if scorers is None:
-        return group
-    with tracer.span("score"):
-        batch, cache = jax.block_until_ready(
-            scorers.score(group.batch, jax.random.fold_in(group_key(seed, index), 1)))
-    return dataclasses.replace(group, batch=batch, cache=cache)
+    def start(self) -> None: ...
+
+    def take(self, version: int) -> list[RolloutGroup]:
+        """The groups of the next batch, for the learner at ``version``."""
+        ...
+
+    def consumed(self, taken: list[RolloutGroup]) -> None:
+        """The learner trained on ``taken``."""
+        ...
+
+    def checkpointed(self) -> None:
+        """A checkpoint covering every batch consumed so far was saved."""
+        ...
+
+    def join(self, timeout: float = 60.0) -> None: ...
+
+    def trace_files(self) -> list[Path]:
+        """Trace files the stages wrote in other processes."""
+        ...
 
 
 class RolloutPool:
-    """``workers`` threads producing scored :class:`RolloutGroup` s of ``group_size`` prompts."""
+    """``stages`` as worker threads, each producing scored :class:`RolloutGroup` s into
+    ``buffer`` (the threads placement)."""
 
-    def __init__(self, *, producer: GroupProducer, scorer: Scorers | None, buffer: StalenessBuffer, workers: int,
-                 first_index: int = 0):
-        self.producer, self.scorer, self.buffer = producer, scorer, buffer
-        self._threads = [threading.Thread(target=self._run, args=(i,), name=f"rollout-{i}", daemon=True)
-                         for i in range(workers)]
+    def __init__(self, *, stages: list[RolloutStage], buffer: StalenessBuffer, first_index: int = 0):
+        self.stages, self.buffer = stages, buffer
+        self._threads = [threading.Thread(target=self._run, args=(s,), name=s.plan.name, daemon=True) for s in stages]
         self._counter = first_index
         self._lock = threading.Lock()
 
@@ -136,7 +144,6 @@ class RolloutPool:
 
     @property
     def groups_started(self) -> int:
-        """Index of the next rollout group (groups are numbered from the run's start)."""
         with self._lock:
             return self._counter
 
@@ -145,21 +152,26 @@ class RolloutPool:
             self._counter += 1
             return self._counter
 
+    def take(self, version: int) -> list[RolloutGroup]:
+        return self.buffer.take(version)
+
     def consumed(self, taken: list[RolloutGroup]) -> None:
         """Nothing to do: groups never leave this process."""
 
     def checkpointed(self) -> None:
         """Nothing to do: groups never leave this process."""
 
-    def _run(self, worker: int) -> None:
-        size = self.producer.group_size
+    def trace_files(self) -> list[Path]:
+        return []
+
+    def _run(self, stage: RolloutStage) -> None:
+        size = stage.producer.group_size
         try:
             while True:
-                self.buffer.acquire(size)
+                min_version = self.buffer.acquire(size)
                 index = self._next_index()
                 try:
-                    group = self.producer.sample(index)
-                    group = score_group(self.scorer, group, self.producer.seed, index, self.producer.tracer)
+                    group = stage.group(index, min_version=min_version)
                 except BaseException:
                     self.buffer.release(size)
                     raise

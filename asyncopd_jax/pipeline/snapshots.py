@@ -18,8 +18,9 @@ Two stores with one interface:
   ``<root>/<version>.lock`` while it restores, and the writer deletes a version only
   while it holds the exclusive lock (see :func:`_pinned`). Readers and the writer may be
   different processes opening the same ``root``.
-* :class:`InMemorySnapshotStore` — the same contract without disk: the published arrays
-  (copied, since the learner donates its buffers) are handed over directly.
+* :class:`InMemorySnapshotStore` — the same contract without disk, for readers in the
+  learner's process: each version is copied device-to-device onto the readers' devices
+  (a copy even where those are the learner's: the learner donates its buffers).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -57,15 +58,20 @@ def _copy(params: nnx.State) -> nnx.State:
 
 
 class InMemorySnapshotStore:
-    """Versions kept in a dict (the newest ``keep``); readers get the arrays themselves."""
+    """Versions kept in a dict (the newest ``keep``); readers get the arrays themselves.
 
-    def __init__(self, keep: int = 4):
+    ``shardings``: where readers want the weights (a pytree of shardings like the
+    parameters, e.g. a rollout stage's mesh); None: where the learner has them."""
+
+    def __init__(self, keep: int = 4, shardings: Any = None):
         self.keep = keep
+        self.shardings = shardings
         self._versions: dict[int, nnx.State] = {}
         self._cond = threading.Condition()
 
     def publish(self, version: int, params: nnx.State) -> None:
-        snapshot = _copy(params)
+        # Dispatched asynchronously: the learner goes on while the copy runs.
+        snapshot = _copy(params) if self.shardings is None else jax.device_put(params, self.shardings, may_alias=False)
         with self._cond:
             self._versions[version] = snapshot
             for old in sorted(self._versions)[: -self.keep]:
@@ -88,7 +94,9 @@ class InMemorySnapshotStore:
     def wait_for(self, version: int, timeout: float = 300.0) -> None:
         with self._cond:
             if not self._cond.wait_for(lambda: max(self._versions, default=-1) >= version, timeout):
-                raise TimeoutError(f"snapshot {version} was not published within {timeout} s")
+                raise TimeoutError(f"policy snapshot {version} was not published within {timeout} s "
+                                   f"(newest: {max(self._versions, default=None)}); the learner must publish every "
+                                   "version a rollout may need")
 
     def close(self) -> None:
         pass
@@ -263,7 +271,9 @@ class DiskSnapshotStore:
         deadline = time.monotonic() + timeout
         while (latest := self.latest_version()) is None or latest < version:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"snapshot {version} was not committed within {timeout} s")
+                raise TimeoutError(f"policy snapshot {version} was not committed under {self.root} within {timeout} s "
+                                   f"(newest: {latest}); the learner must publish every version a rollout may need "
+                                   "(stages.startup_timeout sets how long a rollout waits)")
             time.sleep(0.005)
 
     def close(self) -> None:

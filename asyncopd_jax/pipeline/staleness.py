@@ -47,9 +47,11 @@ class PipelineStopped(RuntimeError):
 class StalenessBuffer:
     """Thread-safe capacity control and staleness-filtered hand-over of rollout groups."""
 
-    def __init__(self, batch_size: int, eta: int, mini_batches: int = 1):
+    def __init__(self, batch_size: int, eta: int, mini_batches: int = 1, first_version: int = 0):
         self.batch_size = batch_size
         self.eta = eta
+        self.mini_batches = mini_batches
+        self.first_version = first_version  # the learner's version when this buffer starts (a resume's)
         self.eta_batches = eta // mini_batches
         self._cond = threading.Condition()
         self._ready: deque[RolloutGroup] = deque()
@@ -66,14 +68,21 @@ class StalenessBuffer:
         """Samples that may still start under the capacity rule."""
         return (self.eta_batches + self._consumed_batches + 1) * self.batch_size - self._started
 
-    def acquire(self, n: int, timeout: float | None = None) -> None:
-        """Block until ``n`` more samples may start, then count them as running."""
+    def acquire(self, n: int, timeout: float | None = None) -> int:
+        """Block until ``n`` more samples may start, then count them as running.
+
+        Returns the oldest policy version they may start from: the learner trains on them
+        at version ``v₀ + c · mini_batches`` or later (c batches consumed now), so they
+        must start from ``v₀ + c · mini_batches − η`` or newer; a snapshot still being written when
+        they are admitted is waited for, not replaced by an older one (which ``take`` would
+        drop as stale: under ``sync``, every time). Versions count from ``first_version``."""
         with self._cond:
             ok = self._cond.wait_for(lambda: self._stopped or self.capacity() >= n, timeout)
             self._raise_if_stopped()
             if not ok:
                 raise TimeoutError("no rollout capacity within the timeout")
             self._started += n
+            return max(0, self.first_version + self._consumed_batches * self.mini_batches - self.eta)
 
     def put(self, group: RolloutGroup) -> None:
         with self._cond:

@@ -162,7 +162,7 @@ def _append(path: Path, line: Mapping[str, Any]) -> None:
 
 def _pin_from(cores: Any) -> None:
     """Pool initializer: take this worker's share of the cores before JAX starts."""
-    from asyncopd_jax.pipeline.processes import pin_this_process
+    from asyncopd_jax.pipeline.placement import pin_this_process
 
     pin_this_process(cores.get())
 
@@ -223,13 +223,13 @@ def run_trainings(work: Path, ledger: Path, runs: Mapping[Hashable, tuple[str, S
         for name, sets in todo:
             record(*train(work, name, sets))
     elif todo:
-        from asyncopd_jax.pipeline.processes import split_cores
+        from asyncopd_jax.pipeline.placement import split_ids
 
         # spawn: JAX is not fork-safe once started; each worker starts its own runtime after pinning
         context = multiprocessing.get_context("spawn")
         cores = context.Queue()
         workers = min(jobs, len(todo))
-        for share in split_cores(sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [], workers):
+        for share in split_ids(sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [], workers):
             cores.put(share)
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_pin_from, initargs=(cores,)) as pool:
             futures = [pool.submit(train, work, name, sets) for name, sets in todo]

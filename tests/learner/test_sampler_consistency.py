@@ -17,6 +17,7 @@ the learner's buffer by the snapshot directory and the spool of records).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import tempfile
 from pathlib import Path
@@ -34,9 +35,13 @@ from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorOptions
 from asyncopd_jax.learner import LearnerBatch, PolicyLoss, create_train_state, make_proximal_fn, make_train_step
 from asyncopd_jax.learner import step as learner_step
 from asyncopd_jax.models import save_pretrained
-from asyncopd_jax.pipeline.processes import Exchange, StageProcesses, StageSpec
+from asyncopd_jax.pipeline.exchange import Exchange
+from asyncopd_jax.pipeline.placement import plan_layout
+from asyncopd_jax.pipeline.stage_processes import StageProcesses
 from asyncopd_jax.pipeline.reward_stage import RewardStage
+from asyncopd_jax.pipeline.placement import StagePlan
 from asyncopd_jax.pipeline.rollout import GroupProducer, RolloutPool
+from asyncopd_jax.pipeline.stage import RolloutStage, ScoringStage, stage_mesh
 from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore
 from asyncopd_jax.pipeline.staleness import StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
@@ -93,7 +98,10 @@ def _rollout_threads(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, 
         reward=RewardStage(lambda problems, batch: [0.0] * len(problems)), group_size=4, seed=0, prompt_slots=PROMPT_SLOTS,
         tracer=Tracer(),
     )
-    pool = RolloutPool(producer=producer, scorer=Scorers(_scorer(temperature)), buffer=buffer, workers=2)
+    scoring = ScoringStage(plan=StagePlan("scoring", 0, "learner"), mesh=stage_mesh(jax.local_devices()[:1]),
+                           scorers=Scorers(_scorer(temperature)), teacher=None)
+    pool = RolloutPool(stages=[RolloutStage(plan=StagePlan("rollout", i, "learner"), mesh=scoring.mesh,
+                                            producer=producer, scoring=scoring) for i in range(2)], buffer=buffer)
     pool.start()
     try:
         groups = buffer.take(0, timeout=120)
@@ -116,7 +124,9 @@ def _rollout_processes(temperature: float, tmp_path: Path) -> tuple[RolloutBatch
         "sampling.max_new_tokens": 10, "sampling.num_candidates": 4, "sampling.student_topk": 3,
         "sampling.stop_token_ids": f"[{STOP}]", "sampling.chunk_steps": 3, "scoring.topk": 4,
         "scoring.num_samples": 3, "scoring.temperature": temperature, "learner.batch_size": 8,
-        "estimator.name": "reverse_kl_mc", "stages.rollout_processes": 1, "stages.scoring_processes": 1,
+        "estimator.name": "reverse_kl_mc", "schedule.placement": "processes", "stages.rollout_processes": 2,
+        "stages.scoring_processes": 1, "stages.snapshot_dir": tmp_path / "snapshots",
+        "stages.snapshot_format": "safetensors",
     }
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
     _, state = nnx.split(_student())
@@ -125,12 +135,11 @@ def _rollout_processes(temperature: float, tmp_path: Path) -> tuple[RolloutBatch
     snapshots.wait_for(0)
     buffer = StalenessBuffer(batch_size=8, eta=0)
     tracer = Tracer()
-    stages = StageProcesses(
-        cfg=cfg, exchange=Exchange(tmp_path / "exchange"), buffer=buffer, group_size=4, first_index=0,
-        specs=[StageSpec("rollout", 0), StageSpec("scoring", 0)], tracer=tracer,
-        layout={"snapshots": str(tmp_path / "snapshots"), "snapshot_format": "safetensors", "seed": 0,
-                "group_size": 4, "origin": tracer.origin, "vocab_limit": None},
-    )
+    layout = plan_layout(cfg, run_path=tmp_path, available_cores=[], trace_origin=tracer.origin)
+    layout = dataclasses.replace(layout, seed=0, stages=layout.of_role("learner") + layout.stages[1:2]
+                                 + layout.of_role("scoring"))  # rollout-0 (groups of 4) and scoring-0
+    stages = StageProcesses(cfg=cfg, layout=layout, exchange=Exchange(tmp_path / "exchange"), buffer=buffer,
+                            first_index=0, tracer=tracer)
     stages.start()
     try:
         groups = buffer.take(0, timeout=300)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import asyncopd_jax.learner.optimizer as optimizer_module
-import asyncopd_jax.pipeline.rollout as rollout_module
+from asyncopd_jax.pipeline.stage import ScoringStage
 from asyncopd_jax.learner import NonFiniteLoss
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.staleness import RolloutGroup
@@ -59,10 +59,10 @@ def test_nonfinite_scores_drop_their_rows_and_the_run_goes_on(models, tmp_path, 
     the run completes, each step's ``nonfinite_rows`` and ``tokens`` are those of the rows
     kept, ``nonfinite_rows_total`` adds up, and loss and parameters stay finite."""
     expected_tokens: dict[int, int] = {}
-    real_score_group = rollout_module.score_group
+    real_score = ScoringStage.score
 
-    def poisoning_score_group(scorer, group: RolloutGroup, seed, index, tracer) -> RolloutGroup:
-        group = real_score_group(scorer, group, seed, index, tracer)
+    def poisoning_score(scoring, group: RolloutGroup, seed, index, tracer) -> RolloutGroup:
+        group = real_score(scoring, group, seed, index, tracer)
         mask = np.asarray(group.batch.response_mask)
         rows = {row for _, row, _ in FAULTS.get(index, [])}
         expected_tokens[index] = int(mask.sum() - mask[sorted(rows)].sum())
@@ -75,7 +75,7 @@ def test_nonfinite_scores_drop_their_rows_and_the_run_goes_on(models, tmp_path, 
             batch, cache = (owner, cache) if field == "behavior_logp" else (batch, owner)
         return dataclasses.replace(group, batch=batch, cache=cache)
 
-    monkeypatch.setattr(rollout_module, "score_group", poisoning_score_group)
+    monkeypatch.setattr(ScoringStage, "score", poisoning_score)
     cfg = _config(models, tmp_path, **{"schedule.mode": "sync", "train.steps": 5, "train.checkpoint_every": 100})
     trainer = _fast_trainer(cfg, monkeypatch)
     summary = trainer.run()
@@ -109,7 +109,7 @@ def test_a_nonfinite_step_stops_the_run_at_that_step(models, tmp_path, monkeypat
     cfg = _config(models, tmp_path, **{"schedule.mode": "sync", "train.steps": 4, "train.checkpoint_every": 2})
     trainer = _fast_trainer(cfg, monkeypatch)
 
-    real_step, calls, entering = trainer.train_step, {"n": 0}, {}
+    real_step, calls, entering = trainer.learner.train_step, {"n": 0}, {}
 
     def step_with_fault(state, batch):
         calls["n"] += 1
@@ -120,7 +120,7 @@ def test_a_nonfinite_step_stops_the_run_at_that_step(models, tmp_path, monkeypat
         entering[calls["n"]] = jax.device_get(state)  # the step donates its input
         return real_step(state, batch)
 
-    trainer.train_step = step_with_fault
+    trainer.learner.train_step = step_with_fault
     published: list[tuple[int, bool]] = []  # (version, every weight finite)
     real_store = trainer._snapshot_store
 

@@ -4,6 +4,7 @@ error (or is restarted), and nothing committed to the spool is lost across a res
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -15,41 +16,49 @@ from pathlib import Path
 
 import pytest
 
-from asyncopd_jax.config import StagesConfig, save_config
-from asyncopd_jax.pipeline.processes import StageFailed, plan_stages
+from asyncopd_jax.config import StagesConfig, load_config, save_config
+from asyncopd_jax.pipeline.placement import plan_layout
+from asyncopd_jax.pipeline.stage_processes import StageFailed
 from asyncopd_jax.pipeline.staleness import PipelineStopped
 from asyncopd_jax.pipeline.trainer import Trainer
 from tests.pipeline.test_trainer import _config, _kl_start_end, models  # noqa: F401 - fixture
 
 
+def _cores(stages: StagesConfig, available) -> tuple[tuple[int, ...], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
+    """(the learner's cores, [(stage process, cores, devices)]) of the processes placement."""
+    cfg = load_config(None, ["schedule.placement=processes"])
+    layout = plan_layout(dataclasses.replace(cfg, stages=stages), run_path=Path("/tmp/run"), available_cores=available)
+    return layout.learner.cores, [(s.name, s.cores, s.devices) for s in layout.stage_processes()]
+
+
 def test_auto_split_gives_the_learner_its_share_and_the_rest_to_rollouts():
-    learner, specs = plan_stages(StagesConfig(), range(4))
-    assert learner == (0, 1) and [(s.name, s.cores) for s in specs] == [("rollout-0", (2, 3))]
-    learner, specs = plan_stages(StagesConfig(rollout_processes=2, scoring_processes=2), range(16))
+    learner, specs = _cores(StagesConfig(), range(4))
+    assert learner == (0, 1) and [(name, cores) for name, cores, _ in specs] == [("rollout-0", (2, 3))]
+    learner, specs = _cores(StagesConfig(rollout_processes=2, scoring_processes=2), range(16))
     assert learner == tuple(range(6))  # ⌈0.37 · 16⌉
     # Of the 10 left, ⌈0.55 · 10⌉ = 6 score and 4 sample, dealt evenly.
-    assert [(s.name, s.cores) for s in specs] == [("rollout-0", (6, 7)), ("rollout-1", (8, 9)),
-                                                   ("scoring-0", (10, 11, 12)), ("scoring-1", (13, 14, 15))]
+    assert [(name, cores) for name, cores, _ in specs] == [("rollout-0", (6, 7)), ("rollout-1", (8, 9)),
+                                                           ("scoring-0", (10, 11, 12)), ("scoring-1", (13, 14, 15))]
 
 
 def test_auto_leaves_processes_unpinned_when_a_process_would_get_fewer_than_two_cores():
-    learner, specs = plan_stages(StagesConfig(), [0, 1, 2])  # 2 processes need 4 cores
-    assert learner == () and [s.cores for s in specs] == [()]
+    learner, specs = _cores(StagesConfig(), [0, 1, 2])  # 2 processes need 4 cores
+    assert learner == () and [cores for _, cores, _ in specs] == [()]
     # 10 cores would be 2 per process on average, but the split leaves each rollout one.
-    learner, specs = plan_stages(StagesConfig(rollout_processes=2, scoring_processes=2), range(10))
-    assert learner == () and [s.cores for s in specs] == [()] * 4
+    learner, specs = _cores(StagesConfig(rollout_processes=2, scoring_processes=2), range(10))
+    assert learner == () and [cores for _, cores, _ in specs] == [()] * 4
     # Explicit lists are taken as given.
-    learner, specs = plan_stages(StagesConfig(learner_cores="0", rollout_cores="1"), [0, 1])
-    assert learner == (0,) and [s.cores for s in specs] == [(1,)]
+    learner, specs = _cores(StagesConfig(learner_cores="0", rollout_cores="1"), [0, 1])
+    assert learner == (0,) and [cores for _, cores, _ in specs] == [(1,)]
 
 
 def test_explicit_cores_and_devices_are_dealt_to_the_processes():
     stages = StagesConfig(rollout_processes=3, learner_cores="0-1", rollout_cores="2,3", scoring_processes=1,
-                          scoring_cores="", rollout_devices="1")
-    learner, specs = plan_stages(stages, range(4))
+                          scoring_cores="", rollout_devices="1,2", learner_devices="0")
+    learner, specs = _cores(stages, range(4))
     assert learner == (0, 1)
-    assert [(s.name, s.cores, s.devices) for s in specs] == [
-        ("rollout-0", (2,), "1"), ("rollout-1", (3,), "1"), ("rollout-2", (2,), "1"), ("scoring-0", (), "")]
+    assert specs == [("rollout-0", (2,), (1,)), ("rollout-1", (3,), (2,)), ("rollout-2", (2,), (1,)),
+                     ("scoring-0", (), ())]
 
 
 def _records(run):

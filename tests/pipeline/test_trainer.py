@@ -72,7 +72,7 @@ def test_every_schedule_reduces_the_kl_to_the_teacher(models, tmp_path, mode, ex
 def test_resume_after_a_crash_continues_without_loss_or_repetition(models, tmp_path, monkeypatch):
     cfg = _config(models, tmp_path, **{"schedule.mode": "fully_async", "train.steps": 10})
     trainer = Trainer(cfg, progress=False)
-    real_step = trainer.train_step
+    real_step = trainer.learner.train_step
     calls = {"n": 0}
 
     def crashing_step(state, batch):
@@ -81,7 +81,7 @@ def test_resume_after_a_crash_continues_without_loss_or_repetition(models, tmp_p
             raise RuntimeError("simulated crash")
         return real_step(state, batch)
 
-    trainer.train_step = crashing_step
+    trainer.learner.train_step = crashing_step
     saved = {}  # what each checkpoint held, as the trainer handed it over
     real_save = trainer.run_dir.save_checkpoint
 
@@ -141,7 +141,7 @@ def _params_after_one_step(models, tmp_path, name, probe=None):
                                        "learner.extrapolation.probe_prompts": 4})
     trainer = Trainer(cfg, progress=False)
     if probe is not None:
-        trainer.extrapolation_probe = probe
+        trainer.probes.extrapolation_probe = probe
     trainer.run()
     return trainer, json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
 

@@ -1,0 +1,121 @@
+"""The learner stage: the student's train state on the learner's mesh and the steps that
+train it on rollout batches.
+
+Built from the config and the layout like every other stage (:mod:`asyncopd_jax.pipeline.stage`):
+the student's weights are read from disk straight into their shardings on the learner's
+devices (never whole on one device first), and the optimizer state is created there by a
+jitted ``init`` whose outputs are sharded the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from asyncopd_jax.config import ConfigError, RunConfig
+from asyncopd_jax.estimator_registry import get_estimator
+from asyncopd_jax.learner import (
+    LearnerBatch,
+    PolicyLoss,
+    batch_shardings,
+    create_train_state,
+    distributed,
+    make_mesh,
+    make_optimizer,
+    make_packed_train_step,
+    make_proximal_fn,
+    make_train_step,
+    param_spec,
+)
+from asyncopd_jax.learner.optimizer import learning_rate_schedule
+from asyncopd_jax.models import from_pretrained
+from asyncopd_jax.pipeline.placement import Layout
+from asyncopd_jax.pipeline.stage import RunModels, stage_devices
+from asyncopd_jax.pipeline.staleness import RolloutGroup
+from asyncopd_jax.tasks.assets import resolve_model_path
+
+
+def _concat(items: list) -> Any:
+    return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=0), *items)
+
+
+def _rows(tree: Any, start: int, stop: int) -> Any:
+    return jax.tree_util.tree_map(lambda x: x[start:stop], tree)
+
+
+class LearnerStage:
+    """The student's train state, its train step and the π_prox pass, on the learner's mesh."""
+
+    def __init__(self, cfg: RunConfig, layout: Layout, models: RunModels, multi_process: bool):
+        learner = cfg.learner
+        self.cfg, self.multi_process = cfg, multi_process
+        # A learner over several processes is one global mesh over every process's devices.
+        devices = jax.devices() if multi_process else stage_devices(layout, layout.learner)
+        self.mesh = make_mesh(learner.mesh, devices)
+        self.optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+        self.lr = learning_rate_schedule(cfg.optim, cfg.train.steps)
+        fsdp = self.mesh.shape["fsdp"]
+        student = from_pretrained(resolve_model_path(cfg.student.path), dtype=cfg.student.dtype,
+                                  sharding=lambda shape: NamedSharding(self.mesh, param_spec(shape, fsdp)))
+        student.vocab_limit = models.vocab_limit
+        self.graphdef, self.state = create_train_state(student, self.optimizer, self.mesh)
+        self.loss = PolicyLoss(cfg.estimator.name, cfg.estimator_options(), cfg.sampling.temperature,
+                               learner.logprob_chunk, cfg.estimator.aggregation)
+        if learner.token_budget:  # dynamic batching
+            if multi_process:
+                raise ConfigError("learner.token_budget > 0 is not supported for a learner over several processes "
+                                  "(each process feeds its own rows); allowed: 0")
+            self.train_step = make_packed_train_step(self.graphdef, self.optimizer, self.loss,
+                                                     token_budget=learner.token_budget, bucket=learner.token_bucket,
+                                                     mesh=self.mesh, state_example=self.state)
+        else:
+            self.train_step = make_train_step(self.graphdef, self.optimizer, self.loss,
+                                              micro_batches=learner.micro_batches, mesh=self.mesh,
+                                              state_example=self.state)
+        self.proximal = make_proximal_fn(self.graphdef, self.loss) \
+            if get_estimator(cfg.estimator.name).needs_proximal else None
+
+    @property
+    def version(self) -> int:
+        """The policy version: optimizer steps taken."""
+        return int(self.state.step)
+
+    def mini_batches(self, groups: list[RolloutGroup]) -> list[LearnerBatch]:
+        """A rollout batch's mini-batches, on the learner's devices (each process's own rows
+        of them for a learner over several processes), with π_prox where the estimator
+        needs it (the weights before the batch's first step)."""
+        cfg = self.cfg
+        batch = _concat([g.batch for g in groups])
+        cache = _concat([g.cache for g in groups]) if groups[0].cache is not None else None  # None: RL, β = 0
+        rows = cfg.learner.batch_size // cfg.learner.mini_batches
+        minis = [LearnerBatch(_rows(batch, m * rows, (m + 1) * rows), _rows(cache, m * rows, (m + 1) * rows))
+                 for m in range(cfg.learner.mini_batches)]
+        if self.multi_process:  # this process feeds its own rows of each mini-batch
+            share = distributed.process_rows(rows)
+            minis = [distributed.global_batch(_rows(mini, share.start, share.stop), self.mesh) for mini in minis]
+        else:  # from the devices that scored them (or the host) onto the learner's
+            minis = [jax.device_put(mini, batch_shardings(mini, self.mesh)) for mini in minis]
+        if self.proximal is not None:
+            minis = [dataclasses.replace(m, proximal=self.proximal(self.state.params, m)) for m in minis]
+        return minis
+
+    def step(self, mini: LearnerBatch) -> dict[str, float]:
+        """One optimizer step; its metrics on the host."""
+        self.state, metrics = self.train_step(self.state, mini)
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    def rows_per_step(self) -> int:
+        return self.cfg.learner.batch_size // self.cfg.learner.mini_batches
+
+
+def staleness(groups: list[RolloutGroup], version: int) -> dict[str, Any]:
+    """Mean, max and histogram of the token staleness of a batch at ``version``."""
+    ages = np.concatenate([version - np.asarray(g.batch.token_version)[np.asarray(g.batch.response_mask)]
+                           for g in groups])
+    hist = np.bincount(np.maximum(ages, 0)).tolist() if ages.size else []
+    return {"mean": float(ages.mean()) if ages.size else 0.0, "max": int(ages.max()) if ages.size else 0, "hist": hist}

@@ -1,0 +1,397 @@
+"""Where each stage runs, decided once: from the config and this host's cores and devices.
+
+A run has four kinds of stage: the *learner*, *rollout* stages (sample groups; the task's
+reward is computed there), *scoring* stages (the teacher's score cache, the reference's
+log-probs). :func:`plan_layout` turns the config into a :class:`Layout`: every stage with
+its devices, its CPU cores and the process that hosts it, plus the weights channel
+(in memory, or snapshots on disk). Everything else asks the layout; nothing else reads
+``schedule.placement``.
+
+    threads    every stage in the learner's process, each on its own devices when
+               ``stages.<role>_devices`` say so (e.g. the learner on chips 0-3, rollout and
+               scoring on 4-7); rollout threads score their groups in the scoring stage.
+    processes  each rollout / scoring stage in its own process (``asyncopd stage``), its
+               devices made visible by the platform's own mechanism (:func:`device_env`) and
+               pinned to its cores; without scoring processes each rollout process scores.
+
+Device lists count this host's accelerators (or its CPU devices, e.g. the 8 virtual ones
+of ``--xla_force_host_platform_device_count=8``) in ``jax.local_devices()`` order.
+
+This module imports no JAX: the config validates through it, and the ``asyncopd``
+command sets a learner process's device variables from it before JAX starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from asyncopd_jax.config import RunConfig, StagesConfig
+
+Role = Literal["learner", "rollout", "scoring"]
+Placement = Literal["threads", "processes"]
+LEARNER_PROCESS = "learner"
+# The layout written for stage processes carries this number; a stage of another version
+# refuses it (a stage started by hand from another checkout of the project).
+LAYOUT_VERSION = 1
+
+# The learner's share of the cores when they are split automatically: the demo's stage
+# times on one pinned core are 23 ms (learn + publish) against 40 ms (rollout + scoring)
+# per batch of 32, so the learner gets 23 / 63 ≈ 0.37 of them (at least one core).
+LEARNER_SHARE = 0.37
+# The same measurement split between sampling and scoring, for scoring processes.
+SCORING_SHARE = 0.55
+# ``auto`` pins only when every process gets at least this many cores. On this project's
+# 2-core machine, pinning the learner and one rollout process to a core each made the demo
+# (batch 64) run at 291 samples/s against 558 unpinned: a process on one core loses XLA's
+# intra-op parallelism, while unpinned processes take the cores the other stage leaves idle.
+MIN_CORES_TO_PIN = 2
+# TPU chips of one process, as libtpu's ``TPU_CHIPS_PER_PROCESS_BOUNDS`` (x, y, z).
+TPU_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
+TPU_BASE_PORT = 8476  # libtpu's default; a stage process with chips of its own gets the next ones
+
+
+class LayoutError(ValueError):
+    """A layout file that this version of the project cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """One stage: its role and number, the devices and cores it owns, and its process.
+
+    ``devices``: indices into this host's devices (``()``: the learner's devices for a
+    stage inside the learner's process; every device it sees for a process of its own).
+    ``cores``: CPU cores its process is pinned to (``()``: unpinned).
+    """
+
+    role: Role
+    index: int
+    process: str
+    devices: tuple[int, ...] = ()
+    cores: tuple[int, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotChannel:
+    """How weights travel from the learner to the rollout stages.
+
+    ``in_memory``: a device-to-device copy inside the learner's process; otherwise
+    versioned snapshots under ``directory`` in ``format`` (``orbax`` or ``safetensors``),
+    of which ``keep`` are kept; ``temporary``: the directory is removed after the run
+    (RAM-backed ``/dev/shm``; the checkpoints are the record).
+    """
+
+    in_memory: bool
+    directory: str
+    format: str
+    keep: int
+    temporary: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Every stage of a run and the channels between them (written to a stage process as
+    ``exchange/layout.json``: :meth:`to_json` / :meth:`from_json`)."""
+
+    placement: Placement
+    stages: tuple[StagePlan, ...]
+    snapshots: SnapshotChannel
+    group_size: int  # samples per rollout group
+    seed: int  # of rollout group i's prompts and keys (with i)
+    trace_origin: float  # the clock every process's trace spans count from
+    version: int = LAYOUT_VERSION
+
+    def of_role(self, role: Role) -> tuple[StagePlan, ...]:
+        return tuple(s for s in self.stages if s.role == role)
+
+    @property
+    def learner(self) -> StagePlan:
+        return self.of_role("learner")[0]
+
+    def stage(self, name: str) -> StagePlan:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"no stage {name!r} in this layout; stages: {', '.join(s.name for s in self.stages)}")
+
+    def stage_processes(self) -> tuple[StagePlan, ...]:
+        """The stages that run as processes of their own (started by the learner)."""
+        return tuple(s for s in self.stages if s.process == s.name)
+
+    def scorer_of(self, rollout: StagePlan) -> StagePlan | None:
+        """The scoring stage in ``rollout``'s process (None: its groups go to a scoring
+        process, or nothing scores)."""
+        here = [s for s in self.of_role("scoring") if s.process == rollout.process]
+        return here[0] if here else None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "layout") -> Layout:
+        data = json.loads(text)
+        if data.get("version") != LAYOUT_VERSION:
+            raise LayoutError(f"{source} has layout version {data.get('version')!r}; this asyncopd reads version "
+                              f"{LAYOUT_VERSION} (start the stage from the learner's checkout of the project)")
+        try:
+            stages = tuple(StagePlan(**{**s, "devices": tuple(s["devices"]), "cores": tuple(s["cores"])})
+                           for s in data.pop("stages"))
+            return cls(**{**data, "stages": stages, "snapshots": SnapshotChannel(**data["snapshots"])})
+        except (KeyError, TypeError) as err:
+            raise LayoutError(f"{source} is not a layout of this version: {err}") from None
+
+
+# --- what the config decides ----------------------------------------------------------------
+
+
+def parse_id_list(spec: str) -> tuple[int, ...]:
+    """``"0-2,5"`` → ``(0, 1, 2, 5)`` (a Linux CPU list; devices are written the same way);
+    ``""`` → ``()``."""
+    ids: list[int] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"{part!r} is not a number or range")
+        lo, hi = int(first), int(last or first)
+        if hi < lo:
+            raise ValueError(f"range {part!r} runs backwards")
+        ids.extend(range(lo, hi + 1))
+    return tuple(dict.fromkeys(ids))
+
+
+def rollout_stage_count(cfg: RunConfig) -> int:
+    """Rollout stages: threads (``schedule.rollout_workers``) or processes
+    (``stages.rollout_processes``); one for ``fixed_lag`` (it samples in the learner's thread)."""
+    if cfg.schedule.mode == "fixed_lag":
+        return 1
+    return cfg.stages.rollout_processes if cfg.schedule.placement == "processes" else cfg.schedule.rollout_workers
+
+
+def rollout_group_size(cfg: RunConfig) -> int:
+    """Samples per rollout group: the batch split over the rollout stages (the whole batch
+    per group when it does not split evenly)."""
+    batch, stages = cfg.learner.batch_size, rollout_stage_count(cfg)
+    return batch // stages if batch % stages == 0 else batch
+
+
+def validate(cfg: RunConfig) -> list[str]:
+    """The placement's own constraints: one message naming the field for each one broken."""
+    errors: list[str] = []
+    if cfg.schedule.mode == "fixed_lag" and cfg.schedule.placement != "threads":
+        errors.append(f"schedule.placement = {cfg.schedule.placement!r} is invalid with schedule.mode = fixed_lag; "
+                      "allowed: threads (fixed_lag samples in the learner's own thread)")
+    for kind in ("cores", "devices"):
+        for role in ("learner", "rollout", "scoring"):
+            value = getattr(cfg.stages, f"{role}_{kind}")
+            if kind == "cores" and value == "auto":
+                continue
+            try:
+                parse_id_list(value)
+            except ValueError as err:
+                allowed = "'auto', '' or a CPU list such as '0', '1-3', '0,2'" if kind == "cores" else \
+                    "'' or a device list such as '0', '4-7', '0,2'"
+                errors.append(f"stages.{role}_{kind} = {value!r} is invalid; allowed: {allowed} ({err})")
+    if cfg.schedule.placement == "processes" and cfg.stages.learner_devices:
+        if set(parse_id_list(cfg.stages.learner_devices)) & set(_devices(cfg.stages, "rollout") +
+                                                              _devices(cfg.stages, "scoring")):
+            errors.append(f"stages.learner_devices = {cfg.stages.learner_devices!r} is invalid; allowed: devices no "
+                          "rollout or scoring process holds (processes cannot share a TPU chip)")
+    return errors
+
+
+def _devices(stages: StagesConfig, role: str) -> tuple[int, ...]:
+    try:
+        return parse_id_list(getattr(stages, f"{role}_devices"))
+    except ValueError:
+        return ()
+
+
+def split_ids(ids: Sequence[int], parts: int) -> list[tuple[int, ...]]:
+    """Split ``ids`` into ``parts`` contiguous shares (cycling when there are fewer ids)."""
+    if not ids or parts == 0:
+        return [()] * parts
+    if parts >= len(ids):
+        return [(ids[i % len(ids)],) for i in range(parts)]
+    bounds = [round(i * len(ids) / parts) for i in range(parts + 1)]
+    return [tuple(ids[bounds[i]:bounds[i + 1]]) for i in range(parts)]
+
+
+def plan_cores(stages: StagesConfig, available: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """The cores of each role (``learner``, ``rollout``, ``scoring``) before they are
+    dealt to the processes, from ``stages`` and the cores this process may use.
+
+    ``auto`` gives the learner the first ``⌈LEARNER_SHARE · n⌉`` cores and the rollout (and
+    scoring) processes the rest, when that leaves every process ``MIN_CORES_TO_PIN`` cores
+    or more; with fewer cores it leaves them all unpinned (the OS balances them).
+    """
+    available = tuple(sorted(available))
+    n = len(available)
+    learner_n = min(max(1, math.ceil(LEARNER_SHARE * n)), n)
+    rest = available[learner_n:] or available
+    scoring_n = math.ceil(SCORING_SHARE * len(rest)) if stages.scoring_processes and len(rest) > 1 else 0
+    auto = {
+        "learner": available[:learner_n],
+        "rollout": rest[: len(rest) - scoring_n] if scoring_n else rest,
+        "scoring": rest[len(rest) - scoring_n:] if scoring_n else rest,
+    }
+    processes = {"learner": 1, "rollout": stages.rollout_processes, "scoring": stages.scoring_processes}
+    if any(len(auto[role]) < MIN_CORES_TO_PIN * count for role, count in processes.items() if count):
+        auto = {role: () for role in auto}  # too few cores to split: every "auto" stage unpinned
+
+    def cores(role: str) -> tuple[int, ...]:
+        spec = getattr(stages, f"{role}_cores")
+        return auto[role] if spec == "auto" else parse_id_list(spec)
+
+    return {role: cores(role) for role in ("learner", "rollout", "scoring")}
+
+
+def default_snapshot_dir(run_path: Path) -> Path:
+    """RAM-backed ``/dev/shm`` when the host has it (publishing costs a memory copy), else
+    ``<run>/snapshots``."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        tag = hashlib.sha1(str(run_path.resolve()).encode()).hexdigest()[:10]  # stable across processes
+        return shm / f"asyncopd-{os.getuid()}-{run_path.name}-{tag}"
+    return run_path / "snapshots"
+
+
+def snapshot_channel(cfg: RunConfig, run_path: Path, multi_process: bool) -> SnapshotChannel:
+    """The weights channel. A version is published once per rollout batch (M optimizer
+    steps), so the versions a rollout may still start from span ⌈η / M⌉ + 1; one more is in
+    flight."""
+    keep = -(-cfg.schedule.eta(cfg.learner.mini_batches) // cfg.learner.mini_batches) + 2
+    in_process = cfg.schedule.placement == "threads"
+    if in_process and cfg.schedule.snapshot_in_memory and not multi_process:
+        return SnapshotChannel(in_memory=True, directory="", format="", keep=keep, temporary=False)
+    configured = cfg.stages.snapshot_dir
+    temporary = configured == "auto" and not in_process and not multi_process
+    if temporary:
+        directory = default_snapshot_dir(run_path)
+    else:
+        directory = run_path / "snapshots" if configured == "auto" else Path(configured)
+    fmt = cfg.stages.snapshot_format
+    if fmt == "auto":  # a flat file when one process holds every parameter; Orbax's shards else
+        fmt = "orbax" if multi_process else "safetensors"
+    if fmt == "safetensors" and multi_process:
+        from asyncopd_jax.config import ConfigError
+
+        raise ConfigError("stages.snapshot_format = 'safetensors' is invalid for a learner over several "
+                          "processes; allowed: auto, orbax")
+    return SnapshotChannel(in_memory=False, directory=str(directory), format=fmt, keep=keep, temporary=temporary)
+
+
+def plan_layout(cfg: RunConfig, *, run_path: Path, available_cores: Sequence[int], multi_process: bool = False,
+                trace_origin: float | None = None) -> Layout:
+    """Every stage of the run: its devices, cores and process; and the weights channel.
+
+    ``available_cores``: the cores this process may use (``os.sched_getaffinity(0)``, read
+    before the learner pins itself); ``multi_process``: the learner spans several processes."""
+    if multi_process and cfg.schedule.placement != "processes":
+        from asyncopd_jax.config import ConfigError
+
+        raise ConfigError("a learner over several processes needs schedule.placement = processes "
+                          "(its processes read each batch from the run's spool)")
+    stages_cfg = cfg.stages
+    n_rollout = rollout_stage_count(cfg)
+    learner_devices = parse_id_list(stages_cfg.learner_devices)
+    rollout_devices, scoring_devices = _devices(stages_cfg, "rollout"), _devices(stages_cfg, "scoring")
+    if cfg.schedule.placement == "threads":
+        # One process: every stage in it, each on its own devices ("": the learner's).
+        plans = [StagePlan("learner", 0, LEARNER_PROCESS, learner_devices)]
+        plans += [StagePlan("rollout", i, LEARNER_PROCESS, rollout_devices) for i in range(n_rollout)]
+        if cfg.needs_scoring:  # one scoring stage (one teacher) that every rollout thread calls
+            plans.append(StagePlan("scoring", 0, LEARNER_PROCESS, scoring_devices))
+    else:
+        cores = plan_cores(stages_cfg, available_cores)
+        plans = [StagePlan("learner", 0, LEARNER_PROCESS, learner_devices, cores["learner"])]
+        rollouts = [StagePlan("rollout", i, f"rollout-{i}", d, c) for i, (c, d) in enumerate(zip(
+            split_ids(cores["rollout"], n_rollout), split_ids(rollout_devices, n_rollout)))]
+        plans += rollouts
+        n_scoring = stages_cfg.scoring_processes
+        if n_scoring:
+            plans += [StagePlan("scoring", j, f"scoring-{j}", d, c) for j, (c, d) in enumerate(zip(
+                split_ids(cores["scoring"], n_scoring), split_ids(scoring_devices, n_scoring)))]
+        elif cfg.needs_scoring:  # each rollout process scores its own groups, on its own devices
+            plans += [StagePlan("scoring", r.index, r.process, r.devices, r.cores) for r in rollouts]
+    return Layout(placement=cfg.schedule.placement, stages=tuple(plans),
+                  snapshots=snapshot_channel(cfg, run_path, multi_process), group_size=rollout_group_size(cfg),
+                  seed=cfg.seed * 1_000_003, trace_origin=time.time() if trace_origin is None else trace_origin)
+
+
+# --- a process's devices and cores ------------------------------------------------------------
+
+
+def detect_platform() -> str:
+    """``tpu``, ``gpu`` or ``cpu``, without starting JAX: ``JAX_PLATFORMS`` when set, else
+    the accelerator device files of this host."""
+    configured = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+    if configured:
+        return "gpu" if configured in ("cuda", "rocm", "gpu") else configured
+    dev = Path("/dev")
+    if any(dev.glob("accel[0-9]*")) or any(p.name.isdigit() for p in (dev / "vfio").glob("*")):
+        return "tpu"
+    if (dev / "nvidia0").exists():
+        return "gpu"
+    return "cpu"
+
+
+def device_env(platform: str, devices: Sequence[int], port: int = TPU_BASE_PORT) -> dict[str, str]:
+    """The environment that gives a new process exactly ``devices`` of this host.
+
+    GPU: ``CUDA_VISIBLE_DEVICES``. TPU: the chip-visibility variables of libtpu for an
+    independent process (its own one-process "slice": ``TPU_PROCESS_BOUNDS=1,1,1``) over
+    1, 2, 4 or 8 chips, with its own port. CPU: nothing (a process's CPU devices are its
+    own; its cores are pinned instead). ``()``: nothing either (every device visible).
+    """
+    if not devices or platform == "cpu":
+        return {}
+    ids = ",".join(map(str, devices))
+    if platform == "gpu":
+        return {"CUDA_VISIBLE_DEVICES": ids}
+    if platform == "tpu":
+        if len(devices) not in TPU_CHIP_BOUNDS:
+            raise ValueError(f"a TPU stage process holds 1, 2, 4 or 8 chips, not {len(devices)} ({ids})")
+        return {"TPU_VISIBLE_CHIPS": ids, "TPU_PROCESS_BOUNDS": "1,1,1",
+                "TPU_CHIPS_PER_PROCESS_BOUNDS": TPU_CHIP_BOUNDS[len(devices)],
+                "TPU_PROCESS_PORT": str(port), "TPU_PROCESS_ADDRESSES": f"localhost:{port}",
+                "CLOUD_TPU_TASK_ID": "0", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    raise ValueError(f"unknown platform {platform!r}; known: cpu, gpu, tpu")
+
+
+def stage_process_env(layout: Layout, stage: StagePlan, platform: str) -> dict[str, str]:
+    """The device variables of ``stage``'s own process (each on its own TPU port)."""
+    return device_env(platform, stage.devices, TPU_BASE_PORT + 1 + layout.stages.index(stage))
+
+
+def pin_this_process(cores: Sequence[int]) -> None:
+    """Restrict this process to ``cores`` (call before JAX starts: XLA sizes its CPU thread
+    pool to the cores the process may use)."""
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(cores))
+
+
+def prepare_learner_process(layout: Layout, platform: str) -> None:
+    """Before JAX starts in the learner's process: pin it, and when stage processes hold
+    devices of their own, make only the learner's devices visible to it."""
+    learner = layout.learner
+    pin_this_process(learner.cores)
+    if layout.stage_processes():
+        os.environ.update(device_env(platform, learner.devices))
+
+
+def describe(layout: Layout) -> list[str]:
+    """One line per stage: where it runs (printed by ``asyncopd train``)."""
+    return [f"  {s.name}: process {s.process}, devices {','.join(map(str, s.devices)) or 'default'}, "
+            f"cores {','.join(map(str, s.cores)) or 'any'}" for s in layout.stages]

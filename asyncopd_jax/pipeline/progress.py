@@ -1,0 +1,48 @@
+"""What the learner reports per step: the metrics record's throughput and the progress bar."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class Throughput:
+    """Samples and tokens trained on since the run (or resume) started."""
+
+    def __init__(self) -> None:
+        self.start, self.samples, self.tokens = time.perf_counter(), 0, 0
+
+    def add(self, samples: int, tokens: int) -> float:
+        """Count a step; return the seconds elapsed since the start."""
+        self.samples += samples
+        self.tokens += tokens
+        return time.perf_counter() - self.start
+
+
+class ProgressBar:
+    """A tqdm bar showing loss, KL signal, staleness and accuracy (silent when disabled)."""
+
+    def __init__(self, start: int, total: int, enabled: bool):
+        self.bar = None
+        self.last_eval = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+    def update(self, record: dict[str, Any]) -> None:
+        if self.bar is None:
+            return
+        self.last_eval = record.get("eval_accuracy", self.last_eval)
+        post = {"loss": f"{record['loss']:.4f}", "kl": f"{record.get('reverse_kl_signal', 0.0):.3f}",
+                "stale": f"{record['staleness_mean']:.2f}"}
+        if "rollout_accuracy" in record:
+            post["acc"] = f"{record['rollout_accuracy']:.2f}"
+        if self.last_eval is not None:
+            post["eval"] = f"{self.last_eval:.2f}"
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,232 @@
+"""A stage of the run, built by the same code wherever it runs.
+
+The :class:`~asyncopd_jax.pipeline.placement.Layout` says where a stage runs; the
+functions here build it there, the same in a thread of the learner's process, a stage
+process, or the ``fixed_lag`` schedule's learner thread:
+
+* :func:`run_models`: what every stage of a run agrees on, read from the models' small
+  files (tokenizers, ``config.json``; no weights): the task, the shared vocabulary, the
+  stop tokens. The trainer and every stage process call it, so they cannot drift.
+* :func:`build_scoring_stage`: the teacher (and reference) loaded onto the stage's own
+  mesh; :meth:`ScoringStage.score` moves a rollout there and fills in its score cache.
+* :func:`build_rollout_stage`: a sampler whose weights arrive on the stage's own mesh
+  (from the snapshot channel), the task's prompts and reward, and the scoring stage that
+  shares its process (if any).
+
+A stage's mesh is one axis, ``data``, over its devices; its models are replicated there
+(issue 26 shards them by the model's rules table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from asyncopd_jax.config import ModelSource, RunConfig
+from asyncopd_jax.models import DecoderConfig, check_same_vocabulary, from_pretrained, load_tokenizer, shared_vocab_size
+from asyncopd_jax.models.config import read_json
+from asyncopd_jax.pipeline.placement import Layout, StagePlan
+from asyncopd_jax.pipeline.reward_stage import RewardStage
+from asyncopd_jax.pipeline.rollout import GroupProducer, group_key
+from asyncopd_jax.pipeline.snapshots import SnapshotStore
+from asyncopd_jax.pipeline.staleness import RolloutGroup
+from asyncopd_jax.pipeline.trace import Tracer
+from asyncopd_jax.sampling import Sampler, SamplingParams
+from asyncopd_jax.tasks.assets import resolve_model_path
+from asyncopd_jax.tasks.prompt_task import PromptTask, make_task
+from asyncopd_jax.teacher import ReferenceScorer, Scorers, TeacherScorer
+
+
+@dataclasses.dataclass(frozen=True)
+class RunModels:
+    """What every stage of a run agrees on (no weights are read to make it).
+
+    ``vocab_limit``: the ids student and teacher share when their embeddings are padded to
+    different sizes (None: all); ``sampling``: the config's, with the stop ids filled in.
+    """
+
+    tokenizer: Any
+    task: PromptTask
+    sampling: SamplingParams
+    vocab_limit: int | None
+    student_config: DecoderConfig
+
+
+def model_config(source: ModelSource) -> DecoderConfig:
+    """A model's ``config.json`` (no weights)."""
+    path = resolve_model_path(source.path) / "config.json"
+    if not path.is_file():
+        from_pretrained(path.parent)  # raises the loader's own error naming what is missing
+    return DecoderConfig.from_hf_dict(read_json(path), source=path)
+
+
+def run_models(cfg: RunConfig) -> RunModels:
+    """The task, shared vocabulary and stop tokens of ``cfg``'s student and teacher."""
+    tokenizer = load_tokenizer(resolve_model_path(cfg.student.path))
+    student = model_config(cfg.student)
+    context, vocab_limit = student.max_position_embeddings, None
+    if cfg.teacher.path:
+        teacher = model_config(cfg.teacher)
+        check_same_vocabulary(tokenizer, load_tokenizer(resolve_model_path(cfg.teacher.path)))
+        # embeddings padded to different sizes: both models output the ids they share
+        vocab_limit = shared_vocab_size(tokenizer, student.vocab_size, teacher.vocab_size)
+        # the student samples prompt + answer and the teacher scores all of it: both must hold it
+        context = min(context, teacher.max_position_embeddings)
+    task = make_task(cfg.task, tokenizer, max_new_tokens=cfg.sampling.max_new_tokens, max_positions=context)
+    # the sampler stops at the tokenizer's EOS and at every EOS id of the student's config
+    stop = tuple(dict.fromkeys((*cfg.sampling.stop_token_ids, task.eos_id, *student.eos_token_ids)))
+    return RunModels(tokenizer, task, dataclasses.replace(cfg.sampling, stop_token_ids=stop), vocab_limit, student)
+
+
+# --- a stage's devices -----------------------------------------------------------------------
+
+
+def stage_devices(layout: Layout, plan: StagePlan, default: list[jax.Device] | None = None) -> list[jax.Device]:
+    """The devices ``plan`` runs on, in this process.
+
+    A stage process whose devices were made visible to it by the platform's variables
+    (GPU, TPU) uses every device it sees; otherwise ``plan.devices`` index this process's
+    devices, and ``()`` means ``default`` (a stage beside the learner: the learner's), else
+    every device."""
+    local = jax.local_devices()
+    if not plan.devices:
+        return list(default) if default else local
+    if layout.stage_processes() and jax.default_backend() != "cpu":
+        return local  # already restricted to plan.devices by placement.device_env
+    if max(plan.devices) >= len(local):
+        raise ValueError(f"stages.{plan.role}_devices = {','.join(map(str, plan.devices))} names device "
+                         f"{max(plan.devices)}, but this process has {len(local)} device(s) (0-{len(local) - 1})")
+    return [local[i] for i in plan.devices]
+
+
+def stage_mesh(devices: list[jax.Device]) -> Mesh:
+    """A rollout or scoring stage's mesh: one ``data`` axis over its devices."""
+    return Mesh(np.asarray(devices), ("data",))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def load_model(source: ModelSource, vocab_limit: int | None, mesh: Mesh) -> nnx.Module:
+    """A model loaded straight onto ``mesh`` (replicated; no copy on another device first)."""
+    model = from_pretrained(resolve_model_path(source.path), dtype=source.dtype,
+                            sharding=lambda shape: replicated(mesh))
+    model.vocab_limit = vocab_limit
+    return model
+
+
+def on_mesh(tree: Any, mesh: Mesh) -> Any:
+    """``tree``'s arrays on ``mesh``: rows split over ``data`` when they divide, else
+    replicated (a device-to-device copy when they live elsewhere)."""
+    n = mesh.shape["data"]
+
+    def sharding(x: Any) -> NamedSharding:
+        rows = np.shape(x)[0] if np.ndim(x) else 0
+        return NamedSharding(mesh, PartitionSpec("data") if rows and rows % n == 0 else PartitionSpec())
+
+    return jax.device_put(tree, jax.tree_util.tree_map(sharding, tree))
+
+
+# --- the stages ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ScoringStage:
+    """The teacher's score cache (and the reference's log-probs) on the stage's own mesh."""
+
+    plan: StagePlan
+    mesh: Mesh
+    scorers: Scorers
+    teacher: nnx.Module | None
+
+    def score(self, group: RolloutGroup, seed: int, index: int, tracer: Tracer) -> RolloutGroup:
+        """``group`` with its score cache (and reference log-probs) filled in."""
+        with tracer.span("score"):
+            batch = on_mesh(group.batch, self.mesh)
+            batch, cache = jax.block_until_ready(
+                self.scorers.score(batch, jax.random.fold_in(group_key(seed, index), 1)))
+        return dataclasses.replace(group, batch=batch, cache=cache)
+
+
+def build_scoring_stage(cfg: RunConfig, layout: Layout, plan: StagePlan, models: RunModels,
+                        default_devices: list[jax.Device] | None = None) -> ScoringStage:
+    """Load what ``cfg`` scores onto ``plan``'s devices: the teacher where the run needs its
+    scores, the reference policy (``reference.path``, else the student's starting weights)
+    where the loss has a KL-to-reference term."""
+    mesh = stage_mesh(stage_devices(layout, plan, default_devices))
+    teacher = load_model(cfg.teacher, models.vocab_limit, mesh) if cfg.needs_teacher_scores else None
+    reference = None
+    if cfg.estimator.reference_kl_coef:
+        source = cfg.reference if cfg.reference.path else dataclasses.replace(cfg.reference, path=cfg.student.path)
+        reference = ReferenceScorer(load_model(source, models.vocab_limit, mesh), cfg.sampling.temperature,
+                                    cfg.learner.logprob_chunk)
+    scorers = Scorers(TeacherScorer(teacher, cfg.scoring) if teacher is not None else None, reference)
+    return ScoringStage(plan, mesh, scorers, teacher)
+
+
+@dataclasses.dataclass
+class RolloutStage:
+    """Samples rollout group ``index`` on the stage's mesh and scores it when a scoring
+    stage shares its process (else the group goes to one that does)."""
+
+    plan: StagePlan
+    mesh: Mesh
+    producer: GroupProducer
+    scoring: ScoringStage | None
+
+    def group(self, index: int, version: int | None = None, min_version: int = 0) -> RolloutGroup:
+        """Group ``index`` from policy ``version`` (default: the newest, ``min_version`` or
+        newer), scored when a scoring stage shares this process."""
+        group = self.producer.sample(index, version, min_version)
+        if self.scoring is None:
+            return group
+        return self.scoring.score(group, self.producer.seed, index, self.producer.tracer)
+
+
+def build_rollout_stage(cfg: RunConfig, layout: Layout, plan: StagePlan, models: RunModels, *,
+                        snapshots: SnapshotStore, tracer: Tracer, scoring: ScoringStage | None, graphdef: nnx.GraphDef,
+                        default_devices: list[jax.Device] | None = None, interruptible: bool = True) -> RolloutStage:
+    """The rollout stage ``plan``; ``snapshots`` delivers the policy's weights onto its mesh
+    (:func:`rollout_shardings`)."""
+    mesh = stage_mesh(stage_devices(layout, plan, default_devices))
+    producer = GroupProducer(
+        sampler=Sampler(graphdef, models.sampling, pad_id=models.task.pad_id), snapshots=snapshots,
+        prompts=models.task.train_prompts, reward=RewardStage.from_config(cfg, models.task.rewards),
+        group_size=layout.group_size, seed=layout.seed, prompt_slots=models.task.prompt_slots, tracer=tracer,
+        interruptible=interruptible, version_timeout=cfg.stages.startup_timeout,
+    )
+    return RolloutStage(plan, mesh, producer, scoring)
+
+
+def rollout_shardings(layout: Layout, plan: StagePlan, abstract_params: Any,
+                      default_devices: list[jax.Device] | None = None) -> Any:
+    """The shardings the rollout stage ``plan`` reads the policy's weights into."""
+    sharding = replicated(stage_mesh(stage_devices(layout, plan, default_devices)))
+    return jax.tree_util.tree_map(lambda _: sharding, abstract_params)
+
+
+def student_graph(cfg: RunConfig, models: RunModels) -> tuple[nnx.GraphDef, Any]:
+    """The student's graph and abstract parameters (shapes and dtypes; nothing allocated):
+    what a rollout stage needs to receive the policy's weights."""
+    from asyncopd_jax.models import Decoder
+
+    abstract = nnx.eval_shape(lambda: Decoder(models.student_config, dtype=cfg.student.dtype, rngs=nnx.Rngs(0)))
+    abstract.vocab_limit = models.vocab_limit
+    return nnx.split(abstract)
+
+
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+    """``abstract``'s shapes and dtypes, placed by ``shardings`` (restores land there)."""
+    return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+
+
+def load_model_and_tokenizer(path: str, dtype: str) -> tuple[nnx.Module, Any]:
+    """A model (on the default device) and its tokenizer, from a directory or ``builtin:NAME``."""
+    directory = resolve_model_path(path)
+    return from_pretrained(directory, dtype=dtype), load_tokenizer(directory)

@@ -1,0 +1,129 @@
+"""The main loop of one stage process (``asyncopd stage ROLE --exchange DIR --index I``).
+
+    rollout-i: take a ticket → sample its group from the newest snapshot → score it here
+               when a scoring stage shares this process → commit it to scored/ (else sampled/)
+    scoring-j: take a sampled group → score it → commit it to scored/
+
+The stages are built from the exchange's config and layout by the same builders the
+threads placement uses (:mod:`asyncopd_jax.pipeline.stage`). The process stops when
+``STOP`` appears or its parent (the learner) is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from asyncopd_jax.pipeline.heap import HeapTrimmer
+from asyncopd_jax.pipeline.placement import pin_this_process
+from asyncopd_jax.pipeline.trace import Tracer
+
+POLL_SECONDS = 0.002  # how often an idle stage looks for work
+
+
+def run_stage(exchange_dir: str | Path, role: str, index: int, cores: Sequence[int] = (),
+              parent_pid: int | None = None, niceness: int = 0) -> int:
+    """Run stage process ``role-index`` until the run stops; returns its exit status."""
+    if parent_pid is not None:
+        # Ctrl-C in a terminal reaches every process of the foreground group. A child of the
+        # learner leaves it to the learner, which checkpoints and then stops its stages;
+        # exiting here first would race it and end the run as a stage failure instead.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pin_this_process(cores)
+    if niceness:
+        os.nice(niceness)
+    # Everything that starts JAX comes after the pinning.
+    from asyncopd_jax.pipeline.exchange import Exchange
+
+    exchange = Exchange(exchange_dir)
+    name = f"{role}-{index}"
+    tracer = None
+    try:
+        cfg, layout = exchange.read()
+        tracer = Tracer(origin=layout.trace_origin, process=name)
+        work = _StageWork(cfg, layout, name, exchange, tracer)
+
+        def should_stop() -> bool:
+            return exchange.stopped or (parent_pid is not None and os.getppid() != parent_pid)
+
+        inbox = exchange.tickets if role == "rollout" else exchange.sampled
+        outbox = exchange.scored if work.scores else exchange.sampled
+        last_dump = time.monotonic()
+        trim_heap = HeapTrimmer()
+        while not should_stop():
+            trim_heap()
+            claim = inbox.claim(name)
+            if claim is None:
+                time.sleep(POLL_SECONDS)
+                continue
+            try:
+                record = work.process(claim.read())
+            except BaseException:
+                claim.give_back()  # the group is not lost: a restarted stage takes it again
+                raise
+            outbox.put(claim.name, record)
+            claim.done()
+            if time.monotonic() - last_dump > 2.0:
+                tracer.dump(exchange.trace_dir / f"{name}.json")
+                last_dump = time.monotonic()
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except BaseException:  # noqa: BLE001 - the log is what the learner reports
+        traceback.print_exc()
+        sys.stderr.flush()
+        return 1
+    finally:
+        if tracer is not None:
+            tracer.dump(exchange.trace_dir / f"{name}.json")
+
+
+class _StageWork:
+    """``process(record) → record`` for the stages hosted by process ``name``."""
+
+    def __init__(self, cfg, layout, name: str, exchange, tracer: Tracer):
+        from asyncopd_jax.pipeline import stage
+        from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore
+
+        self.seed, self.tracer = layout.seed, tracer
+        hosted = [s for s in layout.stages if s.process == name]
+        if not hosted:
+            raise KeyError(f"no stage runs in process {name!r}; processes: "
+                           f"{', '.join(s.process for s in layout.stage_processes())}")
+        models = stage.run_models(cfg)
+        scoring_plan = next((s for s in hosted if s.role == "scoring"), None)
+        self.scoring = stage.build_scoring_stage(cfg, layout, scoring_plan, models) if scoring_plan else None
+        self.scores = self.scoring is not None
+        if self.scoring is not None and self.scoring.teacher is not None and scoring_plan.index == 0 \
+                and exchange.read_teacher_accuracy() is None:
+            from flax import nnx
+
+            exchange.write_teacher_accuracy(models.task.accuracy(*nnx.split(self.scoring.teacher)))
+        self.rollout = None
+        rollout_plan = next((s for s in hosted if s.role == "rollout"), None)
+        if rollout_plan is not None:
+            graphdef, abstract = stage.student_graph(cfg, models)
+            snapshots = DiskSnapshotStore(layout.snapshots.directory,
+                                          stage.with_shardings(abstract, stage.rollout_shardings(layout, rollout_plan,
+                                                                                                 abstract)),
+                                          read_only=True, format=layout.snapshots.format)
+            snapshots.wait_for(0, timeout=cfg.stages.startup_timeout)
+            self.rollout = stage.build_rollout_stage(cfg, layout, rollout_plan, models, snapshots=snapshots,
+                                                     tracer=tracer, scoring=self.scoring, graphdef=graphdef)
+
+    def process(self, record: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from asyncopd_jax.pipeline.spool import group_from_record, group_to_record
+
+        if self.rollout is not None:
+            index = int(record["index"])
+            group = self.rollout.group(index, min_version=int(record.get("min_version", 0)))
+            return group_to_record(group, index)
+        group, index = group_from_record(record)
+        return group_to_record(self.scoring.score(group, self.seed, index, self.tracer), index)

@@ -1,0 +1,206 @@
+"""The placement: decided once into a typed layout; every stage on its own devices.
+
+On the 8 virtual CPU devices of the test session (tests/conftest.py) the threads placement
+puts the learner on devices 0-3 and rollout + scoring on 4-7 inside one process: each
+stage's arrays live on its own devices, weights reach the sampler by a device-to-device
+copy, and the run learns the same as with every stage on one device.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from asyncopd_jax.config import ConfigError
+from asyncopd_jax.pipeline import placement
+from asyncopd_jax.pipeline.exchange import Exchange
+from asyncopd_jax.pipeline.placement import Layout, LayoutError, plan_layout
+from asyncopd_jax.pipeline.stage import ScoringStage
+from asyncopd_jax.pipeline.trainer import Trainer
+from tests.pipeline.test_trainer import _config, models  # noqa: F401 - fixture
+
+
+def _layout(models, tmp_path, **sets) -> Layout:  # noqa: F811
+    cfg = _config(models, tmp_path, **sets)
+    return plan_layout(cfg, run_path=tmp_path / "t", available_cores=range(8))
+
+
+def test_threads_puts_every_stage_in_the_learner_process_on_its_own_devices(models, tmp_path):  # noqa: F811
+    layout = _layout(models, tmp_path, **{"schedule.rollout_workers": 2, "stages.learner_devices": "0-3",
+                                          "stages.rollout_devices": "4-5", "stages.scoring_devices": "6,7"})
+    assert [(s.name, s.process, s.devices) for s in layout.stages] == [
+        ("learner-0", "learner", (0, 1, 2, 3)), ("rollout-0", "learner", (4, 5)), ("rollout-1", "learner", (4, 5)),
+        ("scoring-0", "learner", (6, 7))]
+    assert layout.stage_processes() == () and layout.snapshots.in_memory and layout.group_size == 4
+
+
+def test_processes_deal_devices_to_the_processes_and_rollouts_score_without_scoring_processes(models, tmp_path):  # noqa: F811
+    layout = _layout(models, tmp_path, **{"schedule.placement": "processes", "stages.rollout_processes": 2,
+                                          "stages.rollout_devices": "2-5", "stages.learner_devices": "0,1"})
+    assert [(s.name, s.process, s.devices) for s in layout.stages] == [
+        ("learner-0", "learner", (0, 1)), ("rollout-0", "rollout-0", (2, 3)), ("rollout-1", "rollout-1", (4, 5)),
+        ("scoring-0", "rollout-0", (2, 3)), ("scoring-1", "rollout-1", (4, 5))]
+    assert [s.name for s in layout.stage_processes()] == ["rollout-0", "rollout-1"]
+    assert layout.scorer_of(layout.stage("rollout-1")).name == "scoring-1"
+    assert not layout.snapshots.in_memory and layout.snapshots.format == "safetensors"
+
+
+def test_the_layout_round_trips_through_json_and_refuses_another_version(models, tmp_path):  # noqa: F811
+    layout = _layout(models, tmp_path, **{"schedule.placement": "processes", "stages.scoring_processes": 1,
+                                          "stages.scoring_devices": "'3'"})
+    assert Layout.from_json(layout.to_json()) == layout
+    data = json.loads(layout.to_json())
+    with pytest.raises(LayoutError, match="layout version 0; this asyncopd reads version 1"):
+        Layout.from_json(json.dumps({**data, "version": 0}), "x/layout.json")
+    del data["group_size"]
+    with pytest.raises(LayoutError, match="not a layout of this version"):
+        Layout.from_json(json.dumps(data))
+
+
+def test_the_exchange_writes_the_layout_atomically(models, tmp_path, monkeypatch):  # noqa: F811
+    """A stage reading layout.json while it is rewritten sees the old file or the new one:
+    a write that dies half-way leaves the old one whole."""
+    cfg = _config(models, tmp_path, **{"schedule.placement": "processes"})
+    layout = plan_layout(cfg, run_path=tmp_path / "t", available_cores=[])
+    exchange = Exchange(tmp_path / "exchange")
+    exchange.write(cfg, layout)
+    before = exchange.layout_file.read_text()
+    bigger = Layout(**{**layout.__dict__, "group_size": 2})
+    real_open = Path.open
+
+    class DiesHalfWay:  # the disk fills up after half of the file
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(Path, "open", lambda self, mode="r", *a, **k: DiesHalfWay(real_open(self, mode, *a, **k))
+                        if "w" in mode else real_open(self, mode, *a, **k))
+    with pytest.raises(OSError, match="No space"):
+        exchange.write(cfg, bigger)
+    monkeypatch.undo()
+    assert exchange.layout_file.read_text() == before
+    assert exchange.read()[1] == layout
+
+
+@pytest.mark.parametrize("platform,devices,expected", [
+    ("gpu", (2, 3), {"CUDA_VISIBLE_DEVICES": "2,3"}),
+    ("tpu", (4, 5, 6, 7), {"TPU_VISIBLE_CHIPS": "4,5,6,7", "TPU_PROCESS_BOUNDS": "1,1,1",
+                           "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,2,1", "TPU_PROCESS_PORT": "8480",
+                           "TPU_PROCESS_ADDRESSES": "localhost:8480", "CLOUD_TPU_TASK_ID": "0",
+                           "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}),
+    ("cpu", (1,), {}),
+    ("tpu", (), {}),
+])
+def test_a_stage_process_gets_its_devices_by_the_platform_mechanism(platform, devices, expected):
+    assert placement.device_env(platform, devices, port=8480) == expected
+
+
+def test_a_tpu_stage_process_holds_a_chip_count_libtpu_can_bound():
+    with pytest.raises(ValueError, match="1, 2, 4 or 8 chips, not 3"):
+        placement.device_env("tpu", (0, 1, 2))
+
+
+def test_each_stage_process_gets_its_own_tpu_port(models, tmp_path):  # noqa: F811
+    layout = _layout(models, tmp_path, **{"schedule.placement": "processes", "stages.rollout_processes": 2,
+                                          "stages.scoring_processes": 2, "stages.rollout_devices": "0,1",
+                                          "stages.scoring_devices": "2,3", "stages.learner_devices": "4-7"})
+    ports = [placement.stage_process_env(layout, s, "tpu")["TPU_PROCESS_PORT"] for s in layout.stage_processes()]
+    assert len(set(ports)) == 4 and placement.TPU_BASE_PORT not in map(int, ports)
+
+
+@pytest.mark.parametrize("sets,message", [
+    ({"stages.rollout_devices": "4-x"}, r"stages.rollout_devices = '4-x' is invalid; allowed: '' or a device list"),
+    ({"stages.learner_cores": "3-1"}, r"stages.learner_cores = '3-1' is invalid; allowed: 'auto', '' or a CPU list"),
+    ({"schedule.placement": "processes", "stages.learner_devices": "0,1", "stages.rollout_devices": "1,2"},
+     r"stages.learner_devices = '0,1' is invalid; allowed: devices no rollout or scoring process holds"),
+])
+def test_bad_device_and_core_lists_name_the_field(models, tmp_path, sets, message):  # noqa: F811
+    with pytest.raises(ConfigError, match=message):
+        _config(models, tmp_path, **sets)
+
+
+def test_a_stage_on_devices_this_process_lacks_is_refused_naming_them(models, tmp_path):  # noqa: F811
+    cfg = _config(models, tmp_path, **{"stages.learner_devices": "6-9", "learner.mesh": "{data: -1, fsdp: 1}"})
+    with pytest.raises(ValueError, match=r"stages.learner_devices = 6,7,8,9 names device 9, but this process has "
+                                         r"8 device\(s\) \(0-7\)"):
+        Trainer(cfg, progress=False)
+
+
+# --- every stage on its own devices, one process -----------------------------------------------------
+
+SPLIT = {"stages.learner_devices": "0-3", "stages.rollout_devices": "4-7", "stages.scoring_devices": "4-7",
+         "learner.mesh": "{data: -1, fsdp: 1}"}
+
+
+def _ids(tree) -> set[int]:
+    return {d.id for x in jax.tree_util.tree_leaves(tree) for d in x.devices()}
+
+
+def _run_recording(models, tmp_path, monkeypatch, name, **sets):  # noqa: F811
+    """Run 8 sync steps; return (trainer, losses, the devices of what each stage made)."""
+    cfg = _config(models, tmp_path, **{"name": name, "schedule.mode": "sync", "train.steps": 8,
+                                       "train.checkpoint_every": 100, **sets})
+    trainer = Trainer(cfg, progress=False)
+    seen: dict[str, set[int]] = {"rollout": set(), "scores": set(), "weights_to_sampler": set()}
+    real_score = ScoringStage.score
+
+    def recording_score(scoring, group, *args):
+        seen["rollout"] |= _ids(group.batch.response_tokens)  # as the sampler made it
+        scored = real_score(scoring, group, *args)
+        seen["scores"] |= _ids(scored.cache)
+        return scored
+
+    monkeypatch.setattr(ScoringStage, "score", recording_score)
+    real_start = trainer._start_stages
+
+    def recording_start(buffer):
+        stages = real_start(buffer)
+        real_take = stages.take
+
+        def take(version):
+            groups = real_take(version)
+            seen["weights_to_sampler"] |= _ids(trainer.snapshots.load()[1])
+            return groups
+
+        stages.take = take
+        return stages
+
+    trainer._start_stages = recording_start
+    trainer.run()
+    losses = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return trainer, losses, seen
+
+
+def test_threads_run_each_stage_on_its_own_devices_and_learn_as_on_one(models, tmp_path, monkeypatch):  # noqa: F811
+    split, split_losses, seen = _run_recording(models, tmp_path, monkeypatch, "split", **SPLIT)
+    assert _ids(split.state.params) == _ids(split.state.opt_state) == {0, 1, 2, 3}
+    assert seen == {"rollout": {4, 5, 6, 7}, "scores": {4, 5, 6, 7}, "weights_to_sampler": {4, 5, 6, 7}}
+    assert _ids(split.scoring.teacher) == {4, 5, 6, 7}
+    assert len(split_losses) == 8
+    # Today's placement (every stage on device 0): the same rollouts (same keys, same
+    # weights) and the same loss curve, up to the reduction order of 4 devices.
+    _, one_losses, one_seen = _run_recording(models, tmp_path, monkeypatch, "one")
+    assert one_seen["rollout"] == {0}
+    np.testing.assert_allclose(split_losses, one_losses, rtol=2e-3)
+
+
+def test_scoring_runs_on_its_own_devices_apart_from_rollout(models, tmp_path, monkeypatch):  # noqa: F811
+    trainer, _, seen = _run_recording(models, tmp_path, monkeypatch, "apart", **{
+        **SPLIT, "train.steps": 2, "stages.rollout_devices": "4,5", "stages.scoring_devices": "6,7"})
+    assert seen["rollout"] == {4, 5} and seen["scores"] == {6, 7} and seen["weights_to_sampler"] == {4, 5}
