@@ -3,7 +3,9 @@ models, and ``asyncopd train`` runs from it outside the source tree."""
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -78,5 +80,51 @@ sys.exit(main(["train"]))
     message = done.stderr.strip()
     assert "\n" not in message, message
     assert message.startswith("asyncopd: the training stack is not installed (missing: flax, optax, orbax-checkpoint, "
-                              "transformers, tensorstore, safetensors, pyyaml, matplotlib)"), message
+                              "transformers, tensorstore, safetensors, pyyaml, matplotlib, tokenizers, tqdm)"), message
     assert "pip install 'asyncopd-jax[train]'" in message
+
+
+# Import name → distribution name, where they differ (PEP 503-normalised on both sides).
+_DISTRIBUTION_OF = {"yaml": "pyyaml", "orbax": "orbax-checkpoint"}
+
+
+def _normalised(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _third_party_imports(package: Path) -> dict[str, set[str]]:
+    """Top-level module → the files importing it, for every absolute import in ``package``
+    (lazy imports inside functions included: ``ast.walk`` sees them) that is neither the
+    standard library nor the package itself."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                if top not in sys.stdlib_module_names and top != package.name:
+                    found.setdefault(top, set()).add(str(path.relative_to(package.parent)))
+    return found
+
+
+def test_every_third_party_import_in_the_package_is_a_declared_dependency():
+    """A module imported anywhere in asyncopd_jax/ but declared nowhere in pyproject.toml works
+    in the developer's environment (it came in with something else) and fails for a user on
+    a clean install; this names it and the files that import it."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        requirements += extra
+    declared = {_normalised(re.match(r"[A-Za-z0-9._-]+", r.strip()).group()) for r in requirements}
+    imports = _third_party_imports(ROOT / "asyncopd_jax")
+    assert {"jax", "numpy", "flax", "orbax"} <= imports.keys(), sorted(imports)  # the scan sees the package's imports
+    undeclared = {module: sorted(files) for module, files in imports.items()
+                  if _normalised(_DISTRIBUTION_OF.get(module, module)) not in declared}
+    assert not undeclared, f"imported by asyncopd_jax but not declared in pyproject.toml: {undeclared}"
