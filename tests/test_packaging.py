@@ -128,3 +128,39 @@ def test_every_third_party_import_in_the_package_is_a_declared_dependency():
     undeclared = {module: sorted(files) for module, files in imports.items()
                   if _normalised(_DISTRIBUTION_OF.get(module, module)) not in declared}
     assert not undeclared, f"imported by asyncopd_jax but not declared in pyproject.toml: {undeclared}"
+
+
+def _python_without_torch(tmp_path: Path, script: str) -> subprocess.CompletedProcess:
+    """``script`` in a fresh interpreter where ``torch`` is absent, as with the train extra
+    (which has no torch; the test extra has it): a ``sitecustomize`` puts None in
+    ``sys.modules["torch"]``, so ``import torch`` fails and ``importlib.util.find_spec``
+    (transformers' probe) answers None."""
+    site = tmp_path / "no_torch"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text('import sys\nsys.modules["torch"] = None\n')
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "JAX_PLATFORMS": "cpu"}
+    env.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)  # would hide the advisory whatever the package does
+    return subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_no_pytorch_advisory_from_transformers_and_its_other_warnings_still_shown(tmp_path):
+    """Without torch, transformers logs "PyTorch was not found. Models won't be available ..."
+    on import; the package never uses its PyTorch models, so it drops that one record, and only it."""
+    advisory = "PyTorch was not found."
+    control = _python_without_torch(tmp_path, "import transformers")
+    assert control.returncode == 0, control.stderr[-3000:]
+    assert advisory in control.stderr, (  # else this test checks nothing: see asyncopd_jax/__init__.py
+        f"transformers without torch no longer logs {advisory!r}; stderr: {control.stderr[-2000:]}")
+
+    script = ("import logging, sys\n"
+              "from importlib.resources import files\n"
+              "from asyncopd_jax.models.tokenizer import load_tokenizer\n"
+              "assert 'torch' not in {m.split('.')[0] for m in sys.modules if sys.modules[m] is not None}\n"
+              "load_tokenizer(files('asyncopd_jax.tasks.assets') / 'student')\n"
+              "logging.getLogger('transformers').warning_advice('another advisory')\n"
+              "logging.getLogger('transformers.tokenization_utils_base').warning('another warning')\n")
+    done = _python_without_torch(tmp_path, script)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert advisory not in done.stderr, done.stderr[-3000:]
+    assert "another advisory" in done.stderr and "another warning" in done.stderr, done.stderr[-3000:]
