@@ -15,6 +15,7 @@ import sys
 TRAINING_STACK: dict[str, str] = {
     "flax": "flax", "optax": "optax", "orbax.checkpoint": "orbax-checkpoint", "transformers": "transformers",
     "tensorstore": "tensorstore", "safetensors": "safetensors", "yaml": "pyyaml", "matplotlib": "matplotlib",
+    "tokenizers": "tokenizers", "tqdm": "tqdm",
 }
 
 

@@ -83,15 +83,25 @@ class RunDir:
     @property
     def checkpoints(self) -> ocp.CheckpointManager:
         if self._checkpoints is None:
-            # Synchronous saves: the trainer waits for every save anyway, and with a learner over
-            # several processes Orbax's background commit and finalize threads each hold a
-            # cross-process barrier; seen deadlocked here with process 0 in the finalize barrier
-            # and process 1 still in the commit barrier (tests/pipeline/test_multi_process_learner.py).
-            self._checkpoints = ocp.CheckpointManager(
-                self.path / "checkpoints",
-                options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False),
-            )
+            self._checkpoints = self._open_checkpoints(remove_unfinished=True)
         return self._checkpoints
+
+    def _open_checkpoints(self, remove_unfinished: bool) -> ocp.CheckpointManager:
+        """An Orbax manager of ``checkpoints/``.
+
+        ``remove_unfinished``: Orbax deletes every unfinished save there (the
+        ``<step>.orbax-checkpoint-tmp`` directory of a run killed while saving) as it opens the
+        directory, in the background, and waits for that before its first save.
+        """
+        # Synchronous saves: the trainer waits for every save anyway, and with a learner over
+        # several processes Orbax's background commit and finalize threads each hold a
+        # cross-process barrier; seen deadlocked here with process 0 in the finalize barrier
+        # and process 1 still in the commit barrier (tests/pipeline/test_multi_process_learner.py).
+        return ocp.CheckpointManager(
+            self.path / "checkpoints",
+            options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False,
+                                                 cleanup_tmp_directories=remove_unfinished),
+        )
 
     def save_checkpoint(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """The train state (as a flat dict of its leaves) and loop metadata, at ``step``.
@@ -110,9 +120,15 @@ class RunDir:
             )
             self.checkpoints.wait_until_finished()
         except Exception as err:  # Orbax and TensorStore report I/O failures as ValueError and others
-            for partial in (self.path / "checkpoints").glob(f"{step}.orbax-checkpoint-tmp*"):
+            # Orbax leaves the failed save's temporary directory (<step>.orbax-checkpoint-tmp) behind.
+            # Removed here, before the error is reported, so the directory is as it was before the
+            # save; the fresh manager (the failed one may hold the failed save's state) then must not
+            # delete it again in the background: with a learner over several processes every
+            # process runs this on the shared directory, and Orbax's background deletion failing on
+            # a directory another process already removed could fail the next save.
+            for partial in (self.path / "checkpoints").glob(f"{step}{ocp.utils.TMP_DIR_SUFFIX}*"):
                 shutil.rmtree(partial, ignore_errors=True)
-            self._checkpoints = None  # a fresh manager: the failed one may hold the failed save's state
+            self._checkpoints = self._open_checkpoints(remove_unfinished=False)
             last = self.latest_checkpoint()
             kept = (f"the last good checkpoint is step {last} in {self.path / 'checkpoints' / str(last)}"
                     if last is not None else "there is no earlier checkpoint")

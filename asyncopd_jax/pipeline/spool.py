@@ -71,10 +71,7 @@ class Spool:
         buffer = io.BytesIO()
         np.savez(buffer, **arrays)
         tmp = self.root / f".{name}.{uuid.uuid4().hex}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
+        _write_durably(tmp, buffer.getbuffer())
         final = self.root / f"{name}{SUFFIX}"
         os.rename(tmp, final)
         return final
@@ -110,6 +107,15 @@ class Spool:
         for p in [*self.root.iterdir(), *self.claimed.iterdir()]:
             if p.is_file():
                 p.unlink(missing_ok=True)
+
+
+def _write_durably(path: Path, data: memoryview) -> None:
+    """Write ``data`` to a new file and fsync it. A function of its own so that a test can
+    pause a writer half-way and check that readers see nothing of the record meanwhile."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read_record(path: str | Path) -> dict[str, np.ndarray]:

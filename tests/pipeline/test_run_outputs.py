@@ -1,10 +1,20 @@
-"""What a run writes: metrics survive a process killed mid-append."""
+"""What a run writes: metrics survive a process killed mid-append; a checkpoint save that
+fails (a full disk) or was killed leaves no half-written checkpoint behind."""
 
 from __future__ import annotations
 
+import contextlib
+import resource
+import sys
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
-from asyncopd_jax.pipeline.run_outputs import RunDir
+from asyncopd_jax.pipeline.run_outputs import CheckpointSaveFailed, RunDir
 
 
 def test_a_torn_last_metrics_line_is_skipped_and_dropped_on_resume(tmp_path):
@@ -23,3 +33,54 @@ def test_a_torn_line_before_the_end_is_an_error_naming_the_line(tmp_path):
     run.metrics_file.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
     with pytest.raises(ValueError, match="metrics.jsonl: line 2 is not a JSON record"):
         run.read_metrics()
+
+
+def _state(n: int = 300_000) -> dict[str, jax.Array]:
+    """A train state of ~1.2 MB: over the file-size limit below, so its save fails there."""
+    return {"w": jnp.asarray(np.random.default_rng(0).normal(size=(n,)).astype(np.float32))}
+
+
+@contextlib.contextmanager
+def _file_size_limit(limit: int) -> Iterator[None]:
+    """This process may write no file past ``limit`` bytes (RLIMIT_FSIZE): the kernel refuses
+    the write (EFBIG) as a full disk refuses it (ENOSPC); Python ignores SIGXFSZ, so the write
+    fails instead of killing the process."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+needs_fsize_limit = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                       reason="a file-size limit (RLIMIT_FSIZE) stands in for a full disk (Linux)")
+
+
+@needs_fsize_limit
+def test_a_failed_checkpoint_save_leaves_the_checkpoints_directory_as_it_was(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.save_checkpoint(1, _state(), {"step": 1})
+    before = sorted(p.name for p in (run.path / "checkpoints").iterdir())
+    with _file_size_limit(400_000), pytest.raises(CheckpointSaveFailed, match="the last good checkpoint is step 1 "):
+        run.save_checkpoint(2, _state(), {"step": 2})
+    assert sorted(p.name for p in (run.path / "checkpoints").iterdir()) == before  # no *.orbax-checkpoint-tmp
+    assert run.latest_checkpoint() == 1
+    run.save_checkpoint(2, _state(), {"step": 2})  # space again: the next save works
+    assert sorted(p.name for p in (run.path / "checkpoints").iterdir()) == ["1", "2"]
+
+
+@needs_fsize_limit
+def test_the_unfinished_save_of_a_killed_run_is_removed_on_resume(tmp_path):
+    directory = (tmp_path / "run" / "checkpoints").resolve()
+    # What a run killed in the middle of saving step 5 leaves: Orbax's temporary directory, half
+    # written (made here by a save that fails, through Orbax alone, so nothing removes it).
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+        create=True, enable_async_checkpointing=False))
+    with _file_size_limit(400_000), pytest.raises(Exception):
+        manager.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(_state())), force=True)
+    assert [p.name for p in directory.iterdir()] == [f"5{ocp.utils.TMP_DIR_SUFFIX}"]
+    run = RunDir(tmp_path / "run")  # the resumed run
+    assert run.latest_checkpoint() is None
+    run.save_checkpoint(3, _state(10), {"step": 3})
+    assert sorted(p.name for p in directory.iterdir()) == ["3"]

@@ -4,12 +4,15 @@ rollout groups that survive the trip bit for bit."""
 from __future__ import annotations
 
 import threading
+import time
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
+from asyncopd_jax.pipeline import spool as spool_module
 from asyncopd_jax.pipeline.spool import Spool, group_from_record, group_to_record
 from asyncopd_jax.pipeline.staleness import RolloutGroup
 
@@ -27,6 +30,52 @@ def test_a_record_is_invisible_until_committed_and_then_whole(tmp_path):
     np.testing.assert_array_equal(got["y"], np.ones((2, 2), np.float32))
     claim.done()
     assert not claim.path.exists()
+
+
+def test_a_record_being_written_is_invisible_to_readers_until_put_returns(tmp_path, monkeypatch):
+    """Atomicity, deterministically: the writer is held half-way through its write while
+    this thread looks with everything a consumer uses (names, claim, the record's path)."""
+    spool = Spool(tmp_path)
+    arrays = {"x": np.arange(1000, dtype=np.int64), "y": np.ones((4, 4), np.float32)}
+    halfway, resume = threading.Event(), threading.Event()
+    real_write = spool_module._write_durably
+
+    def write_half_then_wait(path: Path, data: memoryview) -> None:
+        data = bytes(data)
+        with open(path, "wb") as f:
+            f.write(data[: len(data) // 2])
+            f.flush()  # the half is on disk where a reader could find it
+        halfway.set()
+        assert resume.wait(timeout=30), "the test never let the writer finish"
+        real_write(path, data)
+
+    monkeypatch.setattr(spool_module, "_write_durably", write_half_then_wait)
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            spool.put("r", arrays)
+        except BaseException as err:  # reported by the test thread, not lost with this thread
+            errors.append(err)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not halfway.wait(timeout=0.05):
+            assert thread.is_alive() and time.monotonic() < deadline, "put never wrote through _write_durably"
+        assert spool.names() == []
+        assert spool.claim("reader") is None and spool.claim("reader", "r") is None
+        assert not spool.path("r").exists()
+    finally:
+        resume.set()
+        thread.join(timeout=30)
+    assert not thread.is_alive() and not errors, errors
+    assert spool.names() == ["r"]
+    got = spool.claim("reader").read()
+    assert got.keys() == arrays.keys()
+    for key, value in arrays.items():
+        np.testing.assert_array_equal(got[key], value)
 
 
 def test_competing_consumers_claim_every_record_exactly_once(tmp_path):
