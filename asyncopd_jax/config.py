@@ -17,14 +17,10 @@ import yaml
 
 from asyncopd_jax import configs
 from asyncopd_jax.atomic_files import write_text_atomically
-from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorOptions
-from asyncopd_jax.estimators import Aggregation
+from asyncopd_jax.config_checks import ConfigError
+from asyncopd_jax.estimator_registry import ID_SOURCES, RL_ESTIMATORS, EstimatorConfig
 from asyncopd_jax.sampling.distribution import SamplingParams
 from asyncopd_jax.teacher.scorer import ScoringParams
-
-
-class ConfigError(ValueError):
-    """A configuration problem, naming the field at fault."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,51 +48,15 @@ class ModelSource:
 
 
 @dataclasses.dataclass(frozen=True)
-class EstimatorConfig:
-    name: str = "reverse_kl_mc"
-    mc_clip_eps: float | None = None
-    mc_importance_sampling: bool = True
-    topk_tail: bool = True
-    control_variate: bool = False
-    ppo_clip_eps: float = 0.2
-    dual_clip: float | None = None
-    behavior_weight_cap: float | None = 5.0
-    behavior_weight_mode: Literal["mask", "truncate"] = "mask"
-    behavior_weight_floor: float | None = None
-    gspo_clip_low: float = 3e-4
-    gspo_clip_high: float = 4e-4
-    tis_cap: float = 2.0
-    m2po_budget: float = 0.04
-    second_moment_clip_budget: float = 0.04
-    stabiliser_signal: Literal["stale", "recompute"] = "stale"
-    # how per-token losses become the loss (verl's loss_agg_mode names; see estimators/reductions.py)
-    aggregation: Aggregation = "token-mean"
-    entropy_coef: float = 0.0  # entropy bonus c: −c · H(π_θ) on every token (the entropy is a metric either way)
-    reference_kl_coef: float = 0.0  # weight of a KL(π_θ ‖ π_ref) term; π_ref: the `reference` model
-    reference_kl: Literal["k1", "k2", "k3"] = "k3"  # its estimator (see estimators/regularisers.py)
-    check_inputs: bool = False  # debug: checkify that every log-prob fed to the loss is one (a host sync per step)
-
-    def options(self) -> EstimatorOptions:
-        """The estimator's knobs: every field both classes name, copied by name (GSPO's clip
-        range is one tuple there, two numbers here)."""
-        shared = {f.name for f in dataclasses.fields(EstimatorOptions)} & {f.name for f in dataclasses.fields(self)}
-        return EstimatorOptions(**{name: getattr(self, name) for name in shared},
-                                gspo_clip_eps=(self.gspo_clip_low, self.gspo_clip_high))
-
-
-# The estimators that train on an advantage (a policy-gradient surrogate) and so on a reward.
-RL_ESTIMATORS = ("ppo_clip", "decoupled_ppo", "truncated_is", "m2po", "second_moment_clip", "gspo", "gspo_token")
-
-
-@dataclasses.dataclass(frozen=True)
 class RLConfig:
     """Reward-driven RL (``algorithm: rl``): the task's verifier rewards each answer.
 
     Every prompt is answered ``samples_per_prompt`` (G) times; a response's advantage is
     its reward relative to its group's (:func:`asyncopd_jax.estimators.group_advantages`)
-    and one of :data:`RL_ESTIMATORS` (``estimator.name``) turns it into a loss. With
-    ``distill_coef`` β > 0 the teacher's per-token reverse-KL reward is added to the
-    advantage (distil and reinforce at once); with β = 0 the teacher scores nothing.
+    and one of :data:`RL_ESTIMATORS` (``estimator.name``: a spec with ``needs_advantage``)
+    turns it into a loss. With ``distill_coef`` β > 0 the teacher's per-token reverse-KL
+    reward is added to the advantage (distil and reinforce at once); with β = 0 the
+    teacher scores nothing.
     """
 
     samples_per_prompt: int = 8  # G
@@ -277,23 +237,20 @@ class RunConfig:
 
     @property
     def needs_teacher_scores(self) -> bool:
-        """Whether rollouts are scored by the teacher (all but RL with ``distill_coef = 0``)."""
-        return self.algorithm == "opd" or self.rl.distill_coef != 0
+        """Whether rollouts are scored by the teacher: the estimator's spec says (all but
+        an advantage estimator in RL with ``rl.distill_coef = 0``)."""
+        return self.estimator.spec.needs_teacher_scores(rl=self.algorithm == "rl", distill_coef=self.rl.distill_coef)
 
     @property
     def needs_scoring(self) -> bool:
         """Whether rollouts go through a scoring stage: teacher scores, or reference log-probs
         for a KL-to-reference term."""
-        return self.needs_teacher_scores or self.estimator.reference_kl_coef != 0
+        return self.needs_teacher_scores or self.estimator.needs_reference_logp
 
     @property
     def samples_per_prompt(self) -> int:
         """Answers sampled per prompt: G in RL, 1 in distillation."""
         return self.rl.samples_per_prompt if self.algorithm == "rl" else 1
-
-    def estimator_options(self) -> EstimatorOptions:
-        """The estimator's knobs, with the RL distillation weight β."""
-        return dataclasses.replace(self.estimator.options(), distill_coef=self.rl.distill_coef)
 
     def rollout_group_size(self) -> int:
         """Samples per rollout group: the batch split over the rollout workers or processes
@@ -305,20 +262,20 @@ class RunConfig:
         return B // workers if B % workers == 0 else B
 
 
+def _setting(cfg: RunConfig, path: str) -> Any:
+    """The value of a ``section.field`` setting."""
+    section, field = path.split(".")
+    return getattr(getattr(cfg, section), field)
+
+
 def _validate(cfg: RunConfig) -> None:
-    """Cross-field checks, each naming the fields involved."""
-    if cfg.estimator.name not in ESTIMATORS:
-        raise ConfigError(f"estimator.name = {cfg.estimator.name!r} is invalid; allowed: {', '.join(sorted(ESTIMATORS))}")
-    s = cfg.sampling
-    # what the estimator needs (its spec says), and the setting that produces it
-    producers = {"candidates": ("sampling.num_candidates", s.num_candidates),
-                 "student_topk": ("sampling.student_topk", s.student_topk),
-                 "teacher_topk": ("scoring.topk", cfg.scoring.topk),
-                 "teacher_samples": ("scoring.num_samples", cfg.scoring.num_samples)}
-    for need in ESTIMATORS[cfg.estimator.name].needs:
-        field, value = producers[need]
-        if value < 1:
-            raise ConfigError(f"estimator.name = {cfg.estimator.name!r} needs {field} >= 1")
+    """Cross-field checks, each naming the fields involved (the estimator section has
+    checked its own fields when it was built)."""
+    spec = cfg.estimator.spec
+    for need in spec.needs:  # each id set the estimator reads, and the setting that makes it
+        setting = ID_SOURCES[need].setting
+        if _setting(cfg, setting) < 1:
+            raise ConfigError(f"estimator.name = {cfg.estimator.name!r} needs {setting} >= 1")
     _validate_algorithm(cfg)
     extrapolation = cfg.learner.extrapolation
     if extrapolation.enabled and extrapolation.probe_metric == "accuracy" and cfg.task.name == "dataset" \
@@ -359,12 +316,6 @@ def _validate(cfg: RunConfig) -> None:
          and (cfg.distributed.num_processes == 0 or cfg.distributed.process_id < cfg.distributed.num_processes),
          "-1 (from the environment) or 0 .. distributed.num_processes - 1"),
         ("train.steps", cfg.train.steps, cfg.train.steps >= 1, ">= 1"),
-        ("estimator.reference_kl_coef", cfg.estimator.reference_kl_coef, cfg.estimator.reference_kl_coef >= 0,
-         ">= 0 (0: no KL-to-reference term)"),
-        ("estimator.m2po_budget", cfg.estimator.m2po_budget, cfg.estimator.m2po_budget >= 0, ">= 0"),
-        ("estimator.behavior_weight_floor", cfg.estimator.behavior_weight_floor,
-         cfg.estimator.behavior_weight_floor is None or 0 <= cfg.estimator.behavior_weight_floor
-         < (cfg.estimator.behavior_weight_cap or float("inf")), "null, or >= 0 and below estimator.behavior_weight_cap"),
         ("train.diagnostics_every", cfg.train.diagnostics_every, cfg.train.diagnostics_every >= 0, ">= 0 (0: off)"),
         ("train.diagnostic_prompts", cfg.train.diagnostic_prompts, cfg.train.diagnostic_prompts >= 1, ">= 1"),
         ("train.update_geometry_every", cfg.train.update_geometry_every, cfg.train.update_geometry_every >= 0,
@@ -405,7 +356,7 @@ def _validate_algorithm(cfg: RunConfig) -> None:
     if cfg.algorithm == "opd":
         return
     rl = cfg.rl
-    if cfg.estimator.name not in RL_ESTIMATORS:
+    if not cfg.estimator.spec.needs_advantage:
         raise ConfigError(f"estimator.name = {cfg.estimator.name!r} is invalid with algorithm = rl; allowed: "
                           f"{', '.join(RL_ESTIMATORS)}")
     group = cfg.rollout_group_size()

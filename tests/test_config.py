@@ -6,6 +6,7 @@ import pytest
 
 from asyncopd_jax.config import ConfigError, load_config
 from asyncopd_jax.cli import DEMO_CONFIG
+from asyncopd_jax.estimator_registry import ESTIMATORS, ID_SOURCES, RL_ESTIMATORS
 
 
 def test_demo_config_loads_and_overrides_apply():
@@ -80,16 +81,17 @@ RL = ["algorithm=rl", "estimator.name=decoupled_ppo", "rl.samples_per_prompt=8"]
 
 def test_rl_config_and_what_it_needs():
     cfg = load_config(DEMO_CONFIG, [*RL, "teacher.path=''"])
-    assert cfg.samples_per_prompt == 8 and not cfg.needs_teacher_scores
-    assert cfg.estimator_options().distill_coef == 0.0
+    assert cfg.samples_per_prompt == 8 and not cfg.needs_teacher_scores and not cfg.needs_scoring
     cfg = load_config(DEMO_CONFIG, [*RL, "rl.distill_coef=0.3"])
-    assert cfg.needs_teacher_scores and cfg.estimator_options().distill_coef == 0.3
+    assert cfg.needs_teacher_scores and cfg.rl.distill_coef == 0.3
+    cfg = load_config(DEMO_CONFIG, [*RL, "teacher.path=''", "estimator.reference_kl_coef=0.1"])
+    assert cfg.needs_scoring and not cfg.needs_teacher_scores  # the reference policy's log-probs only
     assert load_config(DEMO_CONFIG, []).samples_per_prompt == 1  # distillation: one answer per prompt
 
 
 @pytest.mark.parametrize("overrides,message", [
     (["algorithm=rl"], r"estimator.name = 'forward_kl_topk' is invalid with algorithm = rl; allowed: ppo_clip, "
-                       r"decoupled_ppo, truncated_is, m2po"),
+                       r"decoupled_ppo, gspo, gspo_token, truncated_is, m2po, second_moment_clip$"),
     ([*RL, "rl.samples_per_prompt=6"], r"rl.samples_per_prompt = 6 is invalid; allowed: a divisor of the 64 samples"),
     ([*RL, "schedule.rollout_workers=2", "rl.samples_per_prompt=64"],
      r"rl.samples_per_prompt = 64 is invalid; allowed: a divisor of the 32 samples"),
@@ -113,22 +115,45 @@ def test_rl_config_errors_name_the_field(overrides, message):
         load_config(DEMO_CONFIG, overrides)
 
 
-def test_every_estimator_setting_reaches_the_estimator_options():
-    """Each knob of ``estimator`` set to a non-default value arrives in EstimatorOptions."""
-    import dataclasses
+# --- the estimator's spec drives validation ----------------------------------------
 
-    from asyncopd_jax.config import EstimatorConfig
-    from asyncopd_jax.estimator_registry import EstimatorOptions
+# Every setting that makes an id set, at 0 (none made) and at 4.
+NO_IDS = [f"{source.setting}=0" for source in ID_SOURCES.values()]
+ALL_IDS = [f"{source.setting}=4" for source in ID_SOURCES.values()]
 
-    others = {"mc_clip_eps": 0.3, "mc_importance_sampling": False, "topk_tail": False, "control_variate": True,
-              "ppo_clip_eps": 0.1, "dual_clip": 3.0, "behavior_weight_cap": 4.0, "behavior_weight_mode": "truncate",
-              "behavior_weight_floor": 0.5, "tis_cap": 1.5, "m2po_budget": 0.1, "second_moment_clip_budget": 0.2,
-              "stabiliser_signal": "recompute", "entropy_coef": 0.01, "reference_kl_coef": 0.1, "reference_kl": "k2",
-              "check_inputs": True}
-    shared = {f.name for f in dataclasses.fields(EstimatorOptions)} & {f.name for f in dataclasses.fields(EstimatorConfig)}
-    assert shared == set(others)  # a new knob must be added here
-    defaults = EstimatorConfig().options()
-    options = EstimatorConfig(gspo_clip_low=0.01, gspo_clip_high=0.02, **others).options()
-    for name, value in others.items():
-        assert getattr(options, name) == value != getattr(defaults, name), name
-    assert options.gspo_clip_eps == (0.01, 0.02) != defaults.gspo_clip_eps
+
+@pytest.mark.parametrize("name,need", [(name, need) for name, spec in ESTIMATORS.items() for need in spec.needs])
+def test_every_registered_estimator_refuses_a_config_that_does_not_make_what_it_needs(name, need):
+    """For every spec in the registry and every id set it declares: the setting that makes
+    that set at 0 (all the others made) is refused up front, naming the setting."""
+    setting = ID_SOURCES[need].setting
+    with pytest.raises(ConfigError, match=rf"^estimator.name = '{name}' needs {setting} >= 1$"):
+        load_config(DEMO_CONFIG, [f"estimator.name={name}", *ALL_IDS, f"{setting}=0"])
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_every_registered_estimator_loads_with_exactly_what_it_needs(name):
+    """Nothing but the spec's own id sets is asked for: every other setting may be 0."""
+    made = [f"{ID_SOURCES[need].setting}=4" for need in ESTIMATORS[name].needs]
+    cfg = load_config(DEMO_CONFIG, [f"estimator.name={name}", *NO_IDS, *made])
+    assert cfg.estimator.spec is ESTIMATORS[name]
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_rl_takes_exactly_the_estimators_whose_spec_weights_an_advantage(name):
+    overrides = ["algorithm=rl", f"estimator.name={name}", "rl.samples_per_prompt=8", *ALL_IDS]
+    if ESTIMATORS[name].needs_advantage:
+        cfg = load_config(DEMO_CONFIG, [*overrides, "teacher.path=''"])
+        assert not cfg.needs_teacher_scores  # β = 0: the reward alone
+        assert load_config(DEMO_CONFIG, [*overrides, "rl.distill_coef=0.1"]).needs_teacher_scores
+    else:
+        with pytest.raises(ConfigError, match=rf"estimator.name = '{name}' is invalid with algorithm = rl"):
+            load_config(DEMO_CONFIG, overrides)
+    assert (name in RL_ESTIMATORS) == ESTIMATORS[name].needs_advantage
+    assert load_config(DEMO_CONFIG, [f"estimator.name={name}", *ALL_IDS]).needs_teacher_scores  # distillation
+
+
+def test_an_asymmetric_clip_range_loads_from_yaml():
+    cfg = load_config(DEMO_CONFIG, ["estimator.ppo_clip_eps=[0.2, 0.28]", "estimator.mc_clip_eps=[0.1, 0.3]"])
+    assert cfg.estimator.ppo_clip_eps == (0.2, 0.28) and cfg.estimator.mc_clip_eps == (0.1, 0.3)
+

@@ -95,7 +95,7 @@ def make_scorers(cfg: RunConfig, teacher: Decoder | None, vocab_limit: int | Non
     ``reference.path`` or else the student's starting weights). None: nothing to score."""
     teacher_scorer = TeacherScorer(teacher, cfg.scoring) if cfg.needs_teacher_scores else None
     reference = None
-    if cfg.estimator.reference_kl_coef:
+    if cfg.estimator.needs_reference_logp:
         model = from_pretrained(resolve_model_path(cfg.reference.path or cfg.student.path), dtype=cfg.reference.dtype)
         model.vocab_limit = vocab_limit
         reference = ReferenceScorer(model, cfg.sampling.temperature, cfg.learner.logprob_chunk)

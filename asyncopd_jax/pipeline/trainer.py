@@ -125,8 +125,7 @@ class Trainer:
         self.optimizer = make_optimizer(cfg.optim, cfg.train.steps)
         self.lr = learning_rate_schedule(cfg.optim, cfg.train.steps)
         self.graphdef, self.state = create_train_state(student, self.optimizer, self.mesh)
-        self.loss = PolicyLoss(cfg.estimator.name, cfg.estimator_options(), cfg.sampling.temperature,
-                               learner.logprob_chunk, cfg.estimator.aggregation)
+        self.loss = PolicyLoss.from_config(cfg)
         if learner.token_budget:  # dynamic batching
             if self.multi_process:
                 raise ConfigError("learner.token_budget > 0 is not supported for a learner over several processes "
