@@ -1,7 +1,10 @@
 """Typed, validated run configuration: frozen dataclasses ⇄ YAML, with ``a.b=c`` overrides.
 
-Every field is checked up front: an unknown field names itself and the allowed fields,
-a bad value names the field and the allowed values. There are no silent fallbacks.
+Every field is checked up front, when its section is built: an unknown field names itself
+and the allowed fields, a bad value names the field and the allowed values. Each section
+checks its own fields (its ``__post_init__``); :class:`RunConfig` checks what spans
+sections, asking the estimator's spec what the run must produce. There are no silent
+fallbacks.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import yaml
 
 from asyncopd_jax import configs
 from asyncopd_jax.atomic_files import write_text_atomically
-from asyncopd_jax.config_checks import ConfigError
+from asyncopd_jax.config_checks import ConfigError, check_fields
 from asyncopd_jax.estimator_registry import ID_SOURCES, RL_ESTIMATORS, EstimatorConfig
 from asyncopd_jax.sampling.distribution import SamplingParams
 from asyncopd_jax.teacher.scorer import ScoringParams
@@ -37,6 +40,13 @@ class TaskConfig:
     eval_fraction: float = 0.05  # dataset: share of the examples held out (fixed by prompt hash)
     eval_prompts: int = 256  # held-out problems evaluated (at most)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields("task", [
+            ("eval_fraction", self.eval_fraction, 0 <= self.eval_fraction < 1, "0 <= fraction < 1"),
+        ])
+        if self.name == "dataset" and not self.path:
+            raise ConfigError("task.path = '' is invalid with task.name = dataset; allowed: a .jsonl or .parquet file")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +74,12 @@ class RLConfig:
     advantage_std: Literal["unbiased", "population"] = "unbiased"  # that std over G − 1 (verl, AReaL, Tunix) or G
     distill_coef: float = 0.0  # β
 
+    def __post_init__(self) -> None:
+        check_fields("rl", [
+            ("samples_per_prompt", self.samples_per_prompt, self.samples_per_prompt >= 1, ">= 1"),
+            ("distill_coef", self.distill_coef, self.distill_coef >= 0, ">= 0"),
+        ])
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -75,6 +91,9 @@ class OptimConfig:
     grad_clip: float = 1.0
     b1: float = 0.9
     b2: float = 0.95
+
+    def __post_init__(self) -> None:
+        check_fields("optim", [("learning_rate", self.learning_rate, self.learning_rate > 0, "> 0")])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +124,14 @@ class ExtrapolationConfig:
     probe_metric: Literal["accuracy", "reverse_kl"] = "accuracy"
     probe_temperature: float = 0.0
 
+    def __post_init__(self) -> None:
+        check_fields("learner.extrapolation", [
+            ("factors", self.factors, len(self.factors) > 0 and all(f > 1 for f in self.factors),
+             "a non-empty list of factors > 1, tried in order (EffOPD: [3, 5, 7, 9, 11])"),
+            ("probe_prompts", self.probe_prompts, self.probe_prompts >= 1, ">= 1"),
+            ("probe_temperature", self.probe_temperature, self.probe_temperature >= 0, ">= 0 (0: greedy answers)"),
+        ])
+
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
@@ -120,6 +147,18 @@ class LearnerConfig:
     mesh: MeshConfig = MeshConfig()
     extrapolation: ExtrapolationConfig = ExtrapolationConfig()  # EffOPD, off by default
 
+    def __post_init__(self) -> None:
+        B, M, m = self.batch_size, self.mini_batches, self.micro_batches
+        check_fields("learner", [
+            ("batch_size", B, B >= 1, ">= 1"),
+            ("mini_batches", M, M >= 1 and B % M == 0, "a divisor of learner.batch_size"),
+            ("micro_batches", m, m >= 1 and (B // max(M, 1)) % m == 0,
+             "a divisor of learner.batch_size / learner.mini_batches"),
+            ("token_budget", self.token_budget, self.token_budget >= 0 and (self.token_budget == 0 or m == 1),
+             ">= 0 (0: off), with learner.micro_batches = 1 (the budget decides the micro-batches)"),
+            ("token_bucket", self.token_bucket, self.token_bucket >= 1, ">= 1"),
+        ])
+
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleConfig:
@@ -133,6 +172,17 @@ class ScheduleConfig:
     rollout_workers: int = 1  # rollout threads (placement = threads)
     snapshot_in_memory: bool = True  # threads: hand weights over in-process instead of through Orbax
     placement: Literal["threads", "processes"] = "threads"  # where the stages run: see StagesConfig
+
+    def __post_init__(self) -> None:
+        check_fields("schedule", [
+            ("max_staleness", self.max_staleness, self.max_staleness >= 0, ">= 0"),
+            ("n_step", self.n_step, self.n_step >= 1, ">= 1"),
+            ("lag", self.lag, self.lag >= 0, ">= 0"),
+            ("rollout_workers", self.rollout_workers, self.rollout_workers >= 1, ">= 1"),
+        ])
+        if self.mode == "fixed_lag" and self.placement != "threads":
+            raise ConfigError(f"schedule.placement = {self.placement!r} is invalid with schedule.mode = fixed_lag; "
+                              "allowed: threads (fixed_lag samples in the learner's own thread)")
 
     def eta(self, mini_batches: int) -> int:
         """The staleness bound in optimizer steps: 0 for ``sync``; for ``n_step_off``
@@ -174,6 +224,22 @@ class StagesConfig:
     restarts: int = 0  # times a stage process that died is restarted before the run stops
     startup_timeout: float = 600.0  # seconds a stage process waits for the first policy snapshot
 
+    def __post_init__(self) -> None:
+        check_fields("stages", [
+            ("rollout_processes", self.rollout_processes, self.rollout_processes >= 1, ">= 1"),
+            ("scoring_processes", self.scoring_processes, self.scoring_processes >= 0, ">= 0"),
+            ("restarts", self.restarts, self.restarts >= 0, ">= 0"),
+            ("rollout_niceness", self.rollout_niceness, 0 <= self.rollout_niceness <= 19, "0 to 19"),
+        ])
+        for field in ("learner_cores", "rollout_cores", "scoring_cores"):
+            value = getattr(self, field)
+            if value != "auto":
+                try:
+                    parse_cpu_list(value)
+                except ValueError as err:
+                    raise ConfigError(f"stages.{field} = {value!r} is invalid; allowed: 'auto', '' or a CPU list "
+                                      f"such as '0', '1-3', '0,2' ({err})") from None
+
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
@@ -192,6 +258,14 @@ class DistributedConfig:
     process_id: int = -1  # -1: detected from the environment
     initialization_timeout: int = 300  # seconds to wait for every process to join
 
+    def __post_init__(self) -> None:
+        n, i = self.num_processes, self.process_id
+        check_fields("distributed", [
+            ("num_processes", n, n >= 0, ">= 0 (0: from the environment)"),
+            ("process_id", i, i >= -1 and (n == 0 or i < n),
+             "-1 (from the environment) or 0 .. distributed.num_processes - 1"),
+        ])
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -206,6 +280,14 @@ class TrainConfig:
     # Study diagnostic (asyncopd_jax.learner.update_geometry): per-module norm, rank-1 energy
     # and alignment of the weight update θ_t − θ_0 every this many steps (0: off).
     update_geometry_every: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields("train", [
+            ("steps", self.steps, self.steps >= 1, ">= 1"),
+            ("diagnostics_every", self.diagnostics_every, self.diagnostics_every >= 0, ">= 0 (0: off)"),
+            ("diagnostic_prompts", self.diagnostic_prompts, self.diagnostic_prompts >= 1, ">= 1"),
+            ("update_geometry_every", self.update_geometry_every, self.update_geometry_every >= 0, ">= 0 (0: off)"),
+        ])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +344,7 @@ class RunConfig:
         return B // workers if B % workers == 0 else B
 
 
+
 def _setting(cfg: RunConfig, path: str) -> Any:
     """The value of a ``section.field`` setting."""
     section, field = path.split(".")
@@ -269,7 +352,7 @@ def _setting(cfg: RunConfig, path: str) -> Any:
 
 
 def _validate(cfg: RunConfig) -> None:
-    """Cross-field checks, each naming the fields involved (the estimator section has
+    """The checks that span sections, each naming the fields involved (each section has
     checked its own fields when it was built)."""
     spec = cfg.estimator.spec
     for need in spec.needs:  # each id set the estimator reads, and the setting that makes it
@@ -285,70 +368,11 @@ def _validate(cfg: RunConfig) -> None:
     if extrapolation.enabled and extrapolation.probe_metric == "reverse_kl" and not cfg.teacher.path:
         raise ConfigError("learner.extrapolation.probe_metric = 'reverse_kl' needs a teacher (teacher.path); "
                           "allowed without one: accuracy")
-    if cfg.task.name == "dataset" and not cfg.task.path:
-        raise ConfigError("task.path = '' is invalid with task.name = dataset; allowed: a .jsonl or .parquet file")
-    sch = cfg.schedule
-    for field, value, ok, allowed in [
-        ("schedule.max_staleness", sch.max_staleness, sch.max_staleness >= 0, ">= 0"),
-        ("schedule.n_step", sch.n_step, sch.n_step >= 1, ">= 1"),
-        ("schedule.lag", sch.lag, sch.lag >= 0, ">= 0"),
-        ("schedule.rollout_workers", sch.rollout_workers, sch.rollout_workers >= 1, ">= 1"),
-        ("learner.batch_size", cfg.learner.batch_size, cfg.learner.batch_size >= 1, ">= 1"),
-        ("learner.mini_batches", cfg.learner.mini_batches,
-         cfg.learner.mini_batches >= 1 and cfg.learner.batch_size % cfg.learner.mini_batches == 0,
-         "a divisor of learner.batch_size"),
-        ("learner.micro_batches", cfg.learner.micro_batches,
-         cfg.learner.micro_batches >= 1
-         and (cfg.learner.batch_size // max(cfg.learner.mini_batches, 1)) % cfg.learner.micro_batches == 0,
-         "a divisor of learner.batch_size / learner.mini_batches"),
-        ("learner.token_budget", cfg.learner.token_budget,
-         cfg.learner.token_budget >= 0 and (cfg.learner.token_budget == 0 or cfg.learner.micro_batches == 1),
-         ">= 0 (0: off), with learner.micro_batches = 1 (the budget decides the micro-batches)"),
-        ("learner.token_bucket", cfg.learner.token_bucket, cfg.learner.token_bucket >= 1, ">= 1"),
-        ("stages.rollout_processes", cfg.stages.rollout_processes, cfg.stages.rollout_processes >= 1, ">= 1"),
-        ("stages.scoring_processes", cfg.stages.scoring_processes, cfg.stages.scoring_processes >= 0, ">= 0"),
-        ("stages.restarts", cfg.stages.restarts, cfg.stages.restarts >= 0, ">= 0"),
-        ("stages.rollout_niceness", cfg.stages.rollout_niceness, 0 <= cfg.stages.rollout_niceness <= 19, "0 to 19"),
-        ("distributed.num_processes", cfg.distributed.num_processes, cfg.distributed.num_processes >= 0,
-         ">= 0 (0: from the environment)"),
-        ("distributed.process_id", cfg.distributed.process_id,
-         cfg.distributed.process_id >= -1
-         and (cfg.distributed.num_processes == 0 or cfg.distributed.process_id < cfg.distributed.num_processes),
-         "-1 (from the environment) or 0 .. distributed.num_processes - 1"),
-        ("train.steps", cfg.train.steps, cfg.train.steps >= 1, ">= 1"),
-        ("train.diagnostics_every", cfg.train.diagnostics_every, cfg.train.diagnostics_every >= 0, ">= 0 (0: off)"),
-        ("train.diagnostic_prompts", cfg.train.diagnostic_prompts, cfg.train.diagnostic_prompts >= 1, ">= 1"),
-        ("train.update_geometry_every", cfg.train.update_geometry_every, cfg.train.update_geometry_every >= 0,
-         ">= 0 (0: off)"),
-        ("optim.learning_rate", cfg.optim.learning_rate, cfg.optim.learning_rate > 0, "> 0"),
-        ("learner.extrapolation.factors", cfg.learner.extrapolation.factors,
-         len(cfg.learner.extrapolation.factors) > 0 and all(f > 1 for f in cfg.learner.extrapolation.factors),
-         "a non-empty list of factors > 1, tried in order (EffOPD: [3, 5, 7, 9, 11])"),
-        ("learner.extrapolation.probe_prompts", cfg.learner.extrapolation.probe_prompts,
-         cfg.learner.extrapolation.probe_prompts >= 1, ">= 1"),
-        ("learner.extrapolation.probe_temperature", cfg.learner.extrapolation.probe_temperature,
-         cfg.learner.extrapolation.probe_temperature >= 0, ">= 0 (0: greedy answers)"),
-        ("task.eval_fraction", cfg.task.eval_fraction, 0 <= cfg.task.eval_fraction < 1, "0 <= fraction < 1"),
-    ]:
-        if not ok:
-            raise ConfigError(f"{field} = {value!r} is invalid; allowed: {allowed}")
-    if sch.mode == "fixed_lag":
+    if cfg.schedule.mode == "fixed_lag" and cfg.learner.mini_batches != 1:
         # One rollout batch per optimizer step, sampled in the learner's thread: with M
-        # mini-batches the m-th would be k + m stale, and stage processes would add nothing.
-        if cfg.learner.mini_batches != 1:
-            raise ConfigError(f"learner.mini_batches = {cfg.learner.mini_batches} is invalid with schedule.mode = "
-                              "fixed_lag; allowed: 1 (every step then trains on exactly schedule.lag-stale rollouts)")
-        if sch.placement != "threads":
-            raise ConfigError(f"schedule.placement = {sch.placement!r} is invalid with schedule.mode = fixed_lag; "
-                              "allowed: threads (fixed_lag samples in the learner's own thread)")
-    for field in ("learner_cores", "rollout_cores", "scoring_cores"):
-        value = getattr(cfg.stages, field)
-        if value != "auto":
-            try:
-                parse_cpu_list(value)
-            except ValueError as err:
-                raise ConfigError(f"stages.{field} = {value!r} is invalid; allowed: 'auto', '' or a CPU list "
-                                  f"such as '0', '1-3', '0,2' ({err})") from None
+        # mini-batches the m-th would be k + m stale.
+        raise ConfigError(f"learner.mini_batches = {cfg.learner.mini_batches} is invalid with schedule.mode = "
+                          "fixed_lag; allowed: 1 (every step then trains on exactly schedule.lag-stale rollouts)")
 
 
 def _validate_algorithm(cfg: RunConfig) -> None:
@@ -360,11 +384,9 @@ def _validate_algorithm(cfg: RunConfig) -> None:
         raise ConfigError(f"estimator.name = {cfg.estimator.name!r} is invalid with algorithm = rl; allowed: "
                           f"{', '.join(RL_ESTIMATORS)}")
     group = cfg.rollout_group_size()
-    if rl.samples_per_prompt < 1 or group % rl.samples_per_prompt:
+    if group % rl.samples_per_prompt:
         raise ConfigError(f"rl.samples_per_prompt = {rl.samples_per_prompt} is invalid; allowed: a divisor of the "
                           f"{group} samples of a rollout group (learner.batch_size / rollout workers)")
-    if rl.distill_coef < 0:
-        raise ConfigError(f"rl.distill_coef = {rl.distill_coef} is invalid; allowed: >= 0")
     if cfg.needs_teacher_scores and not cfg.teacher.path:
         raise ConfigError(f"teacher.path = '' is invalid with rl.distill_coef = {rl.distill_coef}; allowed: a model "
                           "directory (or set rl.distill_coef = 0 to train from rewards alone)")

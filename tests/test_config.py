@@ -157,3 +157,70 @@ def test_an_asymmetric_clip_range_loads_from_yaml():
     cfg = load_config(DEMO_CONFIG, ["estimator.ppo_clip_eps=[0.2, 0.28]", "estimator.mc_clip_eps=[0.1, 0.3]"])
     assert cfg.estimator.ppo_clip_eps == (0.2, 0.28) and cfg.estimator.mc_clip_eps == (0.1, 0.3)
 
+
+# --- each section checks its own fields, at load_config ----------------------------
+
+SECTION_CHECKS = [
+    ("task.eval_fraction=1", r"task.eval_fraction = 1.0 is invalid; allowed: 0 <= fraction < 1"),
+    ("task.name=dataset", r"task.path = '' is invalid with task.name = dataset; allowed: a .jsonl or .parquet file"),
+    ("rl.samples_per_prompt=0", r"rl.samples_per_prompt = 0 is invalid; allowed: >= 1"),
+    ("rl.distill_coef=-0.5", r"rl.distill_coef = -0.5 is invalid; allowed: >= 0"),  # in distillation too
+    ("optim.learning_rate=0", r"optim.learning_rate = 0.0 is invalid; allowed: > 0"),
+    ("learner.extrapolation.factors=[]", r"learner.extrapolation.factors = \(\) is invalid; allowed: a non-empty list"),
+    ("learner.extrapolation.factors=[3, 1]", r"learner.extrapolation.factors = \(3.0, 1.0\) is invalid; allowed: "
+                                             r"a non-empty list of factors > 1"),
+    ("learner.extrapolation.probe_prompts=0", r"learner.extrapolation.probe_prompts = 0 is invalid; allowed: >= 1"),
+    ("learner.extrapolation.probe_temperature=-1", r"learner.extrapolation.probe_temperature = -1.0 is invalid; "
+                                                   r"allowed: >= 0 \(0: greedy answers\)"),
+    ("learner.batch_size=0", r"learner.batch_size = 0 is invalid; allowed: >= 1"),
+    ("learner.mini_batches=0", r"learner.mini_batches = 0 is invalid; allowed: a divisor of learner.batch_size"),
+    ("learner.micro_batches=3", r"learner.micro_batches = 3 is invalid; allowed: a divisor of learner.batch_size / "
+                                r"learner.mini_batches"),
+    ("learner.token_budget=-1", r"learner.token_budget = -1 is invalid; allowed: >= 0 \(0: off\)"),
+    ("learner.token_bucket=0", r"learner.token_bucket = 0 is invalid; allowed: >= 1"),
+    ("schedule.max_staleness=-1", r"schedule.max_staleness = -1 is invalid; allowed: >= 0"),
+    ("schedule.n_step=0", r"schedule.n_step = 0 is invalid; allowed: >= 1"),
+    ("schedule.lag=-1", r"schedule.lag = -1 is invalid; allowed: >= 0"),
+    ("schedule.rollout_workers=0", r"schedule.rollout_workers = 0 is invalid; allowed: >= 1"),
+    ("stages.rollout_processes=0", r"stages.rollout_processes = 0 is invalid; allowed: >= 1"),
+    ("stages.scoring_processes=-1", r"stages.scoring_processes = -1 is invalid; allowed: >= 0"),
+    ("stages.restarts=-1", r"stages.restarts = -1 is invalid; allowed: >= 0"),
+    ("stages.rollout_niceness=20", r"stages.rollout_niceness = 20 is invalid; allowed: 0 to 19"),
+    ("stages.rollout_cores=3-1", r"stages.rollout_cores = '3-1' is invalid; allowed: 'auto', '' or a CPU list"),
+    ("distributed.num_processes=-1", r"distributed.num_processes = -1 is invalid; allowed: >= 0"),
+    ("distributed.process_id=-2", r"distributed.process_id = -2 is invalid; allowed: -1 \(from the environment\)"),
+    ("train.steps=0", r"train.steps = 0 is invalid; allowed: >= 1"),
+    ("train.diagnostics_every=-1", r"train.diagnostics_every = -1 is invalid; allowed: >= 0 \(0: off\)"),
+    ("train.diagnostic_prompts=0", r"train.diagnostic_prompts = 0 is invalid; allowed: >= 1"),
+    ("train.update_geometry_every=-1", r"train.update_geometry_every = -1 is invalid; allowed: >= 0 \(0: off\)"),
+    ("estimator.m2po_budget=-1", r"estimator.m2po_budget = -1.0 is invalid; allowed: >= 0"),
+    ("estimator.mc_clip_eps=1.5", r"estimator.mc_clip_eps = 1.5 is invalid; allowed: null, ε with 0 <= ε < 1, or "
+                                  r"\[ε_low, ε_high\]"),
+    ("estimator.ppo_clip_eps=[0.2, 0.3, 0.4]", r"estimator.ppo_clip_eps = \(0.2, 0.3, 0.4\) is invalid; allowed: ε "
+                                               r"with 0 <= ε < 1, or \[ε_low, ε_high\]"),
+    ("estimator.ppo_clip_eps=[0.2, -0.1]", r"estimator.ppo_clip_eps = \(0.2, -0.1\) is invalid"),
+    ("estimator.gspo_clip_low=1", r"estimator.gspo_clip_low = 1.0 is invalid; allowed: 0 <= ε_low < 1"),
+    ("estimator.gspo_clip_high=-1", r"estimator.gspo_clip_high = -1.0 is invalid; allowed: >= 0"),
+]
+
+
+@pytest.mark.parametrize("override,message", SECTION_CHECKS, ids=[o for o, _ in SECTION_CHECKS])
+def test_each_section_refuses_a_bad_field_at_load_config_in_one_line(override, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(DEMO_CONFIG, [override])
+    assert "\n" not in str(err.value)
+
+
+def test_a_section_built_in_python_checks_its_fields_too():
+    from asyncopd_jax.config import LearnerConfig, ScheduleConfig
+    from asyncopd_jax.estimator_registry import EstimatorConfig
+
+    with pytest.raises(ConfigError, match=r"^learner.mini_batches = 3 is invalid"):
+        LearnerConfig(batch_size=8, mini_batches=3)
+    with pytest.raises(ConfigError, match=r"^schedule.placement = 'processes' is invalid with schedule.mode = "
+                                          r"fixed_lag; allowed: threads"):
+        ScheduleConfig(mode="fixed_lag", placement="processes")
+    with pytest.raises(ConfigError, match=r"^estimator.name = 'kl' is invalid; allowed: decoupled_ppo"):
+        EstimatorConfig("kl")
+    assert EstimatorConfig("ppo_clip", ppo_clip_eps=(0.2, 0.28)).ppo_clip_eps == (0.2, 0.28)  # DAPO's clip-higher
+
