@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
 from flax import nnx
 
 from asyncopd_jax import configs
@@ -64,6 +65,7 @@ def _train(args: argparse.Namespace) -> None:
         from asyncopd_jax.learner import distributed
 
         distributed.initialize(cfg.distributed)  # before anything else starts JAX here
+        cfg.check_learner_processes(jax.process_count())  # the count the environment gave, when the config did not
     summary = Trainer(cfg, resume=bool(args.resume), progress=not args.no_progress).run()
     teacher = summary.get("teacher_accuracy")  # absent: reward-driven RL without a teacher
     rows = [("teacher", teacher)] if teacher is not None else []

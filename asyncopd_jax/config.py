@@ -4,7 +4,7 @@ Every field is checked up front, when its section is built: an unknown field nam
 and the allowed fields, a bad value names the field and the allowed values. Each section
 checks its own fields (its ``__post_init__``); :class:`RunConfig` checks what spans
 sections, asking the estimator's spec what the run must produce. There are no silent
-fallbacks.
+fallbacks, and nothing that depends only on the config is left for the run to find.
 """
 
 from __future__ import annotations
@@ -266,6 +266,14 @@ class DistributedConfig:
              "-1 (from the environment) or 0 .. distributed.num_processes - 1"),
         ])
 
+    @property
+    def learner_processes(self) -> int | None:
+        """The processes the learner spans where the config fixes their number: 1 without
+        ``initialize``, else ``num_processes``; None: the environment tells at start."""
+        if not self.initialize:
+            return 1
+        return self.num_processes or None
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -343,6 +351,25 @@ class RunConfig:
         workers = self.stages.rollout_processes if self.schedule.placement == "processes" else self.schedule.rollout_workers
         return B // workers if B % workers == 0 else B
 
+    def check_learner_processes(self, processes: int) -> None:
+        """A :class:`ConfigError` for a setting a learner over ``processes`` processes
+        cannot run with. Validation checks the count the config fixes
+        (:attr:`DistributedConfig.learner_processes`); ``asyncopd train`` checks again,
+        after ``jax.distributed.initialize``, the count the environment gave."""
+        if processes <= 1:
+            return
+        where = f"for a learner over {processes} processes"
+        if self.schedule.placement != "processes":
+            raise ConfigError(f"schedule.placement = {self.schedule.placement!r} is invalid {where}; allowed: "
+                              "processes (each learner process reads its rows of a batch from the run's spool)")
+        if self.learner.token_budget:
+            raise ConfigError(f"learner.token_budget = {self.learner.token_budget} is invalid {where}; allowed: 0 "
+                              "(each process feeds its own rows)")
+        if self.stages.snapshot_format == "safetensors":
+            raise ConfigError(f"stages.snapshot_format = 'safetensors' is invalid {where}; allowed: auto, orbax")
+        if self.train.diagnostics_every:
+            raise ConfigError(f"train.diagnostics_every = {self.train.diagnostics_every} is invalid {where}; "
+                              "allowed: 0")
 
 
 def _setting(cfg: RunConfig, path: str) -> Any:
@@ -368,11 +395,17 @@ def _validate(cfg: RunConfig) -> None:
     if extrapolation.enabled and extrapolation.probe_metric == "reverse_kl" and not cfg.teacher.path:
         raise ConfigError("learner.extrapolation.probe_metric = 'reverse_kl' needs a teacher (teacher.path); "
                           "allowed without one: accuracy")
+    if cfg.train.diagnostics_every and not cfg.teacher.path:
+        raise ConfigError(f"train.diagnostics_every = {cfg.train.diagnostics_every} needs a teacher (teacher.path); "
+                          "allowed without one: 0")
     if cfg.schedule.mode == "fixed_lag" and cfg.learner.mini_batches != 1:
         # One rollout batch per optimizer step, sampled in the learner's thread: with M
         # mini-batches the m-th would be k + m stale.
         raise ConfigError(f"learner.mini_batches = {cfg.learner.mini_batches} is invalid with schedule.mode = "
                           "fixed_lag; allowed: 1 (every step then trains on exactly schedule.lag-stale rollouts)")
+    processes = cfg.distributed.learner_processes
+    if processes is not None:  # else known at start only: asyncopd train checks it then
+        cfg.check_learner_processes(processes)
 
 
 def _validate_algorithm(cfg: RunConfig) -> None:

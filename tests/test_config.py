@@ -224,3 +224,41 @@ def test_a_section_built_in_python_checks_its_fields_too():
         EstimatorConfig("kl")
     assert EstimatorConfig("ppo_clip", ppo_clip_eps=(0.2, 0.28)).ppo_clip_eps == (0.2, 0.28)  # DAPO's clip-higher
 
+
+# --- what the trainer used to find at run time ---------------------------------------
+
+TWO_LEARNERS = ["distributed.initialize=true", "distributed.num_processes=2", "distributed.process_id=0",
+                "schedule.placement=processes"]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["train.diagnostics_every=5", "teacher.path=''", *RL],
+     r"^train.diagnostics_every = 5 needs a teacher \(teacher.path\); allowed without one: 0$"),
+    ([*TWO_LEARNERS, "schedule.placement=threads"],
+     r"^schedule.placement = 'threads' is invalid for a learner over 2 processes; allowed: processes"),
+    ([*TWO_LEARNERS, "learner.token_budget=512"],
+     r"^learner.token_budget = 512 is invalid for a learner over 2 processes; allowed: 0"),
+    ([*TWO_LEARNERS, "stages.snapshot_format=safetensors"],
+     r"^stages.snapshot_format = 'safetensors' is invalid for a learner over 2 processes; allowed: auto, orbax$"),
+    ([*TWO_LEARNERS, "train.diagnostics_every=5"],
+     r"^train.diagnostics_every = 5 is invalid for a learner over 2 processes; allowed: 0$"),
+])
+def test_what_the_trainer_found_at_run_time_is_refused_at_load_config(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEMO_CONFIG, overrides)
+
+
+def test_the_learner_process_count_is_checked_where_the_config_fixes_it():
+    """One learner process (no ``distributed.initialize``), or a count from the environment
+    (``num_processes = 0``): validation cannot refuse; ``asyncopd train`` checks the count
+    ``jax.distributed.initialize`` gave with the same function."""
+    one = ["stages.snapshot_format=safetensors", "learner.token_budget=512", "train.diagnostics_every=5"]
+    assert load_config(DEMO_CONFIG, one).distributed.learner_processes == 1
+    assert load_config(DEMO_CONFIG, [*one, "distributed.num_processes=2"]).distributed.learner_processes == 1
+    cfg = load_config(DEMO_CONFIG, [*one, "distributed.initialize=true"])
+    assert cfg.distributed.learner_processes is None
+    cfg.check_learner_processes(1)
+    with pytest.raises(ConfigError, match=r"^schedule.placement = 'threads' is invalid for a learner over 3 "):
+        cfg.check_learner_processes(3)
+    assert load_config(DEMO_CONFIG, TWO_LEARNERS).distributed.learner_processes == 2
+

@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from asyncopd_jax.cache import RolloutBatch
-from asyncopd_jax.config import ConfigError, RunConfig
+from asyncopd_jax.config import RunConfig
 from asyncopd_jax.estimator_registry import get_estimator
 from asyncopd_jax.learner import (
     LearnerBatch,
@@ -100,9 +100,6 @@ class Trainer:
         self.tracer = Tracer()
         self.multi_process = jax.process_count() > 1
         self.leader = distributed.is_leader()
-        if self.multi_process and cfg.schedule.placement != "processes":
-            raise ConfigError(f"a learner over {jax.process_count()} processes needs schedule.placement = processes "
-                              "(its processes read each batch from the run's spool)")
 
         student, tokenizer = load_model_and_tokenizer(cfg.student.path, cfg.student.dtype)
         context = student.config.max_position_embeddings
@@ -127,9 +124,6 @@ class Trainer:
         self.graphdef, self.state = create_train_state(student, self.optimizer, self.mesh)
         self.loss = PolicyLoss.from_config(cfg)
         if learner.token_budget:  # dynamic batching
-            if self.multi_process:
-                raise ConfigError("learner.token_budget > 0 is not supported for a learner over several processes "
-                                  "(each process feeds its own rows); allowed: 0")
             self.train_step = make_packed_train_step(self.graphdef, self.optimizer, self.loss,
                                                      token_budget=learner.token_budget, bucket=learner.token_bucket,
                                                      mesh=self.mesh, state_example=self.state)
@@ -205,17 +199,9 @@ class Trainer:
         configured = self.cfg.stages.snapshot_format
         if configured == "auto":
             return "orbax" if self.multi_process else "safetensors"
-        if configured == "safetensors" and self.multi_process:
-            raise ConfigError("stages.snapshot_format = 'safetensors' is invalid for a learner over several "
-                              "processes; allowed: auto, orbax")
         return configured
 
     def _probe_diagnostics(self) -> ProbeDiagnostics:
-        if self.multi_process:
-            raise ConfigError("train.diagnostics_every > 0 is not supported for a learner over several processes; "
-                              "allowed: 0")
-        if self.teacher is None:
-            raise ConfigError("train.diagnostics_every > 0 needs a teacher (teacher.path); allowed without one: 0")
         prompts, _ = self.data.train_prompts(np.random.default_rng([self.cfg.seed, 2**31 - 1]),
                                              self.cfg.train.diagnostic_prompts)
         return ProbeDiagnostics(graphdef=self.graphdef, teacher=self.teacher, prompts=prompts, sampling=self.sampling,
