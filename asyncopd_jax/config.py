@@ -280,7 +280,6 @@ class TrainConfig:
     steps: int = 100  # optimizer steps
     eval_every: int = 25
     checkpoint_every: int = 25
-    log_every: int = 1
     # Study diagnostics (asyncopd_jax.pipeline.diagnostics): exact KLs on a fixed probe set
     # every this many steps (0: off), over this many probe prompts.
     diagnostics_every: int = 0
@@ -524,8 +523,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 # Fields a resumed run may change (``asyncopd train --resume DIR --set …``): how long it
 # runs and what it logs, never what it computes.
-SAFE_ON_RESUME = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.log_every",
-                  "train.diagnostics_every", "train.diagnostic_prompts", "train.update_geometry_every")
+SAFE_ON_RESUME = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.diagnostics_every",
+                  "train.diagnostic_prompts", "train.update_geometry_every")
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:

@@ -262,3 +262,10 @@ def test_the_learner_process_count_is_checked_where_the_config_fixes_it():
         cfg.check_learner_processes(3)
     assert load_config(DEMO_CONFIG, TWO_LEARNERS).distributed.learner_processes == 2
 
+
+def test_dead_fields_are_gone():
+    from asyncopd_jax.config import SAFE_ON_RESUME
+
+    with pytest.raises(ConfigError, match=r"unknown config field train.log_every; allowed in train: steps"):
+        load_config(DEMO_CONFIG, ["train.log_every=1"])
+    assert not [f for f in SAFE_ON_RESUME if f.endswith("log_every")]

@@ -198,14 +198,6 @@ class DecoderConfig:
         except ValueError as err:  # the dataclass's own checks, which cannot know the file
             raise ValueError(f"{source}: {err}") from None
 
-    @classmethod
-    def from_json(cls, path: str | Path) -> DecoderConfig:
-        """Read a ``config.json``; ``FileNotFoundError`` / ``ValueError`` naming the file."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"missing model config: {path} does not exist")
-        return cls.from_hf_dict(read_json(path), source=path)
-
     def to_hf_dict(self, dtype: str = "float32") -> dict[str, Any]:
         """The ``config.json`` content ``transformers`` expects for this family."""
         out: dict[str, Any] = {
