@@ -21,16 +21,19 @@ import jax.numpy as jnp
 
 from asyncopd_jax import estimators as est
 from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
-from asyncopd_jax.config_checks import ConfigError, check_fields
+from asyncopd_jax.config_checks import check_fields
 from asyncopd_jax.estimators.stabilisers import ClipEps, clip_bounds
 
 Array = jax.Array
 
 
 def _clip_range_ok(clip_eps: ClipEps | None) -> bool:
-    """Whether the stabilisers accept ``clip_eps`` (they check it again when traced)."""
+    """Whether the stabilisers accept ``clip_eps`` (None: no clip); they check it again
+    when traced, which is too late for a config."""
+    if clip_eps is None:
+        return True
     try:
-        clip_eps is None or clip_bounds(clip_eps)
+        clip_bounds(clip_eps)
     except (TypeError, ValueError):  # out of range, or a list of other than two numbers
         return False
     return True
@@ -142,7 +145,7 @@ class EstimatorInputs:
         without distillation).
       student: the current student's log-probs on the ids of :func:`required_ids`.
       proximal: the proximal policy's, for a spec with ``needs_proximal``.
-      advantage: ``[B, T]`` detached, for a spec with ``needs_advantage`` (:func:`advantage`).
+      advantage: ``[B, T]`` detached, for a spec with ``needs_advantage`` (:func:`_advantage`).
     """
 
     batch: RolloutBatch
@@ -214,7 +217,7 @@ class EstimatorSpec:
         return not (rl and self.needs_advantage and distill_coef == 0)
 
 
-def advantage(batch: RolloutBatch, cache: TeacherScoreCache | None, student_token: Array,
+def _advantage(batch: RolloutBatch, cache: TeacherScoreCache | None, student_token: Array,
               signal: Literal["stale", "recompute"], distill_coef: float) -> Array:
     """``[B, T]`` the (detached) advantage the stabilisers weight.
 
@@ -447,7 +450,7 @@ def _check_logprobs(name: str, inputs: Mapping[str, object]) -> None:
                                   supports=tuple(f"{label}.{f}" for f, support in fields if support))
 
 
-def _check_inputs(config: EstimatorConfig, batch: RolloutBatch, cache: TeacherScoreCache | None,
+def _require_inputs(config: EstimatorConfig, batch: RolloutBatch, cache: TeacherScoreCache | None,
                   student: StudentLogProbs, proximal: StudentLogProbs | None, distill_coef: float) -> None:
     """A ValueError naming the first input the spec or the config needs and was not given."""
     spec, name = config.spec, config.name
@@ -508,12 +511,12 @@ def evaluate_estimator(
       ``(values [B, T] fp32, metrics dict of fp32 scalars)``.
     """
     spec = config.spec
-    _check_inputs(config, batch, cache, student, proximal, distill_coef)
+    _require_inputs(config, batch, cache, student, proximal, distill_coef)
     if config.check_inputs:
         _check_logprobs(config.name, {"batch": batch, "cache": cache, "student": student, "proximal": proximal})
     adv = None
     if spec.needs_advantage:  # detached: computed once, outside the gradient below
-        adv = advantage(batch, cache, jax.lax.stop_gradient(student.token), config.stabiliser_signal, distill_coef)
+        adv = _advantage(batch, cache, jax.lax.stop_gradient(student.token), config.stabiliser_signal, distill_coef)
     inputs = EstimatorInputs(batch, cache, student, proximal, adv)
     values = spec.fn(inputs, config)
     if config.entropy_coef:
