@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
 from flax import nnx
 
 from asyncopd_jax import configs
@@ -48,8 +49,6 @@ def _train(args: argparse.Namespace) -> None:
         cfg = cfg.__class__(**{**cfg.__dict__, "name": run_dir.name, "output_dir": str(run_dir.parent)})
     else:
         cfg = load_config(args.config or DEMO_CONFIG, args.set)
-    import os
-
     from asyncopd_jax.pipeline import placement
 
     layout = placement.plan_layout(cfg, run_path=Path(cfg.output_dir) / cfg.name,
@@ -60,9 +59,12 @@ def _train(args: argparse.Namespace) -> None:
     print("\n".join(placement.describe(layout)))
     placement.prepare_learner_process(layout, placement.detect_platform())  # before JAX starts in this process
     if cfg.distributed.initialize:
+        import jax
+
         from asyncopd_jax.learner import distributed
 
         distributed.initialize(cfg.distributed)  # before anything else starts JAX here
+        cfg.check_learner_processes(jax.process_count())  # the count the environment gave, when the config did not
     # planned before this process pinned itself (a plan made after would see only the learner's cores)
     summary = Trainer(cfg, resume=bool(args.resume), progress=not args.no_progress, layout=layout).run()
     teacher = summary.get("teacher_accuracy")  # absent: reward-driven RL without a teacher

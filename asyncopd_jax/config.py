@@ -1,7 +1,10 @@
 """Typed, validated run configuration: frozen dataclasses ⇄ YAML, with ``a.b=c`` overrides.
 
-Every field is checked up front: an unknown field names itself and the allowed fields,
-a bad value names the field and the allowed values. There are no silent fallbacks.
+Every field is checked up front, when its section is built: an unknown field names itself
+and the allowed fields, a bad value names the field and the allowed values. Each section
+checks its own fields (its ``__post_init__``); :class:`RunConfig` checks what spans
+sections, asking the estimator's spec what the run must produce. There are no silent
+fallbacks, and nothing that depends only on the config is left for the run to find.
 """
 
 from __future__ import annotations
@@ -17,15 +20,11 @@ import yaml
 
 from asyncopd_jax import configs
 from asyncopd_jax.atomic_files import write_text_atomically
-from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorOptions
-from asyncopd_jax.estimators import Aggregation
+from asyncopd_jax.config_checks import ConfigError, check_fields
+from asyncopd_jax.estimator_registry import ID_SOURCES, RL_ESTIMATORS, EstimatorConfig
 from asyncopd_jax.pipeline import placement
 from asyncopd_jax.sampling.distribution import SamplingParams
 from asyncopd_jax.teacher.scorer import ScoringParams
-
-
-class ConfigError(ValueError):
-    """A configuration problem, naming the field at fault."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +42,13 @@ class TaskConfig:
     eval_prompts: int = 256  # held-out problems evaluated (at most)
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        check_fields("task", [
+            ("eval_fraction", self.eval_fraction, 0 <= self.eval_fraction < 1, "0 <= fraction < 1"),
+        ])
+        if self.name == "dataset" and not self.path:
+            raise ConfigError("task.path = '' is invalid with task.name = dataset; allowed: a .jsonl or .parquet file")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
@@ -53,57 +59,27 @@ class ModelSource:
 
 
 @dataclasses.dataclass(frozen=True)
-class EstimatorConfig:
-    name: str = "reverse_kl_mc"
-    mc_clip_eps: float | None = None
-    mc_importance_sampling: bool = True
-    topk_tail: bool = True
-    control_variate: bool = False
-    ppo_clip_eps: float = 0.2
-    dual_clip: float | None = None
-    behavior_weight_cap: float | None = 5.0
-    behavior_weight_mode: Literal["mask", "truncate"] = "mask"
-    behavior_weight_floor: float | None = None
-    gspo_clip_low: float = 3e-4
-    gspo_clip_high: float = 4e-4
-    tis_cap: float = 2.0
-    m2po_budget: float = 0.04
-    second_moment_clip_budget: float = 0.04
-    stabiliser_signal: Literal["stale", "recompute"] = "stale"
-    # how per-token losses become the loss (verl's loss_agg_mode names; see estimators/reductions.py)
-    aggregation: Aggregation = "token-mean"
-    entropy_coef: float = 0.0  # entropy bonus c: −c · H(π_θ) on every token (the entropy is a metric either way)
-    reference_kl_coef: float = 0.0  # weight of a KL(π_θ ‖ π_ref) term; π_ref: the `reference` model
-    reference_kl: Literal["k1", "k2", "k3"] = "k3"  # its estimator (see estimators/regularisers.py)
-    check_inputs: bool = False  # debug: checkify that every log-prob fed to the loss is one (a host sync per step)
-
-    def options(self) -> EstimatorOptions:
-        """The estimator's knobs: every field both classes name, copied by name (GSPO's clip
-        range is one tuple there, two numbers here)."""
-        shared = {f.name for f in dataclasses.fields(EstimatorOptions)} & {f.name for f in dataclasses.fields(self)}
-        return EstimatorOptions(**{name: getattr(self, name) for name in shared},
-                                gspo_clip_eps=(self.gspo_clip_low, self.gspo_clip_high))
-
-
-# The estimators that train on an advantage (a policy-gradient surrogate) and so on a reward.
-RL_ESTIMATORS = ("ppo_clip", "decoupled_ppo", "truncated_is", "m2po", "second_moment_clip", "gspo", "gspo_token")
-
-
-@dataclasses.dataclass(frozen=True)
 class RLConfig:
     """Reward-driven RL (``algorithm: rl``): the task's verifier rewards each answer.
 
     Every prompt is answered ``samples_per_prompt`` (G) times; a response's advantage is
     its reward relative to its group's (:func:`asyncopd_jax.estimators.group_advantages`)
-    and one of :data:`RL_ESTIMATORS` (``estimator.name``) turns it into a loss. With
-    ``distill_coef`` β > 0 the teacher's per-token reverse-KL reward is added to the
-    advantage (distil and reinforce at once); with β = 0 the teacher scores nothing.
+    and one of :data:`RL_ESTIMATORS` (``estimator.name``: a spec with ``needs_advantage``)
+    turns it into a loss. With ``distill_coef`` β > 0 the teacher's per-token reverse-KL
+    reward is added to the advantage (distil and reinforce at once); with β = 0 the
+    teacher scores nothing.
     """
 
     samples_per_prompt: int = 8  # G
     normalize_std: bool = True  # GRPO: divide by the group's reward std; False: Dr. GRPO (centre only)
     advantage_std: Literal["unbiased", "population"] = "unbiased"  # that std over G − 1 (verl, AReaL, Tunix) or G
     distill_coef: float = 0.0  # β
+
+    def __post_init__(self) -> None:
+        check_fields("rl", [
+            ("samples_per_prompt", self.samples_per_prompt, self.samples_per_prompt >= 1, ">= 1"),
+            ("distill_coef", self.distill_coef, self.distill_coef >= 0, ">= 0"),
+        ])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +92,9 @@ class OptimConfig:
     grad_clip: float = 1.0
     b1: float = 0.9
     b2: float = 0.95
+
+    def __post_init__(self) -> None:
+        check_fields("optim", [("learning_rate", self.learning_rate, self.learning_rate > 0, "> 0")])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +125,14 @@ class ExtrapolationConfig:
     probe_metric: Literal["accuracy", "reverse_kl"] = "accuracy"
     probe_temperature: float = 0.0
 
+    def __post_init__(self) -> None:
+        check_fields("learner.extrapolation", [
+            ("factors", self.factors, len(self.factors) > 0 and all(f > 1 for f in self.factors),
+             "a non-empty list of factors > 1, tried in order (EffOPD: [3, 5, 7, 9, 11])"),
+            ("probe_prompts", self.probe_prompts, self.probe_prompts >= 1, ">= 1"),
+            ("probe_temperature", self.probe_temperature, self.probe_temperature >= 0, ">= 0 (0: greedy answers)"),
+        ])
+
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
@@ -161,6 +148,18 @@ class LearnerConfig:
     mesh: MeshConfig = MeshConfig()
     extrapolation: ExtrapolationConfig = ExtrapolationConfig()  # EffOPD, off by default
 
+    def __post_init__(self) -> None:
+        B, M, m = self.batch_size, self.mini_batches, self.micro_batches
+        check_fields("learner", [
+            ("batch_size", B, B >= 1, ">= 1"),
+            ("mini_batches", M, M >= 1 and B % M == 0, "a divisor of learner.batch_size"),
+            ("micro_batches", m, m >= 1 and (B // max(M, 1)) % m == 0,
+             "a divisor of learner.batch_size / learner.mini_batches"),
+            ("token_budget", self.token_budget, self.token_budget >= 0 and (self.token_budget == 0 or m == 1),
+             ">= 0 (0: off), with learner.micro_batches = 1 (the budget decides the micro-batches)"),
+            ("token_bucket", self.token_bucket, self.token_bucket >= 1, ">= 1"),
+        ])
+
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleConfig:
@@ -174,6 +173,17 @@ class ScheduleConfig:
     rollout_workers: int = 1  # rollout threads (placement = threads)
     snapshot_in_memory: bool = True  # threads: hand weights over in-process instead of through Orbax
     placement: Literal["threads", "processes"] = "threads"  # where the stages run: see StagesConfig
+
+    def __post_init__(self) -> None:
+        check_fields("schedule", [
+            ("max_staleness", self.max_staleness, self.max_staleness >= 0, ">= 0"),
+            ("n_step", self.n_step, self.n_step >= 1, ">= 1"),
+            ("lag", self.lag, self.lag >= 0, ">= 0"),
+            ("rollout_workers", self.rollout_workers, self.rollout_workers >= 1, ">= 1"),
+        ])
+        if self.mode == "fixed_lag" and self.placement != "threads":
+            raise ConfigError(f"schedule.placement = {self.placement!r} is invalid with schedule.mode = fixed_lag; "
+                              "allowed: threads (fixed_lag samples in the learner's own thread)")
 
     def eta(self, mini_batches: int) -> int:
         """The staleness bound in optimizer steps: 0 for ``sync``; for ``n_step_off``
@@ -221,6 +231,25 @@ class StagesConfig:
     restarts: int = 0  # times a stage process that died is restarted before the run stops
     startup_timeout: float = 600.0  # seconds a stage process waits for the first policy snapshot
 
+    def __post_init__(self) -> None:
+        check_fields("stages", [
+            ("rollout_processes", self.rollout_processes, self.rollout_processes >= 1, ">= 1"),
+            ("scoring_processes", self.scoring_processes, self.scoring_processes >= 0, ">= 0"),
+            ("restarts", self.restarts, self.restarts >= 0, ">= 0"),
+            ("rollout_niceness", self.rollout_niceness, 0 <= self.rollout_niceness <= 19, "0 to 19"),
+        ])
+        for role in ("learner", "rollout", "scoring"):
+            for kind, allowed in (("cores", "'auto', '' or a CPU list such as '0', '1-3', '0,2'"),
+                                  ("devices", "'' or a device list such as '0', '4-7', '0,2'")):
+                value = getattr(self, f"{role}_{kind}")
+                if kind == "cores" and value == "auto":
+                    continue
+                try:
+                    placement.parse_id_list(value)
+                except ValueError as err:
+                    raise ConfigError(f"stages.{role}_{kind} = {value!r} is invalid; allowed: {allowed} ({err})") \
+                        from None
+
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
@@ -239,13 +268,28 @@ class DistributedConfig:
     process_id: int = -1  # -1: detected from the environment
     initialization_timeout: int = 300  # seconds to wait for every process to join
 
+    def __post_init__(self) -> None:
+        n, i = self.num_processes, self.process_id
+        check_fields("distributed", [
+            ("num_processes", n, n >= 0, ">= 0 (0: from the environment)"),
+            ("process_id", i, i >= -1 and (n == 0 or i < n),
+             "-1 (from the environment) or 0 .. distributed.num_processes - 1"),
+        ])
+
+    @property
+    def learner_processes(self) -> int | None:
+        """The processes the learner spans where the config fixes their number: 1 without
+        ``initialize``, else ``num_processes``; None: the environment tells at start."""
+        if not self.initialize:
+            return 1
+        return self.num_processes or None
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 100  # optimizer steps
     eval_every: int = 25
     checkpoint_every: int = 25
-    log_every: int = 1
     # Study diagnostics (asyncopd_jax.pipeline.diagnostics): exact KLs on a fixed probe set
     # every this many steps (0: off), over this many probe prompts.
     diagnostics_every: int = 0
@@ -253,6 +297,14 @@ class TrainConfig:
     # Study diagnostic (asyncopd_jax.learner.update_geometry): per-module norm, rank-1 energy
     # and alignment of the weight update θ_t − θ_0 every this many steps (0: off).
     update_geometry_every: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields("train", [
+            ("steps", self.steps, self.steps >= 1, ">= 1"),
+            ("diagnostics_every", self.diagnostics_every, self.diagnostics_every >= 0, ">= 0 (0: off)"),
+            ("diagnostic_prompts", self.diagnostic_prompts, self.diagnostic_prompts >= 1, ">= 1"),
+            ("update_geometry_every", self.update_geometry_every, self.update_geometry_every >= 0, ">= 0 (0: off)"),
+        ])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,43 +336,60 @@ class RunConfig:
 
     @property
     def needs_teacher_scores(self) -> bool:
-        """Whether rollouts are scored by the teacher (all but RL with ``distill_coef = 0``)."""
-        return self.algorithm == "opd" or self.rl.distill_coef != 0
+        """Whether rollouts are scored by the teacher: the estimator's spec says (all but
+        an advantage estimator in RL with ``rl.distill_coef = 0``)."""
+        return self.estimator.spec.needs_teacher_scores(rl=self.algorithm == "rl", distill_coef=self.rl.distill_coef)
 
     @property
     def needs_scoring(self) -> bool:
         """Whether rollouts go through a scoring stage: teacher scores, or reference log-probs
         for a KL-to-reference term."""
-        return self.needs_teacher_scores or self.estimator.reference_kl_coef != 0
+        return self.needs_teacher_scores or self.estimator.needs_reference_logp
 
     @property
     def samples_per_prompt(self) -> int:
         """Answers sampled per prompt: G in RL, 1 in distillation."""
         return self.rl.samples_per_prompt if self.algorithm == "rl" else 1
 
-    def estimator_options(self) -> EstimatorOptions:
-        """The estimator's knobs, with the RL distillation weight β."""
-        return dataclasses.replace(self.estimator.options(), distill_coef=self.rl.distill_coef)
-
     def rollout_group_size(self) -> int:
         """Samples per rollout group (see :func:`asyncopd_jax.pipeline.placement.rollout_group_size`)."""
         return placement.rollout_group_size(self)
 
+    def check_learner_processes(self, processes: int) -> None:
+        """A :class:`ConfigError` for a setting a learner over ``processes`` processes
+        cannot run with. Validation checks the count the config fixes
+        (:attr:`DistributedConfig.learner_processes`); ``asyncopd train`` checks again,
+        after ``jax.distributed.initialize``, the count the environment gave."""
+        if processes <= 1:
+            return
+        where = f"for a learner over {processes} processes"
+        if self.schedule.placement != "processes":
+            raise ConfigError(f"schedule.placement = {self.schedule.placement!r} is invalid {where}; allowed: "
+                              "processes (each learner process reads its rows of a batch from the run's spool)")
+        if self.learner.token_budget:
+            raise ConfigError(f"learner.token_budget = {self.learner.token_budget} is invalid {where}; allowed: 0 "
+                              "(each process feeds its own rows)")
+        if self.stages.snapshot_format == "safetensors":
+            raise ConfigError(f"stages.snapshot_format = 'safetensors' is invalid {where}; allowed: auto, orbax")
+        if self.train.diagnostics_every:
+            raise ConfigError(f"train.diagnostics_every = {self.train.diagnostics_every} is invalid {where}; "
+                              "allowed: 0")
+
+
+def _setting(cfg: RunConfig, path: str) -> Any:
+    """The value of a ``section.field`` setting."""
+    section, field = path.split(".")
+    return getattr(getattr(cfg, section), field)
+
 
 def _validate(cfg: RunConfig) -> None:
-    """Cross-field checks, each naming the fields involved."""
-    if cfg.estimator.name not in ESTIMATORS:
-        raise ConfigError(f"estimator.name = {cfg.estimator.name!r} is invalid; allowed: {', '.join(sorted(ESTIMATORS))}")
-    s = cfg.sampling
-    # what the estimator needs (its spec says), and the setting that produces it
-    producers = {"candidates": ("sampling.num_candidates", s.num_candidates),
-                 "student_topk": ("sampling.student_topk", s.student_topk),
-                 "teacher_topk": ("scoring.topk", cfg.scoring.topk),
-                 "teacher_samples": ("scoring.num_samples", cfg.scoring.num_samples)}
-    for need in ESTIMATORS[cfg.estimator.name].needs:
-        field, value = producers[need]
-        if value < 1:
-            raise ConfigError(f"estimator.name = {cfg.estimator.name!r} needs {field} >= 1")
+    """The checks that span sections, each naming the fields involved (each section has
+    checked its own fields when it was built)."""
+    spec = cfg.estimator.spec
+    for need in spec.needs:  # each id set the estimator reads, and the setting that makes it
+        setting = ID_SOURCES[need].setting
+        if _setting(cfg, setting) < 1:
+            raise ConfigError(f"estimator.name = {cfg.estimator.name!r} needs {setting} >= 1")
     _validate_algorithm(cfg)
     extrapolation = cfg.learner.extrapolation
     if extrapolation.enabled and extrapolation.probe_metric == "accuracy" and cfg.task.name == "dataset" \
@@ -330,66 +399,19 @@ def _validate(cfg: RunConfig) -> None:
     if extrapolation.enabled and extrapolation.probe_metric == "reverse_kl" and not cfg.teacher.path:
         raise ConfigError("learner.extrapolation.probe_metric = 'reverse_kl' needs a teacher (teacher.path); "
                           "allowed without one: accuracy")
-    if cfg.task.name == "dataset" and not cfg.task.path:
-        raise ConfigError("task.path = '' is invalid with task.name = dataset; allowed: a .jsonl or .parquet file")
-    sch = cfg.schedule
-    for field, value, ok, allowed in [
-        ("schedule.max_staleness", sch.max_staleness, sch.max_staleness >= 0, ">= 0"),
-        ("schedule.n_step", sch.n_step, sch.n_step >= 1, ">= 1"),
-        ("schedule.lag", sch.lag, sch.lag >= 0, ">= 0"),
-        ("schedule.rollout_workers", sch.rollout_workers, sch.rollout_workers >= 1, ">= 1"),
-        ("learner.batch_size", cfg.learner.batch_size, cfg.learner.batch_size >= 1, ">= 1"),
-        ("learner.mini_batches", cfg.learner.mini_batches,
-         cfg.learner.mini_batches >= 1 and cfg.learner.batch_size % cfg.learner.mini_batches == 0,
-         "a divisor of learner.batch_size"),
-        ("learner.micro_batches", cfg.learner.micro_batches,
-         cfg.learner.micro_batches >= 1
-         and (cfg.learner.batch_size // max(cfg.learner.mini_batches, 1)) % cfg.learner.micro_batches == 0,
-         "a divisor of learner.batch_size / learner.mini_batches"),
-        ("learner.token_budget", cfg.learner.token_budget,
-         cfg.learner.token_budget >= 0 and (cfg.learner.token_budget == 0 or cfg.learner.micro_batches == 1),
-         ">= 0 (0: off), with learner.micro_batches = 1 (the budget decides the micro-batches)"),
-        ("learner.token_bucket", cfg.learner.token_bucket, cfg.learner.token_bucket >= 1, ">= 1"),
-        ("stages.rollout_processes", cfg.stages.rollout_processes, cfg.stages.rollout_processes >= 1, ">= 1"),
-        ("stages.scoring_processes", cfg.stages.scoring_processes, cfg.stages.scoring_processes >= 0, ">= 0"),
-        ("stages.restarts", cfg.stages.restarts, cfg.stages.restarts >= 0, ">= 0"),
-        ("stages.rollout_niceness", cfg.stages.rollout_niceness, 0 <= cfg.stages.rollout_niceness <= 19, "0 to 19"),
-        ("distributed.num_processes", cfg.distributed.num_processes, cfg.distributed.num_processes >= 0,
-         ">= 0 (0: from the environment)"),
-        ("distributed.process_id", cfg.distributed.process_id,
-         cfg.distributed.process_id >= -1
-         and (cfg.distributed.num_processes == 0 or cfg.distributed.process_id < cfg.distributed.num_processes),
-         "-1 (from the environment) or 0 .. distributed.num_processes - 1"),
-        ("train.steps", cfg.train.steps, cfg.train.steps >= 1, ">= 1"),
-        ("estimator.reference_kl_coef", cfg.estimator.reference_kl_coef, cfg.estimator.reference_kl_coef >= 0,
-         ">= 0 (0: no KL-to-reference term)"),
-        ("estimator.m2po_budget", cfg.estimator.m2po_budget, cfg.estimator.m2po_budget >= 0, ">= 0"),
-        ("estimator.behavior_weight_floor", cfg.estimator.behavior_weight_floor,
-         cfg.estimator.behavior_weight_floor is None or 0 <= cfg.estimator.behavior_weight_floor
-         < (cfg.estimator.behavior_weight_cap or float("inf")), "null, or >= 0 and below estimator.behavior_weight_cap"),
-        ("train.diagnostics_every", cfg.train.diagnostics_every, cfg.train.diagnostics_every >= 0, ">= 0 (0: off)"),
-        ("train.diagnostic_prompts", cfg.train.diagnostic_prompts, cfg.train.diagnostic_prompts >= 1, ">= 1"),
-        ("train.update_geometry_every", cfg.train.update_geometry_every, cfg.train.update_geometry_every >= 0,
-         ">= 0 (0: off)"),
-        ("optim.learning_rate", cfg.optim.learning_rate, cfg.optim.learning_rate > 0, "> 0"),
-        ("learner.extrapolation.factors", cfg.learner.extrapolation.factors,
-         len(cfg.learner.extrapolation.factors) > 0 and all(f > 1 for f in cfg.learner.extrapolation.factors),
-         "a non-empty list of factors > 1, tried in order (EffOPD: [3, 5, 7, 9, 11])"),
-        ("learner.extrapolation.probe_prompts", cfg.learner.extrapolation.probe_prompts,
-         cfg.learner.extrapolation.probe_prompts >= 1, ">= 1"),
-        ("learner.extrapolation.probe_temperature", cfg.learner.extrapolation.probe_temperature,
-         cfg.learner.extrapolation.probe_temperature >= 0, ">= 0 (0: greedy answers)"),
-        ("task.eval_fraction", cfg.task.eval_fraction, 0 <= cfg.task.eval_fraction < 1, "0 <= fraction < 1"),
-    ]:
-        if not ok:
-            raise ConfigError(f"{field} = {value!r} is invalid; allowed: {allowed}")
-    if sch.mode == "fixed_lag" and cfg.learner.mini_batches != 1:
+    if cfg.train.diagnostics_every and not cfg.teacher.path:
+        raise ConfigError(f"train.diagnostics_every = {cfg.train.diagnostics_every} needs a teacher (teacher.path); "
+                          "allowed without one: 0")
+    if cfg.schedule.mode == "fixed_lag" and cfg.learner.mini_batches != 1:
         # One rollout batch per optimizer step, sampled in the learner's thread: with M
         # mini-batches the m-th would be k + m stale.
         raise ConfigError(f"learner.mini_batches = {cfg.learner.mini_batches} is invalid with schedule.mode = "
                           "fixed_lag; allowed: 1 (every step then trains on exactly schedule.lag-stale rollouts)")
     for message in placement.validate(cfg):
         raise ConfigError(message)
+    processes = cfg.distributed.learner_processes
+    if processes is not None:  # else known at start only: asyncopd train checks it then
+        cfg.check_learner_processes(processes)
 
 
 def _validate_algorithm(cfg: RunConfig) -> None:
@@ -397,15 +419,13 @@ def _validate_algorithm(cfg: RunConfig) -> None:
     if cfg.algorithm == "opd":
         return
     rl = cfg.rl
-    if cfg.estimator.name not in RL_ESTIMATORS:
+    if not cfg.estimator.spec.needs_advantage:
         raise ConfigError(f"estimator.name = {cfg.estimator.name!r} is invalid with algorithm = rl; allowed: "
                           f"{', '.join(RL_ESTIMATORS)}")
     group = cfg.rollout_group_size()
-    if rl.samples_per_prompt < 1 or group % rl.samples_per_prompt:
+    if group % rl.samples_per_prompt:
         raise ConfigError(f"rl.samples_per_prompt = {rl.samples_per_prompt} is invalid; allowed: a divisor of the "
                           f"{group} samples of a rollout group (learner.batch_size / rollout workers)")
-    if rl.distill_coef < 0:
-        raise ConfigError(f"rl.distill_coef = {rl.distill_coef} is invalid; allowed: >= 0")
     if cfg.needs_teacher_scores and not cfg.teacher.path:
         raise ConfigError(f"teacher.path = '' is invalid with rl.distill_coef = {rl.distill_coef}; allowed: a model "
                           "directory (or set rl.distill_coef = 0 to train from rewards alone)")
@@ -496,8 +516,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 # Fields a resumed run may change (``asyncopd train --resume DIR --set …``): how long it
 # runs and what it logs, never what it computes.
-SAFE_ON_RESUME = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.log_every",
-                  "train.diagnostics_every", "train.diagnostic_prompts", "train.update_geometry_every")
+SAFE_ON_RESUME = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.diagnostics_every",
+                  "train.diagnostic_prompts", "train.update_geometry_every")
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:

@@ -1,10 +1,13 @@
-"""Estimators by name: which cached ids each one needs, and how to evaluate it.
+"""Estimators by name: their settings, what each one needs, and how to evaluate it.
 
 The learner, the config and the studies refer to an estimator by its name (e.g.
-``"reverse_kl_mc"``). Each :class:`EstimatorSpec` says which student log-prob sets the
-estimator needs besides the sampled tokens (:func:`required_ids`), and evaluates the pure
-function of :mod:`asyncopd_jax.estimators` on the data contracts of
-:mod:`asyncopd_jax.cache` (:func:`evaluate_estimator`).
+``"reverse_kl_mc"``), configured by one :class:`EstimatorConfig` (the ``estimator``
+section of a run's config). Each :class:`EstimatorSpec` declares what the estimator reads
+besides the sampled tokens (the id sets of :data:`ID_SOURCES` and the config setting that
+makes each, proximal log-probs, an advantage), and evaluates the pure function of
+:mod:`asyncopd_jax.estimators` on the data contracts of :mod:`asyncopd_jax.cache`
+(:func:`evaluate_estimator`). The config's validation, the scoring stage and the learner
+all ask the spec: no list of names to keep in step.
 """
 
 from __future__ import annotations
@@ -18,236 +21,360 @@ import jax.numpy as jnp
 
 from asyncopd_jax import estimators as est
 from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
+from asyncopd_jax.config_checks import check_fields
+from asyncopd_jax.estimators.stabilisers import ClipEps, clip_bounds
 
 Array = jax.Array
 
 
+def _clip_range_ok(clip_eps: ClipEps | None) -> bool:
+    """Whether the stabilisers accept ``clip_eps`` (None: no clip); they check it again
+    when traced, which is too late for a config."""
+    if clip_eps is None:
+        return True
+    try:
+        clip_bounds(clip_eps)
+    except (TypeError, ValueError):  # out of range, or a list of other than two numbers
+        return False
+    return True
+
+
+_CLIP_RANGE = "ε with 0 <= ε < 1, or [ε_low, ε_high] with 0 <= ε_low < 1 and ε_high >= 0"
+
+
 @dataclasses.dataclass(frozen=True)
-class EstimatorOptions:
-    """Knobs of the named estimators (hashable, so it can be a static jit argument).
+class EstimatorConfig:
+    """The estimator and its knobs: the ``estimator`` section of a run's config (hashable,
+    so it can be a static jit argument). Each field is checked on construction.
 
     Attributes:
-      mc_clip_eps: PPO-style clip of the MC importance ratio (``reverse_kl_mc*``).
+      name: one of :data:`ESTIMATORS`.
+      mc_clip_eps: PPO-style clip of the MC importance ratio (``reverse_kl_mc*``,
+        ``reverse_kl_pg*``): ``ε`` or ``(ε_low, ε_high)``; None: no clip.
       mc_importance_sampling: weight MC candidates by ``π_θ / μ`` (``reverse_kl_mc``,
         ``reverse_kl_mc_stale``, ``reverse_kl_pg*``); False treats μ's draws as if from
         π_θ (biased under staleness: for the studies).
       topk_tail: add the tail bucket to the top-K estimators.
       control_variate: use the k3 form of ``forward_kl_mc``.
-      ppo_clip_eps: clip range of ``ppo_clip``, ``decoupled_ppo``.
+      ppo_clip_eps: clip range of ``ppo_clip``, ``decoupled_ppo``: ``ε`` or ``(ε_low, ε_high)``.
       dual_clip: dual-clip constant ``c > 1`` of the PPO-style losses, or None.
       behavior_weight_cap: decoupled PPO's cap on ``π_prox / μ``.
       behavior_weight_mode: what that cap does: mask the token (``"mask"``) or clamp the
         weight (``"truncate"``).
       behavior_weight_floor: decoupled PPO masks tokens whose ``π_prox / μ`` is below it.
-      gspo_clip_eps: GSPO's clip range of the sequence ratio, ``(ε_low, ε_high)``.
+      gspo_clip_low, gspo_clip_high: GSPO's clip range ``(ε_low, ε_high)`` of the sequence ratio.
       tis_cap: truncated IS cap.
       m2po_budget: M2PO's second-moment budget τ_M2 (``m2po``).
       second_moment_clip_budget, second_moment_clip_min_low, second_moment_clip_min_high:
         the budget and the range floors of ``second_moment_clip``.
-      stabiliser_signal: the reward the stabilisers use as advantage: ``"stale"`` =
-        ``log q − log μ`` fixed at rollout time (the async-RL practice), ``"recompute"``
-        = ``log q − log π_θ`` at learner time.
-      distill_coef: reward-driven RL (``RolloutBatch.advantages`` present) only: β, the
-        weight of that teacher signal added to the reward advantage (0: pure RL, no
-        teacher scores needed).
+      stabiliser_signal: the teacher reward the stabilisers use as advantage in
+        distillation: ``"stale"`` = ``log q − log μ`` fixed at rollout time (the async-RL
+        practice), ``"recompute"`` = ``log q − log π_θ`` at learner time.
+      aggregation: how per-token losses become the loss (verl's ``loss_agg_mode`` names;
+        see :mod:`asyncopd_jax.estimators.reductions`).
       entropy_coef: weight c of the entropy bonus ``−c · H(π_θ)`` added to every token's
         loss (0: none; the entropy is a metric either way).
       reference_kl_coef, reference_kl: weight and estimator (k1 / k2 / k3) of a
         KL(π_θ ‖ π_ref) term added to every token's loss, on
-        ``RolloutBatch.reference_logp`` (0: none).
+        ``RolloutBatch.reference_logp`` (0: none; π_ref: the run's ``reference`` model).
       check_inputs: add ``checkify`` checks that every log-prob the estimator is given is a
         log-prob (:mod:`asyncopd_jax.estimators.checks`; a debug mode: the learner then
         checks each step's error on the host).
+
+    The RL weight β of the teacher's signal (``rl.distill_coef``) is not a knob of the
+    estimator but of the run: the loss takes it beside this config (:func:`evaluate_estimator`).
     """
 
-    mc_clip_eps: float | tuple[float, float] | None = None
+    name: str = "reverse_kl_mc"
+    mc_clip_eps: ClipEps | None = None
     mc_importance_sampling: bool = True
     topk_tail: bool = True
     control_variate: bool = False
-    ppo_clip_eps: float | tuple[float, float] = 0.2
+    ppo_clip_eps: ClipEps = 0.2
     dual_clip: float | None = None
     behavior_weight_cap: float | None = 5.0
     behavior_weight_mode: Literal["mask", "truncate"] = "mask"
     behavior_weight_floor: float | None = None
-    gspo_clip_eps: tuple[float, float] = (3e-4, 4e-4)
+    gspo_clip_low: float = 3e-4
+    gspo_clip_high: float = 4e-4
     tis_cap: float = 2.0
     m2po_budget: float = 0.04
     second_moment_clip_budget: float = 0.04
     second_moment_clip_min_low: float = 0.3
     second_moment_clip_min_high: float = 0.5
     stabiliser_signal: Literal["stale", "recompute"] = "stale"
-    distill_coef: float = 0.0
+    aggregation: est.Aggregation = "token-mean"
     entropy_coef: float = 0.0
     reference_kl_coef: float = 0.0
     reference_kl: est.ReferenceKL = "k3"
     check_inputs: bool = False
 
+    def __post_init__(self) -> None:
+        floor, cap = self.behavior_weight_floor, self.behavior_weight_cap
+        check_fields("estimator", [
+            ("name", self.name, self.name in ESTIMATORS, ", ".join(sorted(ESTIMATORS))),
+            ("mc_clip_eps", self.mc_clip_eps, _clip_range_ok(self.mc_clip_eps), f"null, {_CLIP_RANGE}"),
+            ("ppo_clip_eps", self.ppo_clip_eps, _clip_range_ok(self.ppo_clip_eps), _CLIP_RANGE),
+            ("gspo_clip_low", self.gspo_clip_low, 0 <= self.gspo_clip_low < 1, "0 <= ε_low < 1"),
+            ("gspo_clip_high", self.gspo_clip_high, self.gspo_clip_high >= 0, ">= 0"),
+            ("reference_kl_coef", self.reference_kl_coef, self.reference_kl_coef >= 0,
+             ">= 0 (0: no KL-to-reference term)"),
+            ("m2po_budget", self.m2po_budget, self.m2po_budget >= 0, ">= 0"),
+            ("behavior_weight_floor", floor, floor is None or 0 <= floor < (cap or float("inf")),
+             "null, or >= 0 and below estimator.behavior_weight_cap"),
+        ])
 
-EstimatorFn = Callable[
-    [RolloutBatch, TeacherScoreCache, StudentLogProbs, "StudentLogProbs | None", EstimatorOptions], Array
-]
+    @property
+    def spec(self) -> EstimatorSpec:
+        """The named estimator's spec."""
+        return ESTIMATORS[self.name]
+
+    @property
+    def needs_reference_logp(self) -> bool:
+        """Whether the loss has a KL-to-reference term, read on ``RolloutBatch.reference_logp``."""
+        return self.reference_kl_coef != 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorInputs:
+    """What an estimator's adapter reads (all ``[B, T]`` or ``[B, T, n]``, see
+    :mod:`asyncopd_jax.cache`).
+
+    Attributes:
+      batch, cache: the rollout and its teacher scores (``cache`` None: reward-driven RL
+        without distillation).
+      student: the current student's log-probs on the ids of :func:`required_ids`.
+      proximal: the proximal policy's, for a spec with ``needs_proximal``.
+      advantage: ``[B, T]`` detached, for a spec with ``needs_advantage`` (:func:`_advantage`).
+    """
+
+    batch: RolloutBatch
+    cache: TeacherScoreCache | None
+    student: StudentLogProbs
+    proximal: StudentLogProbs | None = None
+    advantage: Array | None = None
+
+
+# An adapter: the inputs and the config → per-token losses [B, T].
+EstimatorFn = Callable[[EstimatorInputs, EstimatorConfig], Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class IdSource:
+    """Where the ids of one :class:`StudentLogProbs` field come from.
+
+    Attributes:
+      owner: the object holding them: the rollout (``"batch"``) or the teacher's cache.
+      ids: its attribute holding the ids ``[B, T, n]``.
+      scores: the :class:`TeacherScoreCache` attribute of the teacher's log-probs on them.
+      setting: the run config's count (``section.field``) that makes the rollout or
+        scoring stage produce them; 0 makes none.
+    """
+
+    owner: Literal["batch", "cache"]
+    ids: str
+    scores: str
+    setting: str
+
+
+ID_SOURCES: dict[str, IdSource] = {
+    "candidates": IdSource("batch", "candidate_ids", "candidate_logp", "sampling.num_candidates"),
+    "student_topk": IdSource("batch", "student_topk_ids", "student_topk_logp", "sampling.student_topk"),
+    "teacher_topk": IdSource("cache", "topk_ids", "topk_logp", "scoring.topk"),
+    "teacher_samples": IdSource("cache", "sample_ids", "sample_logp", "scoring.num_samples"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class EstimatorSpec:
-    """A named estimator: which student log-prob sets it needs, and how to evaluate it."""
+    """A named estimator: what it reads besides the sampled tokens and their log μ, and
+    how to evaluate it.
+
+    Attributes:
+      name: its name in :data:`ESTIMATORS`.
+      fn: its adapter (a named function of ``(EstimatorInputs, EstimatorConfig)``).
+      needs: the id sets the student is scored on, fields of :class:`StudentLogProbs`
+        (keys of :data:`ID_SOURCES`, which says which setting makes each).
+      needs_proximal: reads proximal log-probs (a no-grad forward of the weights before
+        the batch's first optimizer step).
+      needs_advantage: a policy-gradient surrogate weighted by an advantage (a
+        stabiliser): the reward's in reward-driven RL, which only these estimators can
+        train on, else the teacher's reverse-KL reward.
+      description: one line for the docs.
+    """
 
     name: str
-    needs: tuple[str, ...]  # fields of StudentLogProbs besides `token`
     fn: EstimatorFn
+    needs: tuple[str, ...] = ()
     needs_proximal: bool = False
+    needs_advantage: bool = False
     description: str = ""
 
+    def needs_teacher_scores(self, *, rl: bool, distill_coef: float = 0.0) -> bool:
+        """Whether it reads the teacher's scores (a :class:`TeacherScoreCache`): always,
+        but for an advantage estimator in reward-driven RL (``rl``) without distillation
+        (``distill_coef`` β = 0)."""
+        return not (rl and self.needs_advantage and distill_coef == 0)
 
-def _stabiliser_advantage(batch, cache, student, options) -> Array:
+
+def _advantage(batch: RolloutBatch, cache: TeacherScoreCache | None, student_token: Array,
+              signal: Literal["stale", "recompute"], distill_coef: float) -> Array:
     """``[B, T]`` the (detached) advantage the stabilisers weight.
 
     Distillation: the teacher's reverse-KL reward ``log q − log base`` (base: μ for the
-    stale signal, π_θ recomputed). Reward-driven RL (``batch.advantages`` set): the
-    reward advantage, plus ``distill_coef`` times that teacher reward when β > 0.
+    ``stale`` signal, π_θ's ``student_token`` log-probs for ``recompute``). Reward-driven RL
+    (``batch.advantages`` set): the reward advantage, plus ``distill_coef`` β times that
+    teacher reward when β > 0.
     """
-    base = batch.behavior_logp if options.stabiliser_signal == "stale" else student.token
+    base = batch.behavior_logp if signal == "stale" else student_token
     if batch.advantages is None:
         return jax.lax.stop_gradient(cache.token_logp - base)
-    if options.distill_coef == 0:
+    if distill_coef == 0:
         return jax.lax.stop_gradient(batch.advantages)
-    if cache is None:
-        raise ValueError(f"distill_coef = {options.distill_coef} needs the teacher's scores (a TeacherScoreCache)")
-    return est.with_distillation(batch.advantages, cache.token_logp, base, options.distill_coef)
+    return est.with_distillation(batch.advantages, cache.token_logp, base, distill_coef)
 
 
-def _mc(recompute: bool) -> EstimatorFn:
-    def run(batch, cache, student, proximal, options):
-        return est.reverse_kl_mc(
-            student.candidates, batch.candidate_behavior_logp, cache.candidate_logp,
-            recompute=recompute, importance_sampling=options.mc_importance_sampling, clip_eps=options.mc_clip_eps,
-        )
-
-    return run
+# --- the adapters: each feeds one function of asyncopd_jax.estimators ---------------
 
 
-def _pg(recompute: bool) -> EstimatorFn:
-    def run(batch, cache, student, proximal, options):
-        return est.reverse_kl_mc(
-            student.token[..., None], batch.behavior_logp[..., None], cache.token_logp[..., None],
-            recompute=recompute, importance_sampling=options.mc_importance_sampling, clip_eps=options.mc_clip_eps,
-        )
-
-    return run
+def _forward_kl_topk(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return est.forward_kl_topk(x.student.teacher_topk, x.cache.topk_logp, tail=c.topk_tail)
 
 
-def _gspo(level: Literal["sequence", "token"]) -> EstimatorFn:
-    def run(batch, cache, student, proximal, options):
-        return est.gspo_loss(student.token, batch.behavior_logp, _stabiliser_advantage(batch, cache, student, options),
-                             batch.response_mask, clip_eps=options.gspo_clip_eps, level=level)
+def _forward_kl_topk_renormalized(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return est.forward_kl_topk_renormalized(x.student.teacher_topk, x.cache.topk_logp)
 
-    return run
+
+def _forward_kl_mc(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return est.forward_kl_mc(x.student.teacher_samples, x.cache.sample_logp, control_variate=c.control_variate)
+
+
+def _reverse_kl_topk(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return est.reverse_kl_topk(x.student.student_topk, x.cache.student_topk_logp, tail=c.topk_tail)
+
+
+def _mc(student: Array, behavior: Array, teacher: Array, c: EstimatorConfig, *, recompute: bool) -> Array:
+    """``reverse_kl_mc`` on ``[B, T, n]`` draws of μ, with the config's IS and clip."""
+    return est.reverse_kl_mc(student, behavior, teacher, recompute=recompute,
+                             importance_sampling=c.mc_importance_sampling, clip_eps=c.mc_clip_eps)
+
+
+def _reverse_kl_mc(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return _mc(x.student.candidates, x.batch.candidate_behavior_logp, x.cache.candidate_logp, c, recompute=True)
+
+
+def _reverse_kl_mc_stale(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return _mc(x.student.candidates, x.batch.candidate_behavior_logp, x.cache.candidate_logp, c, recompute=False)
+
+
+def _reverse_kl_mc_loo(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return est.reverse_kl_mc_loo(x.student.candidates, x.batch.candidate_behavior_logp, x.cache.candidate_logp)
+
+
+def _reverse_kl_hybrid(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    b, s = x.batch, x.student
+    return est.reverse_kl_hybrid(s.student_topk, x.cache.student_topk_logp, b.student_topk_ids,
+                                 s.candidates, b.candidate_behavior_logp, x.cache.candidate_logp, b.candidate_ids)
+
+
+def _reverse_kl_pg(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    # the emitted token as the one MC draw
+    return _mc(x.student.token[..., None], x.batch.behavior_logp[..., None], x.cache.token_logp[..., None], c,
+               recompute=True)
+
+
+def _reverse_kl_pg_stale(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return _mc(x.student.token[..., None], x.batch.behavior_logp[..., None], x.cache.token_logp[..., None], c,
+               recompute=False)
+
+
+def _ppo_clip(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return est.ppo_clip_loss(x.student.token, x.batch.behavior_logp, x.advantage, clip_eps=c.ppo_clip_eps,
+                             dual_clip=c.dual_clip)
+
+
+def _decoupled_ppo(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return est.decoupled_ppo_loss(
+        x.student.token, x.proximal.token, x.batch.behavior_logp, x.advantage, clip_eps=c.ppo_clip_eps,
+        dual_clip=c.dual_clip, behavior_weight_cap=c.behavior_weight_cap, behavior_weight_mode=c.behavior_weight_mode,
+        behavior_weight_floor=c.behavior_weight_floor,
+    )
+
+
+def _gspo(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return est.gspo_loss(x.student.token, x.batch.behavior_logp, x.advantage, x.batch.response_mask,
+                         clip_eps=(c.gspo_clip_low, c.gspo_clip_high), level="sequence")
+
+
+def _gspo_token(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return est.gspo_loss(x.student.token, x.batch.behavior_logp, x.advantage, x.batch.response_mask,
+                         clip_eps=(c.gspo_clip_low, c.gspo_clip_high), level="token")
+
+
+def _truncated_is(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return est.truncated_is_loss(x.student.token, x.batch.behavior_logp, x.advantage, cap=c.tis_cap)
+
+
+def _m2po(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return est.m2po_loss(x.student.token, x.batch.behavior_logp, x.advantage, x.batch.response_mask,
+                         second_moment_budget=c.m2po_budget)
+
+
+def _second_moment_clip(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return est.second_moment_clip_loss(
+        x.student.token, x.batch.behavior_logp, x.advantage, x.batch.response_mask,
+        second_moment_budget=c.second_moment_clip_budget, min_low_margin=c.second_moment_clip_min_low,
+        min_high_margin=c.second_moment_clip_min_high, dual_clip=c.dual_clip,
+    )
 
 
 ESTIMATORS: dict[str, EstimatorSpec] = {
     spec.name: spec
     for spec in [
-        EstimatorSpec(
-            "forward_kl_topk", ("teacher_topk",),
-            lambda b, c, s, p, o: est.forward_kl_topk(s.teacher_topk, c.topk_logp, tail=o.topk_tail),
-            description="KL(teacher‖student) on the teacher's top-K ids",
-        ),
-        EstimatorSpec(
-            "forward_kl_topk_renormalized", ("teacher_topk",),
-            lambda b, c, s, p, o: est.forward_kl_topk_renormalized(s.teacher_topk, c.topk_logp),
-            description="KL(teacher‖student), both renormalised over the teacher's top-K ids (Tunix's distill_top_k)",
-        ),
-        EstimatorSpec(
-            "forward_kl_mc", ("teacher_samples",),
-            lambda b, c, s, p, o: est.forward_kl_mc(s.teacher_samples, c.sample_logp, control_variate=o.control_variate),
-            description="KL(teacher‖student), Monte Carlo over teacher samples",
-        ),
-        EstimatorSpec(
-            "reverse_kl_topk", ("student_topk",),
-            lambda b, c, s, p, o: est.reverse_kl_topk(s.student_topk, c.student_topk_logp, tail=o.topk_tail),
-            description="KL(student‖teacher) on the rollout student's top-K ids",
-        ),
-        EstimatorSpec(
-            "reverse_kl_mc", ("candidates",), _mc(recompute=True),
-            description="KL(student‖teacher), N-sample MC, recompute + importance sampling (unbiased)",
-        ),
-        EstimatorSpec(
-            "reverse_kl_mc_loo", ("candidates",),
-            lambda b, c, s, p, o: est.reverse_kl_mc_loo(s.candidates, b.candidate_behavior_logp, c.candidate_logp),
-            description="as reverse_kl_mc with a leave-one-out baseline over the N candidates (unbiased)",
-        ),
-        EstimatorSpec(
-            "reverse_kl_hybrid", ("student_topk", "candidates"),
-            lambda b, c, s, p, o: est.reverse_kl_hybrid(
-                s.student_topk, c.student_topk_logp, b.student_topk_ids,
-                s.candidates, b.candidate_behavior_logp, c.candidate_logp, b.candidate_ids,
-            ),
-            description="KL(student‖teacher): exact on the rollout student's top-K, MC + IS outside it (unbiased)",
-        ),
-        EstimatorSpec(
-            "reverse_kl_mc_stale", ("candidates",), _mc(recompute=False),
-            description="as reverse_kl_mc with the stale signal log μ − log q",
-        ),
-        EstimatorSpec(
-            "reverse_kl_pg", (), _pg(recompute=True),
-            description="KL(student‖teacher), 1 sample (the emitted token), recompute + IS",
-        ),
-        EstimatorSpec(
-            "reverse_kl_pg_stale", (), _pg(recompute=False),
-            description="as reverse_kl_pg with the stale signal log μ − log q",
-        ),
-        EstimatorSpec(
-            "ppo_clip", (),
-            lambda b, c, s, p, o: est.ppo_clip_loss(
-                s.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o),
-                clip_eps=o.ppo_clip_eps, dual_clip=o.dual_clip,
-            ),
-            description="PPO clip on the emitted token, reward log q − log μ",
-        ),
-        EstimatorSpec(
-            "decoupled_ppo", (),
-            lambda b, c, s, p, o: est.decoupled_ppo_loss(
-                s.token, p.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o),
-                clip_eps=o.ppo_clip_eps, dual_clip=o.dual_clip, behavior_weight_cap=o.behavior_weight_cap,
-                behavior_weight_mode=o.behavior_weight_mode, behavior_weight_floor=o.behavior_weight_floor,
-            ),
-            needs_proximal=True,
-            description="AReaL decoupled PPO (needs proximal log-probs)",
-        ),
-        EstimatorSpec(
-            "gspo", (), _gspo("sequence"),
-            description="GSPO: PPO clip on the response's geometric-mean ratio (aggregate with seq-mean-token-mean)",
-        ),
-        EstimatorSpec(
-            "gspo_token", (), _gspo("token"),
-            description="GSPO-token: GSPO's sequence ratio with per-token advantages",
-        ),
-        EstimatorSpec(
-            "truncated_is", (),
-            lambda b, c, s, p, o: est.truncated_is_loss(
-                s.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o), cap=o.tis_cap
-            ),
-            description="policy gradient with truncated importance weights",
-        ),
-        EstimatorSpec(
-            "m2po", (),
-            lambda b, c, s, p, o: est.m2po_loss(
-                s.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o), b.response_mask,
-                second_moment_budget=o.m2po_budget,
-            ),
-            description="M2PO: mask the largest squared log-ratios until the batch's second moment is in budget",
-        ),
-        EstimatorSpec(
-            "second_moment_clip", (),
-            lambda b, c, s, p, o: est.second_moment_clip_loss(
-                s.token, b.behavior_logp, _stabiliser_advantage(b, c, s, o), b.response_mask,
-                second_moment_budget=o.second_moment_clip_budget, min_low_margin=o.second_moment_clip_min_low,
-                min_high_margin=o.second_moment_clip_min_high, dual_clip=o.dual_clip,
-            ),
-            description="PPO surrogate with a clip range set by a second-moment budget (not M2PO; E2's earlier arm)",
-        ),
+        EstimatorSpec("forward_kl_topk", _forward_kl_topk, ("teacher_topk",),
+                      description="KL(teacher‖student) on the teacher's top-K ids"),
+        EstimatorSpec("forward_kl_topk_renormalized", _forward_kl_topk_renormalized, ("teacher_topk",),
+                      description="KL(teacher‖student), both renormalised over the teacher's top-K ids "
+                                  "(Tunix's distill_top_k)"),
+        EstimatorSpec("forward_kl_mc", _forward_kl_mc, ("teacher_samples",),
+                      description="KL(teacher‖student), Monte Carlo over teacher samples"),
+        EstimatorSpec("reverse_kl_topk", _reverse_kl_topk, ("student_topk",),
+                      description="KL(student‖teacher) on the rollout student's top-K ids"),
+        EstimatorSpec("reverse_kl_mc", _reverse_kl_mc, ("candidates",),
+                      description="KL(student‖teacher), N-sample MC, recompute + importance sampling (unbiased)"),
+        EstimatorSpec("reverse_kl_mc_loo", _reverse_kl_mc_loo, ("candidates",),
+                      description="as reverse_kl_mc with a leave-one-out baseline over the N candidates (unbiased)"),
+        EstimatorSpec("reverse_kl_hybrid", _reverse_kl_hybrid, ("student_topk", "candidates"),
+                      description="KL(student‖teacher): exact on the rollout student's top-K, MC + IS outside it "
+                                  "(unbiased)"),
+        EstimatorSpec("reverse_kl_mc_stale", _reverse_kl_mc_stale, ("candidates",),
+                      description="as reverse_kl_mc with the stale signal log μ − log q"),
+        EstimatorSpec("reverse_kl_pg", _reverse_kl_pg,
+                      description="KL(student‖teacher), 1 sample (the emitted token), recompute + IS"),
+        EstimatorSpec("reverse_kl_pg_stale", _reverse_kl_pg_stale,
+                      description="as reverse_kl_pg with the stale signal log μ − log q"),
+        EstimatorSpec("ppo_clip", _ppo_clip, needs_advantage=True,
+                      description="PPO clip on the emitted token, reward log q − log μ"),
+        EstimatorSpec("decoupled_ppo", _decoupled_ppo, needs_proximal=True, needs_advantage=True,
+                      description="AReaL decoupled PPO (needs proximal log-probs)"),
+        EstimatorSpec("gspo", _gspo, needs_advantage=True,
+                      description="GSPO: PPO clip on the response's geometric-mean ratio (aggregate with "
+                                  "seq-mean-token-mean)"),
+        EstimatorSpec("gspo_token", _gspo_token, needs_advantage=True,
+                      description="GSPO-token: GSPO's sequence ratio with per-token advantages"),
+        EstimatorSpec("truncated_is", _truncated_is, needs_advantage=True,
+                      description="policy gradient with truncated importance weights"),
+        EstimatorSpec("m2po", _m2po, needs_advantage=True,
+                      description="M2PO: mask the largest squared log-ratios until the batch's second moment is "
+                                  "in budget"),
+        EstimatorSpec("second_moment_clip", _second_moment_clip, needs_advantage=True,
+                      description="PPO surrogate with a clip range set by a second-moment budget (not M2PO; E2's "
+                                  "earlier arm)"),
     ]
 }
+
+# The estimators reward-driven RL can train with: those weighting an advantage.
+RL_ESTIMATORS: tuple[str, ...] = tuple(name for name, spec in ESTIMATORS.items() if spec.needs_advantage)
 
 
 def get_estimator(name: str) -> EstimatorSpec:
@@ -258,33 +385,23 @@ def get_estimator(name: str) -> EstimatorSpec:
         raise ValueError(f"unknown estimator {name!r}; allowed: {', '.join(sorted(ESTIMATORS))}") from None
 
 
-# Where the ids of each StudentLogProbs field live, and what the cache must hold for them.
-_ID_SOURCES: dict[str, tuple[str, str, str]] = {
-    # field: (object, ids attribute, teacher/behaviour attribute it is compared with)
-    "candidates": ("batch", "candidate_ids", "candidate_logp"),
-    "student_topk": ("batch", "student_topk_ids", "student_topk_logp"),
-    "teacher_topk": ("cache", "topk_ids", "topk_logp"),
-    "teacher_samples": ("cache", "sample_ids", "sample_logp"),
-}
-
-
-def required_ids(name: str, batch: RolloutBatch, cache: TeacherScoreCache) -> dict[str, Array]:
+def required_ids(name: str, batch: RolloutBatch, cache: TeacherScoreCache | None) -> dict[str, Array]:
     """The id sets the learner must score for estimator ``name``, by StudentLogProbs field.
 
     Always includes ``"token"`` (the sampled tokens, ``[B, T]``); the others are
-    ``[B, T, n]``. Raises a ValueError naming the missing cache or batch field.
+    ``[B, T, n]``. Raises a ValueError naming the missing cache or batch field and the
+    setting that makes it.
     """
     spec = get_estimator(name)
     ids: dict[str, Array] = {"token": batch.response_tokens}
     for field in spec.needs:
-        owner, id_attr, score_attr = _ID_SOURCES[field]
-        source = batch if owner == "batch" else cache
-        value = getattr(source, id_attr)
-        if value is None or getattr(cache, score_attr) is None:
-            where = f"RolloutBatch.{id_attr}" if owner == "batch" else f"TeacherScoreCache.{id_attr}"
+        source = ID_SOURCES[field]
+        value = getattr(batch if source.owner == "batch" else cache, source.ids, None)
+        if value is None or getattr(cache, source.scores, None) is None:
+            where = "RolloutBatch" if source.owner == "batch" else "TeacherScoreCache"
             raise ValueError(
-                f"estimator {name!r} needs {where} and TeacherScoreCache.{score_attr}; the rollout or "
-                "teacher-scoring stage was not configured to produce them"
+                f"estimator {name!r} needs {where}.{source.ids} and TeacherScoreCache.{source.scores}; the rollout "
+                f"or teacher-scoring stage was not configured to produce them ({source.setting} >= 1)"
             )
         ids[field] = value
     return ids
@@ -333,19 +450,45 @@ def _check_logprobs(name: str, inputs: Mapping[str, object]) -> None:
                                   supports=tuple(f"{label}.{f}" for f, support in fields if support))
 
 
+def _require_inputs(config: EstimatorConfig, batch: RolloutBatch, cache: TeacherScoreCache | None,
+                  student: StudentLogProbs, proximal: StudentLogProbs | None, distill_coef: float) -> None:
+    """A ValueError naming the first input the spec or the config needs and was not given."""
+    spec, name = config.spec, config.name
+    ids = required_ids(name, batch, cache)  # names a missing cache or batch field
+    missing = [f for f in spec.needs if getattr(student, f) is None]
+    if missing:
+        raise ValueError(f"estimator {name!r} needs StudentLogProbs.{', '.join(missing)}")
+    for field in spec.needs:
+        if getattr(student, field).shape != ids[field].shape:
+            raise ValueError(f"StudentLogProbs.{field} has shape {list(getattr(student, field).shape)}, "
+                             f"but its ids have shape {list(ids[field].shape)}")
+    if spec.needs_proximal and proximal is None:
+        raise ValueError(f"estimator {name!r} needs proximal log-probs (a no-grad forward before the update)")
+    rl = batch.advantages is not None
+    if cache is None and spec.needs_teacher_scores(rl=rl, distill_coef=distill_coef):
+        why = f"distill_coef = {distill_coef}" if rl else f"estimator {name!r}"
+        raise ValueError(f"{why} needs the teacher's scores (a TeacherScoreCache)")
+    if config.needs_reference_logp and batch.reference_logp is None:
+        raise ValueError(f"reference_kl_coef = {config.reference_kl_coef} needs RolloutBatch.reference_logp "
+                         "(the scoring stage scores the reference policy)")
+    if config.entropy_coef and student.entropy is None:
+        raise ValueError(f"entropy_coef = {config.entropy_coef} needs StudentLogProbs.entropy "
+                         "(gather_logprobs_and_entropy_from_hidden)")
+
+
 def evaluate_estimator(
-    name: str,
+    config: EstimatorConfig,
     batch: RolloutBatch,
     cache: TeacherScoreCache | None,
     student: StudentLogProbs,
     *,
     proximal: StudentLogProbs | None = None,
-    options: EstimatorOptions = EstimatorOptions(),
+    distill_coef: float = 0.0,
 ) -> tuple[Array, dict[str, Array]]:
-    """Evaluate the named estimator: per-token losses ``[B, T]`` and scalar metrics.
+    """Evaluate the configured estimator: per-token losses ``[B, T]`` and scalar metrics.
 
-    The losses include the optional regularisers of ``options`` (entropy bonus,
-    KL to a reference). Reduce them with ``aggregate(values, batch.response_mask, mode)``
+    The losses include the optional regularisers of ``config`` (entropy bonus, KL to a
+    reference). Reduce them with ``aggregate(values, batch.response_mask, mode)``
     (or the numerator/denominator forms across micro-batches). Metrics are token means
     over the response mask: the loss, the 1-sample reverse-KL signal ``log π_θ − log q``
     on the sampled tokens, the importance ratio ``π_θ / μ`` of the sampled tokens (mean
@@ -355,47 +498,36 @@ def evaluate_estimator(
     reference log-probs.
 
     Args:
-      name: one of :data:`ESTIMATORS`.
+      config: the estimator (``config.name``, one of :data:`ESTIMATORS`) and its knobs.
       batch, cache: the rollout and its teacher scores (``cache`` None: reward-driven RL
-        without distillation, for the stabilisers only).
+        without distillation, for the advantage estimators only).
       student: current student log-probs on the ids of :func:`required_ids`.
-      proximal: log-probs of the proximal policy (``decoupled_ppo`` only).
-      options: estimator knobs.
+      proximal: log-probs of the proximal policy (a spec with ``needs_proximal`` only).
+      distill_coef: reward-driven RL (``batch.advantages`` set) only: β, the weight of the
+        teacher's reverse-KL reward added to the reward advantage (``rl.distill_coef``;
+        0: pure RL, no teacher scores needed).
 
     Returns:
       ``(values [B, T] fp32, metrics dict of fp32 scalars)``.
     """
-    spec = get_estimator(name)
-    ids = required_ids(name, batch, cache)  # clear error for a missing cache field
-    missing = [f for f in spec.needs if getattr(student, f) is None]
-    if missing:
-        raise ValueError(f"estimator {name!r} needs StudentLogProbs.{', '.join(missing)}")
-    if spec.needs_proximal and proximal is None:
-        raise ValueError(f"estimator {name!r} needs proximal log-probs (a no-grad forward before the update)")
-    for field in spec.needs:
-        if getattr(student, field).shape != ids[field].shape:
-            raise ValueError(
-                f"StudentLogProbs.{field} has shape {list(getattr(student, field).shape)}, "
-                f"but its ids have shape {list(ids[field].shape)}"
-            )
-    if options.check_inputs:
-        _check_logprobs(name, {"batch": batch, "cache": cache, "student": student, "proximal": proximal})
-    values = spec.fn(batch, cache, student, proximal, options)
-    if options.entropy_coef:
-        if student.entropy is None:
-            raise ValueError(f"entropy_coef = {options.entropy_coef} needs StudentLogProbs.entropy "
-                             "(gather_logprobs_and_entropy_from_hidden)")
-        values = values - options.entropy_coef * student.entropy
-    if options.reference_kl_coef:
-        if batch.reference_logp is None:
-            raise ValueError(f"reference_kl_coef = {options.reference_kl_coef} needs RolloutBatch.reference_logp "
-                             "(the scoring stage scores the reference policy)")
-        values = values + options.reference_kl_coef * est.reference_kl(student.token, batch.reference_logp,
-                                                                       options.reference_kl)
+    spec = config.spec
+    _require_inputs(config, batch, cache, student, proximal, distill_coef)
+    if config.check_inputs:
+        _check_logprobs(config.name, {"batch": batch, "cache": cache, "student": student, "proximal": proximal})
+    adv = None
+    if spec.needs_advantage:  # detached: computed once, outside the gradient below
+        adv = _advantage(batch, cache, jax.lax.stop_gradient(student.token), config.stabiliser_signal, distill_coef)
+    inputs = EstimatorInputs(batch, cache, student, proximal, adv)
+    values = spec.fn(inputs, config)
+    if config.entropy_coef:
+        values = values - config.entropy_coef * student.entropy
+    if config.needs_reference_logp:
+        values = values + config.reference_kl_coef * est.reference_kl(student.token, batch.reference_logp,
+                                                                     config.reference_kl)
     mask = batch.response_mask
     # ∂(Σ values)/∂(student log-probs), elementwise and cheap: a token whose every entry is
     # 0 contributes nothing to the update.
-    grads = jax.grad(lambda s: jnp.sum(jnp.where(mask, spec.fn(batch, cache, s, proximal, options), 0.0)))(
+    grads = jax.grad(lambda s: jnp.sum(jnp.where(mask, spec.fn(dataclasses.replace(inputs, student=s), config), 0.0)))(
         jax.lax.stop_gradient(student))
     moved = jnp.zeros(mask.shape, bool)
     for g in jax.tree_util.tree_leaves(grads):

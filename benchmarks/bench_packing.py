@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
-from asyncopd_jax.config import OptimConfig
+from asyncopd_jax.config import EstimatorConfig, OptimConfig
 from asyncopd_jax.learner import (LearnerBatch, PolicyLoss, create_train_state, make_optimizer,
                                   make_packed_train_step, make_train_step)
 from asyncopd_jax.learner.packing import plan_micro_batches
@@ -79,7 +79,7 @@ def main() -> None:
                            tie_word_embeddings=True, max_position_embeddings=args.prompt + args.response,
                            eos_token_id=1, pad_token_id=0)
     batch = long_tailed_batch(args.batch, args.prompt, args.response, config.vocab_size)
-    loss = PolicyLoss("reverse_kl_pg")
+    loss = PolicyLoss(EstimatorConfig("reverse_kl_pg"))
     optimizer = make_optimizer(OptimConfig(learning_rate=1e-4, warmup_steps=0, schedule="constant"), 100)
 
     def fresh():

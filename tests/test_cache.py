@@ -13,7 +13,7 @@ import asyncopd_jax.estimators as est
 from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
 from asyncopd_jax.estimator_registry import (
     ESTIMATORS,
-    EstimatorOptions,
+    EstimatorConfig,
     evaluate_estimator,
     get_estimator,
     required_ids,
@@ -127,7 +127,7 @@ def test_named_estimators_match_the_functions_they_name():
         "ppo_clip": est.ppo_clip_loss(s.token, batch.behavior_logp, cache.token_logp - batch.behavior_logp),
     }
     for name, want in direct.items():
-        got, metrics = jax.jit(evaluate_estimator, static_argnums=0)(name, batch, cache, s)
+        got, metrics = jax.jit(evaluate_estimator, static_argnums=0)(EstimatorConfig(name), batch, cache, s)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=name)
         np.testing.assert_allclose(metrics["loss"], est.token_mean(want, batch.response_mask), rtol=1e-6)
 
@@ -141,11 +141,11 @@ def test_every_named_estimator_is_zero_when_teacher_equals_student_and_alignment
     """Teacher = student (at the learner's own weights): 0 loss, 0 gradient. Shifting the
     teacher rows by one position (an off-by-one cache) must break that."""
     student, teacher, batch, cache = _world(3, teacher_equals_student=True)
-    options = EstimatorOptions(control_variate=True, stabiliser_signal="recompute")
+    config = EstimatorConfig(name, control_variate=True, stabiliser_signal="recompute")
 
     def loss(logits, cache):
         s = _all_logprobs(logits, batch, cache)
-        values, _ = evaluate_estimator(name, batch, cache, s, proximal=s, options=options)
+        values, _ = evaluate_estimator(config, batch, cache, s, proximal=s)
         return est.token_mean(values, batch.response_mask)
 
     value, grad = jax.value_and_grad(loss)(student, cache)
@@ -168,9 +168,12 @@ def test_missing_inputs_are_clear_errors():
     student, _, batch, cache = _world(4)
     s = _all_logprobs(student, batch, cache)
     with pytest.raises(ValueError, match="needs proximal log-probs"):
-        evaluate_estimator("decoupled_ppo", batch, cache, s)
+        evaluate_estimator(EstimatorConfig("decoupled_ppo"), batch, cache, s)
     with pytest.raises(ValueError, match="needs StudentLogProbs.candidates"):
-        evaluate_estimator("reverse_kl_mc", batch, cache, StudentLogProbs(token=s.token))
+        evaluate_estimator(EstimatorConfig("reverse_kl_mc"), batch, cache, StudentLogProbs(token=s.token))
+    for name in ("reverse_kl_pg", "ppo_clip"):  # distillation: every spec reads the teacher's scores
+        with pytest.raises(ValueError, match=f"estimator '{name}' needs the teacher's scores"):
+            evaluate_estimator(EstimatorConfig(name), batch, None, s)
 
 
 def test_zero_grad_fraction_counts_the_tokens_ppo_clips():
@@ -181,21 +184,20 @@ def test_zero_grad_fraction_counts_the_tokens_ppo_clips():
     clipped = ((adv > 0) & (ratio > 1.2)) | ((adv < 0) & (ratio < 0.8))
     mask = np.asarray(batch.response_mask)
     assert 0 < clipped[mask].mean() < 1  # both kinds of token are there
-    _, metrics = evaluate_estimator("ppo_clip", batch, cache, s)
+    _, metrics = evaluate_estimator(EstimatorConfig("ppo_clip"), batch, cache, s)
     np.testing.assert_allclose(metrics["zero_grad_fraction"], clipped[mask].mean(), rtol=1e-6)
-    _, metrics = evaluate_estimator("reverse_kl_mc", batch, cache, s)
+    _, metrics = evaluate_estimator(EstimatorConfig("reverse_kl_mc"), batch, cache, s)
     assert metrics["zero_grad_fraction"] == 0.0
 
 
 def test_mc_importance_sampling_can_be_switched_off_by_name():
     student, _, batch, cache = _world(6)
     s = _all_logprobs(student, batch, cache)
-    options = EstimatorOptions(mc_importance_sampling=False)
-    got, _ = evaluate_estimator("reverse_kl_mc_stale", batch, cache, s, options=options)
+    got, _ = evaluate_estimator(EstimatorConfig("reverse_kl_mc_stale", mc_importance_sampling=False), batch, cache, s)
     want = est.reverse_kl_mc(s.candidates, batch.candidate_behavior_logp, cache.candidate_logp,
                              recompute=False, importance_sampling=False)
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    with_is, _ = evaluate_estimator("reverse_kl_mc_stale", batch, cache, s)
+    with_is, _ = evaluate_estimator(EstimatorConfig("reverse_kl_mc_stale"), batch, cache, s)
     assert np.abs(np.asarray(got) - np.asarray(with_is)).max() > 1e-3
 
 
@@ -219,15 +221,14 @@ def test_rl_stabilisers_weight_the_reward_advantage_plus_beta_times_the_teacher_
     behavior, prox = np.asarray(batch.behavior_logp, np.float64), np.asarray(proximal.token, np.float64)
     signal = np.asarray(cache.token_logp, np.float64) - behavior
     adv = advantages + beta * signal
-    options = EstimatorOptions(distill_coef=beta)
-    got, metrics = evaluate_estimator("decoupled_ppo", batch, cache if beta else None, s, proximal=proximal,
-                                      options=options)
+    got, metrics = evaluate_estimator(EstimatorConfig("decoupled_ppo"), batch, cache if beta else None, s,
+                                      proximal=proximal, distill_coef=beta)
     weight = np.exp(prox - behavior)  # π_prox / μ, capped at 5 by the default behaviour-weight cap
     want = np.where(weight <= 5.0, weight * oracle.ppo_clip(np.asarray(s.token, np.float64), prox, adv, 0.8, 1.2),
                     0.0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert ("reverse_kl_signal" in metrics) == bool(beta)  # no teacher scores, no KL metric
-    got, _ = evaluate_estimator("ppo_clip", batch, cache if beta else None, s, options=options)
+    got, _ = evaluate_estimator(EstimatorConfig("ppo_clip"), batch, cache if beta else None, s, distill_coef=beta)
     np.testing.assert_allclose(got, oracle.ppo_clip(np.asarray(s.token, np.float64), behavior, adv, 0.8, 1.2),
                                rtol=1e-5, atol=1e-6)
 
@@ -237,7 +238,7 @@ def test_rl_distillation_without_teacher_scores_is_a_clear_error():
     batch, _ = _with_rl_advantages(batch, 8)
     s = _all_logprobs(student, batch, cache)
     with pytest.raises(ValueError, match="distill_coef = 0.5 needs the teacher's scores"):
-        evaluate_estimator("ppo_clip", batch, None, s, options=EstimatorOptions(distill_coef=0.5))
+        evaluate_estimator(EstimatorConfig("ppo_clip"), batch, None, s, distill_coef=0.5)
 
 
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
@@ -250,10 +251,10 @@ def test_the_regularisers_are_added_to_every_estimator_by_name(kind):
                                                    jnp.float32))
     reference = (np.asarray(s.token) + np.random.default_rng(9).normal(scale=0.3, size=(B, T))).astype(np.float32)
     batch = dataclasses.replace(batch, reference_logp=jnp.asarray(reference))
-    options = EstimatorOptions(entropy_coef=0.1, reference_kl_coef=0.5, reference_kl=kind)
+    knobs = dict(entropy_coef=0.1, reference_kl_coef=0.5, reference_kl=kind)
     for name in ("forward_kl_topk", "ppo_clip"):
-        base, base_metrics = evaluate_estimator(name, batch, cache, s)
-        got, metrics = evaluate_estimator(name, batch, cache, s, options=options)
+        base, base_metrics = evaluate_estimator(EstimatorConfig(name), batch, cache, s)
+        got, metrics = evaluate_estimator(EstimatorConfig(name, **knobs), batch, cache, s)
         np.testing.assert_allclose(got, base - 0.1 * s.entropy + 0.5 * est.reference_kl(s.token, reference, kind),
                                    rtol=1e-5, atol=1e-6)
         mask = np.asarray(batch.response_mask)
@@ -261,6 +262,56 @@ def test_the_regularisers_are_added_to_every_estimator_by_name(kind):
         d = np.asarray(s.token, np.float64) - reference
         np.testing.assert_allclose(metrics["reference_kl"], (np.exp(-d) - 1 + d)[mask].mean(), rtol=1e-5)
     with pytest.raises(ValueError, match="reference_kl_coef = 0.5 needs RolloutBatch.reference_logp"):
-        evaluate_estimator("ppo_clip", dataclasses.replace(batch, reference_logp=None), cache, s, options=options)
+        evaluate_estimator(EstimatorConfig("ppo_clip", **knobs), dataclasses.replace(batch, reference_logp=None),
+                           cache, s)
     with pytest.raises(ValueError, match="entropy_coef = 0.1 needs StudentLogProbs.entropy"):
-        evaluate_estimator("ppo_clip", batch, cache, dataclasses.replace(s, entropy=None), options=options)
+        evaluate_estimator(EstimatorConfig("ppo_clip", **knobs), batch, cache, dataclasses.replace(s, entropy=None))
+
+
+# knob of EstimatorConfig → (an estimator that reads it, its other knobs, a non-default value,
+# a shift of log μ that puts tokens where the knob acts); seed 11's world, proximal log-probs
+# π_θ + 0.3.
+KNOB_READERS = {
+    "mc_clip_eps": ("reverse_kl_mc", {}, 0.05, 0.0),
+    "mc_importance_sampling": ("reverse_kl_mc", {}, False, 0.0),
+    "topk_tail": ("forward_kl_topk", {}, False, 0.0),
+    "control_variate": ("forward_kl_mc", {}, True, 0.0),
+    "ppo_clip_eps": ("ppo_clip", {}, 0.01, 0.0),
+    "dual_clip": ("ppo_clip", {"ppo_clip_eps": 0.01}, 1.01, 0.0),
+    "behavior_weight_cap": ("decoupled_ppo", {}, 1.01, 0.0),
+    "behavior_weight_mode": ("decoupled_ppo", {"behavior_weight_cap": 1.01}, "truncate", 0.0),
+    "behavior_weight_floor": ("decoupled_ppo", {}, 0.99, 0.0),
+    "gspo_clip_low": ("gspo", {}, 0.5, -0.5),  # sequence ratios below 1
+    "gspo_clip_high": ("gspo", {}, 0.0, 0.5),  # ... and above 1
+    "tis_cap": ("truncated_is", {}, 1.01, 0.0),
+    "m2po_budget": ("m2po", {}, 1e-4, 0.0),
+    "second_moment_clip_budget": ("second_moment_clip", {}, 10.0, 0.0),
+    "second_moment_clip_min_low": ("second_moment_clip", {}, 0.01, 0.0),
+    "second_moment_clip_min_high": ("second_moment_clip", {}, 0.01, 0.0),
+    "stabiliser_signal": ("ppo_clip", {}, "recompute", 0.0),
+}
+# The knobs that do not change an estimator's per-token values, and where each is tested.
+KNOBS_TESTED_ELSEWHERE = {
+    "name": "every test here",
+    "aggregation": "tests/learner/test_step.py::test_aggregation_modes_are_exact_over_micro_batches_and_packing",
+    "entropy_coef": "test_the_regularisers_are_added_to_every_estimator_by_name",
+    "reference_kl_coef": "test_the_regularisers_are_added_to_every_estimator_by_name",
+    "reference_kl": "test_the_regularisers_are_added_to_every_estimator_by_name",
+    "check_inputs": "tests/learner/test_step.py::test_check_inputs_stops_a_step_fed_raw_logits",
+}
+
+
+@pytest.mark.parametrize("knob", list(KNOB_READERS))
+def test_every_estimator_knob_reaches_the_estimator_that_reads_it(knob):
+    """Each knob at a non-default value changes the per-token losses of an estimator that
+    reads it: the adapter passes it on (a new knob must be added to one of the tables)."""
+    assert set(KNOB_READERS) | set(KNOBS_TESTED_ELSEWHERE) == {f.name for f in dataclasses.fields(EstimatorConfig)}
+    student, _, batch, cache = _world(11)
+    name, others, value, shift = KNOB_READERS[knob]
+    batch = dataclasses.replace(batch, behavior_logp=batch.behavior_logp - shift)
+    s = _all_logprobs(student, batch, cache)
+    proximal = jax.tree_util.tree_map(lambda x: x + 0.3, s)
+    default, _ = evaluate_estimator(EstimatorConfig(name, **others), batch, cache, s, proximal=proximal)
+    changed, _ = evaluate_estimator(EstimatorConfig(name, **others, **{knob: value}), batch, cache, s,
+                                    proximal=proximal)
+    assert np.abs(np.asarray(changed) - np.asarray(default)).max() > 1e-4, knob

@@ -6,6 +6,7 @@ import pytest
 
 from asyncopd_jax.config import ConfigError, load_config
 from asyncopd_jax.cli import DEMO_CONFIG
+from asyncopd_jax.estimator_registry import ESTIMATORS, ID_SOURCES, RL_ESTIMATORS
 
 
 def test_demo_config_loads_and_overrides_apply():
@@ -80,16 +81,17 @@ RL = ["algorithm=rl", "estimator.name=decoupled_ppo", "rl.samples_per_prompt=8"]
 
 def test_rl_config_and_what_it_needs():
     cfg = load_config(DEMO_CONFIG, [*RL, "teacher.path=''"])
-    assert cfg.samples_per_prompt == 8 and not cfg.needs_teacher_scores
-    assert cfg.estimator_options().distill_coef == 0.0
+    assert cfg.samples_per_prompt == 8 and not cfg.needs_teacher_scores and not cfg.needs_scoring
     cfg = load_config(DEMO_CONFIG, [*RL, "rl.distill_coef=0.3"])
-    assert cfg.needs_teacher_scores and cfg.estimator_options().distill_coef == 0.3
+    assert cfg.needs_teacher_scores and cfg.rl.distill_coef == 0.3
+    cfg = load_config(DEMO_CONFIG, [*RL, "teacher.path=''", "estimator.reference_kl_coef=0.1"])
+    assert cfg.needs_scoring and not cfg.needs_teacher_scores  # the reference policy's log-probs only
     assert load_config(DEMO_CONFIG, []).samples_per_prompt == 1  # distillation: one answer per prompt
 
 
 @pytest.mark.parametrize("overrides,message", [
     (["algorithm=rl"], r"estimator.name = 'forward_kl_topk' is invalid with algorithm = rl; allowed: ppo_clip, "
-                       r"decoupled_ppo, truncated_is, m2po"),
+                       r"decoupled_ppo, gspo, gspo_token, truncated_is, m2po, second_moment_clip$"),
     ([*RL, "rl.samples_per_prompt=6"], r"rl.samples_per_prompt = 6 is invalid; allowed: a divisor of the 64 samples"),
     ([*RL, "schedule.rollout_workers=2", "rl.samples_per_prompt=64"],
      r"rl.samples_per_prompt = 64 is invalid; allowed: a divisor of the 32 samples"),
@@ -113,22 +115,157 @@ def test_rl_config_errors_name_the_field(overrides, message):
         load_config(DEMO_CONFIG, overrides)
 
 
-def test_every_estimator_setting_reaches_the_estimator_options():
-    """Each knob of ``estimator`` set to a non-default value arrives in EstimatorOptions."""
-    import dataclasses
+# --- the estimator's spec drives validation ----------------------------------------
 
-    from asyncopd_jax.config import EstimatorConfig
-    from asyncopd_jax.estimator_registry import EstimatorOptions
+# Every setting that makes an id set, at 0 (none made) and at 4.
+NO_IDS = [f"{source.setting}=0" for source in ID_SOURCES.values()]
+ALL_IDS = [f"{source.setting}=4" for source in ID_SOURCES.values()]
 
-    others = {"mc_clip_eps": 0.3, "mc_importance_sampling": False, "topk_tail": False, "control_variate": True,
-              "ppo_clip_eps": 0.1, "dual_clip": 3.0, "behavior_weight_cap": 4.0, "behavior_weight_mode": "truncate",
-              "behavior_weight_floor": 0.5, "tis_cap": 1.5, "m2po_budget": 0.1, "second_moment_clip_budget": 0.2,
-              "stabiliser_signal": "recompute", "entropy_coef": 0.01, "reference_kl_coef": 0.1, "reference_kl": "k2",
-              "check_inputs": True}
-    shared = {f.name for f in dataclasses.fields(EstimatorOptions)} & {f.name for f in dataclasses.fields(EstimatorConfig)}
-    assert shared == set(others)  # a new knob must be added here
-    defaults = EstimatorConfig().options()
-    options = EstimatorConfig(gspo_clip_low=0.01, gspo_clip_high=0.02, **others).options()
-    for name, value in others.items():
-        assert getattr(options, name) == value != getattr(defaults, name), name
-    assert options.gspo_clip_eps == (0.01, 0.02) != defaults.gspo_clip_eps
+
+@pytest.mark.parametrize("name,need", [(name, need) for name, spec in ESTIMATORS.items() for need in spec.needs])
+def test_every_registered_estimator_refuses_a_config_that_does_not_make_what_it_needs(name, need):
+    """For every spec in the registry and every id set it declares: the setting that makes
+    that set at 0 (all the others made) is refused up front, naming the setting."""
+    setting = ID_SOURCES[need].setting
+    with pytest.raises(ConfigError, match=rf"^estimator.name = '{name}' needs {setting} >= 1$"):
+        load_config(DEMO_CONFIG, [f"estimator.name={name}", *ALL_IDS, f"{setting}=0"])
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_every_registered_estimator_loads_with_exactly_what_it_needs(name):
+    """Nothing but the spec's own id sets is asked for: every other setting may be 0."""
+    made = [f"{ID_SOURCES[need].setting}=4" for need in ESTIMATORS[name].needs]
+    cfg = load_config(DEMO_CONFIG, [f"estimator.name={name}", *NO_IDS, *made])
+    assert cfg.estimator.spec is ESTIMATORS[name]
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_rl_takes_exactly_the_estimators_whose_spec_weights_an_advantage(name):
+    overrides = ["algorithm=rl", f"estimator.name={name}", "rl.samples_per_prompt=8", *ALL_IDS]
+    if ESTIMATORS[name].needs_advantage:
+        cfg = load_config(DEMO_CONFIG, [*overrides, "teacher.path=''"])
+        assert not cfg.needs_teacher_scores  # β = 0: the reward alone
+        assert load_config(DEMO_CONFIG, [*overrides, "rl.distill_coef=0.1"]).needs_teacher_scores
+    else:
+        with pytest.raises(ConfigError, match=rf"estimator.name = '{name}' is invalid with algorithm = rl"):
+            load_config(DEMO_CONFIG, overrides)
+    assert (name in RL_ESTIMATORS) == ESTIMATORS[name].needs_advantage
+    assert load_config(DEMO_CONFIG, [f"estimator.name={name}", *ALL_IDS]).needs_teacher_scores  # distillation
+
+
+def test_an_asymmetric_clip_range_loads_from_yaml():
+    cfg = load_config(DEMO_CONFIG, ["estimator.ppo_clip_eps=[0.2, 0.28]", "estimator.mc_clip_eps=[0.1, 0.3]"])
+    assert cfg.estimator.ppo_clip_eps == (0.2, 0.28) and cfg.estimator.mc_clip_eps == (0.1, 0.3)
+
+
+# --- each section checks its own fields, at load_config ----------------------------
+
+SECTION_CHECKS = [
+    ("task.eval_fraction=1", r"task.eval_fraction = 1.0 is invalid; allowed: 0 <= fraction < 1"),
+    ("task.name=dataset", r"task.path = '' is invalid with task.name = dataset; allowed: a .jsonl or .parquet file"),
+    ("rl.samples_per_prompt=0", r"rl.samples_per_prompt = 0 is invalid; allowed: >= 1"),
+    ("rl.distill_coef=-0.5", r"rl.distill_coef = -0.5 is invalid; allowed: >= 0"),  # in distillation too
+    ("optim.learning_rate=0", r"optim.learning_rate = 0.0 is invalid; allowed: > 0"),
+    ("learner.extrapolation.factors=[]", r"learner.extrapolation.factors = \(\) is invalid; allowed: a non-empty list"),
+    ("learner.extrapolation.factors=[3, 1]", r"learner.extrapolation.factors = \(3.0, 1.0\) is invalid; allowed: "
+                                             r"a non-empty list of factors > 1"),
+    ("learner.extrapolation.probe_prompts=0", r"learner.extrapolation.probe_prompts = 0 is invalid; allowed: >= 1"),
+    ("learner.extrapolation.probe_temperature=-1", r"learner.extrapolation.probe_temperature = -1.0 is invalid; "
+                                                   r"allowed: >= 0 \(0: greedy answers\)"),
+    ("learner.batch_size=0", r"learner.batch_size = 0 is invalid; allowed: >= 1"),
+    ("learner.mini_batches=0", r"learner.mini_batches = 0 is invalid; allowed: a divisor of learner.batch_size"),
+    ("learner.micro_batches=3", r"learner.micro_batches = 3 is invalid; allowed: a divisor of learner.batch_size / "
+                                r"learner.mini_batches"),
+    ("learner.token_budget=-1", r"learner.token_budget = -1 is invalid; allowed: >= 0 \(0: off\)"),
+    ("learner.token_bucket=0", r"learner.token_bucket = 0 is invalid; allowed: >= 1"),
+    ("schedule.max_staleness=-1", r"schedule.max_staleness = -1 is invalid; allowed: >= 0"),
+    ("schedule.n_step=0", r"schedule.n_step = 0 is invalid; allowed: >= 1"),
+    ("schedule.lag=-1", r"schedule.lag = -1 is invalid; allowed: >= 0"),
+    ("schedule.rollout_workers=0", r"schedule.rollout_workers = 0 is invalid; allowed: >= 1"),
+    ("stages.rollout_processes=0", r"stages.rollout_processes = 0 is invalid; allowed: >= 1"),
+    ("stages.scoring_processes=-1", r"stages.scoring_processes = -1 is invalid; allowed: >= 0"),
+    ("stages.restarts=-1", r"stages.restarts = -1 is invalid; allowed: >= 0"),
+    ("stages.rollout_niceness=20", r"stages.rollout_niceness = 20 is invalid; allowed: 0 to 19"),
+    ("stages.rollout_cores=3-1", r"stages.rollout_cores = '3-1' is invalid; allowed: 'auto', '' or a CPU list"),
+    ("distributed.num_processes=-1", r"distributed.num_processes = -1 is invalid; allowed: >= 0"),
+    ("distributed.process_id=-2", r"distributed.process_id = -2 is invalid; allowed: -1 \(from the environment\)"),
+    ("train.steps=0", r"train.steps = 0 is invalid; allowed: >= 1"),
+    ("train.diagnostics_every=-1", r"train.diagnostics_every = -1 is invalid; allowed: >= 0 \(0: off\)"),
+    ("train.diagnostic_prompts=0", r"train.diagnostic_prompts = 0 is invalid; allowed: >= 1"),
+    ("train.update_geometry_every=-1", r"train.update_geometry_every = -1 is invalid; allowed: >= 0 \(0: off\)"),
+    ("estimator.m2po_budget=-1", r"estimator.m2po_budget = -1.0 is invalid; allowed: >= 0"),
+    ("estimator.mc_clip_eps=1.5", r"estimator.mc_clip_eps = 1.5 is invalid; allowed: null, ε with 0 <= ε < 1, or "
+                                  r"\[ε_low, ε_high\]"),
+    ("estimator.ppo_clip_eps=[0.2, 0.3, 0.4]", r"estimator.ppo_clip_eps = \(0.2, 0.3, 0.4\) is invalid; allowed: ε "
+                                               r"with 0 <= ε < 1, or \[ε_low, ε_high\]"),
+    ("estimator.ppo_clip_eps=[0.2, -0.1]", r"estimator.ppo_clip_eps = \(0.2, -0.1\) is invalid"),
+    ("estimator.gspo_clip_low=1", r"estimator.gspo_clip_low = 1.0 is invalid; allowed: 0 <= ε_low < 1"),
+    ("estimator.gspo_clip_high=-1", r"estimator.gspo_clip_high = -1.0 is invalid; allowed: >= 0"),
+]
+
+
+@pytest.mark.parametrize("override,message", SECTION_CHECKS, ids=[o for o, _ in SECTION_CHECKS])
+def test_each_section_refuses_a_bad_field_at_load_config_in_one_line(override, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(DEMO_CONFIG, [override])
+    assert "\n" not in str(err.value)
+
+
+def test_a_section_built_in_python_checks_its_fields_too():
+    from asyncopd_jax.config import LearnerConfig, ScheduleConfig
+    from asyncopd_jax.estimator_registry import EstimatorConfig
+
+    with pytest.raises(ConfigError, match=r"^learner.mini_batches = 3 is invalid"):
+        LearnerConfig(batch_size=8, mini_batches=3)
+    with pytest.raises(ConfigError, match=r"^schedule.placement = 'processes' is invalid with schedule.mode = "
+                                          r"fixed_lag; allowed: threads"):
+        ScheduleConfig(mode="fixed_lag", placement="processes")
+    with pytest.raises(ConfigError, match=r"^estimator.name = 'kl' is invalid; allowed: decoupled_ppo"):
+        EstimatorConfig("kl")
+    assert EstimatorConfig("ppo_clip", ppo_clip_eps=(0.2, 0.28)).ppo_clip_eps == (0.2, 0.28)  # DAPO's clip-higher
+
+
+# --- what the trainer used to find at run time ---------------------------------------
+
+TWO_LEARNERS = ["distributed.initialize=true", "distributed.num_processes=2", "distributed.process_id=0",
+                "schedule.placement=processes"]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["train.diagnostics_every=5", "teacher.path=''", *RL],
+     r"^train.diagnostics_every = 5 needs a teacher \(teacher.path\); allowed without one: 0$"),
+    ([*TWO_LEARNERS, "schedule.placement=threads"],
+     r"^schedule.placement = 'threads' is invalid for a learner over 2 processes; allowed: processes"),
+    ([*TWO_LEARNERS, "learner.token_budget=512"],
+     r"^learner.token_budget = 512 is invalid for a learner over 2 processes; allowed: 0"),
+    ([*TWO_LEARNERS, "stages.snapshot_format=safetensors"],
+     r"^stages.snapshot_format = 'safetensors' is invalid for a learner over 2 processes; allowed: auto, orbax$"),
+    ([*TWO_LEARNERS, "train.diagnostics_every=5"],
+     r"^train.diagnostics_every = 5 is invalid for a learner over 2 processes; allowed: 0$"),
+])
+def test_what_the_trainer_found_at_run_time_is_refused_at_load_config(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEMO_CONFIG, overrides)
+
+
+def test_the_learner_process_count_is_checked_where_the_config_fixes_it():
+    """One learner process (no ``distributed.initialize``), or a count from the environment
+    (``num_processes = 0``): validation cannot refuse; ``asyncopd train`` checks the count
+    ``jax.distributed.initialize`` gave with the same function."""
+    one = ["stages.snapshot_format=safetensors", "learner.token_budget=512", "train.diagnostics_every=5"]
+    assert load_config(DEMO_CONFIG, one).distributed.learner_processes == 1
+    assert load_config(DEMO_CONFIG, [*one, "distributed.num_processes=2"]).distributed.learner_processes == 1
+    cfg = load_config(DEMO_CONFIG, [*one, "distributed.initialize=true"])
+    assert cfg.distributed.learner_processes is None
+    cfg.check_learner_processes(1)
+    with pytest.raises(ConfigError, match=r"^schedule.placement = 'threads' is invalid for a learner over 3 "):
+        cfg.check_learner_processes(3)
+    assert load_config(DEMO_CONFIG, TWO_LEARNERS).distributed.learner_processes == 2
+
+
+def test_dead_fields_are_gone():
+    from asyncopd_jax.config import SAFE_ON_RESUME
+
+    with pytest.raises(ConfigError, match=r"unknown config field train.log_every; allowed in train: steps"):
+        load_config(DEMO_CONFIG, ["train.log_every=1"])
+    assert not [f for f in SAFE_ON_RESUME if f.endswith("log_every")]

@@ -34,3 +34,9 @@ def test_no_loader_can_execute_code_from_a_file():
 def test_the_tokenizer_loader_refuses_remote_code_explicitly():
     source = (PACKAGE / "models" / "tokenizer.py").read_text()
     assert "trust_remote_code=False" in source and "local_files_only=True" in source
+
+
+def test_the_model_config_loader_refuses_remote_code_explicitly():
+    source = (PACKAGE / "models" / "config.py").read_text()
+    assert "AutoConfig.from_pretrained" in source
+    assert "trust_remote_code=False" in source and "local_files_only=True" in source

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ from jax.experimental import checkify
 
 from asyncopd_jax.alignment import response_hidden
 from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
-from asyncopd_jax.estimator_registry import EstimatorOptions, evaluate_estimator, required_ids, student_logprobs
+from asyncopd_jax.estimator_registry import EstimatorConfig, evaluate_estimator, required_ids, student_logprobs
 from asyncopd_jax.estimators import (
     Aggregation,
     gather_logprobs_and_entropy_from_hidden,
@@ -42,6 +42,9 @@ from asyncopd_jax.learner.faults import drop_nonfinite_rows
 from asyncopd_jax.learner.packing import plan_micro_batches, take_micro_batch
 from asyncopd_jax.learner.sharding import batch_shardings, state_shardings
 from asyncopd_jax.models.decoder import Decoder
+
+if TYPE_CHECKING:
+    from asyncopd_jax.config import RunConfig
 
 Array = jax.Array
 
@@ -68,33 +71,48 @@ class LearnerBatch:
 
 @dataclasses.dataclass(frozen=True)
 class PolicyLoss:
-    """The distillation loss: a named estimator on the student's log-probs of cached ids.
+    """The distillation (or RL) loss: the configured estimator on the student's log-probs
+    of the cached ids.
 
     Attributes:
-      estimator: a name from :data:`asyncopd_jax.estimator_registry.ESTIMATORS`.
-      options: estimator knobs.
+      estimator: the estimator and its knobs (``estimator`` of the run's config).
+      distill_coef: reward-driven RL only: β, the teacher's weight in the advantage
+        (``rl.distill_coef``; see :func:`~asyncopd_jax.estimator_registry.evaluate_estimator`).
       temperature: the sampler's temperature: π_θ is scored at it, so that importance
         ratios compare the distribution the behaviour policy actually sampled from.
       chunk_size: rows per chunk of the fused LM-head gather.
-      aggregation: how per-token losses become the loss (``estimator.aggregation``, see
-        :mod:`asyncopd_jax.estimators.reductions`).
     """
 
-    estimator: str
-    options: EstimatorOptions = EstimatorOptions()
+    estimator: EstimatorConfig
+    distill_coef: float = 0.0
     temperature: float = 1.0
     chunk_size: int = 512
-    aggregation: Aggregation = "token-mean"
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> PolicyLoss:
+        """The loss a run's config asks for."""
+        return cls(cfg.estimator, cfg.rl.distill_coef, cfg.sampling.temperature, cfg.learner.logprob_chunk)
+
+    @property
+    def aggregation(self) -> Aggregation:
+        """How per-token losses become the loss (``estimator.aggregation``, see
+        :mod:`asyncopd_jax.estimators.reductions`)."""
+        return self.estimator.aggregation
 
     @property
     def check_inputs(self) -> bool:
         """Whether the estimator checks its inputs (``checkify``: the step must be functionalised)."""
-        return self.options.check_inputs
+        return self.estimator.check_inputs
+
+    @property
+    def needs_proximal(self) -> bool:
+        """Whether the estimator reads proximal log-probs (:func:`make_proximal_fn`), as its spec says."""
+        return self.estimator.spec.needs_proximal
 
     def student(self, model: Decoder, batch: LearnerBatch) -> StudentLogProbs:
         """The student's log-probs on every id the estimator needs (one fused gather)."""
         hidden, head = response_hidden(model, batch.rollout), model.lm_head_weight()
-        ids = required_ids(self.estimator, batch.rollout, batch.cache)
+        ids = required_ids(self.estimator.name, batch.rollout, batch.cache)
         return student_logprobs(  # the entropy comes from the same pass, almost free: a metric, or a bonus
             ids, lambda i: gather_logprobs_and_entropy_from_hidden(hidden, head, i, self.chunk_size, self.temperature)
         )
@@ -102,7 +120,7 @@ class PolicyLoss:
     def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]:
         values, metrics = evaluate_estimator(
             self.estimator, batch.rollout, batch.cache, self.student(model, batch),
-            proximal=batch.proximal, options=self.options,
+            proximal=batch.proximal, distill_coef=self.distill_coef,
         )
         return normalized_loss(values, batch.rollout.response_mask, denominator, self.aggregation), metrics
 

@@ -1,4 +1,5 @@
-"""One config for the decoder family, read from a Hugging Face ``config.json``.
+"""One config for the decoder family, read from a Hugging Face ``config.json`` by
+``transformers.AutoConfig`` (:func:`read_hf_config`), then checked.
 
 Llama, Qwen2 and Qwen3 share one architecture (pre-norm, RoPE, grouped-query attention,
 SwiGLU MLP) and differ in a few switches, which is all this dataclass records:
@@ -30,6 +31,7 @@ _OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 # Mixture-of-experts switches: a config that sets one describes layers this dense decoder lacks.
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok")
 _ACTIVATIONS = ("silu", "swish")  # the SwiGLU gate; transformers treats both names alike
+_ROPE_FIELDS = ("rope_scaling", "rope_parameters")  # transformers >= 5 writes the latter
 
 
 def _check_rope(scaling: dict[str, Any], field: str) -> None:
@@ -96,116 +98,6 @@ class DecoderConfig:
         """Qwen3 normalises each head of q and k (RMSNorm over D) before RoPE."""
         return self.model_type == "qwen3"
 
-    @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any], *, source: str | Path = "config.json") -> DecoderConfig:
-        """Build from a parsed Hugging Face ``config.json``.
-
-        Refuses (``ValueError`` naming ``source``, the field, its value and what is allowed)
-        any setting this decoder would otherwise silently ignore: another architecture,
-        sliding-window attention, a RoPE scaling it does not implement, mixture-of-experts
-        layers, another activation. Fields that do not change the forward pass
-        (``torch_dtype``, ``initializer_range``, ``use_cache``, …) are ignored.
-        """
-        if not isinstance(raw, dict):
-            raise ValueError(f"{source}: expected a JSON object of model settings, found {type(raw).__name__}")
-        model_type = raw.get("model_type")
-        arch = raw.get("architectures")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"{source}: unsupported architecture: model_type={model_type!r} architectures={arch!r}; "
-                f"allowed model_type: {', '.join(SUPPORTED_MODEL_TYPES)} (dense decoders)"
-            )
-        # Another head or body under a supported model_type (a classifier, an MoE variant)
-        # has weights this decoder would not load.
-        if arch is not None and (not isinstance(arch, list) or any(a != _ARCHITECTURES[model_type] for a in arch)):
-            raise ValueError(f"{source}: architectures = {arch!r} is not supported for model_type {model_type!r}; "
-                             f"allowed: [{_ARCHITECTURES[model_type]!r}]")
-        for name in _MOE_FIELDS:
-            if raw.get(name):
-                raise ValueError(f"{source}: {name} = {raw[name]!r} describes mixture-of-experts layers, which this "
-                                 "decoder does not implement; allowed: absent, null or 0 (dense models only)")
-        act = raw.get("hidden_act", "silu")
-        if act not in _ACTIVATIONS:
-            raise ValueError(f"{source}: hidden_act = {act!r} is not implemented; allowed: {', '.join(_ACTIVATIONS)}")
-        for name in _REQUIRED_INTS:
-            if name not in raw:
-                raise ValueError(f"{source}: missing field {name!r} (a positive integer); is this the config.json "
-                                 "of a Hugging Face model?")
-        for name in _REQUIRED_INTS + _OPTIONAL_INTS:
-            value = raw.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{source}: {name} = {value!r} is invalid; allowed: a positive integer")
-        max_positions = raw.get("max_position_embeddings") or 4096
-        # Qwen2/Qwen3 apply the window only with use_sliding_window (transformers drops it
-        # otherwise); a Llama config that carries one was trained with a window no Llama
-        # implementation applies. A window covering the whole context changes nothing.
-        window = raw.get("sliding_window")
-        if model_type != "llama" and not raw.get("use_sliding_window"):
-            window = None
-        if isinstance(window, int) and window < max_positions:
-            switch = "use_sliding_window = true with " if model_type != "llama" else ""
-            fix = ("set use_sliding_window to false" if model_type != "llama"
-                   else "set sliding_window to null if the model was trained with full attention")
-            raise ValueError(
-                f"{source}: {switch}sliding_window = {window} (< max_position_embeddings = {max_positions}) asks for "
-                f"sliding-window attention, which this decoder does not implement; allowed: a window of at least "
-                f"max_position_embeddings, or none ({fix})"
-            )
-        heads = raw["num_attention_heads"]
-        rope_scaling = raw.get("rope_scaling")
-        rope_theta = raw.get("rope_theta")
-        rope_parameters = raw.get("rope_parameters")  # transformers >= 5 nests RoPE settings
-        if isinstance(rope_parameters, dict):
-            rope_theta = rope_parameters.get("rope_theta", rope_theta)
-            if rope_parameters.get("rope_type", "default") != "default":
-                rope_scaling = rope_parameters
-        rope_field = "rope_parameters" if rope_scaling is rope_parameters else "rope_scaling"
-        if rope_scaling is not None and not isinstance(rope_scaling, dict):
-            raise ValueError(f"{source}: {rope_field} = {rope_scaling!r} is invalid; allowed: null or an object "
-                             f"with rope_type {' or '.join(_ROPE_TYPES)}")
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
-            rope_scaling = None
-        if rope_scaling is not None and "rope_type" not in rope_scaling:
-            rope_scaling = {**rope_scaling, "rope_type": rope_scaling.get("type")}
-        if rope_scaling is not None:
-            try:
-                _check_rope(rope_scaling, rope_field)
-            except ValueError as err:
-                raise ValueError(f"{source}: {err}") from None
-        try:
-            return cls(
-                model_type=model_type,
-                vocab_size=raw["vocab_size"],
-                hidden_size=raw["hidden_size"],
-                intermediate_size=raw["intermediate_size"],
-                num_hidden_layers=raw["num_hidden_layers"],
-                num_attention_heads=heads,
-                num_key_value_heads=raw.get("num_key_value_heads") or heads,
-                head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-                rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-                rope_theta=rope_theta if rope_theta is not None else 10_000.0,
-                rope_scaling=rope_scaling,
-                max_position_embeddings=max_positions,
-                tie_word_embeddings=raw.get("tie_word_embeddings", False),
-                # transformers' Qwen2 always biases q, k, v and never o_proj, and no Qwen MLP
-                # has a bias: both fields are ignored there, as transformers ignores them.
-                attention_bias=raw.get("attention_bias", False) if model_type != "qwen2" else False,
-                mlp_bias=raw.get("mlp_bias", False) if model_type == "llama" else False,
-                bos_token_id=raw.get("bos_token_id"),
-                eos_token_id=raw.get("eos_token_id"),
-                pad_token_id=raw.get("pad_token_id"),
-            )
-        except ValueError as err:  # the dataclass's own checks, which cannot know the file
-            raise ValueError(f"{source}: {err}") from None
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> DecoderConfig:
-        """Read a ``config.json``; ``FileNotFoundError`` / ``ValueError`` naming the file."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"missing model config: {path} does not exist")
-        return cls.from_hf_dict(read_json(path), source=path)
-
     def to_hf_dict(self, dtype: str = "float32") -> dict[str, Any]:
         """The ``config.json`` content ``transformers`` expects for this family."""
         out: dict[str, Any] = {
@@ -245,6 +137,156 @@ class DecoderConfig:
         if eos is None:
             return ()
         return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+
+def _check_file(raw: Any, source: Path) -> None:
+    """What must be checked on the file itself, before ``transformers.AutoConfig`` reads it:
+    a family AutoConfig would build another config class for (or refuse in a paragraph),
+    fields it would fill in with its defaults (the model's shapes must come from the
+    file), and types it would accept (transformers 4) or refuse in several lines (5)."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: expected a JSON object of model settings, found {type(raw).__name__}")
+    model_type, arch = raw.get("model_type"), raw.get("architectures")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{source}: unsupported architecture: model_type={model_type!r} architectures={arch!r}; "
+            f"allowed model_type: {', '.join(SUPPORTED_MODEL_TYPES)} (dense decoders)"
+        )
+    # Another head or body under a supported model_type (a classifier, an MoE variant)
+    # has weights this decoder would not load.
+    if arch is not None and (not isinstance(arch, list) or any(a != _ARCHITECTURES[model_type] for a in arch)):
+        raise ValueError(f"{source}: architectures = {arch!r} is not supported for model_type {model_type!r}; "
+                         f"allowed: [{_ARCHITECTURES[model_type]!r}]")
+    for name in _REQUIRED_INTS:
+        if name not in raw:
+            raise ValueError(f"{source}: missing field {name!r} (a positive integer); is this the config.json "
+                             "of a Hugging Face model?")
+    for name in _REQUIRED_INTS + _OPTIONAL_INTS:
+        value = raw.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{source}: {name} = {value!r} is invalid; allowed: a positive integer")
+    for name in _ROPE_FIELDS:
+        value = raw.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{source}: {name} = {value!r} is invalid; allowed: null or an object with rope_type "
+                             f"{' or '.join(_ROPE_TYPES)}")
+
+
+def _auto_config(directory: Path, source: Path) -> dict[str, Any]:
+    """``config.json`` as ``transformers.AutoConfig`` reads it (defaults filled in, legacy
+    keys translated), as a dict; never downloads, never runs the checkpoint's own code."""
+    from transformers import AutoConfig  # the training stack's; imported when a model is loaded
+
+    try:
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
+    except Exception as err:  # transformers raises many types, some multi-line
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err  # a KeyError's str is quoted
+        cause = " ".join(str(message).split()) or type(err).__name__  # one line for the CLI
+        raise ValueError(f"{source}: transformers.AutoConfig refuses it: {cause}") from None
+    return config.to_dict()
+
+
+def _rope(fields: dict[str, Any], source: Path, field: str) -> tuple[float, dict[str, Any] | None]:
+    """``(θ, the RoPE scaling or None)`` of AutoConfig's fields: transformers 5 nests both in
+    ``rope_parameters``, 4 keeps ``rope_theta`` and ``rope_scaling`` apart. ``field``: the
+    key the file used, for the error."""
+    params = fields.get("rope_parameters")
+    if isinstance(params, dict):
+        theta, scaling = params.get("rope_theta"), {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta, scaling = fields.get("rope_theta"), fields.get("rope_scaling")
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+        scaling = None if rope_type in (None, "default") else {**scaling, "rope_type": rope_type}
+    if scaling is not None:
+        try:
+            _check_rope(scaling, field)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
+    return (10_000.0 if theta is None else theta), scaling
+
+
+def _check_fields(fields: dict[str, Any], source: Path) -> None:
+    """Settings this decoder would otherwise silently ignore, as AutoConfig read them:
+    mixture-of-experts layers, another activation, sliding-window attention."""
+    for name in _MOE_FIELDS:
+        if fields.get(name):
+            raise ValueError(f"{source}: {name} = {fields[name]!r} describes mixture-of-experts layers, which this "
+                             "decoder does not implement; allowed: absent, null or 0 (dense models only)")
+    act = fields.get("hidden_act") or "silu"
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"{source}: hidden_act = {act!r} is not implemented; allowed: {', '.join(_ACTIVATIONS)}")
+    model_type, max_positions = fields["model_type"], fields["max_position_embeddings"]
+    # Qwen2/Qwen3 apply the window only with use_sliding_window (transformers drops it
+    # otherwise); a Llama config that carries one was trained with a window no Llama
+    # implementation applies. A window covering the whole context changes nothing.
+    window = fields.get("sliding_window")
+    if model_type != "llama" and not fields.get("use_sliding_window"):
+        window = None
+    if isinstance(window, int) and window < max_positions:
+        switch = "use_sliding_window = true with " if model_type != "llama" else ""
+        fix = ("set use_sliding_window to false" if model_type != "llama"
+               else "set sliding_window to null if the model was trained with full attention")
+        raise ValueError(
+            f"{source}: {switch}sliding_window = {window} (< max_position_embeddings = {max_positions}) asks for "
+            f"sliding-window attention, which this decoder does not implement; allowed: a window of at least "
+            f"max_position_embeddings, or none ({fix})"
+        )
+
+
+def read_hf_config(directory: str | Path) -> tuple[DecoderConfig, str | None]:
+    """The decoder config of a local Hugging Face checkpoint directory, and the dtype its
+    weights were saved in (``torch_dtype`` / ``dtype``; None: not recorded).
+
+    ``config.json`` is read by ``transformers.AutoConfig`` (local files only, no remote
+    code), so that its defaults and legacy keys mean what they mean to transformers; our
+    checks come after it, each a one-line ``ValueError`` naming the file, the field, its
+    value and what is allowed. Refused: another architecture, mixture-of-experts layers,
+    sliding-window attention, a RoPE scaling this decoder does not implement, another
+    activation. Fields that do not change the forward pass (``torch_dtype``,
+    ``initializer_range``, ``use_cache``, …) are ignored.
+
+    Raises:
+      FileNotFoundError: ``config.json`` is missing.
+      ValueError: it is not valid JSON, or describes a model this decoder does not implement.
+    """
+    directory = Path(directory)
+    source = directory / "config.json"
+    if not source.is_file():
+        raise FileNotFoundError(f"missing model config: {source} does not exist; a Hugging Face checkpoint "
+                                "directory needs its config.json")
+    raw = read_json(source)  # transformers' error for broken JSON names neither line nor column
+    _check_file(raw, source)
+    fields = _auto_config(directory, source)
+    _check_fields(fields, source)
+    model_type, heads = fields["model_type"], fields["num_attention_heads"]
+    rope_theta, rope_scaling = _rope(fields, source, "rope_parameters" if "rope_parameters" in raw else "rope_scaling")
+    try:
+        config = DecoderConfig(
+            model_type=model_type,
+            vocab_size=fields["vocab_size"],
+            hidden_size=fields["hidden_size"],
+            intermediate_size=fields["intermediate_size"],
+            num_hidden_layers=fields["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=fields.get("num_key_value_heads") or heads,
+            head_dim=fields.get("head_dim") or fields["hidden_size"] // heads,
+            rms_norm_eps=fields["rms_norm_eps"],
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=fields["max_position_embeddings"],
+            tie_word_embeddings=bool(fields.get("tie_word_embeddings")),
+            # transformers' Qwen2 always biases q, k, v and never o_proj, and no Qwen MLP
+            # has a bias: both fields are ignored there, as transformers ignores them.
+            attention_bias=bool(fields.get("attention_bias")) if model_type != "qwen2" else False,
+            mlp_bias=bool(fields.get("mlp_bias")) if model_type == "llama" else False,
+            bos_token_id=fields.get("bos_token_id"),
+            eos_token_id=fields.get("eos_token_id"),
+            pad_token_id=fields.get("pad_token_id"),
+        )
+    except ValueError as err:  # the dataclass's own checks, which cannot know the file
+        raise ValueError(f"{source}: {err}") from None
+    return config, raw.get("torch_dtype") or raw.get("dtype")
 
 
 def read_json(path: Path) -> Any:

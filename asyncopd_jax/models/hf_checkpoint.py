@@ -22,7 +22,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
-from asyncopd_jax.models.config import DecoderConfig, read_json
+from asyncopd_jax.models.config import DecoderConfig, read_hf_config, read_json
 from asyncopd_jax.models.decoder import Decoder
 
 SINGLE_FILE = "model.safetensors"
@@ -109,13 +109,8 @@ def from_pretrained(path: str | Path, dtype: jnp.dtype | str | None = None,
     if not path.is_dir():
         raise FileNotFoundError(f"model directory not found: {path}; expected a Hugging Face checkpoint directory "
                                 "(config.json + *.safetensors)")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"missing model config: {config_file} does not exist; a Hugging Face checkpoint "
-                                "directory needs its config.json")
-    raw = read_json(config_file)
-    config = DecoderConfig.from_hf_dict(raw, source=config_file)
-    dtype = jnp.dtype(dtype or raw.get("torch_dtype") or raw.get("dtype") or "float32")
+    config, saved_dtype = read_hf_config(path)
+    dtype = jnp.dtype(dtype or saved_dtype or "float32")
 
     abstract = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
@@ -139,7 +134,8 @@ def from_pretrained(path: str | Path, dtype: jnp.dtype | str | None = None,
             expected = tuple(variable.shape[::-1]) if transpose else tuple(variable.shape)
             if tuple(tensor.shape) != expected:
                 raise ValueError(
-                    f"{files[name]}: tensor {name!r} has shape {list(tensor.shape)}, but {config_file} implies "
+                    f"{files[name]}: tensor {name!r} has shape {list(tensor.shape)}, but "
+                    f"{path / 'config.json'} implies "
                     f"{list(expected)}; weights and config.json belong to different models"
                 )
             value = np.asarray(tensor.T if transpose else tensor, dtype)

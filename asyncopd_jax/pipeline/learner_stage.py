@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from asyncopd_jax.config import ConfigError, RunConfig
-from asyncopd_jax.estimator_registry import get_estimator
+from asyncopd_jax.config import RunConfig
 from asyncopd_jax.learner import (
     LearnerBatch,
     PolicyLoss,
@@ -64,12 +63,8 @@ class LearnerStage:
                                   sharding=lambda shape: NamedSharding(self.mesh, param_spec(shape, fsdp)))
         student.vocab_limit = models.vocab_limit
         self.graphdef, self.state = create_train_state(student, self.optimizer, self.mesh)
-        self.loss = PolicyLoss(cfg.estimator.name, cfg.estimator_options(), cfg.sampling.temperature,
-                               learner.logprob_chunk, cfg.estimator.aggregation)
-        if learner.token_budget:  # dynamic batching
-            if multi_process:
-                raise ConfigError("learner.token_budget > 0 is not supported for a learner over several processes "
-                                  "(each process feeds its own rows); allowed: 0")
+        self.loss = PolicyLoss.from_config(cfg)
+        if learner.token_budget:  # dynamic batching (one learner process: RunConfig.check_learner_processes)
             self.train_step = make_packed_train_step(self.graphdef, self.optimizer, self.loss,
                                                      token_budget=learner.token_budget, bucket=learner.token_bucket,
                                                      mesh=self.mesh, state_example=self.state)
@@ -77,8 +72,7 @@ class LearnerStage:
             self.train_step = make_train_step(self.graphdef, self.optimizer, self.loss,
                                               micro_batches=learner.micro_batches, mesh=self.mesh,
                                               state_example=self.state)
-        self.proximal = make_proximal_fn(self.graphdef, self.loss) \
-            if get_estimator(cfg.estimator.name).needs_proximal else None
+        self.proximal = make_proximal_fn(self.graphdef, self.loss) if self.loss.needs_proximal else None
 
     @property
     def version(self) -> int:

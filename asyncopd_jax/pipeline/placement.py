@@ -187,22 +187,12 @@ def rollout_group_size(cfg: RunConfig) -> int:
 
 
 def validate(cfg: RunConfig) -> list[str]:
-    """The placement's own constraints: one message naming the field for each one broken."""
+    """The placement's constraints across config sections (each list was checked by
+    ``StagesConfig`` itself): one message naming the field for each one broken."""
     errors: list[str] = []
     if cfg.schedule.mode == "fixed_lag" and cfg.schedule.placement != "threads":
         errors.append(f"schedule.placement = {cfg.schedule.placement!r} is invalid with schedule.mode = fixed_lag; "
                       "allowed: threads (fixed_lag samples in the learner's own thread)")
-    for kind in ("cores", "devices"):
-        for role in ("learner", "rollout", "scoring"):
-            value = getattr(cfg.stages, f"{role}_{kind}")
-            if kind == "cores" and value == "auto":
-                continue
-            try:
-                parse_id_list(value)
-            except ValueError as err:
-                allowed = "'auto', '' or a CPU list such as '0', '1-3', '0,2'" if kind == "cores" else \
-                    "'' or a device list such as '0', '4-7', '0,2'"
-                errors.append(f"stages.{role}_{kind} = {value!r} is invalid; allowed: {allowed} ({err})")
     if cfg.schedule.placement == "processes" and cfg.stages.learner_devices:
         if set(parse_id_list(cfg.stages.learner_devices)) & set(_devices(cfg.stages, "rollout") +
                                                               _devices(cfg.stages, "scoring")):
@@ -284,11 +274,6 @@ def snapshot_channel(cfg: RunConfig, run_path: Path, multi_process: bool) -> Sna
     fmt = cfg.stages.snapshot_format
     if fmt == "auto":  # a flat file when one process holds every parameter; Orbax's shards else
         fmt = "orbax" if multi_process else "safetensors"
-    if fmt == "safetensors" and multi_process:
-        from asyncopd_jax.config import ConfigError
-
-        raise ConfigError("stages.snapshot_format = 'safetensors' is invalid for a learner over several "
-                          "processes; allowed: auto, orbax")
     return SnapshotChannel(in_memory=False, directory=str(directory), format=fmt, keep=keep, temporary=temporary)
 
 
@@ -298,11 +283,6 @@ def plan_layout(cfg: RunConfig, *, run_path: Path, available_cores: Sequence[int
 
     ``available_cores``: the cores this process may use (``os.sched_getaffinity(0)``, read
     before the learner pins itself); ``multi_process``: the learner spans several processes."""
-    if multi_process and cfg.schedule.placement != "processes":
-        from asyncopd_jax.config import ConfigError
-
-        raise ConfigError("a learner over several processes needs schedule.placement = processes "
-                          "(its processes read each batch from the run's spool)")
     stages_cfg = cfg.stages
     n_rollout = rollout_stage_count(cfg)
     learner_devices = parse_id_list(stages_cfg.learner_devices)

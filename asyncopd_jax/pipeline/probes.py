@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from asyncopd_jax.config import ConfigError, RunConfig
+from asyncopd_jax.config import RunConfig
 from asyncopd_jax.learner import distributed
 from asyncopd_jax.learner.extrapolation import Extrapolator
 from asyncopd_jax.learner.update_geometry import update_geometry
@@ -33,12 +33,7 @@ class Probes:
                  leader: bool, tracer: Tracer):
         self.cfg, self.models, self.learner, self.leader, self.tracer = cfg, models, learner, leader, tracer
         self.diagnostics: ProbeDiagnostics | None = None
-        if cfg.train.diagnostics_every:
-            if learner.multi_process:
-                raise ConfigError("train.diagnostics_every > 0 is not supported for a learner over several "
-                                  "processes; allowed: 0")
-            if not cfg.teacher.path:
-                raise ConfigError("train.diagnostics_every > 0 needs a teacher (teacher.path); allowed without one: 0")
+        if cfg.train.diagnostics_every:  # with a teacher, one learner process (checked by RunConfig)
             prompts, _ = models.task.train_prompts(np.random.default_rng([cfg.seed, 2**31 - 1]),
                                                    cfg.train.diagnostic_prompts)
             self.diagnostics = self._probe(teacher(), prompts, cfg.seed)

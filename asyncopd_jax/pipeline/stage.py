@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asyncopd_jax.config import ModelSource, RunConfig
 from asyncopd_jax.models import DecoderConfig, check_same_vocabulary, from_pretrained, load_tokenizer, shared_vocab_size
-from asyncopd_jax.models.config import read_json
+from asyncopd_jax.models.config import read_hf_config
 from asyncopd_jax.pipeline.placement import Layout, StagePlan
 from asyncopd_jax.pipeline.reward_stage import RewardStage
 from asyncopd_jax.pipeline.rollout import GroupProducer, group_key
@@ -58,17 +58,17 @@ class RunModels:
 
 
 def model_config(source: ModelSource) -> DecoderConfig:
-    """A model's ``config.json`` (no weights)."""
-    path = resolve_model_path(source.path) / "config.json"
-    if not path.is_file():
-        from_pretrained(path.parent)  # raises the loader's own error naming what is missing
-    return DecoderConfig.from_hf_dict(read_json(path), source=path)
+    """A model's ``config.json``, read and checked as the loader does (no weights)."""
+    directory = resolve_model_path(source.path)
+    if not directory.is_dir():
+        from_pretrained(directory)  # raises the loader's own error naming the directory
+    return read_hf_config(directory)[0]
 
 
 def run_models(cfg: RunConfig) -> RunModels:
     """The task, shared vocabulary and stop tokens of ``cfg``'s student and teacher."""
+    student = model_config(cfg.student)  # first: a missing directory is named as a model's
     tokenizer = load_tokenizer(resolve_model_path(cfg.student.path))
-    student = model_config(cfg.student)
     context, vocab_limit = student.max_position_embeddings, None
     if cfg.teacher.path:
         teacher = model_config(cfg.teacher)
@@ -162,7 +162,7 @@ def build_scoring_stage(cfg: RunConfig, layout: Layout, plan: StagePlan, models:
     mesh = stage_mesh(stage_devices(layout, plan, default_devices))
     teacher = load_model(cfg.teacher, models.vocab_limit, mesh) if cfg.needs_teacher_scores else None
     reference = None
-    if cfg.estimator.reference_kl_coef:
+    if cfg.estimator.needs_reference_logp:
         source = cfg.reference if cfg.reference.path else dataclasses.replace(cfg.reference, path=cfg.student.path)
         reference = ReferenceScorer(load_model(source, models.vocab_limit, mesh), cfg.sampling.temperature,
                                     cfg.learner.logprob_chunk)

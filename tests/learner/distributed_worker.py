@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import optax
 
-from asyncopd_jax.config import DistributedConfig, MeshConfig
+from asyncopd_jax.config import DistributedConfig, EstimatorConfig, MeshConfig
 from asyncopd_jax.learner import PolicyLoss, create_train_state, distributed, make_mesh, make_train_step
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from tests.learner.batches import make_learner_batch
@@ -39,7 +39,8 @@ def main(out: str, process_id: int, num_processes: int, port: int) -> None:
     batch = make_learner_batch()
     mesh = make_mesh(MESH)
     graphdef, state = create_train_state(tiny_decoder(0, scale=0.7), optimizer(), mesh)
-    step = make_train_step(graphdef, optimizer(), PolicyLoss(ESTIMATOR), mesh=mesh, state_example=state)
+    step = make_train_step(graphdef, optimizer(), PolicyLoss(EstimatorConfig(ESTIMATOR)), mesh=mesh,
+                           state_example=state)
     rows = distributed.process_rows(batch.rollout.response_tokens.shape[0])
     local = jax.tree_util.tree_map(lambda x: np.asarray(x)[rows], batch)
     losses = []

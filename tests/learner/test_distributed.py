@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from asyncopd_jax.config import ConfigError, load_config
+from asyncopd_jax.config import ConfigError, EstimatorConfig, load_config
 from asyncopd_jax.learner import PolicyLoss, create_train_state, distributed, make_mesh, make_train_step
 from tests.learner import distributed_worker as worker
 from tests.learner.batches import make_learner_batch
@@ -34,7 +34,8 @@ def _one_process_reference():
     batch = make_learner_batch()
     mesh = make_mesh(worker.MESH, devices=jax.devices()[:4])
     graphdef, state = create_train_state(tiny_decoder(0, scale=0.7), worker.optimizer(), mesh)
-    step = make_train_step(graphdef, worker.optimizer(), PolicyLoss(worker.ESTIMATOR), mesh=mesh, state_example=state)
+    step = make_train_step(graphdef, worker.optimizer(), PolicyLoss(EstimatorConfig(worker.ESTIMATOR)), mesh=mesh,
+                           state_example=state)
     losses = []
     for _ in range(worker.STEPS):
         state, metrics = step(state, batch)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from asyncopd_jax.alignment import response_hidden
 from asyncopd_jax.cache import StudentLogProbs
-from asyncopd_jax.estimator_registry import EstimatorOptions, evaluate_estimator, student_logprobs
+from asyncopd_jax.estimator_registry import EstimatorConfig, evaluate_estimator, student_logprobs
 from asyncopd_jax.estimators import gather_logprobs_from_hidden, normalized_token_sum
 from asyncopd_jax.learner import (
     LearnerBatch,
@@ -49,8 +49,7 @@ FIELD_ESTIMATOR = {
 }
 # forward_kl_mc's plain form has no gradient through log q: the k3 form has, so that a NaN
 # left in a dropped row would leak (0 · NaN) into the gradient.
-FIELD_OPTIONS = {"sample_logp": EstimatorOptions(control_variate=True),
-                 "reference_logp": EstimatorOptions(reference_kl_coef=0.5)}
+FIELD_OPTIONS = {"sample_logp": dict(control_variate=True), "reference_logp": dict(reference_kl_coef=0.5)}
 
 
 @pytest.fixture(scope="module")
@@ -136,13 +135,12 @@ def test_the_row_mask_matches_numpy_and_ignores_padding_and_unread_fields(clean)
     np.testing.assert_array_equal(np.asarray(cleaned.rollout.student_topk_behavior_logp), topk_mu)  # not read: as is
 
 
-def _estimator_loss(name: str, batch: LearnerBatch, student: StudentLogProbs,
-                    options: EstimatorOptions = EstimatorOptions()):
-    """Token-mean loss of estimator ``name`` and its gradient w.r.t. the student's
+def _estimator_loss(config: EstimatorConfig, batch: LearnerBatch, student: StudentLogProbs):
+    """Token-mean loss of the estimator and its gradient w.r.t. the student's
     log-probs (each ``[B, T]`` / ``[B, T, K]``), the learner's loss without the model."""
 
     def loss(s: StudentLogProbs):
-        values, _ = evaluate_estimator(name, batch.rollout, batch.cache, s, options=options)
+        values, _ = evaluate_estimator(config, batch.rollout, batch.cache, s)
         mask = batch.rollout.response_mask
         return normalized_token_sum(values, mask, jnp.sum(mask))
 
@@ -155,17 +153,17 @@ def test_dropping_nonfinite_rows_equals_deleting_them(clean, student, field):
     after :func:`drop_nonfinite_rows`, the estimator's token-mean loss and its gradient on
     the kept rows equal those of the clean batch with the two rows deleted (NumPy), and
     the dropped rows get exactly zero gradient (no NaN leaks through ``0 · NaN``)."""
-    name, options = FIELD_ESTIMATOR[field], FIELD_OPTIONS.get(field, EstimatorOptions())
+    config = EstimatorConfig(FIELD_ESTIMATOR[field], **FIELD_OPTIONS.get(field, {}))
     poisoned = _poison(clean, field)
-    value, grads = _estimator_loss(name, poisoned, student, options)
+    value, grads = _estimator_loss(config, poisoned, student)
     # the fault is real: without dropping, this estimator's loss or gradient is not finite
     assert not (np.isfinite(value) and all(np.isfinite(g).all() for g in jax.tree_util.tree_leaves(grads)))
 
     kept_batch, dropped = drop_nonfinite_rows(poisoned)
     np.testing.assert_array_equal(np.flatnonzero(np.asarray(dropped)), BAD_ROWS)
-    got_value, got_grads = _estimator_loss(name, kept_batch, student, options)
-    want_value, want_grads = _estimator_loss(name, _without_rows(clean, list(BAD_ROWS)),
-                                             _without_rows(student, list(BAD_ROWS)), options)
+    got_value, got_grads = _estimator_loss(config, kept_batch, student)
+    want_value, want_grads = _estimator_loss(config, _without_rows(clean, list(BAD_ROWS)),
+                                             _without_rows(student, list(BAD_ROWS)))
     np.testing.assert_allclose(got_value, want_value, rtol=1e-6, atol=1e-7)
     kept = np.setdiff1d(np.arange(len(dropped)), BAD_ROWS)
     for got, want in zip(jax.tree_util.tree_leaves(got_grads), jax.tree_util.tree_leaves(want_grads)):
@@ -179,7 +177,7 @@ def sgd_steps():
     """A plain and a packed jitted SGD step (lr 1: the parameter change is minus the
     gradient) on ``forward_kl_topk``, built once so that their compilations are shared."""
     graphdef, _ = nnx.split(tiny_decoder(0, scale=0.7))
-    loss = PolicyLoss("forward_kl_topk")
+    loss = PolicyLoss(EstimatorConfig("forward_kl_topk"))
     return {"plain": make_train_step(graphdef, optax.sgd(1.0), loss, micro_batches=2),
             "packed": make_packed_train_step(graphdef, optax.sgd(1.0), loss, token_budget=64)}
 
@@ -222,7 +220,7 @@ def test_a_nonfinite_step_leaves_the_state_unchanged(clean):
     # compilation serves the good step (count 0) and the infinite one (count set to 1)
     optimizer = optax.chain(optax.adam(1e-2), optax.scale_by_schedule(lambda n: jnp.where(n >= 1, jnp.inf, 1.0)))
     graphdef, start = create_train_state(tiny_decoder(0, scale=0.7), optimizer)
-    step = make_train_step(graphdef, optimizer, PolicyLoss("forward_kl_topk"))
+    step = make_train_step(graphdef, optimizer, PolicyLoss(EstimatorConfig("forward_kl_topk")))
 
     def copy_of(state):  # the step donates its input
         return jax.tree_util.tree_map(jnp.array, state)
@@ -254,7 +252,7 @@ def test_a_batch_with_every_row_dropped_does_not_move_the_weights(clean):
     is 0 and ``nonfinite_rows`` is the batch size."""
     optimizer = optax.adam(1e-2)
     graphdef, state = create_train_state(tiny_decoder(0, scale=0.7), optimizer)
-    step = make_train_step(graphdef, optimizer, PolicyLoss("forward_kl_topk"))
+    step = make_train_step(graphdef, optimizer, PolicyLoss(EstimatorConfig("forward_kl_topk")))
     state, _ = step(state, clean)  # momentum now non-zero
     topk = np.array(clean.cache.topk_logp)
     topk[:, 0, 0] = np.nan  # every row's first token is a real one

@@ -31,7 +31,7 @@ from flax import nnx
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.config import load_config
-from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorOptions
+from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorConfig
 from asyncopd_jax.learner import LearnerBatch, PolicyLoss, create_train_state, make_proximal_fn, make_train_step
 from asyncopd_jax.learner import step as learner_step
 from asyncopd_jax.models import save_pretrained
@@ -170,8 +170,8 @@ def assert_learner_matches_sampler(temperature: float, batch: RolloutBatch, cach
     """The learner's log-probs at the sampling weights equal the recorded behaviour log-probs."""
     learner_batch = LearnerBatch(batch, cache)
     mask = np.asarray(batch.response_mask)
-    mc = PolicyLoss("reverse_kl_mc", temperature=temperature).student(_student(), learner_batch)
-    topk = PolicyLoss("reverse_kl_topk", temperature=temperature).student(_student(), learner_batch)
+    mc = PolicyLoss(EstimatorConfig("reverse_kl_mc"), temperature=temperature).student(_student(), learner_batch)
+    topk = PolicyLoss(EstimatorConfig("reverse_kl_topk"), temperature=temperature).student(_student(), learner_batch)
     pairs = [
         ("emitted tokens", mc.token, batch.behavior_logp),
         ("MC candidates", mc.candidates, batch.candidate_behavior_logp),
@@ -191,21 +191,22 @@ def test_learner_log_probs_equal_the_sampler_behaviour_log_probs(placement, temp
     assert_learner_matches_sampler(*rollout(placement, temperature))
 
 
-def _options(name: str) -> EstimatorOptions:
+def _estimator(name: str) -> EstimatorConfig:
     # Plain forward-KL MC, mean(log q − log π) over teacher samples, is zero at q = π but its
     # per-sample gradient −∇log π(x) is zero only in expectation; the k3 control variate is
     # zero in value and gradient sample by sample.
-    return EstimatorOptions(control_variate=name == "forward_kl_mc")
+    return EstimatorConfig(name, control_variate=name == "forward_kl_mc")
 
 
 def assert_estimators_vanish_at_the_teacher(temperature: float, batch: RolloutBatch, cache: TeacherScoreCache) -> None:
     """Teacher = student = sampler: each estimator's loss, its gradient and the update are 0."""
     optimizer = optax.sgd(1.0)  # the parameter change is the gradient itself
-    for name, spec in ESTIMATORS.items():
-        loss = PolicyLoss(name, _options(name), temperature=temperature)
+    for name in ESTIMATORS:
+        loss = PolicyLoss(_estimator(name), temperature=temperature)
         graphdef, state = create_train_state(_student(), optimizer)
         before = jax.device_get(state.params)
-        proximal = make_proximal_fn(graphdef, loss)(state.params, LearnerBatch(batch, cache)) if spec.needs_proximal else None
+        proximal = (make_proximal_fn(graphdef, loss)(state.params, LearnerBatch(batch, cache))
+                    if loss.needs_proximal else None)
         train_step = make_train_step(graphdef, optimizer, loss, micro_batches=2)
         state, metrics = train_step(state, LearnerBatch(batch, cache, proximal))
         assert abs(float(metrics["loss"])) < 1e-6, (name, float(metrics["loss"]))
@@ -234,7 +235,7 @@ def test_the_estimators_are_not_trivially_zero():
     optimizer = optax.sgd(1.0)
     for name in ("reverse_kl_mc", "forward_kl_topk", "reverse_kl_topk"):
         graphdef, state = create_train_state(_student(), optimizer)
-        _, metrics = make_train_step(graphdef, optimizer, PolicyLoss(name, temperature=temperature))(
+        _, metrics = make_train_step(graphdef, optimizer, PolicyLoss(EstimatorConfig(name), temperature=temperature))(
             state, LearnerBatch(batch, cache)
         )
         assert float(metrics["grad_norm"]) > 1e-2, (name, float(metrics["grad_norm"]))

@@ -8,8 +8,8 @@ import optax
 import pytest
 from flax import nnx
 
-from asyncopd_jax.config import EstimatorConfig, MeshConfig, OptimConfig, RunConfig
-from asyncopd_jax.estimator_registry import EstimatorOptions, evaluate_estimator
+from asyncopd_jax.config import EstimatorConfig, MeshConfig, OptimConfig, RunConfig, load_config
+from asyncopd_jax.estimator_registry import evaluate_estimator
 from asyncopd_jax.learner import (
     LearnerBatch,
     PolicyLoss,
@@ -30,8 +30,7 @@ def learner_batch() -> LearnerBatch:
     return make_learner_batch()
 
 
-def _run(loss, batch, micro_batches=1, mesh=None, steps=1, estimator_needs_proximal=False, optimizer=None,
-         token_budget=0, bucket=8):
+def _run(loss, batch, micro_batches=1, mesh=None, steps=1, optimizer=None, token_budget=0, bucket=8):
     # Adam's first step is ≈ lr · sign(g): it magnifies rounding in tiny gradients, so the
     # exactness tests compare plain SGD steps (parameter change = gradient).
     optimizer = optimizer or make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=0, schedule="constant"), 10)
@@ -43,7 +42,7 @@ def _run(loss, batch, micro_batches=1, mesh=None, steps=1, estimator_needs_proxi
         step = make_train_step(graphdef, optimizer, loss, micro_batches=micro_batches, mesh=mesh, state_example=state)
     history = []
     for _ in range(steps):
-        if estimator_needs_proximal:
+        if getattr(loss, "needs_proximal", False):  # the estimator's spec says
             batch = LearnerBatch(batch.rollout, batch.cache, make_proximal_fn(graphdef, loss)(state.params, batch))
         state, metrics = step(state, batch)
         history.append(jax.device_get(metrics))
@@ -57,7 +56,7 @@ def _assert_params_close(a, b, **tol):
 
 @pytest.mark.parametrize("estimator", ["reverse_kl_mc", "forward_kl_topk"])
 def test_micro_batch_split_does_not_change_the_step(learner_batch, estimator):
-    loss = PolicyLoss(estimator)
+    loss = PolicyLoss(EstimatorConfig(estimator))
     one, m1 = _run(loss, learner_batch, micro_batches=1, optimizer=optax.sgd(1.0))
     four, m4 = _run(loss, learner_batch, micro_batches=4, optimizer=optax.sgd(1.0))
     _assert_params_close(one, four, rtol=1e-5, atol=1e-7)
@@ -75,9 +74,9 @@ def test_micro_batch_split_does_not_change_the_step(learner_batch, estimator):
 def test_token_budget_micro_batches_do_not_change_the_step(learner_batch, estimator, budget, bucket, data):
     """Dynamic batching (rows sorted by length, trimmed to their own slots, filler rows
     masked out) gives the plain step's parameters and metrics: the token mean stays exact."""
-    loss = PolicyLoss(estimator)
+    loss = PolicyLoss(EstimatorConfig(estimator))
     mesh = make_mesh(MeshConfig(data=data, fsdp=2)) if data > 1 else None
-    kw = dict(optimizer=optax.sgd(1.0), estimator_needs_proximal=estimator == "decoupled_ppo")
+    kw = dict(optimizer=optax.sgd(1.0))
     plain, m_plain = _run(loss, learner_batch, **kw)
     packed, m_packed = _run(loss, learner_batch, mesh=mesh, token_budget=budget, bucket=bucket, **kw)
     # atol 1e-6: micro-batches sum the gradient in another order (float32 rounding); a token
@@ -91,7 +90,7 @@ def test_token_budget_micro_batches_do_not_change_the_step(learner_batch, estima
 
 def test_sharded_step_equals_single_device(learner_batch):
     assert jax.device_count() == 8, "tests run with 8 virtual CPU devices (see tests/conftest.py)"
-    loss = PolicyLoss("reverse_kl_mc")
+    loss = PolicyLoss(EstimatorConfig("reverse_kl_mc"))
     single, ms = _run(loss, learner_batch, steps=2, optimizer=optax.sgd(1.0))
     mesh = make_mesh(MeshConfig(data=4, fsdp=2))
     sharded, mm = _run(loss, learner_batch, mesh=mesh, steps=2, optimizer=optax.sgd(1.0))
@@ -104,7 +103,8 @@ def test_sharded_step_equals_single_device(learner_batch):
 
 
 def test_losses_fall(learner_batch):
-    for loss, steps in [(SFTLoss(), 15), (PolicyLoss("reverse_kl_mc"), 15), (PolicyLoss("forward_kl_topk"), 15)]:
+    for loss, steps in [(SFTLoss(), 15), (PolicyLoss(EstimatorConfig("reverse_kl_mc")), 15),
+                        (PolicyLoss(EstimatorConfig("forward_kl_topk")), 15)]:
         _, history = _run(loss, learner_batch, steps=steps)
         first, last = history[0]["loss"], history[-1]["loss"]
         assert last < first - 0.05 * abs(first), (loss, first, last)
@@ -115,11 +115,10 @@ def test_decoupled_ppo_step_matches_the_numpy_oracle(learner_batch):
     step's loss is the token mean of the NumPy decoupled-PPO oracle, every branch exercised
     (behaviour weight above and below its cap, ratio clipped and not, dual clip)."""
     rollout, cache = learner_batch.rollout, learner_batch.cache
-    options = EstimatorOptions(ppo_clip_eps=0.1, dual_clip=1.5, behavior_weight_cap=1.1)
-    loss = PolicyLoss("decoupled_ppo", options)
+    loss = PolicyLoss(EstimatorConfig("decoupled_ppo", ppo_clip_eps=0.1, dual_clip=1.5, behavior_weight_cap=1.1))
     graphdef, state = create_train_state(tiny_decoder(0, scale=0.7), optax.sgd(1.0))
     # Move away from the behaviour policy (π_prox), then once more (π_θ).
-    drift = make_train_step(graphdef, optax.sgd(3.0), PolicyLoss("forward_kl_topk"))
+    drift = make_train_step(graphdef, optax.sgd(3.0), PolicyLoss(EstimatorConfig("forward_kl_topk")))
     state, _ = drift(state, learner_batch)
     proximal = make_proximal_fn(graphdef, loss)(state.params, learner_batch)
     state, _ = drift(state, learner_batch)
@@ -162,7 +161,7 @@ def test_aggregation_modes_are_exact_over_micro_batches_and_packing(learner_batc
     """A sequence-level aggregation gives the same step whole, in 4 micro-batches and packed
     into token-budget micro-batches trimmed to their own length; its loss is the oracle's
     aggregate of the per-token values; and it is a different step from the token mean."""
-    loss = PolicyLoss("forward_kl_topk", aggregation=aggregation)
+    loss = PolicyLoss(EstimatorConfig("forward_kl_topk", aggregation=aggregation))
     sgd = dict(optimizer=optax.sgd(1.0))
     one, m1 = _run(loss, learner_batch, **sgd)
     four, m4 = _run(loss, learner_batch, micro_batches=4, **sgd)
@@ -172,12 +171,12 @@ def test_aggregation_modes_are_exact_over_micro_batches_and_packing(learner_batc
         np.testing.assert_allclose(metrics[0]["loss"], m1[0]["loss"], rtol=1e-5)
     assert mp[0]["micro_batches"] > 1
     model = tiny_decoder(0, scale=0.7)
-    values, _ = evaluate_estimator("forward_kl_topk", learner_batch.rollout, learner_batch.cache,
+    values, _ = evaluate_estimator(EstimatorConfig("forward_kl_topk"), learner_batch.rollout, learner_batch.cache,
                                    loss.student(model, learner_batch))
     mask = np.asarray(learner_batch.rollout.response_mask)
     assert len(set(mask.sum(-1).tolist())) > 1  # rows of different lengths: the modes differ
     np.testing.assert_allclose(m1[0]["loss"], oracle.aggregate(np.asarray(values), mask, aggregation), rtol=1e-5)
-    token_mean_step, _ = _run(PolicyLoss("forward_kl_topk"), learner_batch, **sgd)
+    token_mean_step, _ = _run(PolicyLoss(EstimatorConfig("forward_kl_topk")), learner_batch, **sgd)
     assert not np.allclose(jax.tree_util.tree_leaves(one.params)[0], jax.tree_util.tree_leaves(token_mean_step.params)[0])
 
 
@@ -188,14 +187,29 @@ def test_check_inputs_stops_a_step_fed_raw_logits(learner_batch, token_budget):
     batch trains as without the checks."""
     import dataclasses
 
-    options = EstimatorOptions(check_inputs=True)
-    loss = PolicyLoss("forward_kl_topk", options)
+    loss = PolicyLoss(EstimatorConfig("forward_kl_topk", check_inputs=True))
     kw = dict(optimizer=optax.sgd(1.0), token_budget=token_budget)
     checked, m_checked = _run(loss, learner_batch, **kw)
-    plain, m_plain = _run(PolicyLoss("forward_kl_topk"), learner_batch, **kw)
+    plain, m_plain = _run(PolicyLoss(EstimatorConfig("forward_kl_topk")), learner_batch, **kw)
     _assert_params_close(checked, plain, rtol=1e-6, atol=1e-8)
     cache = dataclasses.replace(learner_batch.cache, topk_logp=learner_batch.cache.topk_logp + 3.0)  # logits, say
     with pytest.raises(Exception, match=r"forward_kl_topk: cache.topk_logp holds values up to .*; expected "
                                         r"log-probabilities"):
         _run(loss, LearnerBatch(learner_batch.rollout, cache, learner_batch.proximal), **kw)
-    assert RunConfig(estimator=EstimatorConfig(check_inputs=True)).estimator_options().check_inputs
+    assert PolicyLoss.from_config(RunConfig(estimator=EstimatorConfig(check_inputs=True))).check_inputs
+
+
+def test_the_loss_is_built_from_the_run_config():
+    """PolicyLoss.from_config: the estimator section as it is, β from rl.distill_coef, π_θ
+    scored at the sampler's temperature, the learner's gather chunk; each a non-default
+    value that arrives."""
+    from asyncopd_jax.cli import DEMO_CONFIG
+
+    cfg = load_config(DEMO_CONFIG, ["algorithm=rl", "estimator.name=decoupled_ppo", "rl.samples_per_prompt=8",
+                                    "rl.distill_coef=0.3", "sampling.temperature=0.7", "learner.logprob_chunk=64",
+                                    "estimator.aggregation=seq-mean-token-mean", "estimator.check_inputs=true"])
+    loss = PolicyLoss.from_config(cfg)
+    assert loss.estimator is cfg.estimator
+    assert (loss.distill_coef, loss.temperature, loss.chunk_size) == (0.3, 0.7, 64)
+    assert loss.aggregation == "seq-mean-token-mean" and loss.check_inputs and loss.needs_proximal
+    assert not PolicyLoss(EstimatorConfig("ppo_clip")).needs_proximal

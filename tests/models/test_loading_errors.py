@@ -211,9 +211,9 @@ UNSUPPORTED = {
                        "rope_scaling.rope_type = 'linear' is not implemented"),
     "yarn-v5": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
                 "rope_parameters.rope_type = 'yarn' is not implemented; allowed: default, llama3 (or no rope_parameters)"),
+    # transformers itself requires low_freq_factor and high_freq_factor (5 fills in the original context)
     "llama3-incomplete": ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-                          "rope_scaling (rope_type 'llama3') lacks original_max_position_embeddings; allowed: an "
-                          "object with factor, original_max_position_embeddings"),
+                          "transformers.AutoConfig refuses it: Missing required keys in `rope_"),
     "rope-not-object": ({"rope_scaling": "linear"}, "rope_scaling = 'linear' is invalid; allowed: null or an object"),
     "gelu": ({"hidden_act": "gelu"}, "hidden_act = 'gelu' is not implemented; allowed: silu, swish"),
     "no-hidden-size": ({"hidden_size": ...}, "missing field 'hidden_size' (a positive integer); is this the "
@@ -262,3 +262,40 @@ def test_models_padded_past_the_tokenizer_share_its_ids_and_no_fewer(tmp_path):
     assert _one_line(err) == ("model vocab_size differs (student 18, teacher 32) and the tokenizer's ids reach 18, "
                               "past the student's 18 rows: the two models do not have a row for every token; pick a "
                               "teacher and student of one family")
+
+
+# --- 5. config.json is read by transformers.AutoConfig, locally, without remote code ---
+
+
+def test_config_json_means_what_it_means_to_transformers(tmp_path):
+    """A field the file leaves out takes transformers' default for the family (Qwen3's
+    context is 32768 positions, not a default of ours), and a legacy key is translated
+    (``rope_scaling.type``) as transformers translates it."""
+    from transformers import AutoConfig
+
+    qwen3 = _edit_config(_checkpoint(tmp_path / "qwen3"), max_position_embeddings=...)
+    want = AutoConfig.from_pretrained(qwen3, local_files_only=True).max_position_embeddings
+    assert from_pretrained(qwen3).config.max_position_embeddings == want == 32768
+    llama = _edit_config(_checkpoint(tmp_path / "llama", "llama"), rope_scaling={
+        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})
+    scaling = from_pretrained(llama).config.rope_scaling
+    assert scaling["rope_type"] == "llama3" and scaling["factor"] == 8.0 and "rope_theta" not in scaling
+
+
+def test_loading_runs_no_code_of_the_checkpoint_and_opens_no_connection(tmp_path, monkeypatch):
+    """``auto_map`` naming a configuration module in the directory is not imported (no
+    remote code), and no socket is opened (nothing is looked up on a hub)."""
+    import socket
+
+    model = _edit_config(_checkpoint(tmp_path / "m"), auto_map={"AutoConfig": "configuration_evil.EvilConfig"})
+    ran = tmp_path / "ran"
+    (model / "configuration_evil.py").write_text(f"open({str(ran)!r}, 'w').write('x')\n")
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("loading a local model opened a network connection")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    assert from_pretrained(model).config.model_type == "qwen3"
+    assert not ran.exists()

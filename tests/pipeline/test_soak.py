@@ -41,8 +41,7 @@ def test_soak(models, tmp_path):  # noqa: F811
     cfg = _config(models, tmp_path, **{
         "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": eta,
         "stages.rollout_processes": 2, "stages.restarts": 10_000, "train.steps": STEPS,
-        "train.checkpoint_every": max(STEPS // 20, 10), "train.eval_every": 10 * STEPS, "task.eval_prompts": 8,
-        "train.log_every": 1})
+        "train.checkpoint_every": max(STEPS // 20, 10), "train.eval_every": 10 * STEPS, "task.eval_prompts": 8})
     trainer = Trainer(cfg, progress=False)
     samples: list[tuple[int, int, int, int]] = []  # (step, RSS kB, open files, threads)
     kills: list[float] = []

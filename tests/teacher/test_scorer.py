@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from asyncopd_jax.estimator_registry import EstimatorOptions, evaluate_estimator, required_ids, student_logprobs
+from asyncopd_jax.estimator_registry import EstimatorConfig, evaluate_estimator, required_ids, student_logprobs
 from asyncopd_jax.estimators import gather_logprobs_from_hidden
 from asyncopd_jax.sampling import Sampler, SamplingParams
 from asyncopd_jax.alignment import response_aligned
@@ -50,7 +50,7 @@ def _losses(model, batch, cache):
     for name in ESTIMATORS:
         ids = required_ids(name, batch, cache)
         student = student_logprobs(ids, lambda i: gather_logprobs_from_hidden(hidden, head, i, chunk_size=4))
-        values, _ = evaluate_estimator(name, batch, cache, student, options=EstimatorOptions(control_variate=True))
+        values, _ = evaluate_estimator(EstimatorConfig(name, control_variate=True), batch, cache, student)
         out[name] = np.asarray(values)
     return out
 
