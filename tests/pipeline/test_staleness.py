@@ -211,9 +211,25 @@ def test_release_gives_capacity_back_and_wakes_a_waiting_producer():
     assert thread.is_alive()  # waiting for capacity
     buf.release(1)  # a rollout that failed before it could be put
     thread.join(5)
-    assert not thread.is_alive() and outcome == [None]
+    assert not thread.is_alive() and outcome == [0]  # the oldest version it may start from
     with pytest.raises(TimeoutError):
         buf.acquire(1, timeout=0)
+
+
+@pytest.mark.parametrize("eta,mini_batches,first_version,expected", [
+    (0, 1, 0, [0, 1, 2, 3]),  # sync: exactly the version the learner is at
+    (2, 1, 0, [0, 0, 0, 1]),  # η = 2: up to two versions back
+    (2, 2, 10, [8, 10, 12, 14]),  # two steps per batch, after a resume at version 10
+])
+def test_acquire_names_the_oldest_version_a_rollout_may_start_from(eta, mini_batches, first_version, expected):
+    """A group admitted after c consumed batches is trained at version v₀ + c·M or later,
+    so it may start from v₀ + c·M − η or newer (never older: it would be dropped)."""
+    buf = StalenessBuffer(batch_size=2, eta=eta, mini_batches=mini_batches, first_version=first_version)
+    versions = []
+    for _ in range(4):
+        versions.append(buf.acquire(2, timeout=0))
+        buf.finish_batch()  # the learner trained on a batch: one more may start
+    assert versions == expected
 
 
 def test_stop_wakes_every_waiter_and_refuses_new_work():
