@@ -2,7 +2,7 @@
 #
 # Every helper works on the arguments of `asyncopd train` (a config path, --set
 # overrides, --resume) and on a run's exchange directory (runs/<name>/exchange: see
-# asyncopd_jax/pipeline/processes.py).
+# asyncopd_jax/pipeline/exchange.py).
 
 PYTHON=${PYTHON:-python}
 
