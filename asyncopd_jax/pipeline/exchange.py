@@ -18,6 +18,7 @@ written atomically: a stage starting while they are rewritten reads the old or t
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from asyncopd_jax.atomic_files import write_text_atomically
@@ -62,6 +63,13 @@ class Exchange:
             return float(json.loads(self.teacher_accuracy_file.read_text())["teacher_accuracy"])
         except FileNotFoundError:
             return None
+
+    def wait_for_teacher_accuracy(self, timeout: float) -> float | None:
+        """:meth:`read_teacher_accuracy`, waiting up to ``timeout`` seconds for it."""
+        deadline = time.monotonic() + timeout
+        while (accuracy := self.read_teacher_accuracy()) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return accuracy
 
     @property
     def stopped(self) -> bool:

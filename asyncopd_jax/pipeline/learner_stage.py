@@ -54,7 +54,7 @@ class LearnerStage:
         learner = cfg.learner
         self.cfg, self.multi_process = cfg, multi_process
         # A learner over several processes is one global mesh over every process's devices.
-        devices = jax.devices() if multi_process else stage_devices(layout, layout.learner)
+        devices = jax.devices() if multi_process else stage_devices(layout, layout.learner, jax.local_devices())
         self.mesh = make_mesh(learner.mesh, devices)
         self.optimizer = make_optimizer(cfg.optim, cfg.train.steps)
         self.lr = learning_rate_schedule(cfg.optim, cfg.train.steps)

@@ -190,9 +190,6 @@ def validate(cfg: RunConfig) -> list[str]:
     """The placement's constraints across config sections (each list was checked by
     ``StagesConfig`` itself): one message naming the field for each one broken."""
     errors: list[str] = []
-    if cfg.schedule.mode == "fixed_lag" and cfg.schedule.placement != "threads":
-        errors.append(f"schedule.placement = {cfg.schedule.placement!r} is invalid with schedule.mode = fixed_lag; "
-                      "allowed: threads (fixed_lag samples in the learner's own thread)")
     if cfg.schedule.placement == "processes" and cfg.stages.learner_devices:
         if set(parse_id_list(cfg.stages.learner_devices)) & set(_devices(cfg.stages, "rollout") +
                                                               _devices(cfg.stages, "scoring")):

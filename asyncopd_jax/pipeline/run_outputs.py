@@ -39,6 +39,19 @@ class RunDir:
         self.metrics_file = self.path / "metrics.jsonl"
         self._checkpoints: ocp.CheckpointManager | None = None
 
+    def start_fresh(self, cfg: RunConfig, *, write: bool = True) -> None:
+        """Begin a new run here: refuse a directory holding another run's checkpoints, drop
+        the metrics and summary of an earlier attempt, write the config (``write``: this
+        process writes the run's files)."""
+        checkpoints = self.path / "checkpoints"
+        if checkpoints.is_dir() and any(checkpoints.iterdir()):
+            raise FileExistsError(f"{self.path} already holds a run with checkpoints; continue it with --resume "
+                                  f"{self.path}, or start another with --set name=<new name>")
+        if write:
+            for stale in ("metrics.jsonl", "summary.json"):
+                (self.path / stale).unlink(missing_ok=True)
+            self.write_config(cfg)
+
     def write_config(self, cfg: RunConfig) -> None:
         save_config(cfg, self.path / "config.yaml")
 

@@ -91,11 +91,13 @@ def stage_devices(layout: Layout, plan: StagePlan, default: list[jax.Device] | N
 
     A stage process whose devices were made visible to it by the platform's variables
     (GPU, TPU) uses every device it sees; otherwise ``plan.devices`` index this process's
-    devices, and ``()`` means ``default`` (a stage beside the learner: the learner's), else
-    every device."""
+    devices. ``()`` means ``default``: the learner's devices for a stage beside the learner,
+    every device for the learner, and else this process's first device (a stage process
+    given no devices, as before devices were configurable: one device, not a replica on
+    each of, say, 8 virtual CPU devices)."""
     local = jax.local_devices()
     if not plan.devices:
-        return list(default) if default else local
+        return list(default) if default else local[:1]
     if layout.stage_processes() and jax.default_backend() != "cpu":
         return local  # already restricted to plan.devices by placement.device_env
     if max(plan.devices) >= len(local):
@@ -196,7 +198,7 @@ def build_rollout_stage(cfg: RunConfig, layout: Layout, plan: StagePlan, models:
     (:func:`rollout_shardings`)."""
     mesh = stage_mesh(stage_devices(layout, plan, default_devices))
     producer = GroupProducer(
-        sampler=Sampler(graphdef, models.sampling, pad_id=models.task.pad_id), snapshots=snapshots,
+        sampler=Sampler(graphdef, models.sampling, pad_id=models.task.pad_id, mesh=mesh), snapshots=snapshots,
         prompts=models.task.train_prompts, reward=RewardStage.from_config(cfg, models.task.rewards),
         group_size=layout.group_size, seed=layout.seed, prompt_slots=models.task.prompt_slots, tracer=tracer,
         interruptible=interruptible, version_timeout=cfg.stages.startup_timeout,
@@ -230,3 +232,12 @@ def load_model_and_tokenizer(path: str, dtype: str) -> tuple[nnx.Module, Any]:
     """A model (on the default device) and its tokenizer, from a directory or ``builtin:NAME``."""
     directory = resolve_model_path(path)
     return from_pretrained(directory, dtype=dtype), load_tokenizer(directory)
+
+
+def teacher_on(mesh: Mesh, cfg: RunConfig, models: RunModels, scoring: ScoringStage | None) -> nnx.Module:
+    """The teacher on ``mesh`` (a probe's, beside the learner): the scoring stage's, copied
+    device to device when it shares this process, else read from disk."""
+    if scoring is not None and scoring.teacher is not None:
+        graphdef, weights = nnx.split(scoring.teacher)
+        return nnx.merge(graphdef, jax.device_put(weights, replicated(mesh)))
+    return load_model(cfg.teacher, models.vocab_limit, mesh)

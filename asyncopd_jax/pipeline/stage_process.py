@@ -49,6 +49,10 @@ def run_stage(exchange_dir: str | Path, role: str, index: int, cores: Sequence[i
         cfg, layout = exchange.read()
         tracer = Tracer(origin=layout.trace_origin, process=name)
         work = _StageWork(cfg, layout, name, exchange, tracer)
+        devices = sorted({d.id for stage in (work.rollout, work.scoring) if stage is not None
+                          for d in stage.mesh.devices.flat})
+        print(f"{name}: pid {os.getpid()}, niceness {os.nice(0)}, cores {','.join(map(str, cores)) or 'any'}, "
+              f"devices {devices}", flush=True)
 
         def should_stop() -> bool:
             return exchange.stopped or (parent_pid is not None and os.getppid() != parent_pid)

@@ -46,8 +46,8 @@ from asyncopd_jax.pipeline.progress import ProgressBar, Throughput
 from asyncopd_jax.pipeline.rollout import RolloutPool, Stages
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore, InMemorySnapshotStore, SnapshotStore
-from asyncopd_jax.pipeline.stage import (RolloutStage, build_rollout_stage, build_scoring_stage, load_model,
-                                         rollout_shardings, run_models, stage_mesh, with_shardings)
+from asyncopd_jax.pipeline.stage import (RolloutStage, build_rollout_stage, build_scoring_stage, rollout_shardings,
+                                         run_models, stage_mesh, teacher_on, with_shardings)
 from asyncopd_jax.pipeline.stage_processes import StageProcesses
 from asyncopd_jax.pipeline.staleness import RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
@@ -84,15 +84,7 @@ class Trainer:
         if resume:
             self._resume()
         else:
-            if (self.run_dir.path / "checkpoints").is_dir() and any((self.run_dir.path / "checkpoints").iterdir()):
-                raise FileExistsError(
-                    f"{self.run_dir.path} already holds a run with checkpoints; continue it with "
-                    f"--resume {self.run_dir.path}, or start another with --set name=<new name>"
-                )
-            if self.leader:
-                for stale in ("metrics.jsonl", "summary.json"):
-                    (self.run_dir.path / stale).unlink(missing_ok=True)
-                self.run_dir.write_config(cfg)
+            self.run_dir.start_fresh(cfg, write=self.leader)
 
     @property
     def state(self) -> TrainState:
@@ -114,13 +106,8 @@ class Trainer:
             self.run_dir.truncate_metrics(self.start_step)
 
     def _teacher_on_learner(self) -> nnx.Module:
-        """The teacher on the learner's devices, for a probe: the scoring stage's copied
-        device-to-device when it shares this process, else read from disk."""
-        mesh = stage_mesh(self.learner_devices)
-        if self.scoring is not None and self.scoring.teacher is not None:
-            graphdef, weights = nnx.split(self.scoring.teacher)
-            return nnx.merge(graphdef, jax.device_put(weights, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
-        return load_model(self.cfg.teacher, self.vocab_limit, mesh)
+        """The teacher on the learner's devices, for a probe (see :func:`teacher_on`)."""
+        return teacher_on(stage_mesh(self.learner_devices), self.cfg, self.models, self.scoring)
 
     def _snapshot_store(self) -> SnapshotStore:
         channel, params = self.layout.snapshots, self.learner.state.params
@@ -191,10 +178,7 @@ class Trainer:
             return self.data.accuracy(*nnx.split(teacher)) if teacher is not None else None
         if not (self.leader and self.layout.stage_processes() and self.cfg.needs_teacher_scores):
             return None
-        exchange, deadline = Exchange(self.run_dir.path / "exchange"), time.monotonic() + self.cfg.stages.startup_timeout
-        while (accuracy := exchange.read_teacher_accuracy()) is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return accuracy
+        return Exchange(self.run_dir.path / "exchange").wait_for_teacher_accuracy(self.cfg.stages.startup_timeout)
 
     # --- the run ------------------------------------------------------------------------
 

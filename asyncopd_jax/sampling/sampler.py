@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 from flax import nnx
 
@@ -86,15 +87,29 @@ class Sampler:
         snapshot of the same architecture needs no recompilation.
       params: sampling parameters (static).
       pad_id: id written into padding positions.
+      mesh: the devices to sample on (a rollout stage's): the prompts' rows are split over
+        its first axis when they divide (the weights come placed by the caller); None: the
+        default device.
     """
 
-    def __init__(self, graphdef: nnx.GraphDef, params: SamplingParams, pad_id: int = 0):
+    def __init__(self, graphdef: nnx.GraphDef, params: SamplingParams, pad_id: int = 0,
+                 mesh: jax.sharding.Mesh | None = None):
         self.graphdef = graphdef
+        self.mesh = mesh
         self.params = params
         self.pad_id = pad_id
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("slots",))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
         self.last_steps = 0  # decode steps the last generate() ran (early exit included)
+
+    def _put(self, x: np.ndarray) -> Array:
+        """A host array of prompts' rows onto the mesh, split by rows where they divide (the
+        batch-parallel decode then follows from the inputs' shardings)."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        axis = self.mesh.axis_names[0]
+        rows_split = x.shape[0] % self.mesh.shape[axis] == 0
+        return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec(axis) if rows_split else PartitionSpec()))
 
     # --- jitted pieces ----------------------------------------------------------------
 
@@ -189,7 +204,7 @@ class Sampler:
         prompt_lengths = mask.sum(axis=1).astype(np.int32)
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
         cache, next_logits = self._prefill(
-            state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions), jnp.int32(slots_p - 1),
+            state, self._put(ids), self._put(mask), self._put(positions), jnp.int32(slots_p - 1),
             slots=slots_p + t_max,
         )
         n, k = max(p.num_candidates, 1), max(p.student_topk, 1)
@@ -199,7 +214,7 @@ class Sampler:
             versions=jnp.zeros((b, t_max), jnp.int32), mask=jnp.zeros((b, t_max), bool),
             candidate_ids=jnp.zeros((b, t_max, n), jnp.int32), candidate_logp=jnp.zeros((b, t_max, n), jnp.float32),
             topk_ids=jnp.zeros((b, t_max, k), jnp.int32), topk_logp=jnp.zeros((b, t_max, k), jnp.float32),
-            prompt_lengths=jnp.asarray(prompt_lengths),
+            prompt_lengths=self._put(prompt_lengths),
         )
         step = 0
         while True:
@@ -214,7 +229,7 @@ class Sampler:
                 version, state = update
                 carry = self._recompute_cache(state, carry, ids, mask, positions, step)
         return RolloutBatch(
-            prompt_tokens=jnp.asarray(ids), prompt_mask=jnp.asarray(mask),
+            prompt_tokens=self._put(ids), prompt_mask=self._put(mask),
             response_tokens=carry.tokens, response_mask=carry.mask, behavior_logp=carry.logp,
             token_version=carry.versions,
             candidate_ids=carry.candidate_ids if p.num_candidates else None,
@@ -233,11 +248,11 @@ class Sampler:
         """
         t_max = carry.tokens.shape[1]
         width = min(t_max, 1 << max(step - 1, 0).bit_length())  # smallest power of two >= step
-        tokens = jnp.concatenate([jnp.asarray(ids), carry.tokens[:, :width]], axis=1)
+        tokens = jnp.concatenate([self._put(ids), carry.tokens[:, :width]], axis=1)
         # carry.mask is True only on tokens already sampled: slots from ``step`` on are invalid
-        valid = jnp.concatenate([jnp.asarray(mask), carry.mask[:, :width]], axis=1)
+        valid = jnp.concatenate([self._put(mask), carry.mask[:, :width]], axis=1)
         resp_pos = carry.prompt_lengths[:, None] + jnp.arange(width)[None]
-        all_pos = jnp.concatenate([jnp.asarray(positions), resp_pos], axis=1)
+        all_pos = jnp.concatenate([self._put(positions), resp_pos], axis=1)
         # The last written slot, P + step − 1, predicts the next token.
         cache, next_logits = self._prefill(
             state, tokens, valid, all_pos, jnp.int32(ids.shape[1] + step - 1), slots=ids.shape[1] + t_max

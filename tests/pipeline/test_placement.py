@@ -90,7 +90,7 @@ def test_the_exchange_writes_the_layout_atomically(models, tmp_path, monkeypatch
             return getattr(self.f, name)
 
     monkeypatch.setattr(Path, "open", lambda self, mode="r", *a, **k: DiesHalfWay(real_open(self, mode, *a, **k))
-                        if "w" in mode else real_open(self, mode, *a, **k))
+                        if "w" in mode and self.name.startswith("layout.json") else real_open(self, mode, *a, **k))
     with pytest.raises(OSError, match="No space"):
         exchange.write(cfg, bigger)
     monkeypatch.undo()
@@ -161,7 +161,9 @@ def _run_recording(models, tmp_path, monkeypatch, name, **sets):  # noqa: F811
     real_score = ScoringStage.score
 
     def recording_score(scoring, group, *args):
-        seen["rollout"] |= _ids(group.batch.response_tokens)  # as the sampler made it
+        tokens = group.batch.response_tokens  # as the sampler made it: rows split over its devices
+        seen["rollout"] |= _ids(tokens)
+        seen["rollout_rows_per_device"] = {tokens.sharding.shard_shape(tokens.shape)[0]}
         scored = real_score(scoring, group, *args)
         seen["scores"] |= _ids(scored.cache)
         return scored
@@ -190,7 +192,8 @@ def _run_recording(models, tmp_path, monkeypatch, name, **sets):  # noqa: F811
 def test_threads_run_each_stage_on_its_own_devices_and_learn_as_on_one(models, tmp_path, monkeypatch):  # noqa: F811
     split, split_losses, seen = _run_recording(models, tmp_path, monkeypatch, "split", **SPLIT)
     assert _ids(split.state.params) == _ids(split.state.opt_state) == {0, 1, 2, 3}
-    assert seen == {"rollout": {4, 5, 6, 7}, "scores": {4, 5, 6, 7}, "weights_to_sampler": {4, 5, 6, 7}}
+    assert seen == {"rollout": {4, 5, 6, 7}, "scores": {4, 5, 6, 7}, "weights_to_sampler": {4, 5, 6, 7},
+                    "rollout_rows_per_device": {2}}  # 8 rows over 4 devices: batch-parallel, not replicated
     assert _ids(split.scoring.teacher) == {4, 5, 6, 7}
     assert len(split_losses) == 8
     # Today's placement (every stage on device 0): the same rollouts (same keys, same

@@ -68,11 +68,14 @@ def _records(run):
 def test_the_stages_run_in_their_own_processes_and_the_run_learns(models, tmp_path):  # noqa: F811
     cfg = _config(models, tmp_path, **{
         "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": 2,
-        "stages.rollout_processes": 2, "stages.scoring_processes": 1, "train.steps": 12,
+        "stages.rollout_processes": 2, "stages.scoring_processes": 1, "train.steps": 12, "stages.rollout_niceness": 7,
     })
     trainer = Trainer(cfg, progress=False)
     summary = trainer.run()
     run = tmp_path / "t"
+    for name in ("rollout-0", "rollout-1", "scoring-0"):  # every stage process runs at the niceness asked for
+        assert f"{name}: pid {trainer.stages.pids[name]}, niceness {min(os.nice(0) + 7, 19)}," in \
+            (run / "exchange" / "logs" / f"{name}.log").read_text()
     records = _records(run)
     assert [r["step"] for r in records] == list(range(1, 13))
     start, end = _kl_start_end(records)
