@@ -207,3 +207,20 @@ def test_scoring_runs_on_its_own_devices_apart_from_rollout(models, tmp_path, mo
     trainer, _, seen = _run_recording(models, tmp_path, monkeypatch, "apart", **{
         **SPLIT, "train.steps": 2, "stages.rollout_devices": "4,5", "stages.scoring_devices": "6,7"})
     assert seen["rollout"] == {4, 5} and seen["scores"] == {6, 7} and seen["weights_to_sampler"] == {4, 5}
+
+
+def test_the_learner_loads_weights_and_creates_moments_in_their_shardings(models, tmp_path):  # noqa: F811
+    """FSDP over devices 4-7: the student is read from disk straight into its shards and the
+    optimizer state created there: no device-to-device copy (which a first copy on device 0
+    would need), every leaf on 4-7, the large ones split."""
+    from asyncopd_jax.pipeline.learner_stage import LearnerStage
+    from asyncopd_jax.pipeline.stage import run_models
+
+    cfg = _config(models, tmp_path, **{"stages.learner_devices": "4-7", "learner.mesh": "{data: 1, fsdp: -1}"})
+    layout = plan_layout(cfg, run_path=tmp_path / "t", available_cores=[])
+    with jax.transfer_guard_device_to_device("disallow_explicit"):
+        learner = LearnerStage(cfg, layout, run_models(cfg), multi_process=False)
+    leaves = jax.tree_util.tree_leaves(learner.state)
+    assert _ids(learner.state) == {4, 5, 6, 7}
+    largest = max(leaves, key=lambda x: x.size)
+    assert largest.sharding.shard_shape(largest.shape) != largest.shape  # split over fsdp, not replicated
