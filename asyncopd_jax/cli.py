@@ -24,7 +24,6 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import jax
 from flax import nnx
 
 from asyncopd_jax import configs

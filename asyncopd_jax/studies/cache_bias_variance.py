@@ -138,7 +138,7 @@ def train_policies(work: Path, seed: int, settings: Settings, lags=LAGS) -> dict
     shutil.rmtree(run, ignore_errors=True)
     versions = sorted({max(0, settings.steps - k) for k in lags})
     out: dict[int, Path] = {}
-    sets = [f"name=train", f"output_dir={run}", f"seed={seed}", "schedule.mode=fixed_lag", "schedule.lag=0",
+    sets = ["name=train", f"output_dir={run}", f"seed={seed}", "schedule.mode=fixed_lag", "schedule.lag=0",
             "optim.schedule=constant", "optim.warmup_steps=0", f"optim.learning_rate={settings.learning_rate}",
             f"learner.batch_size={settings.batch_size}", "task.eval_prompts=64", f"train.eval_every={10**6}",
             f"train.checkpoint_every={10**6}"]

@@ -8,7 +8,6 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from asyncopd_jax.studies.training_runs import compact, expand, mean_curve, read_ledger, run_trainings
