@@ -16,14 +16,15 @@ A run of days records millions of spans, so a tracer keeps only the most recent 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from asyncopd_jax.atomic_files import write_text_atomically
+from asyncopd_jax.atomic_files import open_atomically
 
 
 #: Spans a tracer keeps by default: ~8 MB of Python dicts; at a few spans per learner step
@@ -72,34 +73,70 @@ class Tracer:
             return list(self._events)
 
     def dump(self, path: str | Path) -> None:
-        """This process's kept events and its count of dropped ones (written atomically),
-        for the learner to merge."""
+        """This process's kept events, for the learner to merge (written atomically): a
+        header line with its name and its count of dropped spans, then one event per line,
+        so that :meth:`write` reads them one at a time."""
         with self._lock:
-            record = {"process": self.process, "events": list(self._events), "dropped": self.dropped}
-        write_text_atomically(path, json.dumps(record))
+            events, dropped = list(self._events), self.dropped
+        with open_atomically(path) as f:
+            f.write(json.dumps({"process": self.process, "dropped": dropped}) + "\n")
+            for event in events:
+                f.write(json.dumps(event) + "\n")
 
     def write(self, path: str | Path, others: Iterable[Path] = ()) -> None:
         """``trace.json``: this tracer's events and those dumped by other processes; its
-        ``otherData.dropped_spans`` says, per process, how many older spans were not kept."""
-        events, dropped = self.events(), {self.process: self.dropped}
-        for other in others:
-            try:
-                record = json.loads(Path(other).read_text())
-            except (OSError, ValueError):
-                continue  # a process that never dumped, or was killed mid-write (dump is atomic)
-            events += record["events"]
-            dropped[record["process"]] = record["dropped"]
-        # Chrome's format wants numeric process and thread ids; name them with metadata events.
-        processes = sorted({e["pid"] for e in events} | {self.process}, key=lambda p: (p != self.process, p))
-        pids = {name: i for i, name in enumerate(processes)}
-        threads = sorted({(e["pid"], e["tid"]) for e in events})
-        tids = {key: i for i, key in enumerate(threads)}
-        meta = [{"name": "process_name", "ph": "M", "pid": pids[p], "args": {"name": p}} for p in processes]
-        meta += [{"name": "thread_name", "ph": "M", "pid": pids[p], "tid": tids[(p, t)], "args": {"name": t}}
-                 for p, t in threads]
-        body = [{**e, "pid": pids[e["pid"]], "tid": tids[(e["pid"], e["tid"])]} for e in events]
-        write_text_atomically(path, json.dumps({"traceEvents": meta + body, "displayTimeUnit": "ms",
-                                               "otherData": {"dropped_spans": dropped}}))
+        ``otherData.dropped_spans`` says, per process, how many older spans were not kept.
+
+        Streamed, one span at a time: the learner writes it at every checkpoint, and
+        building it whole (every process's window parsed, each span copied with numeric
+        ids: ~460,000 Python objects at once in the soak) left Python's allocator with more
+        partly used arenas after each checkpoint, resident memory that no heap trim gives
+        back (the soak's creep, docs/reliability.md)."""
+        with self._lock:
+            events, dropped = list(self._events), {self.process: self.dropped}
+        # Chrome's format wants numeric process and thread ids; a metadata event names each
+        # one before its first span.
+        pids: dict[str, int] = {}
+        tids: dict[tuple[str, str], int] = {}
+        with open_atomically(path) as f:
+            f.write('{"traceEvents": [')
+            separator = ""
+
+            def emit(event: dict) -> None:
+                nonlocal separator
+                f.write(separator + json.dumps(event))
+                separator = ", "
+
+            def pid(process: str) -> int:
+                if process not in pids:
+                    pids[process] = len(pids)
+                    emit({"name": "process_name", "ph": "M", "pid": pids[process], "args": {"name": process}})
+                return pids[process]
+
+            pid(self.process)  # the learner is process 0, named even without spans
+            for event in itertools.chain(events, *(_dumped_events(Path(other), dropped) for other in others)):
+                key = (event["pid"], event["tid"])
+                if key not in tids:
+                    tids[key] = len(tids)
+                    emit({"name": "thread_name", "ph": "M", "pid": pid(key[0]), "tid": tids[key],
+                          "args": {"name": key[1]}})
+                emit({**event, "pid": pid(key[0]), "tid": tids[key]})
+            f.write('], "displayTimeUnit": "ms", "otherData": ' + json.dumps({"dropped_spans": dropped}) + "}")
+
+
+def _dumped_events(path: Path, dropped: dict[str, int]) -> Iterator[dict]:
+    """The events of a :meth:`Tracer.dump` file, one at a time, after recording its count
+    of dropped spans in ``dropped``. A file without a readable header (a process that never
+    dumped) yields nothing; a line that does not parse ends it (dumps are written
+    atomically, so neither is expected of a finished dump)."""
+    try:
+        with path.open() as f:
+            header = json.loads(f.readline())
+            dropped[header["process"]] = header["dropped"]
+            for line in f:
+                yield json.loads(line)
+    except (OSError, ValueError, KeyError, TypeError):
+        return
 
 
 def load_spans(path: str | Path) -> list[dict]:
