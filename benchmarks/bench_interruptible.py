@@ -64,7 +64,7 @@ class Publisher:
         while not self.stop.wait(self.period):
             self.store.publish(self.store.latest_version() + 1, self.params)
 
-    def __enter__(self) -> "Publisher":
+    def __enter__(self) -> Publisher:
         self.thread.start()
         return self
 

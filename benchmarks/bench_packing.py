@@ -25,8 +25,14 @@ from flax import nnx
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.config import EstimatorConfig, OptimConfig
-from asyncopd_jax.learner import (LearnerBatch, PolicyLoss, create_train_state, make_optimizer,
-                                  make_packed_train_step, make_train_step)
+from asyncopd_jax.learner import (
+    LearnerBatch,
+    PolicyLoss,
+    create_train_state,
+    make_optimizer,
+    make_packed_train_step,
+    make_train_step,
+)
 from asyncopd_jax.learner.packing import plan_micro_batches
 from asyncopd_jax.models import Decoder, DecoderConfig
 

@@ -182,7 +182,8 @@ def table_models() -> None:
     for m in QWEN3.values():
         print(f"| {m.name} | {m.layers} | {m.hidden} | {m.q_heads} / {m.kv_heads} | {m.intermediate} | "
               f"{'yes' if m.tied else 'no'} | {m.params:,} | {m.non_embedding:,} | {fmt_gib(m.params * 2)} GiB | "
-              f"{fmt_gib(m.params * 4)} GiB | {m.kv_bytes_per_token(2) // 1024} KiB | {m.kv_bytes_per_token(4) // 1024} KiB |")
+              f"{fmt_gib(m.params * 4)} GiB | {m.kv_bytes_per_token(2) // 1024} KiB | "
+              f"{m.kv_bytes_per_token(4) // 1024} KiB |")
 
 
 def table_learner_state() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from asyncopd_jax.config import ConfigError, load_config
 from asyncopd_jax.cli import DEMO_CONFIG
+from asyncopd_jax.config import ConfigError, load_config
 from asyncopd_jax.estimator_registry import ESTIMATORS, ID_SOURCES, RL_ESTIMATORS
 
 

@@ -230,10 +230,7 @@ class Decoder(nnx.Module):
     def lm_head_weight(self) -> Array:
         """``[H, V]`` output projection (the embedding's transpose when tied), V =
         ``vocab_limit`` or ``config.vocab_size``."""
-        if self.config.tie_word_embeddings:
-            head = self.embed_tokens.embedding[...].T
-        else:
-            head = self.lm_head.kernel[...]
+        head = self.embed_tokens.embedding[...].T if self.config.tie_word_embeddings else self.lm_head.kernel[...]
         return head if self.vocab_limit is None else head[:, : self.vocab_limit]
 
     def logits(self, hidden: Array) -> Array:

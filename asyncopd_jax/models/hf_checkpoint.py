@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -74,7 +74,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
             f"{', '.join(sorted(p.name for p in path.iterdir())) or 'nothing'})"
         )
     with contextlib.ExitStack() as stack:
-        return {name: single for name in _open(single, stack).keys()}
+        return {name: single for name in _open(single, stack).keys()}  # noqa: SIM118 - a handle, not a dict
 
 
 def _unused(names: set[str], config: DecoderConfig) -> list[str]:

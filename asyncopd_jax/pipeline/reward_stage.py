@@ -45,7 +45,7 @@ class RewardStage:
     std: StdKind = "unbiased"
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, rewards: RewardFn) -> "RewardStage":
+    def from_config(cls, cfg: RunConfig, rewards: RewardFn) -> RewardStage:
         return cls(rewards, samples_per_prompt=cfg.samples_per_prompt, advantages=cfg.algorithm == "rl",
                    normalize_std=cfg.rl.normalize_std, std=cfg.rl.advantage_std)
 

@@ -11,13 +11,13 @@ Two stores with one interface:
   checkpoint is mostly fixed; ``benchmarks/bench_pipeline.py`` measures both). Either
   way the version is written into a temporary directory and renamed when complete, so a
   reader that only considers directories named by an integer never sees a partial
-  snapshot. Old
-  versions are removed by the store itself (rename, then delete), keeping at least
-  ``keep`` (the versions a rollout may still start from, plus one) and never one that a reader — a thread of this process or another
-  process on the host — is restoring: a reader holds a shared ``flock`` on
-  ``<root>/<version>.lock`` while it restores, and the writer deletes a version only
-  while it holds the exclusive lock (see :func:`_pinned`). Readers and the writer may be
-  different processes opening the same ``root``.
+  snapshot. Old versions are removed by the store itself (rename, then delete), keeping
+  at least ``keep`` (the versions a rollout may still start from, plus one) and never one
+  that a reader — a thread of this process or another process on the host — is restoring:
+  a reader holds a shared ``flock`` on ``<root>/<version>.lock`` while it restores, and
+  the writer deletes a version only while it holds the exclusive lock (see
+  :func:`_pinned`). Readers and the writer may be different processes opening the same
+  ``root``.
 * :class:`InMemorySnapshotStore` — the same contract without disk, for readers in the
   learner's process: each version is copied device-to-device onto the readers' devices
   (a copy even where those are the learner's: the learner donates its buffers).
@@ -161,7 +161,8 @@ class DiskSnapshotStore:
     """
 
     def __init__(self, root: str | Path, abstract_params: nnx.State, keep: int = 4, read_only: bool = False,
-                 format: str = "orbax"):  # noqa: A002 - the word users know
+                 format: str = "orbax",  # noqa: A002 - the word users know
+                 ):
         if format not in SNAPSHOT_FORMATS:
             raise ValueError(f"snapshot format {format!r} is invalid; allowed: {', '.join(SNAPSHOT_FORMATS)}")
         self.format = format

@@ -42,7 +42,7 @@ class Claim:
     name: str
     owner: str
     path: Path
-    spool: "Spool"
+    spool: Spool
 
     def read(self) -> dict[str, np.ndarray]:
         return read_record(self.path)

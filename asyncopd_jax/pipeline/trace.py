@@ -26,7 +26,6 @@ from pathlib import Path
 
 from asyncopd_jax.atomic_files import open_atomically
 
-
 #: Spans a tracer keeps by default: ~8 MB of Python dicts; at a few spans per learner step
 #: that is the last several thousand steps.
 KEEP_SPANS = 20_000

@@ -115,7 +115,8 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
     plt = pyplot()
 
     report = Report(out_dir, "rl_staleness", "AReaL's staleness ablation: naive vs decoupled PPO", command)
-    report.text(f"Each run is `asyncopd_jax/configs/rl.yaml` (reward-driven RL on the built-in task from the distilled student, "
+    report.text("Each run is `asyncopd_jax/configs/rl.yaml` "
+                "(reward-driven RL on the built-in task from the distilled student, "
                 f"{s.batch_size // 8} prompts × G = 8 answers per batch, learning rate 1e-4, {s.steps} steps) with "
                 f"the objective below, seeds 0–{seeds - 1}, and one of two staleness settings: **bound η** "
                 f"(`schedule.mode: fully_async`, `schedule.max_staleness: η`, AReaL's setting; η = ∞ runs as "

@@ -214,8 +214,8 @@ def _verdict(summary: dict, s: Settings, seeds: int, before: float) -> str:
         unstale = np.array([summary[variant, n, 0, seed]["accuracy"] for seed in range(seeds)])
         floor += (f" At N = {n}, {variant} without staleness (k = 0) ends at {mean_spread(100 * unstale)} %: " + (
             "the likely reason is the staleness, not the budget." if trains(unstale, before) else
-            "nothing trains at this budget even without staleness, so the likely reason is the estimator's variance "
-            "with so few samples (E3 measures it), not the staleness."))
+            "nothing trains at this budget even without staleness, so the likely reason is the "
+            "estimator's variance with so few samples (E3 measures it), not the staleness."))
     if beaten:
         verdict = "not reproduced: " + "; ".join(beaten) + " (more than the seeds' spread)"
     elif len(no_evidence) == len(s.lags) * len(STABILISERS):

@@ -1,8 +1,9 @@
 """Teacher scoring: one forward over prompt + response fills the finite score cache.
 
 The teacher's hidden states are aligned by :mod:`asyncopd_jax.alignment`, as the
-learner's are: row t predicts response token t. Log-probs are then computed over chunks of ``chunk_size`` response positions, so the
-``[B, T, V]`` logits never exist at once; only ``[B, chunk, V]`` does.
+learner's are: row t predicts response token t. Log-probs are then computed over chunks
+of ``chunk_size`` response positions, so the ``[B, T, V]`` logits never exist at once;
+only ``[B, chunk, V]`` does.
 """
 
 from __future__ import annotations

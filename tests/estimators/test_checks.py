@@ -38,7 +38,8 @@ def _one_line(err) -> str:
      r"\(K = 8 from student_logp\)$"),
     (lambda: est.reverse_kl_topk(_logp(B, T, K), _logp(B, T, 3)), r"reverse_kl_topk: teacher_logp .*\(K = 8 from student_logp\)"),
     (lambda: est.forward_kl_mc(_logp(B, T, N), _logp(B, T, N)[:1]),
-     r"forward_kl_mc: teacher_logp has shape \[1, 4, 5\]; expected \[B, T, N\] = \[2, 4, 5\] \(B = 2 from student_logp\)"),
+     r"forward_kl_mc: teacher_logp has shape \[1, 4, 5\]; expected \[B, T, N\] = \[2, 4, 5\] "
+     r"\(B = 2 from student_logp\)"),
     (lambda: est.reverse_kl_mc(_logp(B, T, N), _logp(B, T, N), _logp(B, T, 4)),
      r"reverse_kl_mc: teacher_logp has shape \[2, 4, 4\]; expected \[B, T, N\] = \[2, 4, 5\] \(N = 5"),
     (lambda: est.reverse_kl_mc_loo(_logp(B, T, N), _logp(B, T), _logp(B, T, N)), r"reverse_kl_mc_loo: behavior_logp"),

@@ -36,13 +36,12 @@ from asyncopd_jax.learner import LearnerBatch, PolicyLoss, create_train_state, m
 from asyncopd_jax.learner import step as learner_step
 from asyncopd_jax.models import save_pretrained
 from asyncopd_jax.pipeline.exchange import Exchange
-from asyncopd_jax.pipeline.placement import plan_layout
-from asyncopd_jax.pipeline.stage_processes import StageProcesses
+from asyncopd_jax.pipeline.placement import StagePlan, plan_layout
 from asyncopd_jax.pipeline.reward_stage import RewardStage
-from asyncopd_jax.pipeline.placement import StagePlan
 from asyncopd_jax.pipeline.rollout import GroupProducer, RolloutPool
-from asyncopd_jax.pipeline.stage import RolloutStage, ScoringStage, stage_mesh
 from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore
+from asyncopd_jax.pipeline.stage import RolloutStage, ScoringStage, stage_mesh
+from asyncopd_jax.pipeline.stage_processes import StageProcesses
 from asyncopd_jax.pipeline.staleness import StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import Sampler, SamplingParams

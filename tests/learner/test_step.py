@@ -25,6 +25,7 @@ from tests.estimators import oracle
 from tests.learner.batches import make_learner_batch
 from tests.tiny_models import tiny_decoder
 
+
 @pytest.fixture(scope="module")
 def learner_batch() -> LearnerBatch:
     return make_learner_batch()

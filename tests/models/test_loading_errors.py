@@ -15,8 +15,14 @@ from pathlib import Path
 import pytest
 from flax import nnx
 
-from asyncopd_jax.models import (Decoder, check_same_vocabulary, from_pretrained, load_tokenizer, save_pretrained,
-                                 shared_vocab_size)
+from asyncopd_jax.models import (
+    Decoder,
+    check_same_vocabulary,
+    from_pretrained,
+    load_tokenizer,
+    save_pretrained,
+    shared_vocab_size,
+)
 from asyncopd_jax.tasks.tokenizer import save_tokenizer
 from tests.models.test_tokenizer import make_tokenizer
 from tests.tiny_models import tiny_config, tiny_decoder

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import asyncopd_jax.learner.optimizer as optimizer_module
-from asyncopd_jax.pipeline.stage import ScoringStage
 from asyncopd_jax.learner import NonFiniteLoss
 from asyncopd_jax.pipeline.run_outputs import RunDir
+from asyncopd_jax.pipeline.stage import ScoringStage
 from asyncopd_jax.pipeline.staleness import RolloutGroup
 from asyncopd_jax.pipeline.trainer import Trainer
 from tests.pipeline.test_trainer import _config, models  # noqa: F401 - `models` is a fixture
@@ -53,7 +53,7 @@ def _finite_numbers(record: dict) -> bool:
     return all(math.isfinite(v) for v in record.values() if isinstance(v, float))
 
 
-def test_nonfinite_scores_drop_their_rows_and_the_run_goes_on(models, tmp_path, monkeypatch):
+def test_nonfinite_scores_drop_their_rows_and_the_run_goes_on(models, tmp_path, monkeypatch):  # noqa: F811
     """The real teacher scores of groups 2, 3, 4 get NaN / ±inf on the last real token of
     some rows (``topk_logp`` ``[B, T, K]``, ``token_logp`` / ``behavior_logp`` ``[B, T]``):
     the run completes, each step's ``nonfinite_rows`` and ``tokens`` are those of the rows
@@ -94,7 +94,7 @@ def test_nonfinite_scores_drop_their_rows_and_the_run_goes_on(models, tmp_path, 
 
 
 @pytest.mark.parametrize("fault", ["nan_weights", "inf_learning_rate"])
-def test_a_nonfinite_step_stops_the_run_at_that_step(models, tmp_path, monkeypatch, fault):
+def test_a_nonfinite_step_stops_the_run_at_that_step(models, tmp_path, monkeypatch, fault):  # noqa: F811
     """At step 3 (checkpoints every 2 steps): a NaN weight enters the step (as from a
     silent overflow: the loss is NaN), or the learning rate becomes inf (loss and gradient
     finite, the update is not). The run raises NonFiniteLoss within step 3, naming it and

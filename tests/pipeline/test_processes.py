@@ -4,6 +4,7 @@ error (or is restarted), and nothing committed to the spool is lost across a res
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -150,8 +151,8 @@ def _slow(param):
 
 
 @pytest.mark.parametrize("role,stages", [ROLLOUT, _slow(SCORING)])
-def test_a_killed_stage_process_stops_the_run_in_seconds_and_resume_loses_nothing(models, tmp_path, role,  # noqa: F811
-                                                                                 stages):
+def test_a_killed_stage_process_stops_the_run_in_seconds_and_resume_loses_nothing(
+        models, tmp_path, role, stages):  # noqa: F811
     cfg = _config(models, tmp_path, **{
         "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": 2,
         "train.steps": 16, "train.checkpoint_every": 5, **stages,
@@ -217,10 +218,8 @@ def _children(pid: int) -> set[int]:
     """The child processes of ``pid`` (Linux: /proc/<pid>/task/<tid>/children)."""
     found: set[int] = set()
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
+        with contextlib.suppress(OSError):
             found.update(int(c) for c in (task / "children").read_text().split())
-        except OSError:
-            pass
     return found
 
 

@@ -39,7 +39,7 @@ def test_rl_groups_repeat_each_prompt_and_carry_group_relative_advantages():
 
 
 def test_the_config_chooses_the_std():
-    from asyncopd_jax.config import RunConfig, RLConfig
+    from asyncopd_jax.config import RLConfig, RunConfig
 
     for std in ("unbiased", "population"):
         cfg = RunConfig(algorithm="rl", estimator=dataclasses.replace(RunConfig().estimator, name="ppo_clip"),

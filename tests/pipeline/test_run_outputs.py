@@ -77,7 +77,8 @@ def test_the_unfinished_save_of_a_killed_run_is_removed_on_resume(tmp_path):
     # written (made here by a save that fails, through Orbax alone, so nothing removes it).
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
         create=True, enable_async_checkpointing=False))
-    with _file_size_limit(400_000), pytest.raises(Exception):
+    # (TensorStore's write error, a ValueError today: the test needs only what the failure leaves)
+    with _file_size_limit(400_000), pytest.raises(Exception):  # noqa: B017
         manager.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(_state())), force=True)
     assert [p.name for p in directory.iterdir()] == [f"5{ocp.utils.TMP_DIR_SUFFIX}"]
     run = RunDir(tmp_path / "run")  # the resumed run

@@ -27,8 +27,8 @@ def _records(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_sync_with_stage_processes_never_drops_a_group_while_a_snapshot_is_written(models, tmp_path,  # noqa: F811
-                                                                                  monkeypatch):
+def test_sync_with_stage_processes_never_drops_a_group_while_a_snapshot_is_written(
+        models, tmp_path, monkeypatch):  # noqa: F811
     """Each snapshot takes 0.3 s to commit (after the learner moved on): a rollout admitted
     meanwhile must wait for it, not sample the previous version and be dropped as stale."""
     real_save = snapshots_module.save_file

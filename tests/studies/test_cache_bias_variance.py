@@ -8,7 +8,14 @@ import pytest
 
 from asyncopd_jax.studies import get_study
 from asyncopd_jax.studies.cache_bias_variance import (
-    FULL, LAGS, QUICK, _verdict, gradient_statistics, load_statistics, save_statistics)
+    FULL,
+    LAGS,
+    QUICK,
+    _verdict,
+    gradient_statistics,
+    load_statistics,
+    save_statistics,
+)
 
 TOPK, MC, STALE = ("top-K, student support (`reverse_kl_topk`)", "MC + IS, recompute (`reverse_kl_mc`)",
                    "MC, stale signal (`reverse_kl_mc_stale`)")

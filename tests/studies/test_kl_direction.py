@@ -9,7 +9,6 @@ import pytest
 from asyncopd_jax.studies import kl_direction
 from asyncopd_jax.studies.kl_direction import ESTIMATORS, FORWARD, QUICK, _verdict
 
-
 BEFORE = 0.039  # the built-in task's student before distillation
 
 

@@ -19,8 +19,8 @@ from asyncopd_jax.studies.throughput import (
     fit_lengths,
     load_measurements,
     measured_rate,
-    simulate_split,
     save_measurements,
+    simulate_split,
     simulate_sync,
     stage_costs,
 )

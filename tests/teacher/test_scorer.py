@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from asyncopd_jax.alignment import response_aligned
 from asyncopd_jax.estimator_registry import EstimatorConfig, evaluate_estimator, required_ids, student_logprobs
 from asyncopd_jax.estimators import gather_logprobs_from_hidden
 from asyncopd_jax.sampling import Sampler, SamplingParams
-from asyncopd_jax.alignment import response_aligned
 from asyncopd_jax.teacher import ScoringParams, TeacherScorer, score_hidden
 from tests.tiny_models import tiny_decoder
 
