@@ -155,7 +155,8 @@ def _library_log_to_file() -> Iterator[Path]:
     # unraisable exceptions ("Event loop is closed"): to the same file.
     sys.unraisablehook = lambda u: logging.getLogger("unraisable").error(
         "%s: %s", u.err_msg or "unraisable exception", u.exc_value,
-        exc_info=(u.exc_type, u.exc_value, u.exc_traceback))
+        exc_info=(u.exc_type, u.exc_value, u.exc_traceback),  # type: ignore[arg-type]  # exc_value may be None
+    )
     try:
         yield path
     finally:

@@ -13,6 +13,7 @@ import dataclasses
 import re
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -465,7 +466,7 @@ _EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 def _coerce(tp: Any, value: Any, field: str) -> Any:
     origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _from_dict(tp, value, field)
     if origin is Literal:
         allowed = typing.get_args(tp)
@@ -554,7 +555,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a YAML config (a path or a bundled config's name, see :mod:`asyncopd_jax.configs`;
     None: the defaults), apply overrides, validate."""
     data: dict[str, Any] = {}

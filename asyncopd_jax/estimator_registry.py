@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Literal, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,15 @@ from asyncopd_jax.config_checks import check_fields
 from asyncopd_jax.estimators.stabilisers import ClipEps, clip_bounds
 
 Array = jax.Array
+_T = TypeVar("_T")
+
+
+def _given(value: _T | None) -> _T:
+    """``value``, an optional input that :func:`_require_inputs` has checked is given (the
+    spec's ``needs`` say which are; a type checker cannot follow that)."""
+    if value is None:
+        raise ValueError("an input the estimator's spec needs is missing (evaluate_estimator checks them first)")
+    return value
 
 
 def _clip_range_ok(clip_eps: ClipEps | None) -> bool:
@@ -154,6 +163,11 @@ class EstimatorInputs:
     proximal: StudentLogProbs | None = None
     advantage: Array | None = None
 
+    @property
+    def scores(self) -> TeacherScoreCache:
+        """``cache``, for an adapter that reads the teacher's scores."""
+        return _given(self.cache)
+
 
 # An adapter: the inputs and the config → per-token losses [B, T].
 EstimatorFn = Callable[[EstimatorInputs, EstimatorConfig], Array]
@@ -228,29 +242,30 @@ def _advantage(batch: RolloutBatch, cache: TeacherScoreCache | None, student_tok
     """
     base = batch.behavior_logp if signal == "stale" else student_token
     if batch.advantages is None:
-        return jax.lax.stop_gradient(cache.token_logp - base)
+        return jax.lax.stop_gradient(_given(cache).token_logp - base)
     if distill_coef == 0:
         return jax.lax.stop_gradient(batch.advantages)
-    return est.with_distillation(batch.advantages, cache.token_logp, base, distill_coef)
+    return est.with_distillation(batch.advantages, _given(cache).token_logp, base, distill_coef)
 
 
 # --- the adapters: each feeds one function of asyncopd_jax.estimators ---------------
 
 
 def _forward_kl_topk(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.forward_kl_topk(x.student.teacher_topk, x.cache.topk_logp, tail=c.topk_tail)
+    return est.forward_kl_topk(_given(x.student.teacher_topk), _given(x.scores.topk_logp), tail=c.topk_tail)
 
 
 def _forward_kl_topk_renormalized(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.forward_kl_topk_renormalized(x.student.teacher_topk, x.cache.topk_logp)
+    return est.forward_kl_topk_renormalized(_given(x.student.teacher_topk), _given(x.scores.topk_logp))
 
 
 def _forward_kl_mc(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.forward_kl_mc(x.student.teacher_samples, x.cache.sample_logp, control_variate=c.control_variate)
+    return est.forward_kl_mc(_given(x.student.teacher_samples), _given(x.scores.sample_logp),
+                             control_variate=c.control_variate)
 
 
 def _reverse_kl_topk(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.reverse_kl_topk(x.student.student_topk, x.cache.student_topk_logp, tail=c.topk_tail)
+    return est.reverse_kl_topk(_given(x.student.student_topk), _given(x.scores.student_topk_logp), tail=c.topk_tail)
 
 
 def _mc(student: Array, behavior: Array, teacher: Array, c: EstimatorConfig, *, recompute: bool) -> Array:
@@ -259,70 +274,76 @@ def _mc(student: Array, behavior: Array, teacher: Array, c: EstimatorConfig, *, 
                              importance_sampling=c.mc_importance_sampling, clip_eps=c.mc_clip_eps)
 
 
+def _candidates(x: EstimatorInputs) -> tuple[Array, Array, Array]:
+    """``(log π_θ, log μ, log q)`` ``[B, T, N]`` of the rollout's N candidates."""
+    return (_given(x.student.candidates), _given(x.batch.candidate_behavior_logp),
+            _given(x.scores.candidate_logp))
+
+
 def _reverse_kl_mc(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return _mc(x.student.candidates, x.batch.candidate_behavior_logp, x.cache.candidate_logp, c, recompute=True)
+    return _mc(*_candidates(x), c, recompute=True)
 
 
 def _reverse_kl_mc_stale(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return _mc(x.student.candidates, x.batch.candidate_behavior_logp, x.cache.candidate_logp, c, recompute=False)
+    return _mc(*_candidates(x), c, recompute=False)
 
 
 def _reverse_kl_mc_loo(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.reverse_kl_mc_loo(x.student.candidates, x.batch.candidate_behavior_logp, x.cache.candidate_logp)
+    return est.reverse_kl_mc_loo(*_candidates(x))
 
 
 def _reverse_kl_hybrid(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     b, s = x.batch, x.student
-    return est.reverse_kl_hybrid(s.student_topk, x.cache.student_topk_logp, b.student_topk_ids,
-                                 s.candidates, b.candidate_behavior_logp, x.cache.candidate_logp, b.candidate_ids)
+    return est.reverse_kl_hybrid(_given(s.student_topk), _given(x.scores.student_topk_logp),
+                                 _given(b.student_topk_ids), *_candidates(x), _given(b.candidate_ids))
 
 
 def _reverse_kl_pg(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     # the emitted token as the one MC draw
-    return _mc(x.student.token[..., None], x.batch.behavior_logp[..., None], x.cache.token_logp[..., None], c,
+    return _mc(x.student.token[..., None], x.batch.behavior_logp[..., None], x.scores.token_logp[..., None], c,
                recompute=True)
 
 
 def _reverse_kl_pg_stale(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return _mc(x.student.token[..., None], x.batch.behavior_logp[..., None], x.cache.token_logp[..., None], c,
+    return _mc(x.student.token[..., None], x.batch.behavior_logp[..., None], x.scores.token_logp[..., None], c,
                recompute=False)
 
 
 def _ppo_clip(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.ppo_clip_loss(x.student.token, x.batch.behavior_logp, x.advantage, clip_eps=c.ppo_clip_eps,
+    return est.ppo_clip_loss(x.student.token, x.batch.behavior_logp, _given(x.advantage), clip_eps=c.ppo_clip_eps,
                              dual_clip=c.dual_clip)
 
 
 def _decoupled_ppo(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     return est.decoupled_ppo_loss(
-        x.student.token, x.proximal.token, x.batch.behavior_logp, x.advantage, clip_eps=c.ppo_clip_eps,
+        x.student.token, _given(x.proximal).token, x.batch.behavior_logp, _given(x.advantage), clip_eps=c.ppo_clip_eps,
         dual_clip=c.dual_clip, behavior_weight_cap=c.behavior_weight_cap, behavior_weight_mode=c.behavior_weight_mode,
         behavior_weight_floor=c.behavior_weight_floor,
     )
 
 
 def _gspo(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.gspo_loss(x.student.token, x.batch.behavior_logp, x.advantage, x.batch.response_mask,
+    return est.gspo_loss(x.student.token, x.batch.behavior_logp, _given(x.advantage), x.batch.response_mask,
                          clip_eps=(c.gspo_clip_low, c.gspo_clip_high), level="sequence")
 
 
 def _gspo_token(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.gspo_loss(x.student.token, x.batch.behavior_logp, x.advantage, x.batch.response_mask,
+    return est.gspo_loss(x.student.token, x.batch.behavior_logp, _given(x.advantage), x.batch.response_mask,
                          clip_eps=(c.gspo_clip_low, c.gspo_clip_high), level="token")
 
 
 def _truncated_is(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.truncated_is_loss(x.student.token, x.batch.behavior_logp, x.advantage, cap=c.tis_cap)
+    return est.truncated_is_loss(x.student.token, x.batch.behavior_logp, _given(x.advantage), cap=c.tis_cap)
 
 
 def _m2po(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.m2po_loss(x.student.token, x.batch.behavior_logp, x.advantage, x.batch.response_mask,
+    return est.m2po_loss(x.student.token, x.batch.behavior_logp, _given(x.advantage), x.batch.response_mask,
                          second_moment_budget=c.m2po_budget)
 
 
 def _second_moment_clip(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     return est.second_moment_clip_loss(
-        x.student.token, x.batch.behavior_logp, x.advantage, x.batch.response_mask,
+        x.student.token, x.batch.behavior_logp, _given(x.advantage), x.batch.response_mask,
         second_moment_budget=c.second_moment_clip_budget, min_low_margin=c.second_moment_clip_min_low,
         min_high_margin=c.second_moment_clip_min_high, dual_clip=c.dual_clip,
     )
@@ -520,9 +541,9 @@ def evaluate_estimator(
     inputs = EstimatorInputs(batch, cache, student, proximal, adv)
     values = spec.fn(inputs, config)
     if config.entropy_coef:
-        values = values - config.entropy_coef * student.entropy
+        values = values - config.entropy_coef * _given(student.entropy)
     if config.needs_reference_logp:
-        values = values + config.reference_kl_coef * est.reference_kl(student.token, batch.reference_logp,
+        values = values + config.reference_kl_coef * est.reference_kl(student.token, _given(batch.reference_logp),
                                                                      config.reference_kl)
     mask = batch.response_mask
     # ∂(Σ values)/∂(student log-probs), elementwise and cheap: a token whose every entry is

@@ -27,6 +27,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from asyncopd_jax.estimators.checks import check_shapes
 
@@ -36,7 +37,7 @@ StdKind = Literal["unbiased", "population"]
 
 
 def group_advantages(
-    rewards: Array,
+    rewards: ArrayLike,
     group_size: int,
     *,
     normalize_std: bool = True,
@@ -62,14 +63,14 @@ def group_advantages(
     """
     if std not in ("unbiased", "population"):
         raise ValueError(f"group_advantages: std = {std!r} is invalid; allowed: unbiased, population")
-    rewards = jnp.asarray(rewards, jnp.float32)
-    local = rewards.shape[0] if rewards.ndim == 1 else None
-    if axis_name is not None and rewards.ndim == 1:
-        rewards = jax.lax.all_gather(rewards, axis_name, tiled=True)
-    if rewards.ndim != 1 or group_size < 1 or rewards.shape[0] % group_size:
+    values = jnp.asarray(rewards, jnp.float32)
+    local = values.shape[0] if values.ndim == 1 else 0  # any other rank is refused below
+    if axis_name is not None and values.ndim == 1:
+        values = jax.lax.all_gather(values, axis_name, tiled=True)
+    if values.ndim != 1 or group_size < 1 or values.shape[0] % group_size:
         raise ValueError(f"group_advantages: rewards must be [B] with B a multiple of group_size = {group_size} "
-                         f"(got shape {rewards.shape})")
-    groups = rewards.reshape(-1, group_size)
+                         f"(got shape {values.shape})")
+    groups = values.reshape(-1, group_size)
     if group_size == 1:  # no group statistics: mean 0, std 1 (the raw reward, as verl)
         mean, spread = jnp.zeros_like(groups), jnp.ones_like(groups)
     else:

@@ -56,8 +56,8 @@ def check_shapes(fn: str, arrays: Mapping[str, tuple[Array | None, str]]) -> dic
             raise ValueError(f"{fn}: {name} has shape {list(shape)}; expected {expected}{want}")
         for dim, size in zip(names, shape):
             if dim in sizes and sizes[dim][0] != size:
-                want = [sizes[d][0] if d in sizes else s for d, s in zip(names, shape)]
-                raise ValueError(f"{fn}: {name} has shape {list(shape)}; expected {expected} = {want} "
+                wanted = [sizes[d][0] if d in sizes else s for d, s in zip(names, shape)]
+                raise ValueError(f"{fn}: {name} has shape {list(shape)}; expected {expected} = {wanted} "
                                  f"({dim} = {sizes[dim][0]} from {sizes[dim][1]})")
             sizes.setdefault(dim, (size, name))
     return {dim: size for dim, (size, _) in sizes.items()}
@@ -66,10 +66,10 @@ def check_shapes(fn: str, arrays: Mapping[str, tuple[Array | None, str]]) -> dic
 def check_same_shape(fn: str, arrays: Mapping[str, Array | None], ranks: tuple[int, ...] = (2, 3)) -> None:
     """Elementwise functions: every array has the first one's shape, of rank ``[B, T]`` (2)
     or ``[B, T, N]`` (3)."""
-    first = next((n for n, a in arrays.items() if a is not None), None)
-    if first is None:
+    first, first_array = next(((n, a) for n, a in arrays.items() if a is not None), (None, None))
+    if first_array is None:
         return
-    lead = tuple(jnp.shape(arrays[first]))
+    lead = tuple(jnp.shape(first_array))
     if len(lead) not in ranks:
         allowed = " or ".join("[" + ", ".join("BTN"[:r]) + "]" for r in ranks)
         raise ValueError(f"{fn}: {first} has shape {list(lead)}; expected {allowed}")

@@ -80,7 +80,8 @@ def search(anchor: PyTree, current: PyTree, score: Callable[[PyTree], float], *,
            factors: Sequence[float] = DEFAULT_FACTORS) -> tuple[PyTree, Jump]:
     """The best of θ_t and ``extrapolate(anchor, current, f)`` for ``f`` in ``factors``,
     trying them in order while the probe strictly improves. Returns (params, the record)."""
-    best, best_score, best_factor = current, float(score(current)), 1
+    best, best_score = current, float(score(current))
+    best_factor: float = 1
     base, tried = best_score, []
     for factor in factors:
         candidate = extrapolate(anchor, current, factor)

@@ -101,7 +101,7 @@ def take_micro_batch(batch: Any, plan: MicroBatchPlan) -> Any:
     p, t = plan.prompt_slots, plan.response_slots
 
     def trim_rollout(r: RolloutBatch) -> RolloutBatch:
-        fields = {}
+        fields: dict[str, Any] = {}
         for f in dataclasses.fields(r):
             value = getattr(r, f.name)
             if value is None:

@@ -43,7 +43,7 @@ def param_spec(shape: tuple[int, ...], fsdp: int) -> PartitionSpec:
     candidates = [axis for axis in np.argsort(shape)[::-1] if shape[axis] % fsdp == 0]
     if not candidates:
         return PartitionSpec()
-    spec = [None] * len(shape)
+    spec: list[str | None] = [None] * len(shape)
     spec[int(candidates[0])] = "fsdp"
     return PartitionSpec(*spec)
 

@@ -143,8 +143,13 @@ class LossFn(Protocol):
     """A part's share of the mini-batch's loss, and its metrics: ``(model, micro-batch, the whole
     mini-batch's denominator) → (loss, metrics)``, aggregated as ``aggregation`` says."""
 
-    aggregation: Aggregation
-    check_inputs: bool  # the loss makes checkify checks: the step runs them and raises on the host
+    @property
+    def aggregation(self) -> Aggregation: ...
+
+    @property
+    def check_inputs(self) -> bool:
+        """The loss makes checkify checks: the step runs them and raises on the host."""
+        ...
 
     def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]: ...
 

@@ -191,6 +191,7 @@ def _rope(fields: dict[str, Any], source: Path, field: str) -> tuple[float, dict
     ``rope_parameters``, 4 keeps ``rope_theta`` and ``rope_scaling`` apart. ``field``: the
     key the file used, for the error."""
     params = fields.get("rope_parameters")
+    scaling: dict[str, Any] | None
     if isinstance(params, dict):
         theta, scaling = params.get("rope_theta"), {k: v for k, v in params.items() if k != "rope_theta"}
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, BatchEncoding, PreTrainedTokenizerBase
 
 from asyncopd_jax.models.config import read_json
 
@@ -59,7 +59,7 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str], *, ch
             [{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True
         )
         # transformers >= 5 returns a BatchEncoding here, older versions a list of ids.
-        encoded.append(list(out["input_ids"] if hasattr(out, "keys") else out))
+        encoded.append(list(out["input_ids"] if isinstance(out, BatchEncoding) else out))
     return encoded
 
 

@@ -81,9 +81,9 @@ class Probes:
         """EffOPD after optimizer step ``step``: at steps 1, 2, 4, … search the extrapolation
         candidates on the probe and continue from the one kept (parameters only: the
         optimizer state is untouched). Returns the jump's metrics ({} at other steps)."""
-        if self.extrapolator is None:
-            return {}
         probe = self.extrapolation_probe
+        if self.extrapolator is None or probe is None:  # (the extrapolator exists only with a probe)
+            return {}
 
         def score(params: nnx.State) -> float:  # computed by the leader, shared with every process
             full = distributed.gather(params)

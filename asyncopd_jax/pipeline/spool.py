@@ -69,7 +69,7 @@ class Spool:
         if "@" in name or "/" in name or name.startswith("."):
             raise ValueError(f"a record name must not contain '@' or '/' nor start with '.': {name!r}")
         buffer = io.BytesIO()
-        np.savez(buffer, **arrays)
+        np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle's bool
         tmp = self.root / f".{name}.{uuid.uuid4().hex}.tmp"
         _write_durably(tmp, buffer.getbuffer())
         final = self.root / f"{name}{SUFFIX}"

@@ -23,12 +23,20 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asyncopd_jax.config import ModelSource, RunConfig
-from asyncopd_jax.models import DecoderConfig, check_same_vocabulary, from_pretrained, load_tokenizer, shared_vocab_size
+from asyncopd_jax.models import (
+    Decoder,
+    DecoderConfig,
+    check_same_vocabulary,
+    from_pretrained,
+    load_tokenizer,
+    shared_vocab_size,
+)
 from asyncopd_jax.models.config import read_hf_config
 from asyncopd_jax.pipeline.placement import Layout, StagePlan
 from asyncopd_jax.pipeline.reward_stage import RewardStage
@@ -115,7 +123,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def load_model(source: ModelSource, vocab_limit: int | None, mesh: Mesh) -> nnx.Module:
+def load_model(source: ModelSource, vocab_limit: int | None, mesh: Mesh) -> Decoder:
     """A model loaded straight onto ``mesh`` (replicated; no copy on another device first)."""
     model = from_pretrained(resolve_model_path(source.path), dtype=source.dtype,
                             sharding=lambda shape: replicated(mesh))
@@ -216,9 +224,8 @@ def rollout_shardings(layout: Layout, plan: StagePlan, abstract_params: Any,
 def student_graph(cfg: RunConfig, models: RunModels) -> tuple[nnx.GraphDef, Any]:
     """The student's graph and abstract parameters (shapes and dtypes; nothing allocated):
     what a rollout stage needs to receive the policy's weights."""
-    from asyncopd_jax.models import Decoder
-
-    abstract = nnx.eval_shape(lambda: Decoder(models.student_config, dtype=cfg.student.dtype, rngs=nnx.Rngs(0)))
+    dtype = jnp.dtype(cfg.student.dtype)  # as from_pretrained makes the learner's
+    abstract = nnx.eval_shape(lambda: Decoder(models.student_config, dtype=dtype, rngs=nnx.Rngs(0)))
     abstract.vocab_limit = models.vocab_limit
     return nnx.split(abstract)
 

@@ -105,8 +105,8 @@ class _StageWork:
         scoring_plan = next((s for s in hosted if s.role == "scoring"), None)
         self.scoring = stage.build_scoring_stage(cfg, layout, scoring_plan, models) if scoring_plan else None
         self.scores = self.scoring is not None
-        if self.scoring is not None and self.scoring.teacher is not None and scoring_plan.index == 0 \
-                and exchange.read_teacher_accuracy() is None:
+        if scoring_plan is not None and self.scoring is not None and self.scoring.teacher is not None \
+                and scoring_plan.index == 0 and exchange.read_teacher_accuracy() is None:
             from flax import nnx
 
             exchange.write_teacher_accuracy(models.task.accuracy(*nnx.split(self.scoring.teacher)))
@@ -130,4 +130,6 @@ class _StageWork:
             group = self.rollout.group(index, min_version=int(record.get("min_version", 0)))
             return group_to_record(group, index)
         group, index = group_from_record(record)
+        if self.scoring is None:  # not reached: a stage process hosts a rollout stage, a scoring stage or both
+            raise RuntimeError("a stage process with neither a rollout nor a scoring stage got a record")
         return group_to_record(self.scoring.score(group, self.seed, index, self.tracer), index)

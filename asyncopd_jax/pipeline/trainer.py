@@ -145,6 +145,8 @@ class Trainer:
         exchange = Exchange(self.run_dir.path / "exchange") if layout.stage_processes() else None
         stages: Stages
         if not self.leader:
+            if exchange is None:  # not reached: the config puts a learner over processes with stage processes
+                raise RuntimeError("a follower learner process needs stage processes (schedule.placement = processes)")
             return FollowerStages(exchange, groups_per_batch)
         if exchange is not None:
             stages = StageProcesses(cfg=cfg, layout=layout, exchange=exchange, buffer=buffer,
@@ -293,8 +295,9 @@ class Trainer:
                 # extrapolated, published or checkpointed (the caller's `finally` stops the
                 # stages). Hours of NaN steps would teach nothing and hide where it began.
                 raise nonfinite_step_error(step + 1, metrics, self.last_checkpoint)
-            metrics["nonfinite_rows"] = int(metrics.get("nonfinite_rows", 0))  # dropped from the loss
-            self.nonfinite_rows_total += metrics["nonfinite_rows"]
+            dropped = int(metrics.get("nonfinite_rows", 0))  # rows dropped from the loss
+            metrics["nonfinite_rows"] = dropped
+            self.nonfinite_rows_total += dropped
             step += 1
             jump = self.probes.extrapolate(step)  # before the version is published: it carries the jump
             elapsed = throughput.add(learner.rows_per_step(), int(metrics["tokens"]))

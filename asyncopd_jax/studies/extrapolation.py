@@ -122,7 +122,8 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
                 f"{s.eval_every} steps. Seconds: the wall-clock of training up to that step, the extrapolation "
                 "probes included and the held-out evaluations taken out. \"a ± b\": mean ± half-range over seeds.")
     probe_name = {"extrapolation": "accuracy probe (EffOPD)", "extrapolation_kl_probe": "reverse-KL probe"}
-    rows, speedups = [], {arm: [] for arm in EXTRAPOLATED}
+    rows: list[list] = []
+    speedups: dict[str, list[float]] = {arm: [] for arm in EXTRAPOLATED}
     for arm in EXTRAPOLATED:
         time_speedups = []
         for seed in range(seeds):

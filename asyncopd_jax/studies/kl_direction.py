@@ -11,7 +11,9 @@ of the final student on a probe set (``train.diagnostics_every``) and their curv
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -75,8 +77,9 @@ def _statistic(result: dict, key: str) -> float:
     token in the run) or the last value of a logged metric (``probe_reverse_kl``, …)."""
     if key == "accuracy":
         return float(result["summary"].get("student_after", np.nan))
-    column, reduce = {"drift": ("probe_drift_kl", np.mean),
-                      "largest_ratio": ("importance_ratio_max", np.max)}.get(key, (key, lambda v: v[-1]))
+    reducers: dict[str, tuple[str, Callable[[list[float]], Any]]] = {
+        "drift": ("probe_drift_kl", np.mean), "largest_ratio": ("importance_ratio_max", np.max)}
+    column, reduce = reducers.get(key, (key, lambda v: v[-1]))
     values = [r[column] for r in result["records"] if column in r]
     return float(reduce(values)) if values else np.nan
 

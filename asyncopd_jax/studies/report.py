@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +65,13 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def mean_spread(values: Sequence[float], digits: int = 3) -> str:
+def mean_spread(values: Iterable[float], digits: int = 3) -> str:
     """``mean ± half-range`` (``mean`` alone for one value)."""
-    values = [float(v) for v in values]
-    mean = sum(values) / len(values)
-    if len(values) == 1:
+    numbers = [float(v) for v in values]
+    mean = sum(numbers) / len(numbers)
+    if len(numbers) == 1:
         return f"{mean:.{digits}g}"
-    return f"{mean:.{digits}g} ± {(max(values) - min(values)) / 2:.2g}"
+    return f"{mean:.{digits}g} ± {(max(numbers) - min(numbers)) / 2:.2g}"
 
 
 def save_measured(path: Path, settings: Any, payload: dict[str, Any]) -> None:

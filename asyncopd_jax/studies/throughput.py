@@ -283,7 +283,7 @@ def best_split(costs: StageCosts, lengths: Lengths, devices: int, steps: int, *,
     candidates = sorted({min(devices - 1, max(1, round(devices * f))) for f in np.linspace(0.1, 0.9, 9)})
     rates = {r: simulate_split(costs, lengths, devices, r, steps, continuous=continuous, eta=eta)
              for r in candidates}
-    best = max(rates, key=rates.get)
+    best = max(rates, key=rates.__getitem__)
     return rates[best], best
 
 

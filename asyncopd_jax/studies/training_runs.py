@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -181,10 +181,13 @@ def default_jobs() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def run_trainings(work: Path, ledger: Path, runs: Mapping[Hashable, tuple[str, Sequence[str]]], *,
+K = TypeVar("K", bound=Hashable)
+
+
+def run_trainings(work: Path, ledger: Path, runs: Mapping[K, tuple[str, Sequence[str]]], *,
                   jobs: int = 1, shared: Sequence[Path] = (),
                   train: Callable[[Path, str, list[str]], tuple[dict[str, Any], float]] = train,
-                  ) -> dict[Hashable, dict[str, Any]]:
+                  ) -> dict[K, dict[str, Any]]:
     """Every run of ``runs`` (key → (name, overrides)), from the ledger where it is there,
     else copied from a ``shared`` ledger (another study's) that holds a run with exactly the
     same overrides, else trained (``jobs`` at a time, each pinned to its own cores); each

@@ -15,7 +15,7 @@ A verdict compares settings across seeds, so each rule is about a set of per-see
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -23,15 +23,18 @@ import numpy as np
 TRAINS_ABOVE = 0.10
 
 
-def trains(accuracies: Sequence[float], before: float) -> bool:
+def trains(accuracies: Sequence[float] | np.ndarray, before: float) -> bool:
     """Whether the per-seed ``accuracies`` end, on average, ``TRAINS_ABOVE`` above ``before``."""
     return float(np.mean(accuracies)) >= before + TRAINS_ABOVE
 
 
-def beats(a: Sequence[float], b: Sequence[float], least: float = 0.01) -> bool:
+def beats(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray, least: float = 0.01) -> bool:
     """Whether ``a``'s mean exceeds ``b``'s by more than either's half-range over seeds (and ``least``)."""
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    return float(np.mean(a) - np.mean(b)) > max(np.ptp(a) / 2, np.ptp(b) / 2, least)
+    x, y = np.asarray(a, float), np.asarray(b, float)
+    return float(np.mean(x) - np.mean(y)) > max(np.ptp(x) / 2, np.ptp(y) / 2, least)
+
+
+K = TypeVar("K", bound=Hashable)
 
 
 def student_before(results: Mapping[Hashable, Mapping[str, Any]]) -> tuple[float, float]:
@@ -44,7 +47,7 @@ def student_before(results: Mapping[Hashable, Mapping[str, Any]]) -> tuple[float
     return np.nan, np.nan
 
 
-def exact_staleness_note(results: Mapping[Hashable, Mapping[str, Any]], lag_of: Callable[[Hashable], int]) -> str:
+def exact_staleness_note(results: Mapping[K, Mapping[str, Any]], lag_of: Callable[[K], int]) -> str:
     """A report's sentence on ``fixed_lag``: whether, in every run, every token consumed
     after step k was exactly k versions old (staleness mean = max = k at each step)."""
     wrong = []

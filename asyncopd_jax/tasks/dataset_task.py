@@ -11,6 +11,8 @@ Without an answer field (distillation needs none) rewards and accuracy are NaN: 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
@@ -42,7 +44,7 @@ class DatasetTask(PromptTask):
                 "max_position_embeddings of the student's and the teacher's config.json; shorten those prompts, drop "
                 "them, or lower sampling.max_new_tokens")
 
-    def encode(self, items: list[Example]) -> list[list[int]]:
+    def encode(self, items: Sequence[Example]) -> list[list[int]]:
         return [self._ids[e] for e in items]
 
     def prompt_text(self, example: Example) -> str:

@@ -102,7 +102,7 @@ def answers_match(answer: str | None, reference: str, rel_tol: float = 1e-6) -> 
         return False
     x, y = _as_number(a), _as_number(b)
     if x is not None and y is not None:
-        return abs(x - y) <= rel_tol * max(abs(x), abs(y), 1)
+        return abs(x - y) <= rel_tol * max(abs(x), abs(y), Fraction(1))
     return a == b
 
 

@@ -12,7 +12,7 @@ the two kinds; :func:`make_task` picks by ``task.name``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -58,7 +58,8 @@ class PromptTask:
 
     def decode(self, batch: RolloutBatch) -> list[str]:
         tokens, mask = np.asarray(batch.response_tokens), np.asarray(batch.response_mask)
-        return [self.tokenizer.decode([int(t) for t in row[m] if t != self.eos_id], skip_special_tokens=True)
+        # one sequence in, one string out (decode's type also covers a batch: a list)
+        return [cast(str, self.tokenizer.decode([int(t) for t in row[m] if t != self.eos_id], skip_special_tokens=True))
                 for row, m in zip(tokens, mask)]
 
     def rewards(self, items: Sequence[Any], batch: RolloutBatch) -> list[float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import jax
 import numpy as np
@@ -63,5 +63,6 @@ def load_arrays(path: str | Path, cls: type[T] | None = None) -> T:
     saved_cls = _CLASSES[meta["class"]]
     if cls is not None and cls is not saved_cls:
         raise ValueError(f"{path} holds a {meta['class']}, not a {cls.__name__}")
-    values = {name: ts.open(_spec(path / name)).result().read().result() for name in meta["fields"]}
-    return saved_cls(**values)
+    # numpy arrays where the classes say jax.Array: both are array pytree leaves
+    values: dict[str, Any] = {name: ts.open(_spec(path / name)).result().read().result() for name in meta["fields"]}
+    return cast(T, saved_cls(**values))
