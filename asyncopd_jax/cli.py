@@ -1,3 +1,4 @@
+# fmt: off
 """The ``asyncopd`` command: ``train``, ``sft``, ``eval``, ``study`` and ``stage``.
 
     asyncopd train                                  # the bundled demo (asyncopd_jax/configs/demo.yaml)
@@ -10,6 +11,7 @@
     asyncopd eval --model builtin:student
     asyncopd study cache_bias_variance --quick      # a study's report in docs/study/
 """
+# fmt: on
 
 from __future__ import annotations
 
