@@ -52,11 +52,16 @@ def _train(args: argparse.Namespace) -> None:
         cfg = load_config(args.config or DEMO_CONFIG, args.set)
     from asyncopd_jax.pipeline import placement
 
-    layout = placement.plan_layout(cfg, run_path=Path(cfg.output_dir) / cfg.name,
-                                   available_cores=sorted(os.sched_getaffinity(0)),
-                                   multi_process=cfg.distributed.initialize)
-    print(f"asyncopd train: {cfg.name} ({cfg.estimator.name}, {cfg.schedule.mode}, {layout.placement}) → "
-          f"{Path(cfg.output_dir) / cfg.name}")
+    layout = placement.plan_layout(
+        cfg,
+        run_path=Path(cfg.output_dir) / cfg.name,
+        available_cores=sorted(os.sched_getaffinity(0)),
+        multi_process=cfg.distributed.initialize,
+    )
+    print(
+        f"asyncopd train: {cfg.name} ({cfg.estimator.name}, {cfg.schedule.mode}, {layout.placement}) → "
+        f"{Path(cfg.output_dir) / cfg.name}"
+    )
     print("\n".join(placement.describe(layout)))
     placement.prepare_learner_process(layout, placement.detect_platform())  # before JAX starts in this process
     if cfg.distributed.initialize:
@@ -93,8 +98,9 @@ def _sft(args: argparse.Namespace) -> None:
     data = TaskData(task, tokenizer)
     rng = np.random.default_rng(args.seed)
     batches = iter(lambda: data.sft_batch(rng, args.batch_size), None)
-    optim = OptimConfig(learning_rate=args.lr, warmup_steps=50, schedule="cosine", final_lr_fraction=0.05,
-                        weight_decay=0.01)
+    optim = OptimConfig(
+        learning_rate=args.lr, warmup_steps=50, schedule="cosine", final_lr_fraction=0.05, weight_decay=0.01
+    )
 
     def log(step, metrics, graphdef, params):
         if step % max(args.steps // 10, 1) == 0 or step == args.steps:
@@ -113,8 +119,10 @@ def _eval(args: argparse.Namespace) -> None:
 
     task = load_config(None, [f"task.{kv}" for kv in args.task]).task if args.task else TaskConfig()
     model, tokenizer = load_model_and_tokenizer(args.model, "float32")
-    print(f"held-out accuracy of {args.model} (greedy, {task.eval_prompts} problems): "
-          f"{TaskData(task, tokenizer).accuracy(*nnx.split(model)):.1%}")
+    print(
+        f"held-out accuracy of {args.model} (greedy, {task.eval_prompts} problems): "
+        f"{TaskData(task, tokenizer).accuracy(*nnx.split(model)):.1%}"
+    )
 
 
 def _study(args: argparse.Namespace) -> None:
@@ -125,8 +133,9 @@ def _study(args: argparse.Namespace) -> None:
     run = get_study(args.name)
     if args.seeds < 1:
         raise ValueError(f"--seeds = {args.seeds} is invalid; allowed: >= 1")
-    command = shlex.join(["asyncopd", "study", args.name, *(["--quick"] if args.quick else []),
-                          "--seeds", str(args.seeds)])
+    command = shlex.join(
+        ["asyncopd", "study", args.name, *(["--quick"] if args.quick else []), "--seeds", str(args.seeds)]
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     if args.jobs < 1:
         raise ValueError(f"--jobs = {args.jobs} is invalid; allowed: >= 1")
@@ -156,7 +165,9 @@ def _library_log_to_file() -> Iterator[Path]:
     # TensorStore's callbacks into Orbax's closed event loop after a failed write end as
     # unraisable exceptions ("Event loop is closed"): to the same file.
     sys.unraisablehook = lambda u: logging.getLogger("unraisable").error(
-        "%s: %s", u.err_msg or "unraisable exception", u.exc_value,
+        "%s: %s",
+        u.err_msg or "unraisable exception",
+        u.exc_value,
         exc_info=(u.exc_type, u.exc_value, u.exc_traceback),  # type: ignore[arg-type]  # exc_value may be None
     )
     try:
@@ -173,21 +184,27 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     parser = argparse.ArgumentParser(prog="asyncopd", description="Asynchronous on-policy distillation in JAX.")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true",
-                        help="show the full traceback of an error (by default: one line naming what to fix)")
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the full traceback of an error (by default: one line naming what to fix)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", parents=[common],
-                           help="distil a student from a teacher (default: the built-in demo)")
-    train.add_argument("--config", help=f"a YAML file or a bundled config: {', '.join(configs.names())} "
-                       "(default: demo)")
+    train = sub.add_parser(
+        "train", parents=[common], help="distil a student from a teacher (default: the built-in demo)"
+    )
+    train.add_argument(
+        "--config", help=f"a YAML file or a bundled config: {', '.join(configs.names())} (default: demo)"
+    )
     train.add_argument("--set", action="append", default=[], metavar="A.B=C", help="override a config field")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue runs/<name> from its last checkpoint")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(fn=_train)
 
-    sft = sub.add_parser("sft", parents=[common],
-                         help="train a built-in model on the built-in task by supervised fine-tuning")
+    sft = sub.add_parser(
+        "sft", parents=[common], help="train a built-in model on the built-in task by supervised fine-tuning"
+    )
     sft.add_argument("--model", choices=["teacher", "student"], required=True)
     sft.add_argument("--steps", type=int, default=1000)
     sft.add_argument("--batch-size", type=int, default=64)
@@ -203,20 +220,33 @@ def main(argv: list[str] | None = None) -> int:
     ev.set_defaults(fn=_eval)
 
     study = sub.add_parser("study", parents=[common], help="run a study and write its report (docs/study/NAME.md)")
-    study.add_argument("name", help="the study: kl_direction (E1), stabilisers (E2), cache_bias_variance (E3), "
-                       "throughput (E4), rl_staleness (AReaL's η ablation), extrapolation (EffOPD)")
+    study.add_argument(
+        "name",
+        help="the study: kl_direction (E1), stabilisers (E2), cache_bias_variance (E3), "
+        "throughput (E4), rl_staleness (AReaL's η ablation), extrapolation (EffOPD)",
+    )
     study.add_argument("--quick", action="store_true", help="a minutes-long version (its numbers are not findings)")
     study.add_argument("--seeds", type=int, default=3, help="independent seeds")
     study.add_argument("--out", type=Path, default=Path("docs/study"), help="where the report goes")
     study.add_argument("--work", type=Path, default=Path("runs/study"), help="where the study's runs go")
-    study.add_argument("--jobs", type=int, default=default_jobs(),
-                       help="training runs side by side, each pinned to its own cores (default: one per core)")
+    study.add_argument(
+        "--jobs",
+        type=int,
+        default=default_jobs(),
+        help="training runs side by side, each pinned to its own cores (default: one per core)",
+    )
     study.set_defaults(fn=_study)
 
-    stage = sub.add_parser("stage", parents=[common], help="run one rollout or scoring process of a run started with "
-                                          "schedule.placement=processes (started for you; by hand on other hosts)")
+    stage = sub.add_parser(
+        "stage",
+        parents=[common],
+        help="run one rollout or scoring process of a run started with "
+        "schedule.placement=processes (started for you; by hand on other hosts)",
+    )
     stage.add_argument("role", choices=["rollout", "scoring"])
-    stage.add_argument("--exchange", type=Path, required=True, help="the run's exchange directory (runs/<name>/exchange)")
+    stage.add_argument(
+        "--exchange", type=Path, required=True, help="the run's exchange directory (runs/<name>/exchange)"
+    )
     stage.add_argument("--index", type=int, default=0, help="this process's number within its role")
     stage.add_argument("--cores", default="", help="CPU list to pin to before JAX starts, e.g. 2-3")
     stage.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer the parent")

@@ -44,9 +44,12 @@ class TaskConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        check_fields("task", [
-            ("eval_fraction", self.eval_fraction, 0 <= self.eval_fraction < 1, "0 <= fraction < 1"),
-        ])
+        check_fields(
+            "task",
+            [
+                ("eval_fraction", self.eval_fraction, 0 <= self.eval_fraction < 1, "0 <= fraction < 1"),
+            ],
+        )
         if self.name == "dataset" and not self.path:
             raise ConfigError("task.path = '' is invalid with task.name = dataset; allowed: a .jsonl or .parquet file")
 
@@ -77,10 +80,13 @@ class RLConfig:
     distill_coef: float = 0.0  # β
 
     def __post_init__(self) -> None:
-        check_fields("rl", [
-            ("samples_per_prompt", self.samples_per_prompt, self.samples_per_prompt >= 1, ">= 1"),
-            ("distill_coef", self.distill_coef, self.distill_coef >= 0, ">= 0"),
-        ])
+        check_fields(
+            "rl",
+            [
+                ("samples_per_prompt", self.samples_per_prompt, self.samples_per_prompt >= 1, ">= 1"),
+                ("distill_coef", self.distill_coef, self.distill_coef >= 0, ">= 0"),
+            ],
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +133,19 @@ class ExtrapolationConfig:
     probe_temperature: float = 0.0
 
     def __post_init__(self) -> None:
-        check_fields("learner.extrapolation", [
-            ("factors", self.factors, len(self.factors) > 0 and all(f > 1 for f in self.factors),
-             "a non-empty list of factors > 1, tried in order (EffOPD: [3, 5, 7, 9, 11])"),
-            ("probe_prompts", self.probe_prompts, self.probe_prompts >= 1, ">= 1"),
-            ("probe_temperature", self.probe_temperature, self.probe_temperature >= 0, ">= 0 (0: greedy answers)"),
-        ])
+        check_fields(
+            "learner.extrapolation",
+            [
+                (
+                    "factors",
+                    self.factors,
+                    len(self.factors) > 0 and all(f > 1 for f in self.factors),
+                    "a non-empty list of factors > 1, tried in order (EffOPD: [3, 5, 7, 9, 11])",
+                ),
+                ("probe_prompts", self.probe_prompts, self.probe_prompts >= 1, ">= 1"),
+                ("probe_temperature", self.probe_temperature, self.probe_temperature >= 0, ">= 0 (0: greedy answers)"),
+            ],
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,15 +164,26 @@ class LearnerConfig:
 
     def __post_init__(self) -> None:
         B, M, m = self.batch_size, self.mini_batches, self.micro_batches
-        check_fields("learner", [
-            ("batch_size", B, B >= 1, ">= 1"),
-            ("mini_batches", M, M >= 1 and B % M == 0, "a divisor of learner.batch_size"),
-            ("micro_batches", m, m >= 1 and (B // max(M, 1)) % m == 0,
-             "a divisor of learner.batch_size / learner.mini_batches"),
-            ("token_budget", self.token_budget, self.token_budget >= 0 and (self.token_budget == 0 or m == 1),
-             ">= 0 (0: off), with learner.micro_batches = 1 (the budget decides the micro-batches)"),
-            ("token_bucket", self.token_bucket, self.token_bucket >= 1, ">= 1"),
-        ])
+        check_fields(
+            "learner",
+            [
+                ("batch_size", B, B >= 1, ">= 1"),
+                ("mini_batches", M, M >= 1 and B % M == 0, "a divisor of learner.batch_size"),
+                (
+                    "micro_batches",
+                    m,
+                    m >= 1 and (B // max(M, 1)) % m == 0,
+                    "a divisor of learner.batch_size / learner.mini_batches",
+                ),
+                (
+                    "token_budget",
+                    self.token_budget,
+                    self.token_budget >= 0 and (self.token_budget == 0 or m == 1),
+                    ">= 0 (0: off), with learner.micro_batches = 1 (the budget decides the micro-batches)",
+                ),
+                ("token_bucket", self.token_bucket, self.token_bucket >= 1, ">= 1"),
+            ],
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,15 +200,20 @@ class ScheduleConfig:
     placement: Literal["threads", "processes"] = "threads"  # where the stages run: see StagesConfig
 
     def __post_init__(self) -> None:
-        check_fields("schedule", [
-            ("max_staleness", self.max_staleness, self.max_staleness >= 0, ">= 0"),
-            ("n_step", self.n_step, self.n_step >= 1, ">= 1"),
-            ("lag", self.lag, self.lag >= 0, ">= 0"),
-            ("rollout_workers", self.rollout_workers, self.rollout_workers >= 1, ">= 1"),
-        ])
+        check_fields(
+            "schedule",
+            [
+                ("max_staleness", self.max_staleness, self.max_staleness >= 0, ">= 0"),
+                ("n_step", self.n_step, self.n_step >= 1, ">= 1"),
+                ("lag", self.lag, self.lag >= 0, ">= 0"),
+                ("rollout_workers", self.rollout_workers, self.rollout_workers >= 1, ">= 1"),
+            ],
+        )
         if self.mode == "fixed_lag" and self.placement != "threads":
-            raise ConfigError(f"schedule.placement = {self.placement!r} is invalid with schedule.mode = fixed_lag; "
-                              "allowed: threads (fixed_lag samples in the learner's own thread)")
+            raise ConfigError(
+                f"schedule.placement = {self.placement!r} is invalid with schedule.mode = fixed_lag; "
+                "allowed: threads (fixed_lag samples in the learner's own thread)"
+            )
 
     def eta(self, mini_batches: int) -> int:
         """The staleness bound in optimizer steps: 0 for ``sync``; for ``n_step_off``
@@ -233,23 +262,29 @@ class StagesConfig:
     startup_timeout: float = 600.0  # seconds a stage process waits for the first policy snapshot
 
     def __post_init__(self) -> None:
-        check_fields("stages", [
-            ("rollout_processes", self.rollout_processes, self.rollout_processes >= 1, ">= 1"),
-            ("scoring_processes", self.scoring_processes, self.scoring_processes >= 0, ">= 0"),
-            ("restarts", self.restarts, self.restarts >= 0, ">= 0"),
-            ("rollout_niceness", self.rollout_niceness, 0 <= self.rollout_niceness <= 19, "0 to 19"),
-        ])
+        check_fields(
+            "stages",
+            [
+                ("rollout_processes", self.rollout_processes, self.rollout_processes >= 1, ">= 1"),
+                ("scoring_processes", self.scoring_processes, self.scoring_processes >= 0, ">= 0"),
+                ("restarts", self.restarts, self.restarts >= 0, ">= 0"),
+                ("rollout_niceness", self.rollout_niceness, 0 <= self.rollout_niceness <= 19, "0 to 19"),
+            ],
+        )
         for role in ("learner", "rollout", "scoring"):
-            for kind, allowed in (("cores", "'auto', '' or a CPU list such as '0', '1-3', '0,2'"),
-                                  ("devices", "'' or a device list such as '0', '4-7', '0,2'")):
+            for kind, allowed in (
+                ("cores", "'auto', '' or a CPU list such as '0', '1-3', '0,2'"),
+                ("devices", "'' or a device list such as '0', '4-7', '0,2'"),
+            ):
                 value = getattr(self, f"{role}_{kind}")
                 if kind == "cores" and value == "auto":
                     continue
                 try:
                     placement.parse_id_list(value)
                 except ValueError as err:
-                    raise ConfigError(f"stages.{role}_{kind} = {value!r} is invalid; allowed: {allowed} ({err})") \
-                        from None
+                    raise ConfigError(
+                        f"stages.{role}_{kind} = {value!r} is invalid; allowed: {allowed} ({err})"
+                    ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,11 +306,18 @@ class DistributedConfig:
 
     def __post_init__(self) -> None:
         n, i = self.num_processes, self.process_id
-        check_fields("distributed", [
-            ("num_processes", n, n >= 0, ">= 0 (0: from the environment)"),
-            ("process_id", i, i >= -1 and (n == 0 or i < n),
-             "-1 (from the environment) or 0 .. distributed.num_processes - 1"),
-        ])
+        check_fields(
+            "distributed",
+            [
+                ("num_processes", n, n >= 0, ">= 0 (0: from the environment)"),
+                (
+                    "process_id",
+                    i,
+                    i >= -1 and (n == 0 or i < n),
+                    "-1 (from the environment) or 0 .. distributed.num_processes - 1",
+                ),
+            ],
+        )
 
     @property
     def learner_processes(self) -> int | None:
@@ -300,12 +342,15 @@ class TrainConfig:
     update_geometry_every: int = 0
 
     def __post_init__(self) -> None:
-        check_fields("train", [
-            ("steps", self.steps, self.steps >= 1, ">= 1"),
-            ("diagnostics_every", self.diagnostics_every, self.diagnostics_every >= 0, ">= 0 (0: off)"),
-            ("diagnostic_prompts", self.diagnostic_prompts, self.diagnostic_prompts >= 1, ">= 1"),
-            ("update_geometry_every", self.update_geometry_every, self.update_geometry_every >= 0, ">= 0 (0: off)"),
-        ])
+        check_fields(
+            "train",
+            [
+                ("steps", self.steps, self.steps >= 1, ">= 1"),
+                ("diagnostics_every", self.diagnostics_every, self.diagnostics_every >= 0, ">= 0 (0: off)"),
+                ("diagnostic_prompts", self.diagnostic_prompts, self.diagnostic_prompts >= 1, ">= 1"),
+                ("update_geometry_every", self.update_geometry_every, self.update_geometry_every >= 0, ">= 0 (0: off)"),
+            ],
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,16 +410,21 @@ class RunConfig:
             return
         where = f"for a learner over {processes} processes"
         if self.schedule.placement != "processes":
-            raise ConfigError(f"schedule.placement = {self.schedule.placement!r} is invalid {where}; allowed: "
-                              "processes (each learner process reads its rows of a batch from the run's spool)")
+            raise ConfigError(
+                f"schedule.placement = {self.schedule.placement!r} is invalid {where}; allowed: "
+                "processes (each learner process reads its rows of a batch from the run's spool)"
+            )
         if self.learner.token_budget:
-            raise ConfigError(f"learner.token_budget = {self.learner.token_budget} is invalid {where}; allowed: 0 "
-                              "(each process feeds its own rows)")
+            raise ConfigError(
+                f"learner.token_budget = {self.learner.token_budget} is invalid {where}; allowed: 0 "
+                "(each process feeds its own rows)"
+            )
         if self.stages.snapshot_format == "safetensors":
             raise ConfigError(f"stages.snapshot_format = 'safetensors' is invalid {where}; allowed: auto, orbax")
         if self.train.diagnostics_every:
-            raise ConfigError(f"train.diagnostics_every = {self.train.diagnostics_every} is invalid {where}; "
-                              "allowed: 0")
+            raise ConfigError(
+                f"train.diagnostics_every = {self.train.diagnostics_every} is invalid {where}; allowed: 0"
+            )
 
 
 def _setting(cfg: RunConfig, path: str) -> Any:
@@ -393,21 +443,33 @@ def _validate(cfg: RunConfig) -> None:
             raise ConfigError(f"estimator.name = {cfg.estimator.name!r} needs {setting} >= 1")
     _validate_algorithm(cfg)
     extrapolation = cfg.learner.extrapolation
-    if extrapolation.enabled and extrapolation.probe_metric == "accuracy" and cfg.task.name == "dataset" \
-            and not cfg.task.answer_field:
-        raise ConfigError("learner.extrapolation.probe_metric = 'accuracy' is invalid for a dataset without "
-                          "task.answer_field; allowed: reverse_kl (the probe then needs no reference answers)")
+    if (
+        extrapolation.enabled
+        and extrapolation.probe_metric == "accuracy"
+        and cfg.task.name == "dataset"
+        and not cfg.task.answer_field
+    ):
+        raise ConfigError(
+            "learner.extrapolation.probe_metric = 'accuracy' is invalid for a dataset without "
+            "task.answer_field; allowed: reverse_kl (the probe then needs no reference answers)"
+        )
     if extrapolation.enabled and extrapolation.probe_metric == "reverse_kl" and not cfg.teacher.path:
-        raise ConfigError("learner.extrapolation.probe_metric = 'reverse_kl' needs a teacher (teacher.path); "
-                          "allowed without one: accuracy")
+        raise ConfigError(
+            "learner.extrapolation.probe_metric = 'reverse_kl' needs a teacher (teacher.path); "
+            "allowed without one: accuracy"
+        )
     if cfg.train.diagnostics_every and not cfg.teacher.path:
-        raise ConfigError(f"train.diagnostics_every = {cfg.train.diagnostics_every} needs a teacher (teacher.path); "
-                          "allowed without one: 0")
+        raise ConfigError(
+            f"train.diagnostics_every = {cfg.train.diagnostics_every} needs a teacher (teacher.path); "
+            "allowed without one: 0"
+        )
     if cfg.schedule.mode == "fixed_lag" and cfg.learner.mini_batches != 1:
         # One rollout batch per optimizer step, sampled in the learner's thread: with M
         # mini-batches the m-th would be k + m stale.
-        raise ConfigError(f"learner.mini_batches = {cfg.learner.mini_batches} is invalid with schedule.mode = "
-                          "fixed_lag; allowed: 1 (every step then trains on exactly schedule.lag-stale rollouts)")
+        raise ConfigError(
+            f"learner.mini_batches = {cfg.learner.mini_batches} is invalid with schedule.mode = "
+            "fixed_lag; allowed: 1 (every step then trains on exactly schedule.lag-stale rollouts)"
+        )
     for message in placement.validate(cfg):
         raise ConfigError(message)
     processes = cfg.distributed.learner_processes
@@ -421,21 +483,31 @@ def _validate_algorithm(cfg: RunConfig) -> None:
         return
     rl = cfg.rl
     if not cfg.estimator.spec.needs_advantage:
-        raise ConfigError(f"estimator.name = {cfg.estimator.name!r} is invalid with algorithm = rl; allowed: "
-                          f"{', '.join(RL_ESTIMATORS)}")
+        raise ConfigError(
+            f"estimator.name = {cfg.estimator.name!r} is invalid with algorithm = rl; allowed: "
+            f"{', '.join(RL_ESTIMATORS)}"
+        )
     group = cfg.rollout_group_size()
     if group % rl.samples_per_prompt:
-        raise ConfigError(f"rl.samples_per_prompt = {rl.samples_per_prompt} is invalid; allowed: a divisor of the "
-                          f"{group} samples of a rollout group (learner.batch_size / rollout workers)")
+        raise ConfigError(
+            f"rl.samples_per_prompt = {rl.samples_per_prompt} is invalid; allowed: a divisor of the "
+            f"{group} samples of a rollout group (learner.batch_size / rollout workers)"
+        )
     if cfg.needs_teacher_scores and not cfg.teacher.path:
-        raise ConfigError(f"teacher.path = '' is invalid with rl.distill_coef = {rl.distill_coef}; allowed: a model "
-                          "directory (or set rl.distill_coef = 0 to train from rewards alone)")
+        raise ConfigError(
+            f"teacher.path = '' is invalid with rl.distill_coef = {rl.distill_coef}; allowed: a model "
+            "directory (or set rl.distill_coef = 0 to train from rewards alone)"
+        )
     if not cfg.needs_scoring and cfg.stages.scoring_processes:
-        raise ConfigError(f"stages.scoring_processes = {cfg.stages.scoring_processes} is invalid with algorithm = rl, "
-                          "rl.distill_coef = 0 and estimator.reference_kl_coef = 0 (nothing to score); allowed: 0")
+        raise ConfigError(
+            f"stages.scoring_processes = {cfg.stages.scoring_processes} is invalid with algorithm = rl, "
+            "rl.distill_coef = 0 and estimator.reference_kl_coef = 0 (nothing to score); allowed: 0"
+        )
     if cfg.task.name == "dataset" and not cfg.task.answer_field:
-        raise ConfigError("task.answer_field = '' is invalid with algorithm = rl; allowed: the field holding each "
-                          "example's reference answer (the reward checks answers against it)")
+        raise ConfigError(
+            "task.answer_field = '' is invalid with algorithm = rl; allowed: the field holding each "
+            "example's reference answer (the reward checks answers against it)"
+        )
 
 
 # --- dict / YAML ⇄ dataclasses -----------------------------------------------------
@@ -449,8 +521,9 @@ def _from_dict(cls: type, data: Any, prefix: str) -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"unknown config field {where}{unknown[0]}; allowed in {prefix or 'the top level'}: "
-                          f"{', '.join(fields)}")
+        raise ConfigError(
+            f"unknown config field {where}{unknown[0]}; allowed in {prefix or 'the top level'}: {', '.join(fields)}"
+        )
     kwargs = {name: _coerce(hints[name], value, f"{prefix}.{name}" if prefix else name) for name, value in data.items()}
     try:
         return cls(**kwargs)
@@ -517,8 +590,14 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 # Fields a resumed run may change (``asyncopd train --resume DIR --set …``): how long it
 # runs and what it logs, never what it computes.
-SAFE_ON_RESUME = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.diagnostics_every",
-                  "train.diagnostic_prompts", "train.update_geometry_every")
+SAFE_ON_RESUME = (
+    "train.steps",
+    "train.eval_every",
+    "train.checkpoint_every",
+    "train.diagnostics_every",
+    "train.diagnostic_prompts",
+    "train.update_geometry_every",
+)
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -534,8 +613,10 @@ def check_resume_changes(saved: RunConfig, resumed: RunConfig) -> None:
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in SAFE_ON_RESUME)
     if changed:
         diffs = ", ".join(f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in changed)
-        raise ConfigError(f"--resume would change {diffs}: a resumed run must compute what it started computing; "
-                          f"allowed changes: {', '.join(SAFE_ON_RESUME)} (start a new run for anything else)")
+        raise ConfigError(
+            f"--resume would change {diffs}: a resumed run must compute what it started computing; "
+            f"allowed changes: {', '.join(SAFE_ON_RESUME)} (start a new run for anything else)"
+        )
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -572,8 +653,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ConfigError(f"{path} is not valid YAML{where}: {problem}") from None
         if not isinstance(data, dict):
-            raise ConfigError(f"{path} must hold a mapping of config sections (name:, task:, …), "
-                              f"not a {type(data).__name__}")
+            raise ConfigError(
+                f"{path} must hold a mapping of config sections (name:, task:, …), not a {type(data).__name__}"
+            )
     return _from_dict(RunConfig, apply_overrides(data, list(overrides)), "")
 
 

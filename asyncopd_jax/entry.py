@@ -13,9 +13,16 @@ import sys
 
 # import name → distribution, for the modules the training stack imports
 TRAINING_STACK: dict[str, str] = {
-    "flax": "flax", "optax": "optax", "orbax.checkpoint": "orbax-checkpoint", "transformers": "transformers",
-    "tensorstore": "tensorstore", "safetensors": "safetensors", "yaml": "pyyaml", "matplotlib": "matplotlib",
-    "tokenizers": "tokenizers", "tqdm": "tqdm",
+    "flax": "flax",
+    "optax": "optax",
+    "orbax.checkpoint": "orbax-checkpoint",
+    "transformers": "transformers",
+    "tensorstore": "tensorstore",
+    "safetensors": "safetensors",
+    "yaml": "pyyaml",
+    "matplotlib": "matplotlib",
+    "tokenizers": "tokenizers",
+    "tqdm": "tqdm",
 }
 
 
@@ -35,8 +42,11 @@ def missing_training_stack() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     missing = missing_training_stack()
     if missing:
-        print(f"asyncopd: the training stack is not installed (missing: {', '.join(missing)}); install the train "
-              "extra: pip install 'asyncopd-jax[train]' (from a checkout: pip install -e '.[train]')", file=sys.stderr)
+        print(
+            f"asyncopd: the training stack is not installed (missing: {', '.join(missing)}); install the train "
+            "extra: pip install 'asyncopd-jax[train]' (from a checkout: pip install -e '.[train]')",
+            file=sys.stderr,
+        )
         return 2
     from asyncopd_jax.cli import main as cli_main
 

@@ -120,18 +120,29 @@ class EstimatorConfig:
 
     def __post_init__(self) -> None:
         floor, cap = self.behavior_weight_floor, self.behavior_weight_cap
-        check_fields("estimator", [
-            ("name", self.name, self.name in ESTIMATORS, ", ".join(sorted(ESTIMATORS))),
-            ("mc_clip_eps", self.mc_clip_eps, _clip_range_ok(self.mc_clip_eps), f"null, {_CLIP_RANGE}"),
-            ("ppo_clip_eps", self.ppo_clip_eps, _clip_range_ok(self.ppo_clip_eps), _CLIP_RANGE),
-            ("gspo_clip_low", self.gspo_clip_low, 0 <= self.gspo_clip_low < 1, "0 <= ε_low < 1"),
-            ("gspo_clip_high", self.gspo_clip_high, self.gspo_clip_high >= 0, ">= 0"),
-            ("reference_kl_coef", self.reference_kl_coef, self.reference_kl_coef >= 0,
-             ">= 0 (0: no KL-to-reference term)"),
-            ("m2po_budget", self.m2po_budget, self.m2po_budget >= 0, ">= 0"),
-            ("behavior_weight_floor", floor, floor is None or 0 <= floor < (cap or float("inf")),
-             "null, or >= 0 and below estimator.behavior_weight_cap"),
-        ])
+        check_fields(
+            "estimator",
+            [
+                ("name", self.name, self.name in ESTIMATORS, ", ".join(sorted(ESTIMATORS))),
+                ("mc_clip_eps", self.mc_clip_eps, _clip_range_ok(self.mc_clip_eps), f"null, {_CLIP_RANGE}"),
+                ("ppo_clip_eps", self.ppo_clip_eps, _clip_range_ok(self.ppo_clip_eps), _CLIP_RANGE),
+                ("gspo_clip_low", self.gspo_clip_low, 0 <= self.gspo_clip_low < 1, "0 <= ε_low < 1"),
+                ("gspo_clip_high", self.gspo_clip_high, self.gspo_clip_high >= 0, ">= 0"),
+                (
+                    "reference_kl_coef",
+                    self.reference_kl_coef,
+                    self.reference_kl_coef >= 0,
+                    ">= 0 (0: no KL-to-reference term)",
+                ),
+                ("m2po_budget", self.m2po_budget, self.m2po_budget >= 0, ">= 0"),
+                (
+                    "behavior_weight_floor",
+                    floor,
+                    floor is None or 0 <= floor < (cap or float("inf")),
+                    "null, or >= 0 and below estimator.behavior_weight_cap",
+                ),
+            ],
+        )
 
     @property
     def spec(self) -> EstimatorSpec:
@@ -231,8 +242,13 @@ class EstimatorSpec:
         return not (rl and self.needs_advantage and distill_coef == 0)
 
 
-def _advantage(batch: RolloutBatch, cache: TeacherScoreCache | None, student_token: Array,
-              signal: Literal["stale", "recompute"], distill_coef: float) -> Array:
+def _advantage(
+    batch: RolloutBatch,
+    cache: TeacherScoreCache | None,
+    student_token: Array,
+    signal: Literal["stale", "recompute"],
+    distill_coef: float,
+) -> Array:
     """``[B, T]`` the (detached) advantage the stabilisers weight.
 
     Distillation: the teacher's reverse-KL reward ``log q − log base`` (base: μ for the
@@ -260,8 +276,9 @@ def _forward_kl_topk_renormalized(x: EstimatorInputs, c: EstimatorConfig) -> Arr
 
 
 def _forward_kl_mc(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.forward_kl_mc(_given(x.student.teacher_samples), _given(x.scores.sample_logp),
-                             control_variate=c.control_variate)
+    return est.forward_kl_mc(
+        _given(x.student.teacher_samples), _given(x.scores.sample_logp), control_variate=c.control_variate
+    )
 
 
 def _reverse_kl_topk(x: EstimatorInputs, c: EstimatorConfig) -> Array:
@@ -270,14 +287,19 @@ def _reverse_kl_topk(x: EstimatorInputs, c: EstimatorConfig) -> Array:
 
 def _mc(student: Array, behavior: Array, teacher: Array, c: EstimatorConfig, *, recompute: bool) -> Array:
     """``reverse_kl_mc`` on ``[B, T, n]`` draws of μ, with the config's IS and clip."""
-    return est.reverse_kl_mc(student, behavior, teacher, recompute=recompute,
-                             importance_sampling=c.mc_importance_sampling, clip_eps=c.mc_clip_eps)
+    return est.reverse_kl_mc(
+        student,
+        behavior,
+        teacher,
+        recompute=recompute,
+        importance_sampling=c.mc_importance_sampling,
+        clip_eps=c.mc_clip_eps,
+    )
 
 
 def _candidates(x: EstimatorInputs) -> tuple[Array, Array, Array]:
     """``(log π_θ, log μ, log q)`` ``[B, T, N]`` of the rollout's N candidates."""
-    return (_given(x.student.candidates), _given(x.batch.candidate_behavior_logp),
-            _given(x.scores.candidate_logp))
+    return (_given(x.student.candidates), _given(x.batch.candidate_behavior_logp), _given(x.scores.candidate_logp))
 
 
 def _reverse_kl_mc(x: EstimatorInputs, c: EstimatorConfig) -> Array:
@@ -294,42 +316,68 @@ def _reverse_kl_mc_loo(x: EstimatorInputs, c: EstimatorConfig) -> Array:
 
 def _reverse_kl_hybrid(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     b, s = x.batch, x.student
-    return est.reverse_kl_hybrid(_given(s.student_topk), _given(x.scores.student_topk_logp),
-                                 _given(b.student_topk_ids), *_candidates(x), _given(b.candidate_ids))
+    return est.reverse_kl_hybrid(
+        _given(s.student_topk),
+        _given(x.scores.student_topk_logp),
+        _given(b.student_topk_ids),
+        *_candidates(x),
+        _given(b.candidate_ids),
+    )
 
 
 def _reverse_kl_pg(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     # the emitted token as the one MC draw
-    return _mc(x.student.token[..., None], x.batch.behavior_logp[..., None], x.scores.token_logp[..., None], c,
-               recompute=True)
+    return _mc(
+        x.student.token[..., None], x.batch.behavior_logp[..., None], x.scores.token_logp[..., None], c, recompute=True
+    )
 
 
 def _reverse_kl_pg_stale(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return _mc(x.student.token[..., None], x.batch.behavior_logp[..., None], x.scores.token_logp[..., None], c,
-               recompute=False)
+    return _mc(
+        x.student.token[..., None], x.batch.behavior_logp[..., None], x.scores.token_logp[..., None], c, recompute=False
+    )
 
 
 def _ppo_clip(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.ppo_clip_loss(x.student.token, x.batch.behavior_logp, _given(x.advantage), clip_eps=c.ppo_clip_eps,
-                             dual_clip=c.dual_clip)
+    return est.ppo_clip_loss(
+        x.student.token, x.batch.behavior_logp, _given(x.advantage), clip_eps=c.ppo_clip_eps, dual_clip=c.dual_clip
+    )
 
 
 def _decoupled_ppo(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     return est.decoupled_ppo_loss(
-        x.student.token, _given(x.proximal).token, x.batch.behavior_logp, _given(x.advantage), clip_eps=c.ppo_clip_eps,
-        dual_clip=c.dual_clip, behavior_weight_cap=c.behavior_weight_cap, behavior_weight_mode=c.behavior_weight_mode,
+        x.student.token,
+        _given(x.proximal).token,
+        x.batch.behavior_logp,
+        _given(x.advantage),
+        clip_eps=c.ppo_clip_eps,
+        dual_clip=c.dual_clip,
+        behavior_weight_cap=c.behavior_weight_cap,
+        behavior_weight_mode=c.behavior_weight_mode,
         behavior_weight_floor=c.behavior_weight_floor,
     )
 
 
 def _gspo(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.gspo_loss(x.student.token, x.batch.behavior_logp, _given(x.advantage), x.batch.response_mask,
-                         clip_eps=(c.gspo_clip_low, c.gspo_clip_high), level="sequence")
+    return est.gspo_loss(
+        x.student.token,
+        x.batch.behavior_logp,
+        _given(x.advantage),
+        x.batch.response_mask,
+        clip_eps=(c.gspo_clip_low, c.gspo_clip_high),
+        level="sequence",
+    )
 
 
 def _gspo_token(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.gspo_loss(x.student.token, x.batch.behavior_logp, _given(x.advantage), x.batch.response_mask,
-                         clip_eps=(c.gspo_clip_low, c.gspo_clip_high), level="token")
+    return est.gspo_loss(
+        x.student.token,
+        x.batch.behavior_logp,
+        _given(x.advantage),
+        x.batch.response_mask,
+        clip_eps=(c.gspo_clip_low, c.gspo_clip_high),
+        level="token",
+    )
 
 
 def _truncated_is(x: EstimatorInputs, c: EstimatorConfig) -> Array:
@@ -337,60 +385,132 @@ def _truncated_is(x: EstimatorInputs, c: EstimatorConfig) -> Array:
 
 
 def _m2po(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.m2po_loss(x.student.token, x.batch.behavior_logp, _given(x.advantage), x.batch.response_mask,
-                         second_moment_budget=c.m2po_budget)
+    return est.m2po_loss(
+        x.student.token,
+        x.batch.behavior_logp,
+        _given(x.advantage),
+        x.batch.response_mask,
+        second_moment_budget=c.m2po_budget,
+    )
 
 
 def _second_moment_clip(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     return est.second_moment_clip_loss(
-        x.student.token, x.batch.behavior_logp, _given(x.advantage), x.batch.response_mask,
-        second_moment_budget=c.second_moment_clip_budget, min_low_margin=c.second_moment_clip_min_low,
-        min_high_margin=c.second_moment_clip_min_high, dual_clip=c.dual_clip,
+        x.student.token,
+        x.batch.behavior_logp,
+        _given(x.advantage),
+        x.batch.response_mask,
+        second_moment_budget=c.second_moment_clip_budget,
+        min_low_margin=c.second_moment_clip_min_low,
+        min_high_margin=c.second_moment_clip_min_high,
+        dual_clip=c.dual_clip,
     )
 
 
 ESTIMATORS: dict[str, EstimatorSpec] = {
     spec.name: spec
     for spec in [
-        EstimatorSpec("forward_kl_topk", _forward_kl_topk, ("teacher_topk",),
-                      description="KL(teacher‖student) on the teacher's top-K ids"),
-        EstimatorSpec("forward_kl_topk_renormalized", _forward_kl_topk_renormalized, ("teacher_topk",),
-                      description="KL(teacher‖student), both renormalised over the teacher's top-K ids "
-                                  "(Tunix's distill_top_k)"),
-        EstimatorSpec("forward_kl_mc", _forward_kl_mc, ("teacher_samples",),
-                      description="KL(teacher‖student), Monte Carlo over teacher samples"),
-        EstimatorSpec("reverse_kl_topk", _reverse_kl_topk, ("student_topk",),
-                      description="KL(student‖teacher) on the rollout student's top-K ids"),
-        EstimatorSpec("reverse_kl_mc", _reverse_kl_mc, ("candidates",),
-                      description="KL(student‖teacher), N-sample MC, recompute + importance sampling (unbiased)"),
-        EstimatorSpec("reverse_kl_mc_loo", _reverse_kl_mc_loo, ("candidates",),
-                      description="as reverse_kl_mc with a leave-one-out baseline over the N candidates (unbiased)"),
-        EstimatorSpec("reverse_kl_hybrid", _reverse_kl_hybrid, ("student_topk", "candidates"),
-                      description="KL(student‖teacher): exact on the rollout student's top-K, MC + IS outside it "
-                                  "(unbiased)"),
-        EstimatorSpec("reverse_kl_mc_stale", _reverse_kl_mc_stale, ("candidates",),
-                      description="as reverse_kl_mc with the stale signal log μ − log q"),
-        EstimatorSpec("reverse_kl_pg", _reverse_kl_pg,
-                      description="KL(student‖teacher), 1 sample (the emitted token), recompute + IS"),
-        EstimatorSpec("reverse_kl_pg_stale", _reverse_kl_pg_stale,
-                      description="as reverse_kl_pg with the stale signal log μ − log q"),
-        EstimatorSpec("ppo_clip", _ppo_clip, needs_advantage=True,
-                      description="PPO clip on the emitted token, reward log q − log μ"),
-        EstimatorSpec("decoupled_ppo", _decoupled_ppo, needs_proximal=True, needs_advantage=True,
-                      description="AReaL decoupled PPO (needs proximal log-probs)"),
-        EstimatorSpec("gspo", _gspo, needs_advantage=True,
-                      description="GSPO: PPO clip on the response's geometric-mean ratio (aggregate with "
-                                  "seq-mean-token-mean)"),
-        EstimatorSpec("gspo_token", _gspo_token, needs_advantage=True,
-                      description="GSPO-token: GSPO's sequence ratio with per-token advantages"),
-        EstimatorSpec("truncated_is", _truncated_is, needs_advantage=True,
-                      description="policy gradient with truncated importance weights"),
-        EstimatorSpec("m2po", _m2po, needs_advantage=True,
-                      description="M2PO: mask the largest squared log-ratios until the batch's second moment is "
-                                  "in budget"),
-        EstimatorSpec("second_moment_clip", _second_moment_clip, needs_advantage=True,
-                      description="PPO surrogate with a clip range set by a second-moment budget (not M2PO; E2's "
-                                  "earlier arm)"),
+        EstimatorSpec(
+            "forward_kl_topk",
+            _forward_kl_topk,
+            ("teacher_topk",),
+            description="KL(teacher‖student) on the teacher's top-K ids",
+        ),
+        EstimatorSpec(
+            "forward_kl_topk_renormalized",
+            _forward_kl_topk_renormalized,
+            ("teacher_topk",),
+            description="KL(teacher‖student), both renormalised over the teacher's top-K ids (Tunix's distill_top_k)",
+        ),
+        EstimatorSpec(
+            "forward_kl_mc",
+            _forward_kl_mc,
+            ("teacher_samples",),
+            description="KL(teacher‖student), Monte Carlo over teacher samples",
+        ),
+        EstimatorSpec(
+            "reverse_kl_topk",
+            _reverse_kl_topk,
+            ("student_topk",),
+            description="KL(student‖teacher) on the rollout student's top-K ids",
+        ),
+        EstimatorSpec(
+            "reverse_kl_mc",
+            _reverse_kl_mc,
+            ("candidates",),
+            description="KL(student‖teacher), N-sample MC, recompute + importance sampling (unbiased)",
+        ),
+        EstimatorSpec(
+            "reverse_kl_mc_loo",
+            _reverse_kl_mc_loo,
+            ("candidates",),
+            description="as reverse_kl_mc with a leave-one-out baseline over the N candidates (unbiased)",
+        ),
+        EstimatorSpec(
+            "reverse_kl_hybrid",
+            _reverse_kl_hybrid,
+            ("student_topk", "candidates"),
+            description="KL(student‖teacher): exact on the rollout student's top-K, MC + IS outside it (unbiased)",
+        ),
+        EstimatorSpec(
+            "reverse_kl_mc_stale",
+            _reverse_kl_mc_stale,
+            ("candidates",),
+            description="as reverse_kl_mc with the stale signal log μ − log q",
+        ),
+        EstimatorSpec(
+            "reverse_kl_pg",
+            _reverse_kl_pg,
+            description="KL(student‖teacher), 1 sample (the emitted token), recompute + IS",
+        ),
+        EstimatorSpec(
+            "reverse_kl_pg_stale",
+            _reverse_kl_pg_stale,
+            description="as reverse_kl_pg with the stale signal log μ − log q",
+        ),
+        EstimatorSpec(
+            "ppo_clip",
+            _ppo_clip,
+            needs_advantage=True,
+            description="PPO clip on the emitted token, reward log q − log μ",
+        ),
+        EstimatorSpec(
+            "decoupled_ppo",
+            _decoupled_ppo,
+            needs_proximal=True,
+            needs_advantage=True,
+            description="AReaL decoupled PPO (needs proximal log-probs)",
+        ),
+        EstimatorSpec(
+            "gspo",
+            _gspo,
+            needs_advantage=True,
+            description="GSPO: PPO clip on the response's geometric-mean ratio (aggregate with seq-mean-token-mean)",
+        ),
+        EstimatorSpec(
+            "gspo_token",
+            _gspo_token,
+            needs_advantage=True,
+            description="GSPO-token: GSPO's sequence ratio with per-token advantages",
+        ),
+        EstimatorSpec(
+            "truncated_is",
+            _truncated_is,
+            needs_advantage=True,
+            description="policy gradient with truncated importance weights",
+        ),
+        EstimatorSpec(
+            "m2po",
+            _m2po,
+            needs_advantage=True,
+            description="M2PO: mask the largest squared log-ratios until the batch's second moment is in budget",
+        ),
+        EstimatorSpec(
+            "second_moment_clip",
+            _second_moment_clip,
+            needs_advantage=True,
+            description="PPO surrogate with a clip range set by a second-moment budget (not M2PO; E2's earlier arm)",
+        ),
     ]
 }
 
@@ -428,8 +548,9 @@ def required_ids(name: str, batch: RolloutBatch, cache: TeacherScoreCache | None
     return ids
 
 
-def student_logprobs(ids: Mapping[str, Array],
-                     gather: Callable[[Array], Array | tuple[Array, Array]]) -> StudentLogProbs:
+def student_logprobs(
+    ids: Mapping[str, Array], gather: Callable[[Array], Array | tuple[Array, Array]]
+) -> StudentLogProbs:
     """Score every id set with one call of ``gather`` (``[B, T, K] ids → [B, T, K] log-probs``,
     or ``→ (log-probs, [B, T] entropy)``: then the entropy is kept too).
 
@@ -453,10 +574,20 @@ def student_logprobs(ids: Mapping[str, Array],
 # The log-prob fields checked with ``check_inputs``, by owner; (field, over distinct ids: its mass is ≤ 1).
 _LOGPROB_FIELDS: dict[str, tuple[tuple[str, bool], ...]] = {
     "RolloutBatch": (("behavior_logp", False), ("candidate_behavior_logp", False), ("reference_logp", False)),
-    "TeacherScoreCache": (("token_logp", False), ("candidate_logp", False), ("student_topk_logp", True),
-                          ("topk_logp", True), ("sample_logp", False)),
-    "StudentLogProbs": (("token", False), ("candidates", False), ("student_topk", True), ("teacher_topk", True),
-                        ("teacher_samples", False)),
+    "TeacherScoreCache": (
+        ("token_logp", False),
+        ("candidate_logp", False),
+        ("student_topk_logp", True),
+        ("topk_logp", True),
+        ("sample_logp", False),
+    ),
+    "StudentLogProbs": (
+        ("token", False),
+        ("candidates", False),
+        ("student_topk", True),
+        ("teacher_topk", True),
+        ("teacher_samples", False),
+    ),
 }
 
 
@@ -467,12 +598,21 @@ def _check_logprobs(name: str, inputs: Mapping[str, object]) -> None:
         if obj is None:
             continue
         fields = _LOGPROB_FIELDS[type(obj).__name__]
-        est.checks.check_logprobs(name, {f"{label}.{f}": getattr(obj, f) for f, _ in fields},
-                                  supports=tuple(f"{label}.{f}" for f, support in fields if support))
+        est.checks.check_logprobs(
+            name,
+            {f"{label}.{f}": getattr(obj, f) for f, _ in fields},
+            supports=tuple(f"{label}.{f}" for f, support in fields if support),
+        )
 
 
-def _require_inputs(config: EstimatorConfig, batch: RolloutBatch, cache: TeacherScoreCache | None,
-                  student: StudentLogProbs, proximal: StudentLogProbs | None, distill_coef: float) -> None:
+def _require_inputs(
+    config: EstimatorConfig,
+    batch: RolloutBatch,
+    cache: TeacherScoreCache | None,
+    student: StudentLogProbs,
+    proximal: StudentLogProbs | None,
+    distill_coef: float,
+) -> None:
     """A ValueError naming the first input the spec or the config needs and was not given."""
     spec, name = config.spec, config.name
     ids = required_ids(name, batch, cache)  # names a missing cache or batch field
@@ -481,8 +621,10 @@ def _require_inputs(config: EstimatorConfig, batch: RolloutBatch, cache: Teacher
         raise ValueError(f"estimator {name!r} needs StudentLogProbs.{', '.join(missing)}")
     for field in spec.needs:
         if getattr(student, field).shape != ids[field].shape:
-            raise ValueError(f"StudentLogProbs.{field} has shape {list(getattr(student, field).shape)}, "
-                             f"but its ids have shape {list(ids[field].shape)}")
+            raise ValueError(
+                f"StudentLogProbs.{field} has shape {list(getattr(student, field).shape)}, "
+                f"but its ids have shape {list(ids[field].shape)}"
+            )
     if spec.needs_proximal and proximal is None:
         raise ValueError(f"estimator {name!r} needs proximal log-probs (a no-grad forward before the update)")
     rl = batch.advantages is not None
@@ -490,11 +632,15 @@ def _require_inputs(config: EstimatorConfig, batch: RolloutBatch, cache: Teacher
         why = f"distill_coef = {distill_coef}" if rl else f"estimator {name!r}"
         raise ValueError(f"{why} needs the teacher's scores (a TeacherScoreCache)")
     if config.needs_reference_logp and batch.reference_logp is None:
-        raise ValueError(f"reference_kl_coef = {config.reference_kl_coef} needs RolloutBatch.reference_logp "
-                         "(the scoring stage scores the reference policy)")
+        raise ValueError(
+            f"reference_kl_coef = {config.reference_kl_coef} needs RolloutBatch.reference_logp "
+            "(the scoring stage scores the reference policy)"
+        )
     if config.entropy_coef and student.entropy is None:
-        raise ValueError(f"entropy_coef = {config.entropy_coef} needs StudentLogProbs.entropy "
-                         "(gather_logprobs_and_entropy_from_hidden)")
+        raise ValueError(
+            f"entropy_coef = {config.entropy_coef} needs StudentLogProbs.entropy "
+            "(gather_logprobs_and_entropy_from_hidden)"
+        )
 
 
 def evaluate_estimator(
@@ -543,13 +689,15 @@ def evaluate_estimator(
     if config.entropy_coef:
         values = values - config.entropy_coef * _given(student.entropy)
     if config.needs_reference_logp:
-        values = values + config.reference_kl_coef * est.reference_kl(student.token, _given(batch.reference_logp),
-                                                                     config.reference_kl)
+        values = values + config.reference_kl_coef * est.reference_kl(
+            student.token, _given(batch.reference_logp), config.reference_kl
+        )
     mask = batch.response_mask
     # ∂(Σ values)/∂(student log-probs), elementwise and cheap: a token whose every entry is
     # 0 contributes nothing to the update.
     grads = jax.grad(lambda s: jnp.sum(jnp.where(mask, spec.fn(dataclasses.replace(inputs, student=s), config), 0.0)))(
-        jax.lax.stop_gradient(student))
+        jax.lax.stop_gradient(student)
+    )
     moved = jnp.zeros(mask.shape, bool)
     for g in jax.tree_util.tree_leaves(grads):
         moved = moved | ((g != 0) if g.ndim == mask.ndim else jnp.any(g != 0, axis=-1))
@@ -564,7 +712,8 @@ def evaluate_estimator(
         metrics["entropy"] = est.token_mean(jax.lax.stop_gradient(student.entropy), mask)
     if batch.reference_logp is not None:
         metrics["reference_kl"] = est.token_mean(
-            est.reference_kl(jax.lax.stop_gradient(student.token), batch.reference_logp, "k3"), mask)
+            est.reference_kl(jax.lax.stop_gradient(student.token), batch.reference_logp, "k3"), mask
+        )
     if cache is not None:  # reward-driven RL without distillation has no teacher scores
         metrics["reverse_kl_signal"] = est.token_mean(jax.lax.stop_gradient(student.token) - cache.token_logp, mask)
     return values, metrics

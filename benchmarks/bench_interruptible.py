@@ -45,10 +45,21 @@ from asyncopd_jax.sampling import Sampler, SamplingParams
 
 
 def fresh_student(vocab: int, positions: int) -> Decoder:
-    config = DecoderConfig(model_type="qwen3", vocab_size=vocab, hidden_size=128, intermediate_size=384,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                           tie_word_embeddings=True, max_position_embeddings=positions, bos_token_id=1,
-                           eos_token_id=2, pad_token_id=0)
+    config = DecoderConfig(
+        model_type="qwen3",
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        max_position_embeddings=positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return Decoder(config, rngs=nnx.Rngs(0))
 
 
@@ -73,8 +84,16 @@ class Publisher:
         self.thread.join()
 
 
-def run_mode(producer: GroupProducer, store: InMemorySnapshotStore, params: nnx.State, *, interruptible: bool,
-             groups: int, period: float, first_index: int) -> dict[str, float]:
+def run_mode(
+    producer: GroupProducer,
+    store: InMemorySnapshotStore,
+    params: nnx.State,
+    *,
+    interruptible: bool,
+    groups: int,
+    period: float,
+    first_index: int,
+) -> dict[str, float]:
     producer.interruptible = interruptible
     tokens, staleness, swaps, utilisation = 0, [], 0, []
     tracer_before = len(producer.tracer.events())
@@ -90,8 +109,14 @@ def run_mode(producer: GroupProducer, store: InMemorySnapshotStore, params: nnx.
             utilisation.append(float(lengths.sum() / (lengths.size * max(int(lengths.max()), 1))))
         seconds = time.perf_counter() - start
     swaps = sum(1 for e in producer.tracer.events()[tracer_before:] if e["name"] == "swap_weights")
-    return {"tokens_per_s": tokens / seconds, "group_seconds": seconds / groups, "staleness": float(np.mean(staleness)), "swaps": swaps / groups,
-            "utilisation": float(np.mean(utilisation)), "mean_length": tokens / (groups * producer.group_size)}
+    return {
+        "tokens_per_s": tokens / seconds,
+        "group_seconds": seconds / groups,
+        "staleness": float(np.mean(staleness)),
+        "swaps": swaps / groups,
+        "utilisation": float(np.mean(utilisation)),
+        "mean_length": tokens / (groups * producer.group_size),
+    }
 
 
 def main() -> None:
@@ -102,8 +127,12 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=16, help="decode steps between checks for new weights")
     parser.add_argument("--groups", type=int, default=4, help="groups per mode per round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--updates", type=float, default=4.0,
-                        help="weight updates published per group-sampling time (measured without swaps)")
+    parser.add_argument(
+        "--updates",
+        type=float,
+        default=4.0,
+        help="weight updates published per group-sampling time (measured without swaps)",
+    )
     parser.add_argument("--small", action="store_true", help="B=8, T=64, V=16, 2 groups, 1 round")
     args = parser.parse_args()
     if args.small:
@@ -114,8 +143,9 @@ def main() -> None:
     graphdef, params = nnx.split(model)
     store = InMemorySnapshotStore(keep=64)
     store.publish(0, params)
-    sampler = Sampler(graphdef, SamplingParams(temperature=1.0, max_new_tokens=args.new, chunk_steps=args.chunk,
-                                               stop_token_ids=(2,)))
+    sampler = Sampler(
+        graphdef, SamplingParams(temperature=1.0, max_new_tokens=args.new, chunk_steps=args.chunk, stop_token_ids=(2,))
+    )
 
     def prompts(rng: np.random.Generator, n: int):
         return rng.integers(3, args.vocab, (n, prompt_len)).tolist(), [None] * n
@@ -123,8 +153,16 @@ def main() -> None:
     def no_reward(problems, batch):
         return np.zeros(len(problems), np.float32)
 
-    producer = GroupProducer(sampler=sampler, snapshots=store, prompts=prompts, reward=RewardStage(no_reward),
-                             group_size=args.batch, seed=0, prompt_slots=prompt_len, tracer=Tracer())
+    producer = GroupProducer(
+        sampler=sampler,
+        snapshots=store,
+        prompts=prompts,
+        reward=RewardStage(no_reward),
+        group_size=args.batch,
+        seed=0,
+        prompt_slots=prompt_len,
+        tracer=Tracer(),
+    )
     # warm-up: compiles prefill, decode and the cache recomputes (a swap at every chunk);
     # then one group without swaps sets the period
     for index in range(2):
@@ -140,26 +178,43 @@ def main() -> None:
     index = 3
     for _ in range(args.rounds):
         for interruptible in (False, True):
-            results[interruptible].append(run_mode(producer, store, params, interruptible=interruptible,
-                                                   groups=args.groups, period=period, first_index=index))
+            results[interruptible].append(
+                run_mode(
+                    producer,
+                    store,
+                    params,
+                    interruptible=interruptible,
+                    groups=args.groups,
+                    period=period,
+                    first_index=index,
+                )
+            )
             index += args.groups
 
     def median(mode: bool, key: str) -> float:
         return statistics.median(r[key] for r in results[mode])
 
-    print(f"workload: fresh Qwen3 student H=128 L=2 V={args.vocab}, batch {args.batch}, up to {args.new} new tokens "
-          f"(mean {median(False, 'mean_length'):.0f}), chunks of {args.chunk} steps; a new version every "
-          f"{period:.2f} s ({args.updates:g} per group); medians over {args.rounds} rounds of {args.groups} groups")
+    print(
+        f"workload: fresh Qwen3 student H=128 L=2 V={args.vocab}, batch {args.batch}, up to {args.new} new tokens "
+        f"(mean {median(False, 'mean_length'):.0f}), chunks of {args.chunk} steps; a new version every "
+        f"{period:.2f} s ({args.updates:g} per group); medians over {args.rounds} rounds of {args.groups} groups"
+    )
     for mode, name in ((False, "finish in flight"), (True, "interruptible")):
-        print(f"{name:18} {median(mode, 'tokens_per_s'):8.0f} response tokens/s | {median(mode, 'group_seconds'):5.2f} "
-              f"s/group | staleness at hand-over {median(mode, 'staleness'):5.2f} versions | "
-              f"{median(mode, 'swaps'):4.1f} swaps/group | slot utilisation {median(mode, 'utilisation'):.2f}")
+        print(
+            f"{name:18} {median(mode, 'tokens_per_s'):8.0f} response tokens/s | {median(mode, 'group_seconds'):5.2f} "
+            f"s/group | staleness at hand-over {median(mode, 'staleness'):5.2f} versions | "
+            f"{median(mode, 'swaps'):4.1f} swaps/group | slot utilisation {median(mode, 'utilisation'):.2f}"
+        )
     extra = median(True, "group_seconds") - median(False, "group_seconds")
-    print(f"cost of a swap (KV recompute + weight load): ~{1e3 * extra / max(median(True, 'swaps'), 1e-9):.0f} ms "
-          f"= {extra / max(median(True, 'swaps'), 1e-9) / median(False, 'group_seconds'):.2f} of a group's sampling")
-    print(f"throughput ratio interruptible / finish in flight: "
-          f"{median(True, 'tokens_per_s') / median(False, 'tokens_per_s'):.3f}x; staleness ratio "
-          f"{median(True, 'staleness') / max(median(False, 'staleness'), 1e-9):.2f}x")
+    print(
+        f"cost of a swap (KV recompute + weight load): ~{1e3 * extra / max(median(True, 'swaps'), 1e-9):.0f} ms "
+        f"= {extra / max(median(True, 'swaps'), 1e-9) / median(False, 'group_seconds'):.2f} of a group's sampling"
+    )
+    print(
+        f"throughput ratio interruptible / finish in flight: "
+        f"{median(True, 'tokens_per_s') / median(False, 'tokens_per_s'):.3f}x; staleness ratio "
+        f"{median(True, 'staleness') / max(median(False, 'staleness'), 1e-9):.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -130,22 +130,33 @@ def main() -> None:
         return
 
     # Each path in a fresh process, so that peak RSS belongs to that path alone.
-    flags = [f"--t={args.t}", f"--h={args.h}", f"--v={args.v}", f"--k={args.k}",
-             f"--chunk={args.chunk}", f"--repeats={args.repeats}"]
+    flags = [
+        f"--t={args.t}",
+        f"--h={args.h}",
+        f"--v={args.v}",
+        f"--k={args.k}",
+        f"--chunk={args.chunk}",
+        f"--repeats={args.repeats}",
+    ]
     results = {}
     for path in ("dense", "chunked"):
-        out = subprocess.run([sys.executable, __file__, f"--child={path}", *flags],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, f"--child={path}", *flags], check=True, capture_output=True, text=True
+        ).stdout
         results[path] = json.loads(out.strip().splitlines()[-1])
 
     gib = 2**30
-    print(f"shape: T={args.t} H={args.h} V={args.v} K={args.k} chunk={args.chunk} fp32, "
-          f"jax {jax.__version__} on {jax.devices()[0].platform}")
+    print(
+        f"shape: T={args.t} H={args.h} V={args.v} K={args.k} chunk={args.chunk} fp32, "
+        f"jax {jax.__version__} on {jax.devices()[0].platform}"
+    )
     print(f"weight gradient (both paths): {args.h * args.v * 4 / gib:.2f} GiB")
     print(f"{'path':8} {'XLA beyond dW (GiB)':>20} {'RSS peak beyond dW (GiB)':>25} {'time (s)':>9}")
     for path, r in results.items():
-        print(f"{path:8} {r['xla_bytes_beyond_weight_grad'] / gib:20.3f} "
-              f"{r['rss_bytes_beyond_weight_grad'] / gib:25.3f} {r['seconds']:9.2f}")
+        print(
+            f"{path:8} {r['xla_bytes_beyond_weight_grad'] / gib:20.3f} "
+            f"{r['rss_bytes_beyond_weight_grad'] / gib:25.3f} {r['seconds']:9.2f}"
+        )
     d, c = results["dense"], results["chunked"]
     mem_ratio = c["xla_bytes_beyond_weight_grad"] / d["xla_bytes_beyond_weight_grad"]
     rss_ratio = c["rss_bytes_beyond_weight_grad"] / max(d["rss_bytes_beyond_weight_grad"], 1)

@@ -47,10 +47,13 @@ def long_tailed_batch(B: int, P: int, T: int, vocab: int, seed: int = 0) -> Lear
     response_mask = np.arange(T)[None, :] < response_len[:, None]
     logp = -rng.exponential(1.0, (B, T)).astype(np.float32)
     rollout = RolloutBatch(
-        prompt_tokens=jnp.asarray(rng.integers(0, vocab, (B, P)), jnp.int32), prompt_mask=jnp.asarray(prompt_mask),
+        prompt_tokens=jnp.asarray(rng.integers(0, vocab, (B, P)), jnp.int32),
+        prompt_mask=jnp.asarray(prompt_mask),
         response_tokens=jnp.asarray(rng.integers(0, vocab, (B, T)), jnp.int32),
-        response_mask=jnp.asarray(response_mask), behavior_logp=jnp.asarray(logp),
-        token_version=jnp.zeros((B, T), jnp.int32))
+        response_mask=jnp.asarray(response_mask),
+        behavior_logp=jnp.asarray(logp),
+        token_version=jnp.zeros((B, T), jnp.int32),
+    )
     cache = TeacherScoreCache(token_logp=jnp.asarray(logp - rng.exponential(0.5, (B, T)).astype(np.float32)))
     return LearnerBatch(rollout, cache)
 
@@ -80,10 +83,20 @@ def main() -> None:
     if args.small:
         args.batch, args.response, args.budget, args.bucket, args.repeats = 16, 128, 1024, 16, 2
 
-    config = DecoderConfig(model_type="qwen3", vocab_size=2048, hidden_size=256, intermediate_size=768,
-                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                           tie_word_embeddings=True, max_position_embeddings=args.prompt + args.response,
-                           eos_token_id=1, pad_token_id=0)
+    config = DecoderConfig(
+        model_type="qwen3",
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+        max_position_embeddings=args.prompt + args.response,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     batch = long_tailed_batch(args.batch, args.prompt, args.response, config.vocab_size)
     loss = PolicyLoss(EstimatorConfig("reverse_kl_pg"))
     optimizer = make_optimizer(OptimConfig(learning_rate=1e-4, warmup_steps=0, schedule="constant"), 100)
@@ -100,20 +113,32 @@ def main() -> None:
     rollout = batch.rollout
     real = int(np.asarray(rollout.prompt_mask).sum() + np.asarray(rollout.response_mask).sum())
     slots = args.batch * (args.prompt + args.response)
-    plans = plan_micro_batches(np.asarray(rollout.prompt_mask).sum(1), np.asarray(rollout.response_mask).sum(1),
-                               prompt_slots=args.prompt, response_slots=args.response, token_budget=args.budget,
-                               bucket=args.bucket)
+    plans = plan_micro_batches(
+        np.asarray(rollout.prompt_mask).sum(1),
+        np.asarray(rollout.response_mask).sum(1),
+        prompt_slots=args.prompt,
+        response_slots=args.response,
+        token_budget=args.budget,
+        bucket=args.bucket,
+    )
     packed_slots = sum(p.padded_tokens for p in plans)
     lengths = np.asarray(rollout.response_mask).sum(1)
-    print(f"batch {args.batch} x ({args.prompt} + {args.response}) slots; response lengths median "
-          f"{int(np.median(lengths))}, p90 {int(np.percentile(lengths, 90))}, max {lengths.max()}; "
-          f"budget {args.budget}, bucket {args.bucket}: {len(plans)} micro-batches")
-    print(f"slots computed: padded {slots} ({1 - real / slots:.1%} padding), packed {packed_slots} "
-          f"({1 - real / packed_slots:.1%} padding): {slots / packed_slots:.2f}x fewer")
-    print(f"loss (first step, the same update): padded {float(plain_m['loss']):.6f}, "
-          f"packed {float(packed_m['loss']):.6f}")
-    print(f"step time: padded {plain_s * 1e3:.0f} ms, packed {packed_s * 1e3:.0f} ms: "
-          f"packed speed-up {plain_s / packed_s:.2f}x")
+    print(
+        f"batch {args.batch} x ({args.prompt} + {args.response}) slots; response lengths median "
+        f"{int(np.median(lengths))}, p90 {int(np.percentile(lengths, 90))}, max {lengths.max()}; "
+        f"budget {args.budget}, bucket {args.bucket}: {len(plans)} micro-batches"
+    )
+    print(
+        f"slots computed: padded {slots} ({1 - real / slots:.1%} padding), packed {packed_slots} "
+        f"({1 - real / packed_slots:.1%} padding): {slots / packed_slots:.2f}x fewer"
+    )
+    print(
+        f"loss (first step, the same update): padded {float(plain_m['loss']):.6f}, packed {float(packed_m['loss']):.6f}"
+    )
+    print(
+        f"step time: padded {plain_s * 1e3:.0f} ms, packed {packed_s * 1e3:.0f} ms: "
+        f"packed speed-up {plain_s / packed_s:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -38,9 +38,17 @@ DEMO = configs.DEMO
 def run(mode: str, placement: str, args, out: Path) -> dict:
     name = f"{mode}-{placement}"
     sets = [
-        f"name={name}", f"output_dir={out}", f"schedule.mode={mode}", "schedule.max_staleness=2",
-        f"schedule.placement={placement}", f"learner.batch_size={args.batch}", f"train.steps={args.steps}",
-        f"train.eval_every={10**6}", f"train.checkpoint_every={10**6}", "task.eval_prompts=16", *args.set,
+        f"name={name}",
+        f"output_dir={out}",
+        f"schedule.mode={mode}",
+        "schedule.max_staleness=2",
+        f"schedule.placement={placement}",
+        f"learner.batch_size={args.batch}",
+        f"train.steps={args.steps}",
+        f"train.eval_every={10**6}",
+        f"train.checkpoint_every={10**6}",
+        "task.eval_prompts=16",
+        *args.set,
     ]
     command = [sys.executable, "-m", "asyncopd_jax.cli", "train", "--no-progress", "--config", str(DEMO)]
     for s in sets:
@@ -107,13 +115,21 @@ def channel_costs(repeats: int = 10) -> dict:
 
     B, T, P, K = 32, 28, 16, 8
     rng = np.random.default_rng(0)
-    record = {"index": np.asarray(1), "oldest_version": np.asarray(0), "newest_version": np.asarray(0),
-              "batch.prompt_tokens": rng.integers(0, 19, (B, P)).astype(np.int32),
-              "batch.prompt_mask": np.ones((B, P), bool), "batch.response_tokens": rng.integers(0, 19, (B, T)).astype(np.int32),
-              "batch.response_mask": np.ones((B, T), bool), "batch.behavior_logp": rng.normal(size=(B, T)).astype(np.float32),
-              "batch.token_version": np.zeros((B, T), np.int32), "cache.token_logp": rng.normal(size=(B, T)).astype(np.float32),
-              "cache.topk_ids": rng.integers(0, 19, (B, T, K)).astype(np.int32),
-              "cache.topk_logp": rng.normal(size=(B, T, K)).astype(np.float32), "rewards": np.ones(B, np.float32)}
+    record = {
+        "index": np.asarray(1),
+        "oldest_version": np.asarray(0),
+        "newest_version": np.asarray(0),
+        "batch.prompt_tokens": rng.integers(0, 19, (B, P)).astype(np.int32),
+        "batch.prompt_mask": np.ones((B, P), bool),
+        "batch.response_tokens": rng.integers(0, 19, (B, T)).astype(np.int32),
+        "batch.response_mask": np.ones((B, T), bool),
+        "batch.behavior_logp": rng.normal(size=(B, T)).astype(np.float32),
+        "batch.token_version": np.zeros((B, T), np.int32),
+        "cache.token_logp": rng.normal(size=(B, T)).astype(np.float32),
+        "cache.topk_ids": rng.integers(0, 19, (B, T, K)).astype(np.int32),
+        "cache.topk_logp": rng.normal(size=(B, T, K)).astype(np.float32),
+        "rewards": np.ones(B, np.float32),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         spool = Spool(tmp)
         times = []
@@ -141,8 +157,11 @@ def main() -> None:
         for mode in ("sync", "fully_async"):
             for placement in placements:
                 results[mode, placement] = r = run(mode, placement, args, Path(tmp))
-                print(f"{mode:11} {placement:9} {r['rate']:7.1f} samples/s   per batch: rollout + scoring "
-                      f"{r['t_rollout'] * 1e3:5.1f} ms, learn + publish {r['t_learn'] * 1e3:5.1f} ms", flush=True)
+                print(
+                    f"{mode:11} {placement:9} {r['rate']:7.1f} samples/s   per batch: rollout + scoring "
+                    f"{r['t_rollout'] * 1e3:5.1f} ms, learn + publish {r['t_learn'] * 1e3:5.1f} ms",
+                    flush=True,
+                )
     cores = len(os.sched_getaffinity(0))
     print(f"workload: demo, batch {args.batch}, {args.steps} steps (first {args.skip} skipped), {cores} CPU cores")
     best_sync = max((results["sync", p]["rate"], p) for p in placements)
@@ -154,15 +173,22 @@ def main() -> None:
         r = results["fully_async", p]
         bound = args.batch / max(r["t_rollout"], r["t_learn"])
         overlap = (r["t_rollout"] + r["t_learn"]) / max(r["t_rollout"], r["t_learn"])
-        print(f"fully_async {p}: {r['rate']:.1f} samples/s of its bound B / max(t_r, t_l) = {bound:.1f} -> "
-              f"{r['rate'] / bound:.2f} (target >= 0.9); overlap bound (t_r + t_l) / max = {overlap:.2f}x")
+        print(
+            f"fully_async {p}: {r['rate']:.1f} samples/s of its bound B / max(t_r, t_l) = {bound:.1f} -> "
+            f"{r['rate'] / bound:.2f} (target >= 0.9); overlap bound (t_r + t_l) / max = {overlap:.2f}x"
+        )
     costs = channel_costs()
     for fmt in ("orbax", "safetensors"):
-        print(f"snapshot publish + load through {fmt:11} (0.1 M parameters, read by another store): "
-              + ", ".join(f"{where} {costs[fmt, where] * 1e3:.1f} ms" for where in ("/dev/shm", "disk")
-                          if (fmt, where) in costs))
-    print(f"spool: commit + read of one scored group of {args.batch}: {costs['spool group'] * 1e3:.2f} ms "
-          f"({costs['spool bytes'] / 1024:.0f} KiB)")
+        print(
+            f"snapshot publish + load through {fmt:11} (0.1 M parameters, read by another store): "
+            + ", ".join(
+                f"{where} {costs[fmt, where] * 1e3:.1f} ms" for where in ("/dev/shm", "disk") if (fmt, where) in costs
+            )
+        )
+    print(
+        f"spool: commit + read of one scored group of {args.batch}: {costs['spool group'] * 1e3:.2f} ms "
+        f"({costs['spool bytes'] / 1024:.0f} KiB)"
+    )
 
 
 if __name__ == "__main__":

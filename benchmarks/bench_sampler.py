@@ -30,9 +30,19 @@ from asyncopd_jax.teacher import ScoringParams, TeacherScorer
 
 def small_qwen3(vocab: int) -> DecoderConfig:
     return DecoderConfig(
-        model_type="qwen3", vocab_size=vocab, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
-        max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        model_type="qwen3",
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
 
 
@@ -77,8 +87,10 @@ def main() -> None:
     ids = jnp.asarray(prompts, jnp.int32)
     mask = jnp.ones_like(ids, bool)
     positions = jnp.broadcast_to(jnp.arange(p), (b, p))
-    t_prefill = timed(lambda: jax.block_until_ready(
-        sampler._prefill(state, ids, mask, positions, jnp.int32(p - 1), slots=p + t)), args.repeats)
+    t_prefill = timed(
+        lambda: jax.block_until_ready(sampler._prefill(state, ids, mask, positions, jnp.int32(p - 1), slots=p + t)),
+        args.repeats,
+    )
 
     batch = Sampler(graphdef, mc).generate(state, prompts, jax.random.key(0))
     scorer = TeacherScorer(model, ScoringParams(topk=16, num_samples=8, chunk_size=64))
@@ -95,15 +107,26 @@ def main() -> None:
 
     def hf_generate():
         with torch.no_grad():
-            hf.generate(torch_ids, attention_mask=torch.ones_like(torch_ids), do_sample=True, temperature=1.0,
-                        top_k=0, top_p=1.0, max_new_tokens=t, min_new_tokens=t, pad_token_id=0)
+            hf.generate(
+                torch_ids,
+                attention_mask=torch.ones_like(torch_ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=t,
+                min_new_tokens=t,
+                pad_token_id=0,
+            )
 
     t_hf = timed(hf_generate, args.repeats)
 
     new_tokens = b * t
-    print(f"workload: Qwen3 H={config.hidden_size} L={config.num_hidden_layers} V={config.vocab_size}, "
-          f"batch {b}, prompt {p}, {t} new tokens, temperature 1 | jax {jax.__version__} "
-          f"({jax.devices()[0].platform}), torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    print(
+        f"workload: Qwen3 H={config.hidden_size} L={config.num_hidden_layers} V={config.vocab_size}, "
+        f"batch {b}, prompt {p}, {t} new tokens, temperature 1 | jax {jax.__version__} "
+        f"({jax.devices()[0].platform}), torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    )
     rows = [
         ("ours: prefill + decode", t_ours, new_tokens),
         ("ours: + 8 MC candidates, top-8 ids", t_ours_mc, new_tokens),

@@ -128,8 +128,9 @@ def scorer_bytes(m: Model, b: int, group: int, slots: int, chunk: int) -> dict[s
     }
 
 
-def record_bytes_per_position(n: int = 0, k_student: int = 0, k_teacher: int = 0, m_samples: int = 0,
-                              store: int = 4) -> int:
+def record_bytes_per_position(
+    n: int = 0, k_student: int = 0, k_teacher: int = 0, m_samples: int = 0, store: int = 4
+) -> int:
     """Bytes per response position of one spool record (rollout + teacher-score cache).
 
     Rollout: token id (int32), mask (bool), behaviour log-prob (fp32), token version (int32);
@@ -149,13 +150,20 @@ def learner_flops(m: Model, rows: int, s: int, t: int) -> float:
     """Forward + backward of the decoder over prompt + response (6·P_ne per token), the
     fused LM-head gather on response tokens (4 matmuls of 2·H·V: logits recomputed in the
     backward pass) and the S² attention terms (fwd + bwd, no causal skipping)."""
-    return (6 * m.non_embedding * rows * s + 8 * m.hidden * m.vocab * rows * t
-            + 12 * m.layers * rows * s * s * m.q_heads * m.head_dim)
+    return (
+        6 * m.non_embedding * rows * s
+        + 8 * m.hidden * m.vocab * rows * t
+        + 12 * m.layers * rows * s * s * m.q_heads * m.head_dim
+    )
 
 
 def scoring_flops(m: Model, rows: int, s: int, t: int) -> float:
     """One teacher forward over prompt + response, LM head on the response positions."""
-    return 2 * m.non_embedding * rows * s + 2 * m.hidden * m.vocab * rows * t + 4 * m.layers * rows * s * s * m.q_heads * m.head_dim
+    return (
+        2 * m.non_embedding * rows * s
+        + 2 * m.hidden * m.vocab * rows * t
+        + 4 * m.layers * rows * s * s * m.q_heads * m.head_dim
+    )
 
 
 def decode_step_bytes(m: Model, b: int, group: int, slots: int) -> float:
@@ -176,27 +184,35 @@ def matmul_seconds(flops: float, chips: int, peak: float) -> float:
 
 
 def table_models() -> None:
-    print("| model | layers | hidden | q / kv heads | MLP | tied | parameters | non-embedding "
-          "| weights bf16 | weights fp32 | KV per token bf16 | KV per token fp32 |")
+    print(
+        "| model | layers | hidden | q / kv heads | MLP | tied | parameters | non-embedding "
+        "| weights bf16 | weights fp32 | KV per token bf16 | KV per token fp32 |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for m in QWEN3.values():
-        print(f"| {m.name} | {m.layers} | {m.hidden} | {m.q_heads} / {m.kv_heads} | {m.intermediate} | "
-              f"{'yes' if m.tied else 'no'} | {m.params:,} | {m.non_embedding:,} | {fmt_gib(m.params * 2)} GiB | "
-              f"{fmt_gib(m.params * 4)} GiB | {m.kv_bytes_per_token(2) // 1024} KiB | "
-              f"{m.kv_bytes_per_token(4) // 1024} KiB |")
+        print(
+            f"| {m.name} | {m.layers} | {m.hidden} | {m.q_heads} / {m.kv_heads} | {m.intermediate} | "
+            f"{'yes' if m.tied else 'no'} | {m.params:,} | {m.non_embedding:,} | {fmt_gib(m.params * 2)} GiB | "
+            f"{fmt_gib(m.params * 4)} GiB | {m.kv_bytes_per_token(2) // 1024} KiB | "
+            f"{m.kv_bytes_per_token(4) // 1024} KiB |"
+        )
 
 
 def table_learner_state() -> None:
-    print("| model | param dtype | params | AdamW moments | grad accumulator | + transient grads | total "
-          "| ÷ 4 (FSDP 4) | ÷ 16 (FSDP 16) |")
+    print(
+        "| model | param dtype | params | AdamW moments | grad accumulator | + transient grads | total "
+        "| ÷ 4 (FSDP 4) | ÷ 16 (FSDP 16) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for m in QWEN3.values():
         for b, name in ((4, "fp32"), (2, "bf16")):
             st = learner_state_bytes(m, b)
             total = sum(st.values())
-            print(f"| {m.name} | {name} | {fmt_gib(st['params'])} | {fmt_gib(st['adam_moments'])} | "
-                  f"{fmt_gib(st['grad_accumulator'])} | {fmt_gib(st['grads_transient'])} | {fmt_gib(total)} | "
-                  f"{fmt_gib(total / 4)} | {fmt_gib(total / 16)} |")
+            print(
+                f"| {m.name} | {name} | {fmt_gib(st['params'])} | {fmt_gib(st['adam_moments'])} | "
+                f"{fmt_gib(st['grad_accumulator'])} | {fmt_gib(st['grads_transient'])} | {fmt_gib(total)} | "
+                f"{fmt_gib(total / 4)} | {fmt_gib(total / 16)} |"
+            )
 
 
 def table_activations(s_values=(532, 1044, 2068, 4116)) -> None:
@@ -212,10 +228,13 @@ def table_cache() -> None:
     full = VOCAB * 4
     print(f"| cache per position | bytes (fp32 store) | bytes (bf16 store) | vs. full logits ({full:,} B) |")
     print("|---|---|---|---|")
-    for label, kw in [("sampled token only", {}), ("teacher top-16 (forward_kl_topk)", {"k_teacher": 16}),
-                      ("N = 8 MC candidates (reverse_kl_mc)", {"n": 8}),
-                      ("N = 8 candidates + student top-16 + teacher top-16", {"n": 8, "k_student": 16, "k_teacher": 16}),
-                      ("teacher top-64", {"k_teacher": 64})]:
+    for label, kw in [
+        ("sampled token only", {}),
+        ("teacher top-16 (forward_kl_topk)", {"k_teacher": 16}),
+        ("N = 8 MC candidates (reverse_kl_mc)", {"n": 8}),
+        ("N = 8 candidates + student top-16 + teacher top-16", {"n": 8, "k_student": 16, "k_teacher": 16}),
+        ("teacher top-64", {"k_teacher": 64}),
+    ]:
         b4, b2 = record_bytes_per_position(**kw, store=4), record_bytes_per_position(**kw, store=2)
         print(f"| {label} | {b4} | {b2} | 1 / {full // b4:,} |")
 
@@ -242,9 +261,11 @@ class Example:
 def example_report(e: Example) -> None:
     s = e.prompt + e.response
     print(f"### {e.title}\n")
-    print(f"S = {e.prompt} prompt + {e.response} response slots = {s}; B = {e.batch}, "
-          f"{e.rows_per_step} rows per optimizer step over {e.learner_chips} learner devices, "
-          f"rollout group G = {e.group}.\n")
+    print(
+        f"S = {e.prompt} prompt + {e.response} response slots = {s}; B = {e.batch}, "
+        f"{e.rows_per_step} rows per optimizer step over {e.learner_chips} learner devices, "
+        f"rollout group G = {e.group}.\n"
+    )
     st = learner_state_bytes(e.student, e.student_b)
     rows_dev = e.rows_per_step / e.learner_chips
     act = activation_bytes_per_sequence(e.student, s, e.student_b) * rows_dev
@@ -259,17 +280,23 @@ def example_report(e: Example) -> None:
     print(f"| gathered weights (upper bound) | {fmt_gib(gathered)} |")
     print(f"| LM-head chunk ({e.logprob_chunk} rows) | {fmt_gib(head)} |")
     print(f"| **sum** | **{fmt_gib(learner_total)}** |")
-    print(f"| + the teacher the learner process also loads (first device of each learner process) "
-          f"| +{fmt_gib(teacher_in_learner)} |")
+    print(
+        f"| + the teacher the learner process also loads (first device of each learner process) "
+        f"| +{fmt_gib(teacher_in_learner)} |"
+    )
     print()
     sb = sampler_bytes(e.student, e.student_b, e.group, s)
     tb = scorer_bytes(e.teacher, e.teacher_b, e.group, s, e.chunk)
     print("| stage device | weights | KV cache / attention | largest transient | sum GiB |")
     print("|---|---|---|---|---|")
-    print(f"| rollout (samples G = {e.group}) | {fmt_gib(sb['weights'])} | {fmt_gib(sb['kv_cache'])} | "
-          f"{fmt_gib(sb['recompute_prefill'])} (cache recompute) | {fmt_gib(sum(sb.values()))} |")
-    print(f"| scoring (G = {e.group}) | {fmt_gib(tb['weights'])} | {fmt_gib(tb['attention_transient'])} | "
-          f"{fmt_gib(tb['logit_chunk'])} (logit chunk) | {fmt_gib(sum(tb.values()))} |")
+    print(
+        f"| rollout (samples G = {e.group}) | {fmt_gib(sb['weights'])} | {fmt_gib(sb['kv_cache'])} | "
+        f"{fmt_gib(sb['recompute_prefill'])} (cache recompute) | {fmt_gib(sum(sb.values()))} |"
+    )
+    print(
+        f"| scoring (G = {e.group}) | {fmt_gib(tb['weights'])} | {fmt_gib(tb['attention_transient'])} | "
+        f"{fmt_gib(tb['logit_chunk'])} (logit chunk) | {fmt_gib(sum(tb.values()))} |"
+    )
     print()
     lf = learner_flops(e.student, e.batch, s, e.response)
     sf = scoring_flops(e.teacher, e.batch, s, e.response)
@@ -282,19 +309,48 @@ def example_report(e: Example) -> None:
     print("|---|---|---|")
     print(f"| learn (all mini-batches) | {lf:.2e} FLOP | {t_learn:.1f} on {e.learner_chips} devices |")
     print(f"| teacher scoring | {sf:.2e} FLOP | {t_score:.1f} on 1 device |")
-    print(f"| sampling ({e.response} decode steps per group, {e.batch // e.group} group(s)) | "
-          f"{step_bytes / GIB:.1f} GiB read per step | {t_decode:.1f} on 1 device |")
+    print(
+        f"| sampling ({e.response} decode steps per group, {e.batch // e.group} group(s)) | "
+        f"{step_bytes / GIB:.1f} GiB read per step | {t_decode:.1f} on 1 device |"
+    )
     print()
 
 
 EXAMPLES = [
-    Example("Qwen3-1.7B ← Qwen3-8B, one 8-GPU node (asyncopd_jax/configs/qwen3_1.7b_from_8b_gpu.yaml, H100 80 GB)",
-            QWEN3["1.7B"], QWEN3["8B"], 4, 2, batch=64, rows_per_step=8, group=64, prompt=20, response=1024,
-            chunk=64, logprob_chunk=512, learner_chips=4, learner_chip=CHIPS["H100-80GB"],
-            stage_chip=CHIPS["H100-80GB"]),
-    Example("Qwen3-0.6B ← Qwen3-4B, TPU v5p (asyncopd_jax/configs/qwen3_0.6b_from_4b_tpu.yaml, 16 learner chips)",
-            QWEN3["0.6B"], QWEN3["4B"], 4, 2, batch=64, rows_per_step=64, group=64, prompt=20, response=1024,
-            chunk=64, logprob_chunk=512, learner_chips=16, learner_chip=CHIPS["v5p"], stage_chip=CHIPS["v5p"]),
+    Example(
+        "Qwen3-1.7B ← Qwen3-8B, one 8-GPU node (asyncopd_jax/configs/qwen3_1.7b_from_8b_gpu.yaml, H100 80 GB)",
+        QWEN3["1.7B"],
+        QWEN3["8B"],
+        4,
+        2,
+        batch=64,
+        rows_per_step=8,
+        group=64,
+        prompt=20,
+        response=1024,
+        chunk=64,
+        logprob_chunk=512,
+        learner_chips=4,
+        learner_chip=CHIPS["H100-80GB"],
+        stage_chip=CHIPS["H100-80GB"],
+    ),
+    Example(
+        "Qwen3-0.6B ← Qwen3-4B, TPU v5p (asyncopd_jax/configs/qwen3_0.6b_from_4b_tpu.yaml, 16 learner chips)",
+        QWEN3["0.6B"],
+        QWEN3["4B"],
+        4,
+        2,
+        batch=64,
+        rows_per_step=64,
+        group=64,
+        prompt=20,
+        response=1024,
+        chunk=64,
+        logprob_chunk=512,
+        learner_chips=16,
+        learner_chip=CHIPS["v5p"],
+        stage_chip=CHIPS["v5p"],
+    ),
 ]
 
 

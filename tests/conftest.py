@@ -35,6 +35,8 @@ if os.environ.get("MUTANT_UNDER_TEST"):
     # Every mutant's test process compiles the same unmutated functions again: a persistent
     # compilation cache (keyed by the computation, so a mutated function never hits it)
     # makes a mutant's tests ~2.5x faster.
-    jax.config.update("jax_compilation_cache_dir", os.environ.get("MUTATION_JAX_CACHE", "/tmp/asyncopd-mutation-jax-cache"))
+    jax.config.update(
+        "jax_compilation_cache_dir", os.environ.get("MUTATION_JAX_CACHE", "/tmp/asyncopd-mutation-jax-cache")
+    )
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

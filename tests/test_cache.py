@@ -103,8 +103,13 @@ def test_required_ids_and_one_fused_gather():
 
 
 def _all_logprobs(student, batch, cache):
-    ids = {"token": batch.response_tokens, "candidates": batch.candidate_ids, "student_topk": batch.student_topk_ids,
-           "teacher_topk": cache.topk_ids, "teacher_samples": cache.sample_ids}
+    ids = {
+        "token": batch.response_tokens,
+        "candidates": batch.candidate_ids,
+        "student_topk": batch.student_topk_ids,
+        "teacher_topk": cache.topk_ids,
+        "teacher_samples": cache.sample_ids,
+    }
     return student_logprobs(ids, lambda i: est.gather_logprobs(student, i))
 
 
@@ -121,8 +126,13 @@ def test_named_estimators_match_the_functions_they_name():
         ),
         "reverse_kl_mc_loo": est.reverse_kl_mc_loo(s.candidates, batch.candidate_behavior_logp, cache.candidate_logp),
         "reverse_kl_hybrid": est.reverse_kl_hybrid(
-            s.student_topk, cache.student_topk_logp, batch.student_topk_ids,
-            s.candidates, batch.candidate_behavior_logp, cache.candidate_logp, batch.candidate_ids,
+            s.student_topk,
+            cache.student_topk_logp,
+            batch.student_topk_ids,
+            s.candidates,
+            batch.candidate_behavior_logp,
+            cache.candidate_logp,
+            batch.candidate_ids,
         ),
         "ppo_clip": est.ppo_clip_loss(s.token, batch.behavior_logp, cache.token_logp - batch.behavior_logp),
     }
@@ -156,9 +166,13 @@ def test_every_named_estimator_is_zero_when_teacher_equals_student_and_alignment
     _, _, _, shifted_cache = _world(3, teacher_equals_student=True)
     g = est.gather_logprobs
     shifted_cache = TeacherScoreCache(
-        token_logp=g(shifted, batch.response_tokens), candidate_logp=g(shifted, batch.candidate_ids),
-        student_topk_logp=g(shifted, batch.student_topk_ids), topk_ids=cache.topk_ids,
-        topk_logp=g(shifted, cache.topk_ids), sample_ids=cache.sample_ids, sample_logp=g(shifted, cache.sample_ids),
+        token_logp=g(shifted, batch.response_tokens),
+        candidate_logp=g(shifted, batch.candidate_ids),
+        student_topk_logp=g(shifted, batch.student_topk_ids),
+        topk_ids=cache.topk_ids,
+        topk_logp=g(shifted, cache.topk_ids),
+        sample_ids=cache.sample_ids,
+        sample_logp=g(shifted, cache.sample_ids),
     )
     _, grad = jax.value_and_grad(loss)(student, shifted_cache)
     assert np.abs(np.asarray(grad)).max() > 1e-3
@@ -194,8 +208,9 @@ def test_mc_importance_sampling_can_be_switched_off_by_name():
     student, _, batch, cache = _world(6)
     s = _all_logprobs(student, batch, cache)
     got, _ = evaluate_estimator(EstimatorConfig("reverse_kl_mc_stale", mc_importance_sampling=False), batch, cache, s)
-    want = est.reverse_kl_mc(s.candidates, batch.candidate_behavior_logp, cache.candidate_logp,
-                             recompute=False, importance_sampling=False)
+    want = est.reverse_kl_mc(
+        s.candidates, batch.candidate_behavior_logp, cache.candidate_logp, recompute=False, importance_sampling=False
+    )
     np.testing.assert_allclose(got, want, rtol=1e-6)
     with_is, _ = evaluate_estimator(EstimatorConfig("reverse_kl_mc_stale"), batch, cache, s)
     assert np.abs(np.asarray(got) - np.asarray(with_is)).max() > 1e-3
@@ -221,16 +236,17 @@ def test_rl_stabilisers_weight_the_reward_advantage_plus_beta_times_the_teacher_
     behavior, prox = np.asarray(batch.behavior_logp, np.float64), np.asarray(proximal.token, np.float64)
     signal = np.asarray(cache.token_logp, np.float64) - behavior
     adv = advantages + beta * signal
-    got, metrics = evaluate_estimator(EstimatorConfig("decoupled_ppo"), batch, cache if beta else None, s,
-                                      proximal=proximal, distill_coef=beta)
+    got, metrics = evaluate_estimator(
+        EstimatorConfig("decoupled_ppo"), batch, cache if beta else None, s, proximal=proximal, distill_coef=beta
+    )
     weight = np.exp(prox - behavior)  # π_prox / μ, capped at 5 by the default behaviour-weight cap
-    want = np.where(weight <= 5.0, weight * oracle.ppo_clip(np.asarray(s.token, np.float64), prox, adv, 0.8, 1.2),
-                    0.0)
+    want = np.where(weight <= 5.0, weight * oracle.ppo_clip(np.asarray(s.token, np.float64), prox, adv, 0.8, 1.2), 0.0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert ("reverse_kl_signal" in metrics) == bool(beta)  # no teacher scores, no KL metric
     got, _ = evaluate_estimator(EstimatorConfig("ppo_clip"), batch, cache if beta else None, s, distill_coef=beta)
-    np.testing.assert_allclose(got, oracle.ppo_clip(np.asarray(s.token, np.float64), behavior, adv, 0.8, 1.2),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        got, oracle.ppo_clip(np.asarray(s.token, np.float64), behavior, adv, 0.8, 1.2), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_rl_distillation_without_teacher_scores_is_a_clear_error():
@@ -247,23 +263,26 @@ def test_the_regularisers_are_added_to_every_estimator_by_name(kind):
     loss, with the estimator ``reference_kl`` names; the metrics report the entropy and k3."""
     student, _, batch, cache = _world(7)
     s = _all_logprobs(student, batch, cache)
-    s = dataclasses.replace(s, entropy=jnp.asarray(np.random.default_rng(8).uniform(0.5, 2.0, size=(B, T)),
-                                                   jnp.float32))
+    s = dataclasses.replace(
+        s, entropy=jnp.asarray(np.random.default_rng(8).uniform(0.5, 2.0, size=(B, T)), jnp.float32)
+    )
     reference = (np.asarray(s.token) + np.random.default_rng(9).normal(scale=0.3, size=(B, T))).astype(np.float32)
     batch = dataclasses.replace(batch, reference_logp=jnp.asarray(reference))
     knobs = dict(entropy_coef=0.1, reference_kl_coef=0.5, reference_kl=kind)
     for name in ("forward_kl_topk", "ppo_clip"):
         base, base_metrics = evaluate_estimator(EstimatorConfig(name), batch, cache, s)
         got, metrics = evaluate_estimator(EstimatorConfig(name, **knobs), batch, cache, s)
-        np.testing.assert_allclose(got, base - 0.1 * s.entropy + 0.5 * est.reference_kl(s.token, reference, kind),
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            got, base - 0.1 * s.entropy + 0.5 * est.reference_kl(s.token, reference, kind), rtol=1e-5, atol=1e-6
+        )
         mask = np.asarray(batch.response_mask)
         np.testing.assert_allclose(metrics["entropy"], np.asarray(s.entropy)[mask].mean(), rtol=1e-6)
         d = np.asarray(s.token, np.float64) - reference
         np.testing.assert_allclose(metrics["reference_kl"], (np.exp(-d) - 1 + d)[mask].mean(), rtol=1e-5)
     with pytest.raises(ValueError, match="reference_kl_coef = 0.5 needs RolloutBatch.reference_logp"):
-        evaluate_estimator(EstimatorConfig("ppo_clip", **knobs), dataclasses.replace(batch, reference_logp=None),
-                           cache, s)
+        evaluate_estimator(
+            EstimatorConfig("ppo_clip", **knobs), dataclasses.replace(batch, reference_logp=None), cache, s
+        )
     with pytest.raises(ValueError, match="entropy_coef = 0.1 needs StudentLogProbs.entropy"):
         evaluate_estimator(EstimatorConfig("ppo_clip", **knobs), batch, cache, dataclasses.replace(s, entropy=None))
 
@@ -312,6 +331,7 @@ def test_every_estimator_knob_reaches_the_estimator_that_reads_it(knob):
     s = _all_logprobs(student, batch, cache)
     proximal = jax.tree_util.tree_map(lambda x: x + 0.3, s)
     default, _ = evaluate_estimator(EstimatorConfig(name, **others), batch, cache, s, proximal=proximal)
-    changed, _ = evaluate_estimator(EstimatorConfig(name, **others, **{knob: value}), batch, cache, s,
-                                    proximal=proximal)
+    changed, _ = evaluate_estimator(
+        EstimatorConfig(name, **others, **{knob: value}), batch, cache, s, proximal=proximal
+    )
     assert np.abs(np.asarray(changed) - np.asarray(default)).max() > 1e-4, knob

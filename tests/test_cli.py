@@ -27,8 +27,18 @@ def test_unknown_field_and_wrong_estimator(capsys):
 
 
 def test_top_p_with_an_mc_estimator(capsys):
-    err = _error(capsys, ["train", "--set", "estimator.name=reverse_kl_mc", "--set", "sampling.num_candidates=4",
-                          "--set", "sampling.top_p=0.95"])
+    err = _error(
+        capsys,
+        [
+            "train",
+            "--set",
+            "estimator.name=reverse_kl_mc",
+            "--set",
+            "sampling.num_candidates=4",
+            "--set",
+            "sampling.top_p=0.95",
+        ],
+    )
     assert "allow_truncated_mc" in err
 
 
@@ -43,8 +53,18 @@ def test_mismatched_vocabularies(capsys, tmp_path):
     save_tokenizer(tmp_path / "student")
     save_pretrained(new_model("student", 1), tmp_path / "teacher")
     make_tokenizer(tmp_path / "teacher", ["x", "y"])  # another vocabulary
-    err = _error(capsys, ["train", "--set", f"student.path={tmp_path / 'student'}",
-                          "--set", f"teacher.path={tmp_path / 'teacher'}", "--set", f"output_dir={tmp_path}"])
+    err = _error(
+        capsys,
+        [
+            "train",
+            "--set",
+            f"student.path={tmp_path / 'student'}",
+            "--set",
+            f"teacher.path={tmp_path / 'teacher'}",
+            "--set",
+            f"output_dir={tmp_path}",
+        ],
+    )
     assert "teacher and student vocabularies differ" in err
 
 
@@ -61,8 +81,24 @@ def test_help_lists_the_commands(capsys):
 
 def test_sft_writes_a_loadable_model_and_eval_reads_it(capsys, tmp_path):
     out = tmp_path / "sft"
-    assert main(["sft", "--model", "student", "--steps", "3", "--batch-size", "8", "--task", "eval_prompts=8",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "sft",
+                "--model",
+                "student",
+                "--steps",
+                "3",
+                "--batch-size",
+                "8",
+                "--task",
+                "eval_prompts=8",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "held-out accuracy" in capsys.readouterr().out
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (out / name).is_file(), name
@@ -107,8 +143,7 @@ def test_resume_refuses_changes_that_alter_the_computation(capsys, tmp_path):
     run = tmp_path / "runs" / "x"
     run.mkdir(parents=True)
     save_config(load_config("demo"), run / "config.yaml")
-    err = _error(capsys, ["train", "--resume", str(run), "--set", "optim.learning_rate=0.5",
-                          "--set", "seed=5"])
+    err = _error(capsys, ["train", "--resume", str(run), "--set", "optim.learning_rate=0.5", "--set", "seed=5"])
     assert "optim.learning_rate (0.003 → 0.5)" in err and "seed (0 → 5)" in err
     assert "allowed changes: train.steps" in err
     assert "--set instead of --config" in _error(capsys, ["train", "--resume", str(run), "--config", "demo"])

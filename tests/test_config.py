@@ -15,24 +15,35 @@ def test_demo_config_loads_and_overrides_apply():
     assert cfg.schedule.eta(cfg.learner.mini_batches) == 0
 
 
-@pytest.mark.parametrize("override,message", [
-    ("learner.batchsize=3", r"unknown config field learner.batchsize; allowed in learner: batch_size, mini_batches"),
-    ("nonsense=1", r"unknown config field nonsense; allowed in the top level: name, output_dir"),
-    ("estimator.name=kl", r"estimator.name = 'kl' is invalid; allowed: decoupled_ppo, forward_kl_mc"),
-    ("schedule.mode=async", r"schedule.mode = 'async' is invalid; allowed: sync, n_step_off, fully_async"),
-    ("learner.batch_size=lots", r"learner.batch_size = 'lots' is invalid; allowed: an integer"),
-    ("learner.mini_batches=3", r"learner.mini_batches = 3 is invalid; allowed: a divisor of learner.batch_size"),
-    ("estimator.name=reverse_kl_topk", r"estimator.name = 'reverse_kl_topk' needs sampling.student_topk >= 1"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "learner.batchsize=3",
+            r"unknown config field learner.batchsize; allowed in learner: batch_size, mini_batches",
+        ),
+        ("nonsense=1", r"unknown config field nonsense; allowed in the top level: name, output_dir"),
+        ("estimator.name=kl", r"estimator.name = 'kl' is invalid; allowed: decoupled_ppo, forward_kl_mc"),
+        ("schedule.mode=async", r"schedule.mode = 'async' is invalid; allowed: sync, n_step_off, fully_async"),
+        ("learner.batch_size=lots", r"learner.batch_size = 'lots' is invalid; allowed: an integer"),
+        ("learner.mini_batches=3", r"learner.mini_batches = 3 is invalid; allowed: a divisor of learner.batch_size"),
+        ("estimator.name=reverse_kl_topk", r"estimator.name = 'reverse_kl_topk' needs sampling.student_topk >= 1"),
+    ],
+)
 def test_bad_fields_name_themselves(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(DEMO_CONFIG, [override])
 
 
-@pytest.mark.parametrize("name,field", [
-    ("forward_kl_topk", "scoring.topk"), ("forward_kl_topk_renormalized", "scoring.topk"),
-    ("forward_kl_mc", "scoring.num_samples"), ("reverse_kl_mc_loo", "sampling.num_candidates"),
-])
+@pytest.mark.parametrize(
+    "name,field",
+    [
+        ("forward_kl_topk", "scoring.topk"),
+        ("forward_kl_topk_renormalized", "scoring.topk"),
+        ("forward_kl_mc", "scoring.num_samples"),
+        ("reverse_kl_mc_loo", "sampling.num_candidates"),
+    ],
+)
 def test_every_estimator_asks_for_the_ids_its_spec_needs(name, field):
     """The config asks the estimator's spec what it needs (no list of names to keep in step)."""
     with pytest.raises(ConfigError, match=rf"estimator.name = '{name}' needs {field} >= 1"):
@@ -44,14 +55,18 @@ def test_the_hybrid_estimator_needs_candidates_and_a_student_top_k():
         load_config(DEMO_CONFIG, ["estimator.name=reverse_kl_hybrid", "sampling.student_topk=4"])
     with pytest.raises(ConfigError, match=r"'reverse_kl_hybrid' needs sampling.student_topk >= 1"):
         load_config(DEMO_CONFIG, ["estimator.name=reverse_kl_hybrid", "sampling.num_candidates=4"])
-    load_config(DEMO_CONFIG, ["estimator.name=reverse_kl_hybrid", "sampling.num_candidates=4", "sampling.student_topk=4"])
+    load_config(
+        DEMO_CONFIG, ["estimator.name=reverse_kl_hybrid", "sampling.num_candidates=4", "sampling.student_topk=4"]
+    )
 
 
 MC = ["estimator.name=reverse_kl_mc", "sampling.num_candidates=4"]
 
 
 def test_truncated_sampling_with_mc_needs_an_explicit_opt_in():
-    with pytest.raises(ConfigError, match=r"sampling.top_p=0.9 .*truncate the sampling distribution.*allow_truncated_mc"):
+    with pytest.raises(
+        ConfigError, match=r"sampling.top_p=0.9 .*truncate the sampling distribution.*allow_truncated_mc"
+    ):
         load_config(DEMO_CONFIG, [*MC, "sampling.top_p=0.9"])
     cfg = load_config(DEMO_CONFIG, [*MC, "sampling.top_p=0.9", "sampling.allow_truncated_mc=true"])
     assert cfg.sampling.allow_truncated_mc
@@ -89,27 +104,49 @@ def test_rl_config_and_what_it_needs():
     assert load_config(DEMO_CONFIG, []).samples_per_prompt == 1  # distillation: one answer per prompt
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["algorithm=rl"], r"estimator.name = 'forward_kl_topk' is invalid with algorithm = rl; allowed: ppo_clip, "
-                       r"decoupled_ppo, gspo, gspo_token, truncated_is, m2po, second_moment_clip$"),
-    ([*RL, "rl.samples_per_prompt=6"], r"rl.samples_per_prompt = 6 is invalid; allowed: a divisor of the 64 samples"),
-    ([*RL, "schedule.rollout_workers=2", "rl.samples_per_prompt=64"],
-     r"rl.samples_per_prompt = 64 is invalid; allowed: a divisor of the 32 samples"),
-    ([*RL, "rl.distill_coef=-1"], r"rl.distill_coef = -1.0 is invalid; allowed: >= 0"),
-    ([*RL, "rl.distill_coef=0.5", "teacher.path=''"], r"teacher.path = '' is invalid with rl.distill_coef = 0.5"),
-    ([*RL, "stages.scoring_processes=1"], r"stages.scoring_processes = 1 is invalid with algorithm = rl, "
-                                          r"rl.distill_coef = 0 and estimator.reference_kl_coef = 0 \(nothing to "
-                                          r"score\)"),
-    (["estimator.reference_kl_coef=-0.1"], r"estimator.reference_kl_coef = -0.1 is invalid; allowed: >= 0"),
-    (["estimator.behavior_weight_floor=6"], r"estimator.behavior_weight_floor = 6.0 is invalid; allowed: null, or "
-                                            r">= 0 and below estimator.behavior_weight_cap"),
-    (["estimator.aggregation=seq-mean"], r"estimator.aggregation = 'seq-mean' is invalid; allowed: token-mean, "
-                                         r"seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm"),
-    (["estimator.reference_kl=k4"], r"estimator.reference_kl = 'k4' is invalid; allowed: k1, k2, k3"),
-    ([*RL, "task.name=dataset", "task.path=x.jsonl", "task.answer_field=''"],
-     r"task.answer_field = '' is invalid with algorithm = rl"),
-    (["algorithm=ppo"], r"algorithm = 'ppo' is invalid; allowed: opd, rl"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["algorithm=rl"],
+            r"estimator.name = 'forward_kl_topk' is invalid with algorithm = rl; allowed: ppo_clip, "
+            r"decoupled_ppo, gspo, gspo_token, truncated_is, m2po, second_moment_clip$",
+        ),
+        (
+            [*RL, "rl.samples_per_prompt=6"],
+            r"rl.samples_per_prompt = 6 is invalid; allowed: a divisor of the 64 samples",
+        ),
+        (
+            [*RL, "schedule.rollout_workers=2", "rl.samples_per_prompt=64"],
+            r"rl.samples_per_prompt = 64 is invalid; allowed: a divisor of the 32 samples",
+        ),
+        ([*RL, "rl.distill_coef=-1"], r"rl.distill_coef = -1.0 is invalid; allowed: >= 0"),
+        ([*RL, "rl.distill_coef=0.5", "teacher.path=''"], r"teacher.path = '' is invalid with rl.distill_coef = 0.5"),
+        (
+            [*RL, "stages.scoring_processes=1"],
+            r"stages.scoring_processes = 1 is invalid with algorithm = rl, "
+            r"rl.distill_coef = 0 and estimator.reference_kl_coef = 0 \(nothing to "
+            r"score\)",
+        ),
+        (["estimator.reference_kl_coef=-0.1"], r"estimator.reference_kl_coef = -0.1 is invalid; allowed: >= 0"),
+        (
+            ["estimator.behavior_weight_floor=6"],
+            r"estimator.behavior_weight_floor = 6.0 is invalid; allowed: null, or "
+            r">= 0 and below estimator.behavior_weight_cap",
+        ),
+        (
+            ["estimator.aggregation=seq-mean"],
+            r"estimator.aggregation = 'seq-mean' is invalid; allowed: token-mean, "
+            r"seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm",
+        ),
+        (["estimator.reference_kl=k4"], r"estimator.reference_kl = 'k4' is invalid; allowed: k1, k2, k3"),
+        (
+            [*RL, "task.name=dataset", "task.path=x.jsonl", "task.answer_field=''"],
+            r"task.answer_field = '' is invalid with algorithm = rl",
+        ),
+        (["algorithm=ppo"], r"algorithm = 'ppo' is invalid; allowed: opd, rl"),
+    ],
+)
 def test_rl_config_errors_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(DEMO_CONFIG, overrides)
@@ -167,15 +204,24 @@ SECTION_CHECKS = [
     ("rl.distill_coef=-0.5", r"rl.distill_coef = -0.5 is invalid; allowed: >= 0"),  # in distillation too
     ("optim.learning_rate=0", r"optim.learning_rate = 0.0 is invalid; allowed: > 0"),
     ("learner.extrapolation.factors=[]", r"learner.extrapolation.factors = \(\) is invalid; allowed: a non-empty list"),
-    ("learner.extrapolation.factors=[3, 1]", r"learner.extrapolation.factors = \(3.0, 1.0\) is invalid; allowed: "
-                                             r"a non-empty list of factors > 1"),
+    (
+        "learner.extrapolation.factors=[3, 1]",
+        r"learner.extrapolation.factors = \(3.0, 1.0\) is invalid; allowed: "
+        r"a non-empty list of factors > 1",
+    ),
     ("learner.extrapolation.probe_prompts=0", r"learner.extrapolation.probe_prompts = 0 is invalid; allowed: >= 1"),
-    ("learner.extrapolation.probe_temperature=-1", r"learner.extrapolation.probe_temperature = -1.0 is invalid; "
-                                                   r"allowed: >= 0 \(0: greedy answers\)"),
+    (
+        "learner.extrapolation.probe_temperature=-1",
+        r"learner.extrapolation.probe_temperature = -1.0 is invalid; "
+        r"allowed: >= 0 \(0: greedy answers\)",
+    ),
     ("learner.batch_size=0", r"learner.batch_size = 0 is invalid; allowed: >= 1"),
     ("learner.mini_batches=0", r"learner.mini_batches = 0 is invalid; allowed: a divisor of learner.batch_size"),
-    ("learner.micro_batches=3", r"learner.micro_batches = 3 is invalid; allowed: a divisor of learner.batch_size / "
-                                r"learner.mini_batches"),
+    (
+        "learner.micro_batches=3",
+        r"learner.micro_batches = 3 is invalid; allowed: a divisor of learner.batch_size / "
+        r"learner.mini_batches",
+    ),
     ("learner.token_budget=-1", r"learner.token_budget = -1 is invalid; allowed: >= 0 \(0: off\)"),
     ("learner.token_bucket=0", r"learner.token_bucket = 0 is invalid; allowed: >= 1"),
     ("schedule.max_staleness=-1", r"schedule.max_staleness = -1 is invalid; allowed: >= 0"),
@@ -194,10 +240,16 @@ SECTION_CHECKS = [
     ("train.diagnostic_prompts=0", r"train.diagnostic_prompts = 0 is invalid; allowed: >= 1"),
     ("train.update_geometry_every=-1", r"train.update_geometry_every = -1 is invalid; allowed: >= 0 \(0: off\)"),
     ("estimator.m2po_budget=-1", r"estimator.m2po_budget = -1.0 is invalid; allowed: >= 0"),
-    ("estimator.mc_clip_eps=1.5", r"estimator.mc_clip_eps = 1.5 is invalid; allowed: null, ε with 0 <= ε < 1, or "
-                                  r"\[ε_low, ε_high\]"),
-    ("estimator.ppo_clip_eps=[0.2, 0.3, 0.4]", r"estimator.ppo_clip_eps = \(0.2, 0.3, 0.4\) is invalid; allowed: ε "
-                                               r"with 0 <= ε < 1, or \[ε_low, ε_high\]"),
+    (
+        "estimator.mc_clip_eps=1.5",
+        r"estimator.mc_clip_eps = 1.5 is invalid; allowed: null, ε with 0 <= ε < 1, or "
+        r"\[ε_low, ε_high\]",
+    ),
+    (
+        "estimator.ppo_clip_eps=[0.2, 0.3, 0.4]",
+        r"estimator.ppo_clip_eps = \(0.2, 0.3, 0.4\) is invalid; allowed: ε "
+        r"with 0 <= ε < 1, or \[ε_low, ε_high\]",
+    ),
     ("estimator.ppo_clip_eps=[0.2, -0.1]", r"estimator.ppo_clip_eps = \(0.2, -0.1\) is invalid"),
     ("estimator.gspo_clip_low=1", r"estimator.gspo_clip_low = 1.0 is invalid; allowed: 0 <= ε_low < 1"),
     ("estimator.gspo_clip_high=-1", r"estimator.gspo_clip_high = -1.0 is invalid; allowed: >= 0"),
@@ -217,8 +269,11 @@ def test_a_section_built_in_python_checks_its_fields_too():
 
     with pytest.raises(ConfigError, match=r"^learner.mini_batches = 3 is invalid"):
         LearnerConfig(batch_size=8, mini_batches=3)
-    with pytest.raises(ConfigError, match=r"^schedule.placement = 'processes' is invalid with schedule.mode = "
-                                          r"fixed_lag; allowed: threads"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^schedule.placement = 'processes' is invalid with schedule.mode = "
+        r"fixed_lag; allowed: threads",
+    ):
         ScheduleConfig(mode="fixed_lag", placement="processes")
     with pytest.raises(ConfigError, match=r"^estimator.name = 'kl' is invalid; allowed: decoupled_ppo"):
         EstimatorConfig("kl")
@@ -227,22 +282,39 @@ def test_a_section_built_in_python_checks_its_fields_too():
 
 # --- what the trainer used to find at run time ---------------------------------------
 
-TWO_LEARNERS = ["distributed.initialize=true", "distributed.num_processes=2", "distributed.process_id=0",
-                "schedule.placement=processes"]
+TWO_LEARNERS = [
+    "distributed.initialize=true",
+    "distributed.num_processes=2",
+    "distributed.process_id=0",
+    "schedule.placement=processes",
+]
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["train.diagnostics_every=5", "teacher.path=''", *RL],
-     r"^train.diagnostics_every = 5 needs a teacher \(teacher.path\); allowed without one: 0$"),
-    ([*TWO_LEARNERS, "schedule.placement=threads"],
-     r"^schedule.placement = 'threads' is invalid for a learner over 2 processes; allowed: processes"),
-    ([*TWO_LEARNERS, "learner.token_budget=512"],
-     r"^learner.token_budget = 512 is invalid for a learner over 2 processes; allowed: 0"),
-    ([*TWO_LEARNERS, "stages.snapshot_format=safetensors"],
-     r"^stages.snapshot_format = 'safetensors' is invalid for a learner over 2 processes; allowed: auto, orbax$"),
-    ([*TWO_LEARNERS, "train.diagnostics_every=5"],
-     r"^train.diagnostics_every = 5 is invalid for a learner over 2 processes; allowed: 0$"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["train.diagnostics_every=5", "teacher.path=''", *RL],
+            r"^train.diagnostics_every = 5 needs a teacher \(teacher.path\); allowed without one: 0$",
+        ),
+        (
+            [*TWO_LEARNERS, "schedule.placement=threads"],
+            r"^schedule.placement = 'threads' is invalid for a learner over 2 processes; allowed: processes",
+        ),
+        (
+            [*TWO_LEARNERS, "learner.token_budget=512"],
+            r"^learner.token_budget = 512 is invalid for a learner over 2 processes; allowed: 0",
+        ),
+        (
+            [*TWO_LEARNERS, "stages.snapshot_format=safetensors"],
+            r"^stages.snapshot_format = 'safetensors' is invalid for a learner over 2 processes; allowed: auto, orbax$",
+        ),
+        (
+            [*TWO_LEARNERS, "train.diagnostics_every=5"],
+            r"^train.diagnostics_every = 5 is invalid for a learner over 2 processes; allowed: 0$",
+        ),
+    ],
+)
 def test_what_the_trainer_found_at_run_time_is_refused_at_load_config(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(DEMO_CONFIG, overrides)

@@ -27,8 +27,12 @@ def test_the_train_step_example_trains_on_the_aggregated_top_k_kl():
     rng = np.random.default_rng(0)
     teacher = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(B, T, V)), jnp.float32))
     topk_logp, topk_ids = jax.lax.top_k(teacher, K)
-    batch = {"tokens": jnp.asarray(rng.integers(0, V, size=(B, T))), "topk_ids": topk_ids, "topk_logp": topk_logp,
-             "mask": jnp.asarray(np.arange(T)[None] < np.array([5, 2, 4])[:, None])}
+    batch = {
+        "tokens": jnp.asarray(rng.integers(0, V, size=(B, T))),
+        "topk_ids": topk_ids,
+        "topk_logp": topk_logp,
+        "mask": jnp.asarray(np.arange(T)[None] < np.array([5, 2, 4])[:, None]),
+    }
     namespace = {"my_model": lambda params, tokens: params["w"][tokens], "optimizer": optax.sgd(0.5)}
     exec(EXAMPLES[0], namespace)
     params = {"w": jnp.zeros((V, V))}
@@ -37,8 +41,11 @@ def test_the_train_step_example_trains_on_the_aggregated_top_k_kl():
     for _ in range(5):
         params, opt_state, loss = namespace["train_step"](params, opt_state, batch)
         losses.append(float(loss))
-    want = est.aggregate(est.forward_kl_topk(est.gather_logprobs(jnp.zeros((B, T, V)), topk_ids), topk_logp),
-                         batch["mask"], "seq-mean-token-mean")
+    want = est.aggregate(
+        est.forward_kl_topk(est.gather_logprobs(jnp.zeros((B, T, V)), topk_ids), topk_logp),
+        batch["mask"],
+        "seq-mean-token-mean",
+    )
     assert losses[0] == pytest.approx(float(want), rel=1e-6)
     assert losses[-1] < losses[0]
 
@@ -130,10 +137,14 @@ def test_the_link_check_sees_a_broken_file_a_broken_anchor_and_skips_code(tmp_pa
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     (tmp_path / "there.md").write_text("# A `code` heading: here\n\n## Twice\n\n## Twice\n")
     page = tmp_path / "page.md"
-    page.write_text("[ok](there.md) [ok](there.md#a-code-heading-here) [ok](there.md#twice-1) "
-                    "[ok](#own) [web](https://example.com/x.md)\n`[in code](nowhere.md)`\n"
-                    "```\n[in a block](nowhere.md)\n```\n# Own\n"
-                    "[gone](missing.md) [bad anchor](there.md#nope)\n[ref]: also-missing.md\n")
-    assert broken_links(page) == ["page.md: missing.md (no such file)",
-                                  "page.md: there.md#nope (no heading #nope in there.md)",
-                                  "page.md: also-missing.md (no such file)"]
+    page.write_text(
+        "[ok](there.md) [ok](there.md#a-code-heading-here) [ok](there.md#twice-1) "
+        "[ok](#own) [web](https://example.com/x.md)\n`[in code](nowhere.md)`\n"
+        "```\n[in a block](nowhere.md)\n```\n# Own\n"
+        "[gone](missing.md) [bad anchor](there.md#nope)\n[ref]: also-missing.md\n"
+    )
+    assert broken_links(page) == [
+        "page.md: missing.md (no such file)",
+        "page.md: there.md#nope (no heading #nope in there.md)",
+        "page.md: also-missing.md (no such file)",
+    ]

@@ -15,25 +15,45 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_wheel_ships_the_configs_and_runs_the_main_job(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path / "dist"), str(ROOT)], check=True, cwd=tmp_path)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(ROOT),
+        ],
+        check=True,
+        cwd=tmp_path,
+    )
     wheel = next((tmp_path / "dist").glob("asyncopd_jax-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for needed in ("asyncopd_jax/configs/demo.yaml", "asyncopd_jax/configs/rl.yaml",
-                   "asyncopd_jax/tasks/assets/teacher/model.safetensors",
-                   "asyncopd_jax/tasks/assets/student/tokenizer.json"):
+    for needed in (
+        "asyncopd_jax/configs/demo.yaml",
+        "asyncopd_jax/configs/rl.yaml",
+        "asyncopd_jax/tasks/assets/teacher/model.safetensors",
+        "asyncopd_jax/tasks/assets/student/tokenizer.json",
+    ):
         assert needed in names, needed
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)  # a pure-Python wheel installs by unpacking
     work = tmp_path / "elsewhere"  # not the source tree: nothing can come from the checkout
     work.mkdir()
-    script = ("import sys, asyncopd_jax; assert asyncopd_jax.__file__.startswith(sys.argv[1]), asyncopd_jax.__file__\n"
-              "from asyncopd_jax.cli import main\n"
-              "sys.exit(main(['train', '--no-progress', '--set', 'output_dir=runs', '--set', 'train.steps=2', "
-              "'--set', 'schedule.mode=sync', '--set', 'learner.batch_size=8', '--set', 'task.eval_prompts=8']))")
+    script = (
+        "import sys, asyncopd_jax; assert asyncopd_jax.__file__.startswith(sys.argv[1]), asyncopd_jax.__file__\n"
+        "from asyncopd_jax.cli import main\n"
+        "sys.exit(main(['train', '--no-progress', '--set', 'output_dir=runs', '--set', 'train.steps=2', "
+        "'--set', 'schedule.mode=sync', '--set', 'learner.batch_size=8', '--set', 'task.eval_prompts=8']))"
+    )
     env = {**os.environ, "PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-c", script, str(site)], cwd=work, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(site)], cwd=work, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "student after" in done.stdout
     assert (work / "runs" / "demo" / "metrics.jsonl").is_file()
@@ -62,7 +82,9 @@ def test_the_estimators_need_only_jax_and_numpy_and_the_command_names_its_extra(
 
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert sorted(d.split(">")[0] for d in deps) == ["jax", "numpy"]
-    script = _WITHOUT_TRAINING_STACK + """
+    script = (
+        _WITHOUT_TRAINING_STACK
+        + """
 import jax.numpy as jnp
 import asyncopd_jax.estimators as est
 logp = jnp.log(jnp.full((2, 3, 4), 0.2))
@@ -73,14 +95,18 @@ assert not loaded, loaded
 from asyncopd_jax.entry import main
 sys.exit(main(["train"]))
 """
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     message = done.stderr.strip()
     assert "\n" not in message, message
-    assert message.startswith("asyncopd: the training stack is not installed (missing: flax, optax, orbax-checkpoint, "
-                              "transformers, tensorstore, safetensors, pyyaml, matplotlib, tokenizers, tqdm)"), message
+    assert message.startswith(
+        "asyncopd: the training stack is not installed (missing: flax, optax, orbax-checkpoint, "
+        "transformers, tensorstore, safetensors, pyyaml, matplotlib, tokenizers, tqdm)"
+    ), message
     assert "pip install 'asyncopd-jax[train]'" in message
 
 
@@ -125,8 +151,11 @@ def test_every_third_party_import_in_the_package_is_a_declared_dependency():
     declared = {_normalised(re.match(r"[A-Za-z0-9._-]+", r.strip()).group()) for r in requirements}
     imports = _third_party_imports(ROOT / "asyncopd_jax")
     assert {"jax", "numpy", "flax", "orbax"} <= imports.keys(), sorted(imports)  # the scan sees the package's imports
-    undeclared = {module: sorted(files) for module, files in imports.items()
-                  if _normalised(_DISTRIBUTION_OF.get(module, module)) not in declared}
+    undeclared = {
+        module: sorted(files)
+        for module, files in imports.items()
+        if _normalised(_DISTRIBUTION_OF.get(module, module)) not in declared
+    }
     assert not undeclared, f"imported by asyncopd_jax but not declared in pyproject.toml: {undeclared}"
 
 
@@ -140,8 +169,9 @@ def _python_without_torch(tmp_path: Path, script: str) -> subprocess.CompletedPr
     (site / "sitecustomize.py").write_text('import sys\nsys.modules["torch"] = None\n')
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "JAX_PLATFORMS": "cpu"}
     env.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)  # would hide the advisory whatever the package does
-    return subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_no_pytorch_advisory_from_transformers_and_its_other_warnings_still_shown(tmp_path):
@@ -151,15 +181,18 @@ def test_no_pytorch_advisory_from_transformers_and_its_other_warnings_still_show
     control = _python_without_torch(tmp_path, "import transformers")
     assert control.returncode == 0, control.stderr[-3000:]
     assert advisory in control.stderr, (  # else this test checks nothing: see asyncopd_jax/__init__.py
-        f"transformers without torch no longer logs {advisory!r}; stderr: {control.stderr[-2000:]}")
+        f"transformers without torch no longer logs {advisory!r}; stderr: {control.stderr[-2000:]}"
+    )
 
-    script = ("import logging, sys\n"
-              "from importlib.resources import files\n"
-              "from asyncopd_jax.models.tokenizer import load_tokenizer\n"
-              "assert 'torch' not in {m.split('.')[0] for m in sys.modules if sys.modules[m] is not None}\n"
-              "load_tokenizer(files('asyncopd_jax.tasks.assets') / 'student')\n"
-              "logging.getLogger('transformers').warning_advice('another advisory')\n"
-              "logging.getLogger('transformers.tokenization_utils_base').warning('another warning')\n")
+    script = (
+        "import logging, sys\n"
+        "from importlib.resources import files\n"
+        "from asyncopd_jax.models.tokenizer import load_tokenizer\n"
+        "assert 'torch' not in {m.split('.')[0] for m in sys.modules if sys.modules[m] is not None}\n"
+        "load_tokenizer(files('asyncopd_jax.tasks.assets') / 'student')\n"
+        "logging.getLogger('transformers').warning_advice('another advisory')\n"
+        "logging.getLogger('transformers.tokenization_utils_base').warning('another warning')\n"
+    )
     done = _python_without_torch(tmp_path, script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert advisory not in done.stderr, done.stderr[-3000:]

@@ -11,9 +11,17 @@ from asyncopd_jax.models import Decoder, DecoderConfig
 
 def tiny_config(family: str = "qwen3", vocab: int = 61, tied: bool = True) -> DecoderConfig:
     return DecoderConfig(
-        model_type=family, vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied,
-        eos_token_id=2, pad_token_id=0,
+        model_type=family,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=tied,
+        eos_token_id=2,
+        pad_token_id=0,
     )
 
 

@@ -33,8 +33,9 @@ def resolve(path_or_name: str | Path) -> Path:
     name = path.name.removesuffix(".yaml")
     if path.parent == Path(".") and (DIRECTORY / f"{name}.yaml").is_file():
         return DIRECTORY / f"{name}.yaml"
-    raise FileNotFoundError(f"config file not found: {path} (a path to a YAML file, or a bundled config: "
-                            f"{', '.join(names())})")
+    raise FileNotFoundError(
+        f"config file not found: {path} (a path to a YAML file, or a bundled config: {', '.join(names())})"
+    )
 
 
 DEMO = DIRECTORY / "demo.yaml"

@@ -68,8 +68,10 @@ def group_advantages(
     if axis_name is not None and values.ndim == 1:
         values = jax.lax.all_gather(values, axis_name, tiled=True)
     if values.ndim != 1 or group_size < 1 or values.shape[0] % group_size:
-        raise ValueError(f"group_advantages: rewards must be [B] with B a multiple of group_size = {group_size} "
-                         f"(got shape {values.shape})")
+        raise ValueError(
+            f"group_advantages: rewards must be [B] with B a multiple of group_size = {group_size} "
+            f"(got shape {values.shape})"
+        )
     groups = values.reshape(-1, group_size)
     if group_size == 1:  # no group statistics: mean 0, std 1 (the raw reward, as verl)
         mean, spread = jnp.zeros_like(groups), jnp.ones_like(groups)

@@ -57,8 +57,10 @@ def check_shapes(fn: str, arrays: Mapping[str, tuple[Array | None, str]]) -> dic
         for dim, size in zip(names, shape):
             if dim in sizes and sizes[dim][0] != size:
                 wanted = [sizes[d][0] if d in sizes else s for d, s in zip(names, shape)]
-                raise ValueError(f"{fn}: {name} has shape {list(shape)}; expected {expected} = {wanted} "
-                                 f"({dim} = {sizes[dim][0]} from {sizes[dim][1]})")
+                raise ValueError(
+                    f"{fn}: {name} has shape {list(shape)}; expected {expected} = {wanted} "
+                    f"({dim} = {sizes[dim][0]} from {sizes[dim][1]})"
+                )
             sizes.setdefault(dim, (size, name))
     return {dim: size for dim, (size, _) in sizes.items()}
 
@@ -75,8 +77,7 @@ def check_same_shape(fn: str, arrays: Mapping[str, Array | None], ranks: tuple[i
         raise ValueError(f"{fn}: {first} has shape {list(lead)}; expected {allowed}")
     for name, array in arrays.items():
         if array is not None and tuple(jnp.shape(array)) != lead:
-            raise ValueError(f"{fn}: {name} has shape {list(jnp.shape(array))}; expected {list(lead)} "
-                             f"like {first}")
+            raise ValueError(f"{fn}: {name} has shape {list(jnp.shape(array))}; expected {list(lead)} like {first}")
 
 
 def check_logprobs(fn: str, arrays: Mapping[str, Array | None], supports: tuple[str, ...] = ()) -> None:
@@ -88,11 +89,16 @@ def check_logprobs(fn: str, arrays: Mapping[str, Array | None], supports: tuple[
             continue
         x = jnp.asarray(array, jnp.float32)
         top = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, x))
-        checkify.check(top <= LOGPROB_TOLERANCE,
-                       f"{fn}: {name} holds values up to {{top}}; expected log-probabilities (<= 0): raw logits?",
-                       top=top)
+        checkify.check(
+            top <= LOGPROB_TOLERANCE,
+            f"{fn}: {name} holds values up to {{top}}; expected log-probabilities (<= 0): raw logits?",
+            top=top,
+        )
         if name in supports:
             mass = jnp.max(jax.nn.logsumexp(x, axis=-1))
-            checkify.check(mass <= LOGPROB_TOLERANCE,
-                           f"{fn}: {name} puts probability exp({{mass}}) > 1 on its ids; expected log-probabilities "
-                           "of distinct ids: raw logits, or a log-softmax over another axis?", mass=mass)
+            checkify.check(
+                mass <= LOGPROB_TOLERANCE,
+                f"{fn}: {name} puts probability exp({{mass}}) > 1 on its ids; expected log-probabilities "
+                "of distinct ids: raw logits, or a log-softmax over another axis?",
+                mass=mass,
+            )

@@ -35,14 +35,16 @@ def forward_kl_dense(student_logits: Array, teacher_logits: Array) -> Array:
     Returns:
       ``[B, T]`` fp32, ≥ 0.
     """
-    check_shapes("forward_kl_dense",
-                 {"student_logits": (student_logits, "B T V"), "teacher_logits": (teacher_logits, "B T V")})
+    check_shapes(
+        "forward_kl_dense", {"student_logits": (student_logits, "B T V"), "teacher_logits": (teacher_logits, "B T V")}
+    )
     student_logp, teacher_logp = dense_logprobs(student_logits, teacher_logits)
     return expectation(teacher_logp, teacher_logp - student_logp)
 
 
-def forward_kl_topk(student_logp: Array, teacher_logp: Array, *, tail: bool = True,
-                    check_inputs: bool = False) -> Array:
+def forward_kl_topk(
+    student_logp: Array, teacher_logp: Array, *, tail: bool = True, check_inputs: bool = False
+) -> Array:
     """Forward KL on the teacher's top-K support ``S_q`` (plus, by default, one tail bucket).
 
     ``tail=False`` is the plain truncation of ``estimators.md``:
@@ -72,8 +74,11 @@ def forward_kl_topk(student_logp: Array, teacher_logp: Array, *, tail: bool = Tr
     """
     check_shapes("forward_kl_topk", {"student_logp": (student_logp, "B T K"), "teacher_logp": (teacher_logp, "B T K")})
     if check_inputs:
-        check_logprobs("forward_kl_topk", {"student_logp": student_logp, "teacher_logp": teacher_logp},
-                       supports=("student_logp", "teacher_logp"))
+        check_logprobs(
+            "forward_kl_topk",
+            {"student_logp": student_logp, "teacher_logp": teacher_logp},
+            supports=("student_logp", "teacher_logp"),
+        )
     teacher_logp = jax.lax.stop_gradient(teacher_logp).astype(jnp.float32)
     student_logp = student_logp.astype(jnp.float32)
     if tail:
@@ -103,15 +108,18 @@ def forward_kl_topk_renormalized(student_logp: Array, teacher_logp: Array) -> Ar
     Returns:
       ``[B, T]`` fp32, ≥ 0.
     """
-    check_shapes("forward_kl_topk_renormalized",
-                 {"student_logp": (student_logp, "B T K"), "teacher_logp": (teacher_logp, "B T K")})
+    check_shapes(
+        "forward_kl_topk_renormalized",
+        {"student_logp": (student_logp, "B T K"), "teacher_logp": (teacher_logp, "B T K")},
+    )
     teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logp).astype(jnp.float32), axis=-1)
     student_logp = jax.nn.log_softmax(student_logp.astype(jnp.float32), axis=-1)
     return expectation(teacher_logp, teacher_logp - student_logp)
 
 
-def forward_kl_mc(student_logp: Array, teacher_logp: Array, *, control_variate: bool = False,
-                  check_inputs: bool = False) -> Array:
+def forward_kl_mc(
+    student_logp: Array, teacher_logp: Array, *, control_variate: bool = False, check_inputs: bool = False
+) -> Array:
     """Monte-Carlo forward KL over N samples drawn from the teacher.
 
     With ``v_1..v_N ~ q`` i.i.d. and ``r_n = π_θ(v_n) / q(v_n)``:

@@ -64,8 +64,9 @@ def _chunk_logits(hidden: Array, lm_head: Array, temperature: float) -> Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused_gather(hidden: Array, lm_head: Array, ids: Array, chunk_size: int,
-                  temperature: float) -> tuple[Array, Array]:
+def _fused_gather(
+    hidden: Array, lm_head: Array, ids: Array, chunk_size: int, temperature: float
+) -> tuple[Array, Array]:
     """``[n, c, H], [H, V], [n, c, K] → ([n, c, K] log-probs, [n, c] entropies)``, chunk by chunk."""
     out, _ = _fused_gather_fwd(hidden, lm_head, ids, chunk_size, temperature)
     return out
@@ -131,15 +132,17 @@ def _fused_gather_bwd(chunk_size, temperature, residuals, cotangents):
         logits = _chunk_logits(h, lm_head, temperature)
         logp = logits - chunk_lse[:, None]
         probs = jnp.exp(logp)
-        d_logits = -probs * (jnp.sum(chunk_g, axis=-1, keepdims=True)
-                             + chunk_g_entropy[:, None] * (logp + chunk_entropy[:, None]))
+        d_logits = -probs * (
+            jnp.sum(chunk_g, axis=-1, keepdims=True) + chunk_g_entropy[:, None] * (logp + chunk_entropy[:, None])
+        )
         d_logits = d_logits.at[rows, idx].add(chunk_g) / temperature
         d_hidden = jnp.dot(d_logits, lm_head.T.astype(jnp.float32)).astype(hidden.dtype)
         return _add_weight_grad(d_head, h, d_logits), d_hidden
 
     d_head0 = jnp.zeros(lm_head.shape, jnp.float32)
     d_head, d_hidden = jax.lax.scan(
-        one_chunk, d_head0, (hidden, ids, lse, entropy, g.astype(jnp.float32), g_entropy.astype(jnp.float32)))
+        one_chunk, d_head0, (hidden, ids, lse, entropy, g.astype(jnp.float32), g_entropy.astype(jnp.float32))
+    )
     return d_hidden, d_head.astype(lm_head.dtype), None
 
 

@@ -147,8 +147,7 @@ def loss_denominator(mask: Array, mode: Aggregation = "token-mean", *, horizon: 
     return sequences
 
 
-def normalized_loss(values: Array, mask: Array, denominator: Array | float,
-                    mode: Aggregation = "token-mean") -> Array:
+def normalized_loss(values: Array, mask: Array, denominator: Array | float, mode: Aggregation = "token-mean") -> Array:
     """One part's share of the aggregated loss of a larger batch: ``numerator / max(D, 1)``.
 
     ``D`` is the whole batch's denominator (:func:`loss_denominator` of the whole mask).
@@ -167,8 +166,14 @@ def normalized_loss(values: Array, mask: Array, denominator: Array | float,
     return loss_numerator(values, mask, mode) / jnp.maximum(jnp.asarray(denominator, jnp.float32), 1.0)
 
 
-def aggregate(values: Array, mask: Array, mode: Aggregation = "token-mean", *, horizon: int | None = None,
-              axis_name: str | None = None) -> Array:
+def aggregate(
+    values: Array,
+    mask: Array,
+    mode: Aggregation = "token-mean",
+    *,
+    horizon: int | None = None,
+    axis_name: str | None = None,
+) -> Array:
     """The loss of a batch in an aggregation mode; 0 (not NaN) when nothing is masked in.
 
     With ``axis_name`` (inside ``shard_map``, the batch's rows split over that mesh axis)

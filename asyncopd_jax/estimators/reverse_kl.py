@@ -23,8 +23,9 @@ from asyncopd_jax.estimators.stabilisers import ClipEps, clip_bounds, clipped_su
 Array = jax.Array
 
 
-def _check_candidates(fn: str, student_logp: Array, behavior_logp: Array, teacher_logp: Array,
-                      check_inputs: bool) -> None:
+def _check_candidates(
+    fn: str, student_logp: Array, behavior_logp: Array, teacher_logp: Array, check_inputs: bool
+) -> None:
     """The three ``[B, T, N]`` candidate arrays of the Monte-Carlo estimators (see :mod:`.checks`)."""
     arrays = {"student_logp": student_logp, "behavior_logp": behavior_logp, "teacher_logp": teacher_logp}
     check_shapes(fn, {name: (array, "B T N") for name, array in arrays.items()})
@@ -45,14 +46,16 @@ def reverse_kl_dense(student_logits: Array, teacher_logits: Array) -> Array:
     Returns:
       ``[B, T]`` fp32, ≥ 0.
     """
-    check_shapes("reverse_kl_dense",
-                 {"student_logits": (student_logits, "B T V"), "teacher_logits": (teacher_logits, "B T V")})
+    check_shapes(
+        "reverse_kl_dense", {"student_logits": (student_logits, "B T V"), "teacher_logits": (teacher_logits, "B T V")}
+    )
     student_logp, teacher_logp = dense_logprobs(student_logits, teacher_logits)
     return expectation(student_logp, student_logp - teacher_logp)
 
 
-def reverse_kl_topk(student_logp: Array, teacher_logp: Array, *, tail: bool = True,
-                    check_inputs: bool = False) -> Array:
+def reverse_kl_topk(
+    student_logp: Array, teacher_logp: Array, *, tail: bool = True, check_inputs: bool = False
+) -> Array:
     """Reverse KL on a student support ``S`` (the rollout student's top-K), plus a tail bucket.
 
     ``tail=False`` is the plain truncation ``Σ_{v∈S} π_θ(v) [log π_θ(v) − log q(v)]``,
@@ -80,8 +83,11 @@ def reverse_kl_topk(student_logp: Array, teacher_logp: Array, *, tail: bool = Tr
     """
     check_shapes("reverse_kl_topk", {"student_logp": (student_logp, "B T K"), "teacher_logp": (teacher_logp, "B T K")})
     if check_inputs:
-        check_logprobs("reverse_kl_topk", {"student_logp": student_logp, "teacher_logp": teacher_logp},
-                       supports=("student_logp", "teacher_logp"))
+        check_logprobs(
+            "reverse_kl_topk",
+            {"student_logp": student_logp, "teacher_logp": teacher_logp},
+            supports=("student_logp", "teacher_logp"),
+        )
     student_logp = student_logp.astype(jnp.float32)
     teacher_logp = jax.lax.stop_gradient(teacher_logp).astype(jnp.float32)
     if tail:
@@ -152,8 +158,9 @@ def reverse_kl_mc(
     return jnp.mean(per_candidate, axis=-1)
 
 
-def reverse_kl_mc_loo(student_logp: Array, behavior_logp: Array, teacher_logp: Array, *,
-                      check_inputs: bool = False) -> Array:
+def reverse_kl_mc_loo(
+    student_logp: Array, behavior_logp: Array, teacher_logp: Array, *, check_inputs: bool = False
+) -> Array:
     """:func:`reverse_kl_mc` (recompute + IS) with a leave-one-out baseline: the same value,
     the same mean gradient, and a lower variance when the per-token KL is large.
 
@@ -249,21 +256,35 @@ def reverse_kl_hybrid(
     Returns:
       ``[B, T]`` fp32.
     """
-    check_shapes("reverse_kl_hybrid", {
-        "support_student_logp": (support_student_logp, "B T K"),
-        "support_teacher_logp": (support_teacher_logp, "B T K"),
-        "support_ids": (support_ids, "B T K"), "candidate_student_logp": (candidate_student_logp, "B T N"),
-        "candidate_behavior_logp": (candidate_behavior_logp, "B T N"),
-        "candidate_teacher_logp": (candidate_teacher_logp, "B T N"), "candidate_ids": (candidate_ids, "B T N")})
+    check_shapes(
+        "reverse_kl_hybrid",
+        {
+            "support_student_logp": (support_student_logp, "B T K"),
+            "support_teacher_logp": (support_teacher_logp, "B T K"),
+            "support_ids": (support_ids, "B T K"),
+            "candidate_student_logp": (candidate_student_logp, "B T N"),
+            "candidate_behavior_logp": (candidate_behavior_logp, "B T N"),
+            "candidate_teacher_logp": (candidate_teacher_logp, "B T N"),
+            "candidate_ids": (candidate_ids, "B T N"),
+        },
+    )
     if check_inputs:
-        check_logprobs("reverse_kl_hybrid", {
-            "support_student_logp": support_student_logp, "support_teacher_logp": support_teacher_logp,
-            "candidate_student_logp": candidate_student_logp, "candidate_behavior_logp": candidate_behavior_logp,
-            "candidate_teacher_logp": candidate_teacher_logp}, supports=("support_student_logp", "support_teacher_logp"))
+        check_logprobs(
+            "reverse_kl_hybrid",
+            {
+                "support_student_logp": support_student_logp,
+                "support_teacher_logp": support_teacher_logp,
+                "candidate_student_logp": candidate_student_logp,
+                "candidate_behavior_logp": candidate_behavior_logp,
+                "candidate_teacher_logp": candidate_teacher_logp,
+            },
+            supports=("support_student_logp", "support_teacher_logp"),
+        )
     support_student_logp = support_student_logp.astype(jnp.float32)
     support_teacher_logp = jax.lax.stop_gradient(support_teacher_logp).astype(jnp.float32)
-    head = jnp.sum(jnp.exp(support_student_logp)
-                   * jax.lax.stop_gradient(support_student_logp - support_teacher_logp), axis=-1)
+    head = jnp.sum(
+        jnp.exp(support_student_logp) * jax.lax.stop_gradient(support_student_logp - support_teacher_logp), axis=-1
+    )
     candidate_student_logp = candidate_student_logp.astype(jnp.float32)
     behavior_logp = jax.lax.stop_gradient(candidate_behavior_logp).astype(jnp.float32)
     teacher_logp = jax.lax.stop_gradient(candidate_teacher_logp).astype(jnp.float32)

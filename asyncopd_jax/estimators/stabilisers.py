@@ -145,17 +145,25 @@ def decoupled_ppo_loss(
     Returns:
       Per-element loss, fp32, same shape as ``logp``.
     """
-    check_same_shape("decoupled_ppo_loss", {"logp": logp, "proximal_logp": proximal_logp,
-                                            "behavior_logp": behavior_logp, "advantages": advantages})
+    check_same_shape(
+        "decoupled_ppo_loss",
+        {"logp": logp, "proximal_logp": proximal_logp, "behavior_logp": behavior_logp, "advantages": advantages},
+    )
     if check_inputs:
-        check_logprobs("decoupled_ppo_loss",
-                       {"logp": logp, "proximal_logp": proximal_logp, "behavior_logp": behavior_logp})
+        check_logprobs(
+            "decoupled_ppo_loss", {"logp": logp, "proximal_logp": proximal_logp, "behavior_logp": behavior_logp}
+        )
     if behavior_weight_mode not in ("mask", "truncate"):
         raise ValueError(f"behavior_weight_mode = {behavior_weight_mode!r} is invalid; allowed: mask, truncate")
-    if behavior_weight_floor is not None and behavior_weight_cap is not None \
-            and not 0 <= behavior_weight_floor < behavior_weight_cap:
-        raise ValueError(f"behavior_weight_floor = {behavior_weight_floor} is invalid; allowed: "
-                         f"0 <= floor < behavior_weight_cap = {behavior_weight_cap}")
+    if (
+        behavior_weight_floor is not None
+        and behavior_weight_cap is not None
+        and not 0 <= behavior_weight_floor < behavior_weight_cap
+    ):
+        raise ValueError(
+            f"behavior_weight_floor = {behavior_weight_floor} is invalid; allowed: "
+            f"0 <= floor < behavior_weight_cap = {behavior_weight_cap}"
+        )
     proximal_logp = jax.lax.stop_gradient(proximal_logp)
     ratio = importance_ratio(logp, proximal_logp)
     loss = clipped_surrogate(ratio, advantages, *clip_bounds(clip_eps), dual_clip)
@@ -213,8 +221,15 @@ def gspo_loss(
     Returns:
       ``[B, T]`` fp32 per-token loss (0 where ``mask`` is 0).
     """
-    check_shapes("gspo_loss", {"logp": (logp, "B T"), "behavior_logp": (behavior_logp, "B T"),
-                               "advantages": (advantages, "B T"), "mask": (mask, "B T")})
+    check_shapes(
+        "gspo_loss",
+        {
+            "logp": (logp, "B T"),
+            "behavior_logp": (behavior_logp, "B T"),
+            "advantages": (advantages, "B T"),
+            "mask": (mask, "B T"),
+        },
+    )
     if check_inputs:
         check_logprobs("gspo_loss", {"logp": logp, "behavior_logp": behavior_logp})
     if level not in ("sequence", "token"):
@@ -223,7 +238,8 @@ def gspo_loss(
     weights = mask.astype(jnp.float32)
     log_ratio = jnp.where(weights != 0, logp - jax.lax.stop_gradient(behavior_logp).astype(jnp.float32), 0.0)
     sequence = jnp.sum(log_ratio * weights, axis=-1, keepdims=True) / jnp.maximum(
-        jnp.sum(weights, axis=-1, keepdims=True), 1.0)  # [B, 1] mean log-ratio of each response
+        jnp.sum(weights, axis=-1, keepdims=True), 1.0
+    )  # [B, 1] mean log-ratio of each response
     if level == "token":
         sequence = jax.lax.stop_gradient(sequence) + logp - jax.lax.stop_gradient(logp)
     ratio = jnp.exp(jnp.clip(sequence, -LOG_RATIO_CLIP, LOG_RATIO_CLIP))
@@ -367,10 +383,17 @@ def m2po_loss(
     Returns:
       Per-element loss, fp32, same shape as ``logp``.
     """
-    check_same_shape("m2po_loss",
-                     {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask})
-    keep = m2po_mask(logp, behavior_logp, mask, second_moment_budget=second_moment_budget, axis_name=axis_name,
-                     check_inputs=check_inputs)
+    check_same_shape(
+        "m2po_loss", {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask}
+    )
+    keep = m2po_mask(
+        logp,
+        behavior_logp,
+        mask,
+        second_moment_budget=second_moment_budget,
+        axis_name=axis_name,
+        check_inputs=check_inputs,
+    )
     ratio = importance_ratio(logp, jax.lax.stop_gradient(behavior_logp))
     return jnp.where(keep, -jax.lax.stop_gradient(advantages).astype(jnp.float32) * ratio, 0.0)
 
@@ -410,8 +433,10 @@ def second_moment_clip_range(
     Returns:
       fp32 scalar τ ≥ 0 (or ``+inf``); no gradient.
     """
-    check_same_shape("second_moment_clip_range",
-                     {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask})
+    check_same_shape(
+        "second_moment_clip_range",
+        {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask},
+    )
     logp = jax.lax.stop_gradient(logp).astype(jnp.float32)
     delta = jax.lax.stop_gradient(behavior_logp).astype(jnp.float32) - logp
     adv = jax.lax.stop_gradient(advantages).astype(jnp.float32)
@@ -474,8 +499,10 @@ def second_moment_clip_loss(
     Returns:
       Per-element loss, fp32, same shape as ``logp``.
     """
-    check_same_shape("second_moment_clip_loss",
-                     {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask})
+    check_same_shape(
+        "second_moment_clip_loss",
+        {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask},
+    )
     ratio_floor, ratio_ceiling = clip_bounds((min_low_margin, min_high_margin))
     tau = second_moment_clip_range(
         logp, behavior_logp, advantages, mask, second_moment_budget=second_moment_budget, axis_name=axis_name

@@ -59,8 +59,10 @@ def process_rows(rows: int, process: int | None = None, processes: int | None = 
     process = jax.process_index() if process is None else process
     processes = jax.process_count() if processes is None else processes
     if rows % processes:
-        raise ValueError(f"a batch of {rows} rows does not split evenly over {processes} learner processes; "
-                         "make learner.batch_size / learner.mini_batches a multiple of the process count")
+        raise ValueError(
+            f"a batch of {rows} rows does not split evenly over {processes} learner processes; "
+            "make learner.batch_size / learner.mini_batches a multiple of the process count"
+        )
     share = rows // processes
     return slice(process * share, (process + 1) * share)
 
@@ -69,8 +71,9 @@ def global_batch(local: Any, mesh: Mesh) -> Any:
     """This process's rows of every leaf (``[B/P, ...]``) → global arrays (``[B, ...]``)
     split over the mesh's batch axes; scalars are replicated."""
     shardings = batch_shardings(local, mesh)
-    return jax.tree_util.tree_map(lambda x, s: jax.make_array_from_process_local_data(s, np.asarray(x)),
-                                  local, shardings)
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.make_array_from_process_local_data(s, np.asarray(x)), local, shardings
+    )
 
 
 def from_leader(value: Any) -> Any:

@@ -47,6 +47,7 @@ def extrapolate(anchor: PyTree, current: PyTree, factor: float) -> PyTree:
 
     Computed in fp32 and cast back to each leaf's dtype (bf16 weights do not lose the
     small difference ``current − anchor`` to rounding before it is scaled)."""
+
     def one(path, a, c):
         if not is_movable(path):
             return c
@@ -71,13 +72,22 @@ class Jump:
         return self.accepted_factor != 1
 
     def metrics(self) -> dict[str, float]:
-        return {"extrapolation_factor": float(self.accepted_factor), "extrapolation_base_score": self.base_score,
-                "extrapolation_best_score": max([self.base_score, *(s for _, s in self.tried)]),
-                "extrapolation_candidates": float(len(self.tried))}
+        return {
+            "extrapolation_factor": float(self.accepted_factor),
+            "extrapolation_base_score": self.base_score,
+            "extrapolation_best_score": max([self.base_score, *(s for _, s in self.tried)]),
+            "extrapolation_candidates": float(len(self.tried)),
+        }
 
 
-def search(anchor: PyTree, current: PyTree, score: Callable[[PyTree], float], *, step: int = 0,
-           factors: Sequence[float] = DEFAULT_FACTORS) -> tuple[PyTree, Jump]:
+def search(
+    anchor: PyTree,
+    current: PyTree,
+    score: Callable[[PyTree], float],
+    *,
+    step: int = 0,
+    factors: Sequence[float] = DEFAULT_FACTORS,
+) -> tuple[PyTree, Jump]:
     """The best of θ_t and ``extrapolate(anchor, current, f)`` for ``f`` in ``factors``,
     trying them in order while the probe strictly improves. Returns (params, the record)."""
     best, best_score = current, float(score(current))

@@ -38,7 +38,8 @@ Array = jax.Array
 ROLLOUT_FIELDS: tuple[str, ...] = ("behavior_logp", "candidate_behavior_logp", "advantages", "reference_logp")
 # Every score field of the teacher cache (the ``*_ids`` fields are integers).
 CACHE_FIELDS: tuple[str, ...] = tuple(
-    f.name for f in dataclasses.fields(TeacherScoreCache) if not f.name.endswith("_ids"))
+    f.name for f in dataclasses.fields(TeacherScoreCache) if not f.name.endswith("_ids")
+)
 # The step's metrics that must be finite for its update to be applied (see step._apply).
 STEP_FINITE_METRICS: tuple[str, ...] = ("loss", "grad_norm", "update_norm")
 
@@ -53,9 +54,14 @@ def _checked(batch: LearnerBatch) -> dict[str, dict[str, Array]]:
     """The present fields :func:`nonfinite_rows` checks, by owner (``"rollout"``,
     ``"cache"``) and name."""
     owners = {"rollout": ROLLOUT_FIELDS, "cache": CACHE_FIELDS if batch.cache is not None else ()}
-    return {owner: {name: getattr(getattr(batch, owner), name) for name in names
-                    if getattr(getattr(batch, owner), name) is not None}
-            for owner, names in owners.items()}
+    return {
+        owner: {
+            name: getattr(getattr(batch, owner), name)
+            for name in names
+            if getattr(getattr(batch, owner), name) is not None
+        }
+        for owner, names in owners.items()
+    }
 
 
 def nonfinite_rows(batch: LearnerBatch) -> Array:
@@ -86,12 +92,16 @@ def drop_nonfinite_rows(batch: LearnerBatch) -> tuple[LearnerBatch, Array]:
     with nothing non-finite comes back with the same values.
     """
     dropped = nonfinite_rows(batch)  # [B]
-    clean = {owner: {name: jnp.where(jnp.isfinite(value), value, jnp.zeros((), value.dtype))
-                     for name, value in fields.items()}
-             for owner, fields in _checked(batch).items()}
+    clean = {
+        owner: {
+            name: jnp.where(jnp.isfinite(value), value, jnp.zeros((), value.dtype)) for name, value in fields.items()
+        }
+        for owner, fields in _checked(batch).items()
+    }
     mask = jnp.asarray(batch.rollout.response_mask, bool) & ~dropped[:, None]
-    rollout = dataclasses.replace(batch.rollout, response_mask=mask.astype(batch.rollout.response_mask.dtype),
-                                  **clean["rollout"])
+    rollout = dataclasses.replace(
+        batch.rollout, response_mask=mask.astype(batch.rollout.response_mask.dtype), **clean["rollout"]
+    )
     cache = None if batch.cache is None else dataclasses.replace(batch.cache, **clean["cache"])
     return dataclasses.replace(batch, rollout=rollout, cache=cache), dropped
 
@@ -102,15 +112,29 @@ def step_is_finite(metrics: dict[str, float]) -> bool:
     return all(math.isfinite(float(metrics[k])) for k in STEP_FINITE_METRICS if k in metrics)
 
 
-def nonfinite_step_error(step: int, metrics: dict[str, float], last_checkpoint: tuple[int, Path] | None) -> NonFiniteLoss:
+def nonfinite_step_error(
+    step: int, metrics: dict[str, float], last_checkpoint: tuple[int, Path] | None
+) -> NonFiniteLoss:
     """The one-line error for optimizer step ``step`` (1-based, as in metrics.jsonl)."""
     values = ", ".join(f"{k} = {float(metrics[k])}" for k in STEP_FINITE_METRICS if k in metrics)
-    where = ("no checkpoint yet" if last_checkpoint is None
-             else f"last good checkpoint: {last_checkpoint[1]} (step {last_checkpoint[0]})")
+    where = (
+        "no checkpoint yet"
+        if last_checkpoint is None
+        else f"last good checkpoint: {last_checkpoint[1]} (step {last_checkpoint[0]})"
+    )
     return NonFiniteLoss(
         f"training diverged at step {step}: {values}; the update was not applied and nothing from this step was "
-        f"checkpointed or published; {where}")
+        f"checkpointed or published; {where}"
+    )
 
 
-__all__ = ["CACHE_FIELDS", "NonFiniteLoss", "ROLLOUT_FIELDS", "STEP_FINITE_METRICS", "drop_nonfinite_rows",
-           "nonfinite_rows", "nonfinite_step_error", "step_is_finite"]
+__all__ = [
+    "CACHE_FIELDS",
+    "NonFiniteLoss",
+    "ROLLOUT_FIELDS",
+    "STEP_FINITE_METRICS",
+    "drop_nonfinite_rows",
+    "nonfinite_rows",
+    "nonfinite_step_error",
+    "step_is_finite",
+]

@@ -56,9 +56,16 @@ def _round_up(n: int, multiple: int, cap: int) -> int:
     return min(cap, -(-max(n, 1) // multiple) * multiple)
 
 
-def plan_micro_batches(prompt_lengths: np.ndarray, response_lengths: np.ndarray, *, prompt_slots: int,
-                       response_slots: int, token_budget: int, bucket: int = 8,
-                       row_multiple: int = 1) -> list[MicroBatchPlan]:
+def plan_micro_batches(
+    prompt_lengths: np.ndarray,
+    response_lengths: np.ndarray,
+    *,
+    prompt_slots: int,
+    response_slots: int,
+    token_budget: int,
+    bucket: int = 8,
+    row_multiple: int = 1,
+) -> list[MicroBatchPlan]:
     """Pack rows of the given real lengths (``[B]`` each) into token-budget micro-batches.
 
     Every row appears in exactly one plan as a real row. Raises a ValueError if the budget
@@ -83,8 +90,10 @@ def plan_micro_batches(prompt_lengths: np.ndarray, response_lengths: np.ndarray,
             p, t = wider_p, wider_t
         if not chosen:
             need = row_multiple * (wider_p + wider_t)
-            raise ValueError(f"learner.token_budget = {token_budget} cannot hold {row_multiple} row(s) of "
-                             f"{wider_p} + {wider_t} slots; allowed: >= {need}")
+            raise ValueError(
+                f"learner.token_budget = {token_budget} cannot hold {row_multiple} row(s) of "
+                f"{wider_p} + {wider_t} slots; allowed: >= {need}"
+            )
         # Filler up to a power of two rows (a multiple of row_multiple, within the budget):
         # at most log2 row counts per slot bucket ever compile, and little is wasted.
         rows = min(capacity(p, t), _round_up(1 << (len(chosen) - 1).bit_length(), row_multiple, capacity(p, t)))
@@ -107,7 +116,7 @@ def take_micro_batch(batch: Any, plan: MicroBatchPlan) -> Any:
             if value is None:
                 fields[f.name] = None
             elif f.name.startswith("prompt_"):
-                fields[f.name] = value[rows][:, value.shape[1] - p:]
+                fields[f.name] = value[rows][:, value.shape[1] - p :]
             else:
                 fields[f.name] = value[rows][:, :t]
         mask = np.arange(len(rows)) < plan.real
@@ -117,8 +126,9 @@ def take_micro_batch(batch: Any, plan: MicroBatchPlan) -> Any:
     def trim(tree: Any) -> Any:  # teacher cache, proximal log-probs: [B, T, ...]
         return jax.tree_util.tree_map(lambda x: x[rows][:, :t], tree)
 
-    return dataclasses.replace(batch, rollout=trim_rollout(batch.rollout), cache=trim(batch.cache),
-                               proximal=trim(batch.proximal))
+    return dataclasses.replace(
+        batch, rollout=trim_rollout(batch.rollout), cache=trim(batch.cache), proximal=trim(batch.proximal)
+    )
 
 
 __all__ = ["MicroBatchPlan", "plan_micro_batches", "take_micro_batch"]

@@ -32,6 +32,10 @@ def train_sft(
     for step in range(1, steps + 1):
         state, metrics = train_step(state, LearnerBatch(next(batches)))
         if on_step is not None:
-            on_step(step, {**{k: float(v) for k, v in metrics.items()}, "seconds": time.perf_counter() - start},
-                    graphdef, state.params)
+            on_step(
+                step,
+                {**{k: float(v) for k, v in metrics.items()}, "seconds": time.perf_counter() - start},
+                graphdef,
+                state.params,
+            )
     return nnx.merge(graphdef, state.params)

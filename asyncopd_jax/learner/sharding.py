@@ -56,6 +56,7 @@ def state_shardings(tree, mesh: Mesh):
 
 def batch_shardings(tree, mesh: Mesh):
     """Split every array leaf's leading axis over ``(data, fsdp)``; scalars replicated."""
+
     def spec(x):
         return NamedSharding(mesh, PartitionSpec(BATCH_AXES) if np.ndim(x) else PartitionSpec())
 

@@ -119,8 +119,12 @@ class PolicyLoss:
 
     def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]:
         values, metrics = evaluate_estimator(
-            self.estimator, batch.rollout, batch.cache, self.student(model, batch),
-            proximal=batch.proximal, distill_coef=self.distill_coef,
+            self.estimator,
+            batch.rollout,
+            batch.cache,
+            self.student(model, batch),
+            proximal=batch.proximal,
+            distill_coef=self.distill_coef,
         )
         return normalized_loss(values, batch.rollout.response_mask, denominator, self.aggregation), metrics
 
@@ -181,8 +185,9 @@ def _split_micro_batches(tree, micro_batches: int):
 Accumulated = tuple[nnx.State, Array, dict[str, Array]]  # (gradients, loss, metrics) summed so far
 
 
-def _micro_batch(graphdef: nnx.GraphDef, loss_fn: LossFn, params: nnx.State, mb: LearnerBatch,
-                 total: Array, denominator: Array) -> Accumulated:
+def _micro_batch(
+    graphdef: nnx.GraphDef, loss_fn: LossFn, params: nnx.State, mb: LearnerBatch, total: Array, denominator: Array
+) -> Accumulated:
     """Gradients, loss and metrics of one micro-batch as its share of the mini-batch: the
     loss is already normalised by the mini-batch's ``denominator``; each metric (a token
     mean over the micro-batch) is weighted by the micro-batch's share of the mini-batch's
@@ -198,8 +203,11 @@ def _micro_batch(graphdef: nnx.GraphDef, loss_fn: LossFn, params: nnx.State, mb:
 
 def _add(acc: Accumulated, part: Accumulated) -> Accumulated:
     grads, loss, metrics = acc
-    return (jax.tree_util.tree_map(jnp.add, grads, part[0]), loss + part[1],
-            {k: jnp.maximum(v, part[2][k]) if k.endswith("_max") else v + part[2][k] for k, v in metrics.items()})
+    return (
+        jax.tree_util.tree_map(jnp.add, grads, part[0]),
+        loss + part[1],
+        {k: jnp.maximum(v, part[2][k]) if k.endswith("_max") else v + part[2][k] for k, v in metrics.items()},
+    )
 
 
 def _apply(optimizer: optax.GradientTransformation, state: TrainState, acc: Accumulated, total: Array):
@@ -223,8 +231,9 @@ def _apply(optimizer: optax.GradientTransformation, state: TrainState, acc: Accu
     grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
     has_tokens = total > 0
-    params, opt_state = jax.tree_util.tree_map(lambda new, old: jnp.where(finite & has_tokens, new, old),
-                                               (params, opt_state), (state.params, state.opt_state))
+    params, opt_state = jax.tree_util.tree_map(
+        lambda new, old: jnp.where(finite & has_tokens, new, old), (params, opt_state), (state.params, state.opt_state)
+    )
     update_norm = jnp.where(has_tokens, update_norm, 0.0)  # a non-finite norm with tokens is kept: it stops the run
     metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "update_norm": update_norm, "tokens": total}
     return TrainState(params=params, opt_state=opt_state, step=state.step + finite.astype(state.step.dtype)), metrics
@@ -264,7 +273,9 @@ def make_train_step(
         )
         acc, _ = jax.lax.scan(
             lambda acc, mb: (_add(acc, _micro_batch(graphdef, loss_fn, state.params, mb, total, denominator)), None),
-            zeros, micro_batched)
+            zeros,
+            micro_batched,
+        )
         state, metrics = _apply(optimizer, state, acc, total)
         return state, {**metrics, "nonfinite_rows": jnp.sum(dropped)}
 
@@ -276,8 +287,9 @@ def make_train_step(
         if state_example is None:
             raise ValueError("make_train_step with a mesh needs state_example to derive the shardings")
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        jitted = jax.jit(checked, donate_argnums=(0,),
-                         out_shardings=(replicated, (state_shardings(state_example, mesh), replicated)))
+        jitted = jax.jit(
+            checked, donate_argnums=(0,), out_shardings=(replicated, (state_shardings(state_example, mesh), replicated))
+        )
         place = lambda batch: jax.device_put(batch, batch_shardings(batch, mesh))  # noqa: E731
 
     def train_step(state: TrainState, batch: LearnerBatch):
@@ -314,15 +326,24 @@ def make_packed_train_step(
         if state_example is None:
             raise ValueError("make_packed_train_step with a mesh needs state_example to derive the shardings")
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        apply = jax.jit(functools.partial(_apply, optimizer), donate_argnums=(0,),
-                        out_shardings=(state_shardings(state_example, mesh), replicated))
+        apply = jax.jit(
+            functools.partial(_apply, optimizer),
+            donate_argnums=(0,),
+            out_shardings=(state_shardings(state_example, mesh), replicated),
+        )
 
     def step(state: TrainState, batch: LearnerBatch):
         batch, dropped = drop(batch)  # before planning: dropped rows have no tokens
         prompt_mask, response_mask = np.asarray(batch.rollout.prompt_mask), np.asarray(batch.rollout.response_mask)
-        plans = plan_micro_batches(prompt_mask.sum(1), response_mask.sum(1), prompt_slots=prompt_mask.shape[1],
-                                   response_slots=response_mask.shape[1], token_budget=token_budget, bucket=bucket,
-                                   row_multiple=rows_per_device)
+        plans = plan_micro_batches(
+            prompt_mask.sum(1),
+            response_mask.sum(1),
+            prompt_slots=prompt_mask.shape[1],
+            response_slots=response_mask.shape[1],
+            token_budget=token_budget,
+            bucket=bucket,
+            row_multiple=rows_per_device,
+        )
         total = jnp.asarray(response_mask.sum(), jnp.float32)
         denominator = _denominator(loss_fn, batch)  # of the untrimmed mini-batch: its T is the horizon
         acc = None
@@ -336,8 +357,12 @@ def make_packed_train_step(
         state, metrics = apply(state, acc, total)
         slots = sum(p.padded_tokens for p in plans)
         real = int(prompt_mask.sum() + response_mask.sum())
-        return state, {**metrics, "micro_batches": len(plans), "padding_fraction": 1 - real / slots,
-                       "nonfinite_rows": int(np.sum(np.asarray(dropped)))}
+        return state, {
+            **metrics,
+            "micro_batches": len(plans),
+            "padding_fraction": 1 - real / slots,
+            "nonfinite_rows": int(np.sum(np.asarray(dropped))),
+        }
 
     return step
 
@@ -354,10 +379,13 @@ def create_train_state(
     if mesh is None:
         return graphdef, TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
     params = jax.device_put(params, state_shardings(params, mesh))
-    abstract = jax.eval_shape(lambda p: TrainState(params=p, opt_state=optimizer.init(p),
-                                                   step=jnp.zeros((), jnp.int32)), params)
-    init = jax.jit(lambda p: TrainState(params=p, opt_state=optimizer.init(p), step=jnp.zeros((), jnp.int32)),
-                   out_shardings=state_shardings(abstract, mesh))
+    abstract = jax.eval_shape(
+        lambda p: TrainState(params=p, opt_state=optimizer.init(p), step=jnp.zeros((), jnp.int32)), params
+    )
+    init = jax.jit(
+        lambda p: TrainState(params=p, opt_state=optimizer.init(p), step=jnp.zeros((), jnp.int32)),
+        out_shardings=state_shardings(abstract, mesh),
+    )
     return graphdef, init(params)
 
 

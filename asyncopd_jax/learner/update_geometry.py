@@ -35,8 +35,11 @@ def module_name(path: Any) -> str:
     return ".".join(n for n in names if n not in ("kernel", "value"))
 
 
-def matrix_geometry(initial: np.ndarray, previous: np.ndarray, current: np.ndarray,
-                    ) -> tuple[float, float | None, float | None]:
+def matrix_geometry(
+    initial: np.ndarray,
+    previous: np.ndarray,
+    current: np.ndarray,
+) -> tuple[float, float | None, float | None]:
     """``(relative_norm, rank1_energy, alignment)`` of one weight matrix ``[in, out]`` (see
     the module docstring); None where a quantity is undefined (no update yet)."""
     w0, ws, wt = (np.asarray(x, np.float64) for x in (initial, previous, current))
@@ -57,8 +60,7 @@ def update_geometry(initial: PyTree, previous: PyTree, current: PyTree) -> dict[
     leaves = zip(*(jax.tree_util.tree_leaves_with_path(jax.device_get(t)) for t in (initial, previous, current)))
     for (path, w0), (_, ws), (_, wt) in leaves:
         if is_movable(path) and np.ndim(w0) == 2:
-            out[module_name(path)] = [None if v is None else float(f"{v:.4g}")
-                                      for v in matrix_geometry(w0, ws, wt)]
+            out[module_name(path)] = [None if v is None else float(f"{v:.4g}") for v in matrix_geometry(w0, ws, wt)]
     return out
 
 

@@ -39,12 +39,15 @@ def _check_rope(scaling: dict[str, Any], field: str) -> None:
     otherwise compute unscaled frequencies), or one lacking the values it needs."""
     rope_type = scaling.get("rope_type", "default")
     if rope_type not in _ROPE_TYPES:
-        raise ValueError(f"{field}.rope_type = {rope_type!r} is not implemented; allowed: {', '.join(_ROPE_TYPES)} "
-                         f"(or no {field})")
+        raise ValueError(
+            f"{field}.rope_type = {rope_type!r} is not implemented; allowed: {', '.join(_ROPE_TYPES)} (or no {field})"
+        )
     missing = [k for k in _ROPE_REQUIRED.get(rope_type, ()) if k not in scaling]
     if missing:
-        raise ValueError(f"{field} (rope_type {rope_type!r}) lacks {', '.join(missing)}; allowed: an object with "
-                         f"{', '.join(_ROPE_REQUIRED[rope_type])}")
+        raise ValueError(
+            f"{field} (rope_type {rope_type!r}) lacks {', '.join(missing)}; allowed: an object with "
+            f"{', '.join(_ROPE_REQUIRED[rope_type])}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,12 +158,16 @@ def _check_file(raw: Any, source: Path) -> None:
     # Another head or body under a supported model_type (a classifier, an MoE variant)
     # has weights this decoder would not load.
     if arch is not None and (not isinstance(arch, list) or any(a != _ARCHITECTURES[model_type] for a in arch)):
-        raise ValueError(f"{source}: architectures = {arch!r} is not supported for model_type {model_type!r}; "
-                         f"allowed: [{_ARCHITECTURES[model_type]!r}]")
+        raise ValueError(
+            f"{source}: architectures = {arch!r} is not supported for model_type {model_type!r}; "
+            f"allowed: [{_ARCHITECTURES[model_type]!r}]"
+        )
     for name in _REQUIRED_INTS:
         if name not in raw:
-            raise ValueError(f"{source}: missing field {name!r} (a positive integer); is this the config.json "
-                             "of a Hugging Face model?")
+            raise ValueError(
+                f"{source}: missing field {name!r} (a positive integer); is this the config.json "
+                "of a Hugging Face model?"
+            )
     for name in _REQUIRED_INTS + _OPTIONAL_INTS:
         value = raw.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -168,8 +175,10 @@ def _check_file(raw: Any, source: Path) -> None:
     for name in _ROPE_FIELDS:
         value = raw.get(name)
         if value is not None and not isinstance(value, dict):
-            raise ValueError(f"{source}: {name} = {value!r} is invalid; allowed: null or an object with rope_type "
-                             f"{' or '.join(_ROPE_TYPES)}")
+            raise ValueError(
+                f"{source}: {name} = {value!r} is invalid; allowed: null or an object with rope_type "
+                f"{' or '.join(_ROPE_TYPES)}"
+            )
 
 
 def _auto_config(directory: Path, source: Path) -> dict[str, Any]:
@@ -212,8 +221,10 @@ def _check_fields(fields: dict[str, Any], source: Path) -> None:
     mixture-of-experts layers, another activation, sliding-window attention."""
     for name in _MOE_FIELDS:
         if fields.get(name):
-            raise ValueError(f"{source}: {name} = {fields[name]!r} describes mixture-of-experts layers, which this "
-                             "decoder does not implement; allowed: absent, null or 0 (dense models only)")
+            raise ValueError(
+                f"{source}: {name} = {fields[name]!r} describes mixture-of-experts layers, which this "
+                "decoder does not implement; allowed: absent, null or 0 (dense models only)"
+            )
     act = fields.get("hidden_act") or "silu"
     if act not in _ACTIVATIONS:
         raise ValueError(f"{source}: hidden_act = {act!r} is not implemented; allowed: {', '.join(_ACTIVATIONS)}")
@@ -226,8 +237,11 @@ def _check_fields(fields: dict[str, Any], source: Path) -> None:
         window = None
     if isinstance(window, int) and window < max_positions:
         switch = "use_sliding_window = true with " if model_type != "llama" else ""
-        fix = ("set use_sliding_window to false" if model_type != "llama"
-               else "set sliding_window to null if the model was trained with full attention")
+        fix = (
+            "set use_sliding_window to false"
+            if model_type != "llama"
+            else "set sliding_window to null if the model was trained with full attention"
+        )
         raise ValueError(
             f"{source}: {switch}sliding_window = {window} (< max_position_embeddings = {max_positions}) asks for "
             f"sliding-window attention, which this decoder does not implement; allowed: a window of at least "
@@ -254,8 +268,9 @@ def read_hf_config(directory: str | Path) -> tuple[DecoderConfig, str | None]:
     directory = Path(directory)
     source = directory / "config.json"
     if not source.is_file():
-        raise FileNotFoundError(f"missing model config: {source} does not exist; a Hugging Face checkpoint "
-                                "directory needs its config.json")
+        raise FileNotFoundError(
+            f"missing model config: {source} does not exist; a Hugging Face checkpoint directory needs its config.json"
+        )
     raw = read_json(source)  # transformers' error for broken JSON names neither line nor column
     _check_file(raw, source)
     fields = _auto_config(directory, source)
@@ -296,8 +311,9 @@ def read_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         where = f" (line {err.lineno}, column {err.colno}: {err.msg})" if isinstance(err, json.JSONDecodeError) else ""
-        raise ValueError(f"{path} is not valid JSON{where}; it is truncated or corrupt: re-download or re-save it") \
-            from None
+        raise ValueError(
+            f"{path} is not valid JSON{where}; it is truncated or corrupt: re-download or re-save it"
+        ) from None
 
 
 def rope_inverse_frequencies(config: DecoderConfig) -> np.ndarray:
@@ -308,7 +324,7 @@ def rope_inverse_frequencies(config: DecoderConfig) -> np.ndarray:
     """
     d = config.head_dim
     # fp32 throughout, as transformers computes it, so that positions agree to the last bit.
-    inv = (1.0 / (np.float32(config.rope_theta) ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d))))
+    inv = 1.0 / (np.float32(config.rope_theta) ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d)))
     inv = inv.astype(np.float32)
     scaling = config.rope_scaling
     if scaling is None or scaling.get("rope_type") in (None, "default"):

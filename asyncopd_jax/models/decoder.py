@@ -45,8 +45,13 @@ class KVCache:
 
 def _dense(cfg_in: int, cfg_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(
-        cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype,
-        kernel_init=nnx.initializers.normal(0.02), rngs=rngs,
+        cfg_in,
+        cfg_out,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=dtype,
+        kernel_init=nnx.initializers.normal(0.02),
+        rngs=rngs,
     )
 
 
@@ -167,8 +172,12 @@ class Decoder(nnx.Module):
         self.config = config
         self.dtype = dtype
         self.embed_tokens = nnx.Embed(
-            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
-            embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
+            config.vocab_size,
+            config.hidden_size,
+            dtype=dtype,
+            param_dtype=dtype,
+            embedding_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
         )
         self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -212,7 +221,9 @@ class Decoder(nnx.Module):
             values.append(v)
         return self.norm(x), KVCache(tuple(keys), tuple(values), valid)
 
-    def hidden_states(self, tokens: Array, positions: Array | None = None, attention_mask: Array | None = None) -> Array:
+    def hidden_states(
+        self, tokens: Array, positions: Array | None = None, attention_mask: Array | None = None
+    ) -> Array:
         """Final hidden states ``[B, S, H]`` of a plain causal forward.
 
         ``attention_mask [B, S]`` (1 = real token) excludes padding from attention;

@@ -61,7 +61,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         raw = read_json(index)
         weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no \"weight_map\" object; re-download or re-save the checkpoint")
+            raise ValueError(f'{index} has no "weight_map" object; re-download or re-save the checkpoint')
         files = {name: path / file for name, file in weight_map.items()}
         missing = sorted({str(f) for f in files.values() if not f.is_file()})
         if missing:
@@ -84,8 +84,11 @@ def _unused(names: set[str], config: DecoderConfig) -> list[str]:
     return sorted(n for n in names if n not in redundant and not n.endswith(_IGNORED_SUFFIXES))
 
 
-def from_pretrained(path: str | Path, dtype: jnp.dtype | str | None = None,
-                    sharding: Callable[[tuple[int, ...]], jax.sharding.Sharding] | None = None) -> Decoder:
+def from_pretrained(
+    path: str | Path,
+    dtype: jnp.dtype | str | None = None,
+    sharding: Callable[[tuple[int, ...]], jax.sharding.Sharding] | None = None,
+) -> Decoder:
     """Load a Llama / Qwen2 / Qwen3 decoder from a local Hugging Face directory.
 
     Args:
@@ -107,8 +110,10 @@ def from_pretrained(path: str | Path, dtype: jnp.dtype | str | None = None,
     """
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory not found: {path}; expected a Hugging Face checkpoint directory "
-                                "(config.json + *.safetensors)")
+        raise FileNotFoundError(
+            f"model directory not found: {path}; expected a Hugging Face checkpoint directory "
+            "(config.json + *.safetensors)"
+        )
     config, saved_dtype = read_hf_config(path)
     dtype = jnp.dtype(dtype or saved_dtype or "float32")
 

@@ -25,19 +25,25 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         raise FileNotFoundError(f"tokenizer directory not found: {path}")
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         found = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
-        raise FileNotFoundError(f"no tokenizer in {path}: expected one of {', '.join(_TOKENIZER_FILES)} "
-                                f"(found: {found}); copy the model's tokenizer files into it")
+        raise FileNotFoundError(
+            f"no tokenizer in {path}: expected one of {', '.join(_TOKENIZER_FILES)} "
+            f"(found: {found}); copy the model's tokenizer files into it"
+        )
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except Exception as err:  # transformers and tokenizers raise many types, some multi-line
         for file in sorted(path.glob("*.json")):  # name the broken file where it is one
             read_json(file)
         cause = " ".join(str(err).split()) or type(err).__name__  # one line for the CLI
-        raise ValueError(f"cannot load the tokenizer in {path}: {cause}; if its files are truncated or corrupt, "
-                         "re-download or re-save them") from None
+        raise ValueError(
+            f"cannot load the tokenizer in {path}: {cause}; if its files are truncated or corrupt, "
+            "re-download or re-save them"
+        ) from None
 
 
-def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str], *, chat_template: bool | None = None) -> list[list[int]]:
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], *, chat_template: bool | None = None
+) -> list[list[int]]:
     """Token ids of each prompt, through the chat template when the tokenizer has one.
 
     Args:
@@ -80,15 +86,23 @@ def check_same_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTrainedT
         problems.append(f"tokenizer sizes differ: student {len(s_vocab)}, teacher {len(t_vocab)}")
     differing = sorted(tok for tok in s_vocab.keys() | t_vocab.keys() if s_vocab.get(tok) != t_vocab.get(tok))
     if differing:
-        examples = ", ".join(f"{tok!r}: student {s_vocab.get(tok)} vs teacher {t_vocab.get(tok)}" for tok in differing[:5])
+        examples = ", ".join(
+            f"{tok!r}: student {s_vocab.get(tok)} vs teacher {t_vocab.get(tok)}" for tok in differing[:5]
+        )
         problems.append(f"{len(differing)} tokens map to different ids (e.g. {examples})")
     if problems:
-        raise ValueError(f"teacher and student vocabularies differ ({_names(student, teacher)}): " + "; ".join(problems)
-                         + "; pick a teacher and student that share one tokenizer (the same model family)")
+        raise ValueError(
+            f"teacher and student vocabularies differ ({_names(student, teacher)}): "
+            + "; ".join(problems)
+            + "; pick a teacher and student that share one tokenizer (the same model family)"
+        )
 
 
-def shared_vocab_size(tokenizer: PreTrainedTokenizerBase, student_vocab_size: int, teacher_vocab_size: int,
-                      ) -> int | None:
+def shared_vocab_size(
+    tokenizer: PreTrainedTokenizerBase,
+    student_vocab_size: int,
+    teacher_vocab_size: int,
+) -> int | None:
     """The logit width both models must use, or None when their ``vocab_size`` agree.
 
     Models of one family share a tokenizer but may pad their embeddings to different sizes
@@ -105,9 +119,11 @@ def shared_vocab_size(tokenizer: PreTrainedTokenizerBase, student_vocab_size: in
     largest_id = max(tokenizer.get_vocab().values())
     if largest_id >= shared:
         smaller = "student" if student_vocab_size < teacher_vocab_size else "teacher"
-        raise ValueError(f"model vocab_size differs (student {student_vocab_size}, teacher {teacher_vocab_size}) and "
-                         f"the tokenizer's ids reach {largest_id}, past the {smaller}'s {shared} rows: the two models "
-                         "do not have a row for every token; pick a teacher and student of one family")
+        raise ValueError(
+            f"model vocab_size differs (student {student_vocab_size}, teacher {teacher_vocab_size}) and "
+            f"the tokenizer's ids reach {largest_id}, past the {smaller}'s {shared} rows: the two models "
+            "do not have a row for every token; pick a teacher and student of one family"
+        )
     return shared
 
 

@@ -33,9 +33,18 @@ from asyncopd_jax.sampling import Sampler, SamplingParams
 Array = jax.Array
 
 
-def exact_kls(student: Array, teacher: Array, behaviour: Array, student_head: Array, teacher_head: Array,
-              mask: Array, *, student_temperature: float = 1.0, teacher_temperature: float = 1.0,
-              chunk: int = 256) -> dict[str, Array]:
+def exact_kls(
+    student: Array,
+    teacher: Array,
+    behaviour: Array,
+    student_head: Array,
+    teacher_head: Array,
+    mask: Array,
+    *,
+    student_temperature: float = 1.0,
+    teacher_temperature: float = 1.0,
+    chunk: int = 256,
+) -> dict[str, Array]:
     """Token means of the exact reverse, forward and drift KLs from hidden states.
 
     Args:
@@ -63,13 +72,19 @@ def exact_kls(student: Array, teacher: Array, behaviour: Array, student_head: Ar
         s_logits = (s @ student_head).astype(jnp.float32)[None] / student_temperature
         q_logits = (q @ teacher_head).astype(jnp.float32)[None] / teacher_temperature
         old_logits = (old @ student_head).astype(jnp.float32)[None] / student_temperature
-        return (reverse_kl_dense(s_logits, q_logits)[0], forward_kl_dense(s_logits, q_logits)[0],
-                reverse_kl_dense(s_logits, old_logits)[0])
+        return (
+            reverse_kl_dense(s_logits, q_logits)[0],
+            forward_kl_dense(s_logits, q_logits)[0],
+            reverse_kl_dense(s_logits, old_logits)[0],
+        )
 
     per_position = jax.lax.map(one_block, (rows(student), rows(teacher), rows(behaviour)))
     reverse, forward, drift = (x.reshape(-1)[:n].reshape(b, t) for x in per_position)
-    return {"reverse": token_mean(reverse, mask), "forward": token_mean(forward, mask),
-            "drift": token_mean(drift, mask)}
+    return {
+        "reverse": token_mean(reverse, mask),
+        "forward": token_mean(forward, mask),
+        "drift": token_mean(drift, mask),
+    }
 
 
 class ProbeDiagnostics:
@@ -86,30 +101,54 @@ class ProbeDiagnostics:
       seed: the probe's sampling key.
     """
 
-    def __init__(self, *, graphdef: nnx.GraphDef, teacher: Decoder, prompts: list[list[int]],
-                 sampling: SamplingParams, teacher_temperature: float, pad_id: int, prompt_slots: int,
-                 seed: int, chunk: int = 256):
+    def __init__(
+        self,
+        *,
+        graphdef: nnx.GraphDef,
+        teacher: Decoder,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        teacher_temperature: float,
+        pad_id: int,
+        prompt_slots: int,
+        seed: int,
+        chunk: int = 256,
+    ):
         self.graphdef = graphdef
         self.teacher_graphdef, self.teacher_state = nnx.split(teacher)
         self.prompts, self.prompt_slots, self.seed = prompts, prompt_slots, seed
-        probe = SamplingParams(temperature=sampling.temperature, max_new_tokens=sampling.max_new_tokens,
-                               stop_token_ids=sampling.stop_token_ids, chunk_steps=sampling.max_new_tokens)
+        probe = SamplingParams(
+            temperature=sampling.temperature,
+            max_new_tokens=sampling.max_new_tokens,
+            stop_token_ids=sampling.stop_token_ids,
+            chunk_steps=sampling.max_new_tokens,
+        )
         self.sampler = Sampler(graphdef, probe, pad_id=pad_id)
-        self._measure = jax.jit(functools.partial(
-            self._measure_fn, student_temperature=sampling.temperature,
-            teacher_temperature=teacher_temperature, chunk=chunk))
+        self._measure = jax.jit(
+            functools.partial(
+                self._measure_fn,
+                student_temperature=sampling.temperature,
+                teacher_temperature=teacher_temperature,
+                chunk=chunk,
+            )
+        )
 
     def _measure_fn(self, params, behaviour_params, teacher_state, batch: RolloutBatch, **kw) -> dict[str, Array]:
         student: Decoder = nnx.merge(self.graphdef, params)
         behaviour: Decoder = nnx.merge(self.graphdef, behaviour_params)
         teacher: Decoder = nnx.merge(self.teacher_graphdef, teacher_state)
-        return exact_kls(response_hidden(student, batch), response_hidden(teacher, batch),
-                         response_hidden(behaviour, batch), student.lm_head_weight(), teacher.lm_head_weight(),
-                         batch.response_mask, **kw)
+        return exact_kls(
+            response_hidden(student, batch),
+            response_hidden(teacher, batch),
+            response_hidden(behaviour, batch),
+            student.lm_head_weight(),
+            teacher.lm_head_weight(),
+            batch.response_mask,
+            **kw,
+        )
 
     def measure(self, params: nnx.State, behaviour_params: nnx.State) -> dict[str, float]:
         """Sample the probe from ``params`` (π_t) and measure the three KLs."""
-        batch = self.sampler.generate(params, self.prompts, jax.random.key(self.seed),
-                                      prompt_slots=self.prompt_slots)
+        batch = self.sampler.generate(params, self.prompts, jax.random.key(self.seed), prompt_slots=self.prompt_slots)
         kls = jax.device_get(self._measure(params, behaviour_params, self.teacher_state, batch))
         return {f"probe_{name}_kl": float(np.asarray(value)) for name, value in kls.items()}

@@ -42,8 +42,12 @@ class HeapTrimmer:
     """Call once per step: trims the heap when ``every_seconds`` have passed since the
     last trim (the first call starts the clock)."""
 
-    def __init__(self, every_seconds: float = 30.0, clock: Callable[[], float] = time.monotonic,
-                 trim: Callable[[], bool] = trim_heap) -> None:
+    def __init__(
+        self,
+        every_seconds: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        trim: Callable[[], bool] = trim_heap,
+    ) -> None:
         self.every_seconds, self._clock, self._trim = every_seconds, clock, trim
         self._last = clock()
         self.trims = 0

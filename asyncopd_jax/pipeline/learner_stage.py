@@ -59,19 +59,33 @@ class LearnerStage:
         self.optimizer = make_optimizer(cfg.optim, cfg.train.steps)
         self.lr = learning_rate_schedule(cfg.optim, cfg.train.steps)
         fsdp = self.mesh.shape["fsdp"]
-        student = from_pretrained(resolve_model_path(cfg.student.path), dtype=cfg.student.dtype,
-                                  sharding=lambda shape: NamedSharding(self.mesh, param_spec(shape, fsdp)))
+        student = from_pretrained(
+            resolve_model_path(cfg.student.path),
+            dtype=cfg.student.dtype,
+            sharding=lambda shape: NamedSharding(self.mesh, param_spec(shape, fsdp)),
+        )
         student.vocab_limit = models.vocab_limit
         self.graphdef, self.state = create_train_state(student, self.optimizer, self.mesh)
         self.loss = PolicyLoss.from_config(cfg)
         if learner.token_budget:  # dynamic batching (one learner process: RunConfig.check_learner_processes)
-            self.train_step = make_packed_train_step(self.graphdef, self.optimizer, self.loss,
-                                                     token_budget=learner.token_budget, bucket=learner.token_bucket,
-                                                     mesh=self.mesh, state_example=self.state)
+            self.train_step = make_packed_train_step(
+                self.graphdef,
+                self.optimizer,
+                self.loss,
+                token_budget=learner.token_budget,
+                bucket=learner.token_bucket,
+                mesh=self.mesh,
+                state_example=self.state,
+            )
         else:
-            self.train_step = make_train_step(self.graphdef, self.optimizer, self.loss,
-                                              micro_batches=learner.micro_batches, mesh=self.mesh,
-                                              state_example=self.state)
+            self.train_step = make_train_step(
+                self.graphdef,
+                self.optimizer,
+                self.loss,
+                micro_batches=learner.micro_batches,
+                mesh=self.mesh,
+                state_example=self.state,
+            )
         self.proximal = make_proximal_fn(self.graphdef, self.loss) if self.loss.needs_proximal else None
 
     @property
@@ -87,8 +101,10 @@ class LearnerStage:
         batch = _concat([g.batch for g in groups])
         cache = _concat([g.cache for g in groups]) if groups[0].cache is not None else None  # None: RL, β = 0
         rows = cfg.learner.batch_size // cfg.learner.mini_batches
-        minis = [LearnerBatch(_rows(batch, m * rows, (m + 1) * rows), _rows(cache, m * rows, (m + 1) * rows))
-                 for m in range(cfg.learner.mini_batches)]
+        minis = [
+            LearnerBatch(_rows(batch, m * rows, (m + 1) * rows), _rows(cache, m * rows, (m + 1) * rows))
+            for m in range(cfg.learner.mini_batches)
+        ]
         if self.multi_process:  # this process feeds its own rows of each mini-batch
             share = distributed.process_rows(rows)
             minis = [distributed.global_batch(_rows(mini, share.start, share.stop), self.mesh) for mini in minis]
@@ -109,7 +125,8 @@ class LearnerStage:
 
 def staleness(groups: list[RolloutGroup], version: int) -> dict[str, Any]:
     """Mean, max and histogram of the token staleness of a batch at ``version``."""
-    ages = np.concatenate([version - np.asarray(g.batch.token_version)[np.asarray(g.batch.response_mask)]
-                           for g in groups])
+    ages = np.concatenate(
+        [version - np.asarray(g.batch.token_version)[np.asarray(g.batch.response_mask)] for g in groups]
+    )
     hist = np.bincount(np.maximum(ages, 0)).tolist() if ages.size else []
     return {"mean": float(ages.mean()) if ages.size else 0.0, "max": int(ages.max()) if ages.size else 0, "hist": hist}

@@ -23,8 +23,9 @@ from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup
 
 def fingerprint(group: RolloutGroup) -> int:
     """A position-weighted checksum of a group's response tokens and versions."""
-    values = np.concatenate([np.asarray(group.batch.response_tokens).ravel(),
-                             np.asarray(group.batch.token_version).ravel()]).astype(np.int64)
+    values = np.concatenate(
+        [np.asarray(group.batch.response_tokens).ravel(), np.asarray(group.batch.token_version).ravel()]
+    ).astype(np.int64)
     return int(np.sum(values * (np.arange(values.size) % 9973 + 1)))
 
 
@@ -80,8 +81,10 @@ class FollowerStages:
         groups = [group_from_record(read_record(scored.path(f"{n:010d}")))[0] for n in named[:, 0]]
         for group, (number, expected) in zip(groups, named):
             if fingerprint(group) != expected:
-                raise RuntimeError(f"rollout record {number:010d} in {scored.root} differs from the one the leader "
-                                   "trains on: is the run directory on storage every host sees consistently?")
+                raise RuntimeError(
+                    f"rollout record {number:010d} in {scored.root} differs from the one the leader "
+                    "trains on: is the run directory on storage every host sees consistently?"
+                )
         return groups
 
     def start(self) -> None:

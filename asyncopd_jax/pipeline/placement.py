@@ -143,11 +143,15 @@ class Layout:
     def from_json(cls, text: str, source: str = "layout") -> Layout:
         data = json.loads(text)
         if data.get("version") != LAYOUT_VERSION:
-            raise LayoutError(f"{source} has layout version {data.get('version')!r}; this asyncopd reads version "
-                              f"{LAYOUT_VERSION} (start the stage from the learner's checkout of the project)")
+            raise LayoutError(
+                f"{source} has layout version {data.get('version')!r}; this asyncopd reads version "
+                f"{LAYOUT_VERSION} (start the stage from the learner's checkout of the project)"
+            )
         try:
-            stages = tuple(StagePlan(**{**s, "devices": tuple(s["devices"]), "cores": tuple(s["cores"])})
-                           for s in data.pop("stages"))
+            stages = tuple(
+                StagePlan(**{**s, "devices": tuple(s["devices"]), "cores": tuple(s["cores"])})
+                for s in data.pop("stages")
+            )
             return cls(**{**data, "stages": stages, "snapshots": SnapshotChannel(**data["snapshots"])})
         except (KeyError, TypeError) as err:
             raise LayoutError(f"{source} is not a layout of this version: {err}") from None
@@ -190,11 +194,14 @@ def validate(cfg: RunConfig) -> list[str]:
     """The placement's constraints across config sections (each list was checked by
     ``StagesConfig`` itself): one message naming the field for each one broken."""
     errors: list[str] = []
-    if cfg.schedule.placement == "processes" and cfg.stages.learner_devices:
-        if set(parse_id_list(cfg.stages.learner_devices)) & set(_devices(cfg.stages, "rollout") +
-                                                              _devices(cfg.stages, "scoring")):
-            errors.append(f"stages.learner_devices = {cfg.stages.learner_devices!r} is invalid; allowed: devices no "
-                          "rollout or scoring process holds (processes cannot share a TPU chip)")
+    shared = set(parse_id_list(cfg.stages.learner_devices)) & set(
+        _devices(cfg.stages, "rollout") + _devices(cfg.stages, "scoring")
+    )
+    if cfg.schedule.placement == "processes" and shared:
+        errors.append(
+            f"stages.learner_devices = {cfg.stages.learner_devices!r} is invalid; allowed: devices no "
+            "rollout or scoring process holds (processes cannot share a TPU chip)"
+        )
     return errors
 
 
@@ -212,7 +219,7 @@ def split_ids(ids: Sequence[int], parts: int) -> list[tuple[int, ...]]:
     if parts >= len(ids):
         return [(ids[i % len(ids)],) for i in range(parts)]
     bounds = [round(i * len(ids) / parts) for i in range(parts + 1)]
-    return [tuple(ids[bounds[i]:bounds[i + 1]]) for i in range(parts)]
+    return [tuple(ids[bounds[i] : bounds[i + 1]]) for i in range(parts)]
 
 
 def plan_cores(stages: StagesConfig, available: Sequence[int]) -> dict[str, tuple[int, ...]]:
@@ -231,7 +238,7 @@ def plan_cores(stages: StagesConfig, available: Sequence[int]) -> dict[str, tupl
     auto = {
         "learner": available[:learner_n],
         "rollout": rest[: len(rest) - scoring_n] if scoring_n else rest,
-        "scoring": rest[len(rest) - scoring_n:] if scoring_n else rest,
+        "scoring": rest[len(rest) - scoring_n :] if scoring_n else rest,
     }
     processes = {"learner": 1, "rollout": stages.rollout_processes, "scoring": stages.scoring_processes}
     if any(len(auto[role]) < MIN_CORES_TO_PIN * count for role, count in processes.items() if count):
@@ -274,8 +281,14 @@ def snapshot_channel(cfg: RunConfig, run_path: Path, multi_process: bool) -> Sna
     return SnapshotChannel(in_memory=False, directory=str(directory), format=fmt, keep=keep, temporary=temporary)
 
 
-def plan_layout(cfg: RunConfig, *, run_path: Path, available_cores: Sequence[int], multi_process: bool = False,
-                trace_origin: float | None = None) -> Layout:
+def plan_layout(
+    cfg: RunConfig,
+    *,
+    run_path: Path,
+    available_cores: Sequence[int],
+    multi_process: bool = False,
+    trace_origin: float | None = None,
+) -> Layout:
     """Every stage of the run: its devices, cores and process; and the weights channel.
 
     ``available_cores``: the cores this process may use (``os.sched_getaffinity(0)``, read
@@ -293,18 +306,31 @@ def plan_layout(cfg: RunConfig, *, run_path: Path, available_cores: Sequence[int
     else:
         cores = plan_cores(stages_cfg, available_cores)
         plans = [StagePlan("learner", 0, LEARNER_PROCESS, learner_devices, cores["learner"])]
-        rollouts = [StagePlan("rollout", i, f"rollout-{i}", d, c) for i, (c, d) in enumerate(zip(
-            split_ids(cores["rollout"], n_rollout), split_ids(rollout_devices, n_rollout)))]
+        rollouts = [
+            StagePlan("rollout", i, f"rollout-{i}", d, c)
+            for i, (c, d) in enumerate(
+                zip(split_ids(cores["rollout"], n_rollout), split_ids(rollout_devices, n_rollout))
+            )
+        ]
         plans += rollouts
         n_scoring = stages_cfg.scoring_processes
         if n_scoring:
-            plans += [StagePlan("scoring", j, f"scoring-{j}", d, c) for j, (c, d) in enumerate(zip(
-                split_ids(cores["scoring"], n_scoring), split_ids(scoring_devices, n_scoring)))]
+            plans += [
+                StagePlan("scoring", j, f"scoring-{j}", d, c)
+                for j, (c, d) in enumerate(
+                    zip(split_ids(cores["scoring"], n_scoring), split_ids(scoring_devices, n_scoring))
+                )
+            ]
         elif cfg.needs_scoring:  # each rollout process scores its own groups, on its own devices
             plans += [StagePlan("scoring", r.index, r.process, r.devices, r.cores) for r in rollouts]
-    return Layout(placement=cfg.schedule.placement, stages=tuple(plans),
-                  snapshots=snapshot_channel(cfg, run_path, multi_process), group_size=rollout_group_size(cfg),
-                  seed=cfg.seed * 1_000_003, trace_origin=time.time() if trace_origin is None else trace_origin)
+    return Layout(
+        placement=cfg.schedule.placement,
+        stages=tuple(plans),
+        snapshots=snapshot_channel(cfg, run_path, multi_process),
+        group_size=rollout_group_size(cfg),
+        seed=cfg.seed * 1_000_003,
+        trace_origin=time.time() if trace_origin is None else trace_origin,
+    )
 
 
 # --- a process's devices and cores ------------------------------------------------------------
@@ -340,10 +366,15 @@ def device_env(platform: str, devices: Sequence[int], port: int = TPU_BASE_PORT)
     if platform == "tpu":
         if len(devices) not in TPU_CHIP_BOUNDS:
             raise ValueError(f"a TPU stage process holds 1, 2, 4 or 8 chips, not {len(devices)} ({ids})")
-        return {"TPU_VISIBLE_CHIPS": ids, "TPU_PROCESS_BOUNDS": "1,1,1",
-                "TPU_CHIPS_PER_PROCESS_BOUNDS": TPU_CHIP_BOUNDS[len(devices)],
-                "TPU_PROCESS_PORT": str(port), "TPU_PROCESS_ADDRESSES": f"localhost:{port}",
-                "CLOUD_TPU_TASK_ID": "0", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+        return {
+            "TPU_VISIBLE_CHIPS": ids,
+            "TPU_PROCESS_BOUNDS": "1,1,1",
+            "TPU_CHIPS_PER_PROCESS_BOUNDS": TPU_CHIP_BOUNDS[len(devices)],
+            "TPU_PROCESS_PORT": str(port),
+            "TPU_PROCESS_ADDRESSES": f"localhost:{port}",
+            "CLOUD_TPU_TASK_ID": "0",
+            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+        }
     raise ValueError(f"unknown platform {platform!r}; known: cpu, gpu, tpu")
 
 
@@ -370,5 +401,8 @@ def prepare_learner_process(layout: Layout, platform: str) -> None:
 
 def describe(layout: Layout) -> list[str]:
     """One line per stage: where it runs (printed by ``asyncopd train``)."""
-    return [f"  {s.name}: process {s.process}, devices {','.join(map(str, s.devices)) or 'default'}, "
-            f"cores {','.join(map(str, s.cores)) or 'any'}" for s in layout.stages]
+    return [
+        f"  {s.name}: process {s.process}, devices {','.join(map(str, s.devices)) or 'default'}, "
+        f"cores {','.join(map(str, s.cores)) or 'any'}"
+        for s in layout.stages
+    ]

@@ -29,13 +29,21 @@ from asyncopd_jax.pipeline.trace import Tracer
 class Probes:
     """Diagnostics, update geometry and EffOPD extrapolation of one run."""
 
-    def __init__(self, cfg: RunConfig, models: RunModels, learner: LearnerStage, teacher: Callable[[], Any],
-                 leader: bool, tracer: Tracer):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        models: RunModels,
+        learner: LearnerStage,
+        teacher: Callable[[], Any],
+        leader: bool,
+        tracer: Tracer,
+    ):
         self.cfg, self.models, self.learner, self.leader, self.tracer = cfg, models, learner, leader, tracer
         self.diagnostics: ProbeDiagnostics | None = None
         if cfg.train.diagnostics_every:  # with a teacher, one learner process (checked by RunConfig)
-            prompts, _ = models.task.train_prompts(np.random.default_rng([cfg.seed, 2**31 - 1]),
-                                                   cfg.train.diagnostic_prompts)
+            prompts, _ = models.task.train_prompts(
+                np.random.default_rng([cfg.seed, 2**31 - 1]), cfg.train.diagnostic_prompts
+            )
             self.diagnostics = self._probe(teacher(), prompts, cfg.seed)
         self.extrapolation_probe: Callable[[nnx.State], float] | None = None
         if cfg.learner.extrapolation.enabled:  # EffOPD (after a resume, anchored at the restored weights)
@@ -44,9 +52,16 @@ class Probes:
         self.geometry_params: list[Any] = []
 
     def _probe(self, teacher: Any, prompts: list[list[int]], seed: int) -> ProbeDiagnostics:
-        return ProbeDiagnostics(graphdef=self.learner.graphdef, teacher=teacher, prompts=prompts,
-                                sampling=self.models.sampling, teacher_temperature=self.cfg.scoring.temperature,
-                                pad_id=self.models.task.pad_id, prompt_slots=self.models.task.prompt_slots, seed=seed)
+        return ProbeDiagnostics(
+            graphdef=self.learner.graphdef,
+            teacher=teacher,
+            prompts=prompts,
+            sampling=self.models.sampling,
+            teacher_temperature=self.cfg.scoring.temperature,
+            pad_id=self.models.task.pad_id,
+            prompt_slots=self.models.task.prompt_slots,
+            seed=seed,
+        )
 
     def _extrapolation_probe(self, teacher: Callable[[], Any]) -> Callable[[nnx.State], float]:
         """EffOPD's probe: a score of the full parameters, higher is better (see
@@ -54,8 +69,9 @@ class Probes:
         ext, seed, data = self.cfg.learner.extrapolation, self.cfg.seed, self.models.task
         prompts, items = data.train_prompts(np.random.default_rng([seed, 2**31 - 2]), ext.probe_prompts)
         if ext.probe_metric == "accuracy":
-            return lambda params: data.accuracy(self.learner.graphdef, params, items=items,
-                                                temperature=ext.probe_temperature, seed=seed)
+            return lambda params: data.accuracy(
+                self.learner.graphdef, params, items=items, temperature=ext.probe_temperature, seed=seed
+            )
         probe = self._probe(teacher(), prompts, seed + 1)
         return lambda params: -probe.measure(params, params)["probe_reverse_kl"]
 
@@ -95,8 +111,11 @@ class Probes:
         if jump is None:
             return {}
         self.learner.state = dataclasses.replace(self.learner.state, params=params)
-        return {**jump.metrics(), "extrapolation_tried": [list(t) for t in jump.tried],
-                "extrapolation_seconds": time.perf_counter() - start}
+        return {
+            **jump.metrics(),
+            "extrapolation_tried": [list(t) for t in jump.tried],
+            "extrapolation_seconds": time.perf_counter() - start,
+        }
 
     def update_geometry(self, step: int) -> dict[str, Any]:
         """The update-geometry diagnostic of θ_t against θ_0 and the previous measurement θ_s."""

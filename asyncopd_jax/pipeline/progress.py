@@ -34,8 +34,11 @@ class ProgressBar:
         if self.bar is None:
             return
         self.last_eval = record.get("eval_accuracy", self.last_eval)
-        post = {"loss": f"{record['loss']:.4f}", "kl": f"{record.get('reverse_kl_signal', 0.0):.3f}",
-                "stale": f"{record['staleness_mean']:.2f}"}
+        post = {
+            "loss": f"{record['loss']:.4f}",
+            "kl": f"{record.get('reverse_kl_signal', 0.0):.3f}",
+            "stale": f"{record['staleness_mean']:.2f}",
+        }
         if "rollout_accuracy" in record:
             post["acc"] = f"{record['rollout_accuracy']:.2f}"
         if self.last_eval is not None:

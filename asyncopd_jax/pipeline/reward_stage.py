@@ -46,14 +46,21 @@ class RewardStage:
 
     @classmethod
     def from_config(cls, cfg: RunConfig, rewards: RewardFn) -> RewardStage:
-        return cls(rewards, samples_per_prompt=cfg.samples_per_prompt, advantages=cfg.algorithm == "rl",
-                   normalize_std=cfg.rl.normalize_std, std=cfg.rl.advantage_std)
+        return cls(
+            rewards,
+            samples_per_prompt=cfg.samples_per_prompt,
+            advantages=cfg.algorithm == "rl",
+            normalize_std=cfg.rl.normalize_std,
+            std=cfg.rl.advantage_std,
+        )
 
     def prompts_per_group(self, group_size: int) -> int:
         """Distinct prompts in a group of ``group_size`` samples."""
         if group_size % self.samples_per_prompt:
-            raise ValueError(f"a rollout group of {group_size} samples cannot hold whole groups of "
-                             f"{self.samples_per_prompt} answers per prompt")
+            raise ValueError(
+                f"a rollout group of {group_size} samples cannot hold whole groups of "
+                f"{self.samples_per_prompt} answers per prompt"
+            )
         return group_size // self.samples_per_prompt
 
     def repeat(self, items: list) -> list:
@@ -64,10 +71,12 @@ class RewardStage:
         """``(batch, rewards [B] fp32)``; with ``advantages`` the batch carries them ``[B, T]``."""
         rewards = np.asarray(self.rewards(problems, batch), np.float32)
         if self.advantages:
-            advantage = np.asarray(group_advantages(rewards, self.samples_per_prompt,
-                                                    normalize_std=self.normalize_std, std=self.std))
+            advantage = np.asarray(
+                group_advantages(rewards, self.samples_per_prompt, normalize_std=self.normalize_std, std=self.std)
+            )
             batch = dataclasses.replace(
-                batch, advantages=jnp.asarray(np.broadcast_to(advantage[:, None], batch.response_tokens.shape)))
+                batch, advantages=jnp.asarray(np.broadcast_to(advantage[:, None], batch.response_tokens.shape))
+            )
         return batch, rewards
 
 

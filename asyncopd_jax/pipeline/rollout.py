@@ -50,9 +50,20 @@ class GroupProducer:
     distillation), and ``reward`` scores the answers.
     """
 
-    def __init__(self, *, sampler: Sampler, snapshots: SnapshotStore, prompts: PromptSource, reward: RewardStage,
-                 group_size: int, seed: int, prompt_slots: int, tracer: Tracer, interruptible: bool = True,
-                 version_timeout: float = 600.0):
+    def __init__(
+        self,
+        *,
+        sampler: Sampler,
+        snapshots: SnapshotStore,
+        prompts: PromptSource,
+        reward: RewardStage,
+        group_size: int,
+        seed: int,
+        prompt_slots: int,
+        tracer: Tracer,
+        interruptible: bool = True,
+        version_timeout: float = 600.0,
+    ):
         self.sampler, self.snapshots, self.prompts, self.reward = sampler, snapshots, prompts, reward
         self.group_size, self.seed, self.prompt_slots = group_size, seed, prompt_slots
         self.tracer, self.interruptible = tracer, interruptible
@@ -77,7 +88,11 @@ class GroupProducer:
         version, params = self.snapshots.load(version)
         with self.tracer.span("rollout", version=version) as info:
             batch = self.sampler.generate(
-                params, prompts, group_key(self.seed, index), version=version, prompt_slots=self.prompt_slots,
+                params,
+                prompts,
+                group_key(self.seed, index),
+                version=version,
+                prompt_slots=self.prompt_slots,
                 weight_source=self._newer_snapshot if self.interruptible else None,
             )
             jax.block_until_ready(batch.response_tokens)

@@ -45,8 +45,10 @@ class RunDir:
         process writes the run's files)."""
         checkpoints = self.path / "checkpoints"
         if checkpoints.is_dir() and any(checkpoints.iterdir()):
-            raise FileExistsError(f"{self.path} already holds a run with checkpoints; continue it with --resume "
-                                  f"{self.path}, or start another with --set name=<new name>")
+            raise FileExistsError(
+                f"{self.path} already holds a run with checkpoints; continue it with --resume "
+                f"{self.path}, or start another with --set name=<new name>"
+            )
         if write:
             for stale in ("metrics.jsonl", "summary.json"):
                 (self.path / stale).unlink(missing_ok=True)
@@ -112,8 +114,9 @@ class RunDir:
         # and process 1 still in the commit barrier (tests/pipeline/test_multi_process_learner.py).
         return ocp.CheckpointManager(
             self.path / "checkpoints",
-            options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False,
-                                                 cleanup_tmp_directories=remove_unfinished),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=2, create=True, enable_async_checkpointing=False, cleanup_tmp_directories=remove_unfinished
+            ),
         )
 
     def save_checkpoint(self, step: int, state: Any, meta: dict[str, Any]) -> None:
@@ -128,7 +131,8 @@ class RunDir:
         flat = {f"{i:05d}": leaf for i, leaf in enumerate(leaves)}
         try:
             self.checkpoints.save(
-                step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)),
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)),
                 force=True,
             )
             self.checkpoints.wait_until_finished()
@@ -143,11 +147,15 @@ class RunDir:
                 shutil.rmtree(partial, ignore_errors=True)
             self._checkpoints = self._open_checkpoints(remove_unfinished=False)
             last = self.latest_checkpoint()
-            kept = (f"the last good checkpoint is step {last} in {self.path / 'checkpoints' / str(last)}"
-                    if last is not None else "there is no earlier checkpoint")
+            kept = (
+                f"the last good checkpoint is step {last} in {self.path / 'checkpoints' / str(last)}"
+                if last is not None
+                else "there is no earlier checkpoint"
+            )
             raise CheckpointSaveFailed(
                 f"saving the checkpoint of step {step} failed ({_io_reason(err)}); {kept}; free space or fix "
-                f"the cause, then continue with: asyncopd train --resume {self.path}") from err
+                f"the cause, then continue with: asyncopd train --resume {self.path}"
+            ) from err
 
     def latest_checkpoint(self) -> int | None:
         return self.checkpoints.latest_step()
@@ -209,8 +217,9 @@ class RunDir:
         for kind, color, style in (("accepted", "tab:green", "--"), ("rejected", "tab:red", ":")):
             chosen = [(st, f) for st, f in jumps if (f != 1) == (kind == "accepted")]
             for i, (st, f) in enumerate(chosen):
-                ax.axvline(st, color=color, ls=style, lw=0.9,
-                           label=f"extrapolation {kind} ({len(chosen)})" if i == 0 else None)
+                ax.axvline(
+                    st, color=color, ls=style, lw=0.9, label=f"extrapolation {kind} ({len(chosen)})" if i == 0 else None
+                )
                 if kind == "accepted":
                     ax.annotate(f"×{f:g}", (st, 1.0), fontsize=7, color=color, ha="left", va="top")
         ax.set_ylim(0, 1.02)

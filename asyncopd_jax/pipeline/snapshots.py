@@ -94,9 +94,11 @@ class InMemorySnapshotStore:
     def wait_for(self, version: int, timeout: float = 300.0) -> None:
         with self._cond:
             if not self._cond.wait_for(lambda: max(self._versions, default=-1) >= version, timeout):
-                raise TimeoutError(f"policy snapshot {version} was not published within {timeout} s "
-                                   f"(newest: {max(self._versions, default=None)}); the learner must publish every "
-                                   "version a rollout may need")
+                raise TimeoutError(
+                    f"policy snapshot {version} was not published within {timeout} s "
+                    f"(newest: {max(self._versions, default=None)}); the learner must publish every "
+                    "version a rollout may need"
+                )
 
     def close(self) -> None:
         pass
@@ -143,7 +145,8 @@ def _gone(root: Path) -> FileNotFoundError:
     return FileNotFoundError(
         f"the snapshot directory {root} was removed while the run was using it (a cleaner of /tmp or "
         "/dev/shm?); the run stops; continue it with asyncopd train --resume (stages.snapshot_dir sets "
-        "another place)")
+        "another place)"
+    )
 
 
 class DiskSnapshotStore:
@@ -160,9 +163,14 @@ class DiskSnapshotStore:
         writer of one ``root`` must agree.
     """
 
-    def __init__(self, root: str | Path, abstract_params: nnx.State, keep: int = 4, read_only: bool = False,
-                 format: str = "orbax",  # noqa: A002 - the word users know
-                 ):
+    def __init__(
+        self,
+        root: str | Path,
+        abstract_params: nnx.State,
+        keep: int = 4,
+        read_only: bool = False,
+        format: str = "orbax",  # noqa: A002 - the word users know
+    ):
         if format not in SNAPSHOT_FORMATS:
             raise ValueError(f"snapshot format {format!r} is invalid; allowed: {', '.join(SNAPSHOT_FORMATS)}")
         self.format = format
@@ -266,15 +274,18 @@ class DiskSnapshotStore:
         if len(flat) != len(leaves):
             raise ValueError(f"{path / FLAT_FILE} holds {len(flat)} arrays; this model has {len(leaves)}")
         return jax.tree_util.tree_unflatten(
-            treedef, [jax.device_put(flat[f"{i:05d}"], x.sharding) for i, x in enumerate(leaves)])
+            treedef, [jax.device_put(flat[f"{i:05d}"], x.sharding) for i, x in enumerate(leaves)]
+        )
 
     def wait_for(self, version: int, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
         while (latest := self.latest_version()) is None or latest < version:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"policy snapshot {version} was not committed under {self.root} within {timeout} s "
-                                   f"(newest: {latest}); the learner must publish every version a rollout may need "
-                                   "(stages.startup_timeout sets how long a rollout waits)")
+                raise TimeoutError(
+                    f"policy snapshot {version} was not committed under {self.root} within {timeout} s "
+                    f"(newest: {latest}); the learner must publish every version a rollout may need "
+                    "(stages.startup_timeout sets how long a rollout waits)"
+                )
             time.sleep(0.005)
 
     def close(self) -> None:

@@ -78,8 +78,11 @@ class Spool:
 
     def names(self) -> list[str]:
         """Committed, unclaimed records, in name order."""
-        return sorted(p.name[: -len(SUFFIX)] for p in self.root.iterdir()
-                      if p.name.endswith(SUFFIX) and not p.name.startswith("."))
+        return sorted(
+            p.name[: -len(SUFFIX)]
+            for p in self.root.iterdir()
+            if p.name.endswith(SUFFIX) and not p.name.startswith(".")
+        )
 
     def path(self, name: str) -> Path:
         return self.root / f"{name}{SUFFIX}"
@@ -129,8 +132,11 @@ def read_record(path: str | Path) -> dict[str, np.ndarray]:
 def group_to_record(group: RolloutGroup, index: int) -> dict[str, np.ndarray]:
     """``batch.<field>``, ``cache.<field>`` (absent fields left out), the versions, the
     group's index and its per-sample rewards (``info["rewards"]``, if present)."""
-    out: dict[str, np.ndarray] = {"index": np.asarray(index), "oldest_version": np.asarray(group.oldest_version),
-                                  "newest_version": np.asarray(group.newest_version)}
+    out: dict[str, np.ndarray] = {
+        "index": np.asarray(index),
+        "oldest_version": np.asarray(group.oldest_version),
+        "newest_version": np.asarray(group.newest_version),
+    }
     for prefix, obj in (("batch", group.batch), ("cache", group.cache)):
         if obj is None:
             continue
@@ -153,6 +159,11 @@ def group_from_record(arrays: dict[str, np.ndarray]) -> tuple[RolloutGroup, int]
         return cls(**{k: None if v is None else jnp.asarray(v) for k, v in fields.items()})
 
     info = {"rewards": arrays["rewards"]} if "rewards" in arrays else {}
-    group = RolloutGroup(build(RolloutBatch, "batch"), build(TeacherScoreCache, "cache"),
-                         int(arrays["oldest_version"]), int(arrays["newest_version"]), info)
+    group = RolloutGroup(
+        build(RolloutBatch, "batch"),
+        build(TeacherScoreCache, "cache"),
+        int(arrays["oldest_version"]),
+        int(arrays["newest_version"]),
+        info,
+    )
     return group, int(arrays["index"])

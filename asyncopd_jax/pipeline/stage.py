@@ -109,8 +109,10 @@ def stage_devices(layout: Layout, plan: StagePlan, default: list[jax.Device] | N
     if layout.stage_processes() and jax.default_backend() != "cpu":
         return local  # already restricted to plan.devices by placement.device_env
     if max(plan.devices) >= len(local):
-        raise ValueError(f"stages.{plan.role}_devices = {','.join(map(str, plan.devices))} names device "
-                         f"{max(plan.devices)}, but this process has {len(local)} device(s) (0-{len(local) - 1})")
+        raise ValueError(
+            f"stages.{plan.role}_devices = {','.join(map(str, plan.devices))} names device "
+            f"{max(plan.devices)}, but this process has {len(local)} device(s) (0-{len(local) - 1})"
+        )
     return [local[i] for i in plan.devices]
 
 
@@ -125,8 +127,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def load_model(source: ModelSource, vocab_limit: int | None, mesh: Mesh) -> Decoder:
     """A model loaded straight onto ``mesh`` (replicated; no copy on another device first)."""
-    model = from_pretrained(resolve_model_path(source.path), dtype=source.dtype,
-                            sharding=lambda shape: replicated(mesh))
+    model = from_pretrained(
+        resolve_model_path(source.path), dtype=source.dtype, sharding=lambda shape: replicated(mesh)
+    )
     model.vocab_limit = vocab_limit
     return model
 
@@ -160,12 +163,14 @@ class ScoringStage:
         with tracer.span("score"):
             batch = on_mesh(group.batch, self.mesh)
             batch, cache = jax.block_until_ready(
-                self.scorers.score(batch, jax.random.fold_in(group_key(seed, index), 1)))
+                self.scorers.score(batch, jax.random.fold_in(group_key(seed, index), 1))
+            )
         return dataclasses.replace(group, batch=batch, cache=cache)
 
 
-def build_scoring_stage(cfg: RunConfig, layout: Layout, plan: StagePlan, models: RunModels,
-                        default_devices: list[jax.Device] | None = None) -> ScoringStage:
+def build_scoring_stage(
+    cfg: RunConfig, layout: Layout, plan: StagePlan, models: RunModels, default_devices: list[jax.Device] | None = None
+) -> ScoringStage:
     """Load what ``cfg`` scores onto ``plan``'s devices: the teacher where the run needs its
     scores, the reference policy (``reference.path``, else the student's starting weights)
     where the loss has a KL-to-reference term."""
@@ -174,8 +179,9 @@ def build_scoring_stage(cfg: RunConfig, layout: Layout, plan: StagePlan, models:
     reference = None
     if cfg.estimator.needs_reference_logp:
         source = cfg.reference if cfg.reference.path else dataclasses.replace(cfg.reference, path=cfg.student.path)
-        reference = ReferenceScorer(load_model(source, models.vocab_limit, mesh), cfg.sampling.temperature,
-                                    cfg.learner.logprob_chunk)
+        reference = ReferenceScorer(
+            load_model(source, models.vocab_limit, mesh), cfg.sampling.temperature, cfg.learner.logprob_chunk
+        )
     scorers = Scorers(TeacherScorer(teacher, cfg.scoring) if teacher is not None else None, reference)
     return ScoringStage(plan, mesh, scorers, teacher)
 
@@ -199,23 +205,40 @@ class RolloutStage:
         return self.scoring.score(group, self.producer.seed, index, self.producer.tracer)
 
 
-def build_rollout_stage(cfg: RunConfig, layout: Layout, plan: StagePlan, models: RunModels, *,
-                        snapshots: SnapshotStore, tracer: Tracer, scoring: ScoringStage | None, graphdef: nnx.GraphDef,
-                        default_devices: list[jax.Device] | None = None, interruptible: bool = True) -> RolloutStage:
+def build_rollout_stage(
+    cfg: RunConfig,
+    layout: Layout,
+    plan: StagePlan,
+    models: RunModels,
+    *,
+    snapshots: SnapshotStore,
+    tracer: Tracer,
+    scoring: ScoringStage | None,
+    graphdef: nnx.GraphDef,
+    default_devices: list[jax.Device] | None = None,
+    interruptible: bool = True,
+) -> RolloutStage:
     """The rollout stage ``plan``; ``snapshots`` delivers the policy's weights onto its mesh
     (:func:`rollout_shardings`)."""
     mesh = stage_mesh(stage_devices(layout, plan, default_devices))
     producer = GroupProducer(
-        sampler=Sampler(graphdef, models.sampling, pad_id=models.task.pad_id, mesh=mesh), snapshots=snapshots,
-        prompts=models.task.train_prompts, reward=RewardStage.from_config(cfg, models.task.rewards),
-        group_size=layout.group_size, seed=layout.seed, prompt_slots=models.task.prompt_slots, tracer=tracer,
-        interruptible=interruptible, version_timeout=cfg.stages.startup_timeout,
+        sampler=Sampler(graphdef, models.sampling, pad_id=models.task.pad_id, mesh=mesh),
+        snapshots=snapshots,
+        prompts=models.task.train_prompts,
+        reward=RewardStage.from_config(cfg, models.task.rewards),
+        group_size=layout.group_size,
+        seed=layout.seed,
+        prompt_slots=models.task.prompt_slots,
+        tracer=tracer,
+        interruptible=interruptible,
+        version_timeout=cfg.stages.startup_timeout,
     )
     return RolloutStage(plan, mesh, producer, scoring)
 
 
-def rollout_shardings(layout: Layout, plan: StagePlan, abstract_params: Any,
-                      default_devices: list[jax.Device] | None = None) -> Any:
+def rollout_shardings(
+    layout: Layout, plan: StagePlan, abstract_params: Any, default_devices: list[jax.Device] | None = None
+) -> Any:
     """The shardings the rollout stage ``plan`` reads the policy's weights into."""
     sharding = replicated(stage_mesh(stage_devices(layout, plan, default_devices)))
     return jax.tree_util.tree_map(lambda _: sharding, abstract_params)

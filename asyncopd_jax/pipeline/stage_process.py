@@ -28,8 +28,14 @@ from asyncopd_jax.pipeline.trace import Tracer
 POLL_SECONDS = 0.002  # how often an idle stage looks for work
 
 
-def run_stage(exchange_dir: str | Path, role: str, index: int, cores: Sequence[int] = (),
-              parent_pid: int | None = None, niceness: int = 0) -> int:
+def run_stage(
+    exchange_dir: str | Path,
+    role: str,
+    index: int,
+    cores: Sequence[int] = (),
+    parent_pid: int | None = None,
+    niceness: int = 0,
+) -> int:
     """Run stage process ``role-index`` until the run stops; returns its exit status."""
     if parent_pid is not None:
         # Ctrl-C in a terminal reaches every process of the foreground group. A child of the
@@ -49,10 +55,14 @@ def run_stage(exchange_dir: str | Path, role: str, index: int, cores: Sequence[i
         cfg, layout = exchange.read()
         tracer = Tracer(origin=layout.trace_origin, process=name)
         work = _StageWork(cfg, layout, name, exchange, tracer)
-        devices = sorted({d.id for stage in (work.rollout, work.scoring) if stage is not None
-                          for d in stage.mesh.devices.flat})
-        print(f"{name}: pid {os.getpid()}, niceness {os.nice(0)}, cores {','.join(map(str, cores)) or 'any'}, "
-              f"devices {devices}", flush=True)
+        devices = sorted(
+            {d.id for stage in (work.rollout, work.scoring) if stage is not None for d in stage.mesh.devices.flat}
+        )
+        print(
+            f"{name}: pid {os.getpid()}, niceness {os.nice(0)}, cores {','.join(map(str, cores)) or 'any'}, "
+            f"devices {devices}",
+            flush=True,
+        )
 
         def should_stop() -> bool:
             return exchange.stopped or (parent_pid is not None and os.getppid() != parent_pid)
@@ -99,14 +109,21 @@ class _StageWork:
         self.seed, self.tracer = layout.seed, tracer
         hosted = [s for s in layout.stages if s.process == name]
         if not hosted:
-            raise KeyError(f"no stage runs in process {name!r}; processes: "
-                           f"{', '.join(s.process for s in layout.stage_processes())}")
+            raise KeyError(
+                f"no stage runs in process {name!r}; processes: "
+                f"{', '.join(s.process for s in layout.stage_processes())}"
+            )
         models = stage.run_models(cfg)
         scoring_plan = next((s for s in hosted if s.role == "scoring"), None)
         self.scoring = stage.build_scoring_stage(cfg, layout, scoring_plan, models) if scoring_plan else None
         self.scores = self.scoring is not None
-        if scoring_plan is not None and self.scoring is not None and self.scoring.teacher is not None \
-                and scoring_plan.index == 0 and exchange.read_teacher_accuracy() is None:
+        if (
+            scoring_plan is not None
+            and self.scoring is not None
+            and self.scoring.teacher is not None
+            and scoring_plan.index == 0
+            and exchange.read_teacher_accuracy() is None
+        ):
             from flax import nnx
 
             exchange.write_teacher_accuracy(models.task.accuracy(*nnx.split(self.scoring.teacher)))
@@ -114,13 +131,23 @@ class _StageWork:
         rollout_plan = next((s for s in hosted if s.role == "rollout"), None)
         if rollout_plan is not None:
             graphdef, abstract = stage.student_graph(cfg, models)
-            snapshots = DiskSnapshotStore(layout.snapshots.directory,
-                                          stage.with_shardings(abstract, stage.rollout_shardings(layout, rollout_plan,
-                                                                                                 abstract)),
-                                          read_only=True, format=layout.snapshots.format)
+            snapshots = DiskSnapshotStore(
+                layout.snapshots.directory,
+                stage.with_shardings(abstract, stage.rollout_shardings(layout, rollout_plan, abstract)),
+                read_only=True,
+                format=layout.snapshots.format,
+            )
             snapshots.wait_for(0, timeout=cfg.stages.startup_timeout)
-            self.rollout = stage.build_rollout_stage(cfg, layout, rollout_plan, models, snapshots=snapshots,
-                                                     tracer=tracer, scoring=self.scoring, graphdef=graphdef)
+            self.rollout = stage.build_rollout_stage(
+                cfg,
+                layout,
+                rollout_plan,
+                models,
+                snapshots=snapshots,
+                tracer=tracer,
+                scoring=self.scoring,
+                graphdef=graphdef,
+            )
 
     def process(self, record: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from asyncopd_jax.pipeline.spool import group_from_record, group_to_record

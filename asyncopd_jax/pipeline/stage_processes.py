@@ -56,8 +56,17 @@ class StageProcesses:
     buffer (a :class:`~asyncopd_jax.pipeline.rollout.Stages`; :meth:`consumed` and
     :meth:`checkpointed` decide when a scored record may be deleted)."""
 
-    def __init__(self, *, cfg: RunConfig, layout: Layout, exchange: Exchange, buffer: StalenessBuffer,
-                 first_index: int, tracer: Tracer, stage_command: Sequence[str] | None = None):
+    def __init__(
+        self,
+        *,
+        cfg: RunConfig,
+        layout: Layout,
+        exchange: Exchange,
+        buffer: StalenessBuffer,
+        first_index: int,
+        tracer: Tracer,
+        stage_command: Sequence[str] | None = None,
+    ):
         self.cfg, self.layout, self.exchange, self.buffer = cfg, layout, exchange, buffer
         self.specs = layout.stage_processes()
         self.group_size, self.tracer = layout.group_size, tracer
@@ -84,9 +93,10 @@ class StageProcesses:
         self._leftovers = sorted(int(n) for s in (exchange.sampled, exchange.scored) for n in s.names())
         self._counter = max([first_index, *self._leftovers])
         exchange.write(cfg, layout)
-        self._threads = [threading.Thread(target=self._guard(f), name=n, daemon=True)
-                         for n, f in (("dispatcher", self._dispatch), ("collector", self._collect),
-                                      ("monitor", self._monitor))]
+        self._threads = [
+            threading.Thread(target=self._guard(f), name=n, daemon=True)
+            for n, f in (("dispatcher", self._dispatch), ("collector", self._collect), ("monitor", self._monitor))
+        ]
 
     # --- life cycle --------------------------------------------------------------------------
 
@@ -102,9 +112,20 @@ class StageProcesses:
     def _spawn(self, spec: StagePlan) -> None:
         env = {**os.environ, **stage_process_env(self.layout, spec, self.platform)}
         log = open(self.exchange.log_dir / f"{spec.name}.log", "ab")  # noqa: SIM115 - closed in join
-        command = [*self.stage_command, spec.role, "--exchange", str(self.exchange.root), "--index",
-                   str(spec.index), "--cores", ",".join(map(str, spec.cores)), "--parent-pid", str(os.getpid()),
-                   "--niceness", str(self.cfg.stages.rollout_niceness)]
+        command = [
+            *self.stage_command,
+            spec.role,
+            "--exchange",
+            str(self.exchange.root),
+            "--index",
+            str(spec.index),
+            "--cores",
+            ",".join(map(str, spec.cores)),
+            "--parent-pid",
+            str(os.getpid()),
+            "--niceness",
+            str(self.cfg.stages.rollout_niceness),
+        ]
         # No preexec_fn: it would make Python fork this multithreaded (JAX) process.
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         with self._lock:
@@ -197,8 +218,14 @@ class StageProcesses:
                 self._counter += 1
                 index = self._counter
                 self._admitted.add(index)
-            self.exchange.tickets.put(f"{index:010d}", {"index": np.asarray(index), "size": np.asarray(self.group_size),
-                                                         "min_version": np.asarray(min_version)})
+            self.exchange.tickets.put(
+                f"{index:010d}",
+                {
+                    "index": np.asarray(index),
+                    "size": np.asarray(self.group_size),
+                    "min_version": np.asarray(min_version),
+                },
+            )
 
     def _collect(self) -> None:
         scored = self.exchange.scored
@@ -231,13 +258,18 @@ class StageProcesses:
                     for spool in (self.exchange.tickets, self.exchange.sampled):
                         for claim in spool.claims_of(name):
                             claim.give_back()
-                    print(f"asyncopd: {name} exited with code {code}; restarting it "
-                          f"({self.restarts_left} restart(s) left)", file=sys.stderr)
+                    print(
+                        f"asyncopd: {name} exited with code {code}; restarting it "
+                        f"({self.restarts_left} restart(s) left)",
+                        file=sys.stderr,
+                    )
                     self._spawn(spec)
                     continue
-                raise StageFailed(f"stage process {name} (pid {proc.pid}) exited with code {code}"
-                                  f"{_describe_exit(code)}; the end of its log "
-                                  f"{self.exchange.log_dir / (name + '.log')}:\n{self._log_tail(name)}")
+                raise StageFailed(
+                    f"stage process {name} (pid {proc.pid}) exited with code {code}"
+                    f"{_describe_exit(code)}; the end of its log "
+                    f"{self.exchange.log_dir / (name + '.log')}:\n{self._log_tail(name)}"
+                )
 
     def _log_tail(self, name: str, lines: int = 15) -> str:
         path = self.exchange.log_dir / f"{name}.log"

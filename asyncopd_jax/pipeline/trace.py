@@ -52,8 +52,13 @@ class Tracer:
         finally:
             end = time.time()
             event = {
-                "name": name, "ph": "X", "pid": self.process, "tid": threading.current_thread().name,
-                "ts": (start - self.origin) * 1e6, "dur": (end - start) * 1e6, "args": args,
+                "name": name,
+                "ph": "X",
+                "pid": self.process,
+                "tid": threading.current_thread().name,
+                "ts": (start - self.origin) * 1e6,
+                "dur": (end - start) * 1e6,
+                "args": args,
             }
             with self._lock:
                 self.dropped += len(self._events) == self._events.maxlen
@@ -117,8 +122,15 @@ class Tracer:
                 key = (event["pid"], event["tid"])
                 if key not in tids:
                     tids[key] = len(tids)
-                    emit({"name": "thread_name", "ph": "M", "pid": pid(key[0]), "tid": tids[key],
-                          "args": {"name": key[1]}})
+                    emit(
+                        {
+                            "name": "thread_name",
+                            "ph": "M",
+                            "pid": pid(key[0]),
+                            "tid": tids[key],
+                            "args": {"name": key[1]},
+                        }
+                    )
                 emit({**event, "pid": pid(key[0]), "tid": tids[key]})
             f.write('], "displayTimeUnit": "ms", "otherData": ' + json.dumps({"dropped_spans": dropped}) + "}")
 
@@ -143,5 +155,8 @@ def load_spans(path: str | Path) -> list[dict]:
     ``"process"`` and start and duration in seconds under ``"start"`` and ``"seconds"``."""
     events = json.loads(Path(path).read_text())["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-    return [{**e, "process": names[e["pid"]], "start": e["ts"] / 1e6, "seconds": e["dur"] / 1e6}
-            for e in events if e["ph"] == "X"]
+    return [
+        {**e, "process": names[e["pid"]], "start": e["ts"] / 1e6, "seconds": e["dur"] / 1e6}
+        for e in events
+        if e["ph"] == "X"
+    ]

@@ -46,8 +46,16 @@ from asyncopd_jax.pipeline.progress import ProgressBar, Throughput
 from asyncopd_jax.pipeline.rollout import RolloutPool, Stages
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore, InMemorySnapshotStore, SnapshotStore
-from asyncopd_jax.pipeline.stage import (RolloutStage, build_rollout_stage, build_scoring_stage, rollout_shardings,
-                                         run_models, stage_mesh, teacher_on, with_shardings)
+from asyncopd_jax.pipeline.stage import (
+    RolloutStage,
+    build_rollout_stage,
+    build_scoring_stage,
+    rollout_shardings,
+    run_models,
+    stage_mesh,
+    teacher_on,
+    with_shardings,
+)
 from asyncopd_jax.pipeline.stage_processes import StageProcesses
 from asyncopd_jax.pipeline.staleness import RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
@@ -64,8 +72,12 @@ class Trainer:
         self.run_dir = RunDir(Path(cfg.output_dir) / cfg.name)
         self.multi_process = jax.process_count() > 1
         self.leader = distributed.is_leader()
-        self.layout = layout or plan_layout(cfg, run_path=self.run_dir.path, multi_process=self.multi_process,
-                                            available_cores=sorted(os.sched_getaffinity(0)))
+        self.layout = layout or plan_layout(
+            cfg,
+            run_path=self.run_dir.path,
+            multi_process=self.multi_process,
+            available_cores=sorted(os.sched_getaffinity(0)),
+        )
         self.tracer = Tracer(origin=self.layout.trace_origin)
         self.models = run_models(cfg)
         self.data, self.vocab_limit = self.models.task, self.models.vocab_limit
@@ -73,8 +85,11 @@ class Trainer:
         self.learner = LearnerStage(cfg, self.layout, self.models, self.multi_process)
         self.learner_devices = list(self.learner.mesh.devices.flat)
         here = [s for s in self.layout.of_role("scoring") if s.process == LEARNER_PROCESS]
-        self.scoring = build_scoring_stage(cfg, self.layout, here[0], self.models, self.learner_devices) \
-            if here and self.leader else None
+        self.scoring = (
+            build_scoring_stage(cfg, self.layout, here[0], self.models, self.learner_devices)
+            if here and self.leader
+            else None
+        )
         self.probes = Probes(cfg, self.models, self.learner, self._teacher_on_learner, self.leader, self.tracer)
         self.start_step, self.worker_index = 0, 0
         # Faults at run time: rows dropped for NaN / inf scores so far, and the checkpoint a
@@ -113,16 +128,21 @@ class Trainer:
         channel, params = self.layout.snapshots, self.learner.state.params
         if channel.in_memory:  # handed to the rollout threads by a device-to-device copy onto their devices
             rollouts = self.layout.of_role("rollout")
-            return InMemorySnapshotStore(keep=channel.keep, shardings=rollout_shardings(
-                self.layout, rollouts[0], params, self.learner_devices))
+            return InMemorySnapshotStore(
+                keep=channel.keep, shardings=rollout_shardings(self.layout, rollouts[0], params, self.learner_devices)
+            )
         # Versions left by an earlier incarnation of this run may be newer than the restored
         # policy; rollouts from them would be refused as "future". The learner is the only
         # writer and no reader runs yet, so start from an empty directory.
         if self.leader:
             shutil.rmtree(channel.directory, ignore_errors=True)
         distributed.barrier("snapshot directory emptied")
-        return DiskSnapshotStore(channel.directory, with_shardings(params, state_shardings(params, self.learner.mesh)),
-                                 keep=channel.keep, format=channel.format)
+        return DiskSnapshotStore(
+            channel.directory,
+            with_shardings(params, state_shardings(params, self.learner.mesh)),
+            keep=channel.keep,
+            format=channel.format,
+        )
 
     def _rollout_stage(self, plan: StagePlan) -> RolloutStage:
         """A rollout stage in this process (its weights from ``self.snapshots``, or, from
@@ -130,13 +150,24 @@ class Trainer:
         snapshots = self.snapshots
         if not self.layout.snapshots.in_memory:
             params = self.learner.state.params
-            snapshots = DiskSnapshotStore(self.layout.snapshots.directory, with_shardings(
-                params, rollout_shardings(self.layout, plan, params, self.learner_devices)),
-                read_only=True, format=self.layout.snapshots.format)
-        return build_rollout_stage(self.cfg, self.layout, plan, self.models, snapshots=snapshots, tracer=self.tracer,
-                                   scoring=self.scoring, graphdef=self.learner.graphdef,
-                                   default_devices=self.learner_devices,
-                                   interruptible=self.cfg.schedule.mode != "fixed_lag")
+            snapshots = DiskSnapshotStore(
+                self.layout.snapshots.directory,
+                with_shardings(params, rollout_shardings(self.layout, plan, params, self.learner_devices)),
+                read_only=True,
+                format=self.layout.snapshots.format,
+            )
+        return build_rollout_stage(
+            self.cfg,
+            self.layout,
+            plan,
+            self.models,
+            snapshots=snapshots,
+            tracer=self.tracer,
+            scoring=self.scoring,
+            graphdef=self.learner.graphdef,
+            default_devices=self.learner_devices,
+            interruptible=self.cfg.schedule.mode != "fixed_lag",
+        )
 
     def _start_stages(self, buffer: StalenessBuffer) -> Stages:
         """The rollout and scoring stages, where the layout puts them."""
@@ -149,14 +180,26 @@ class Trainer:
                 raise RuntimeError("a follower learner process needs stage processes (schedule.placement = processes)")
             return FollowerStages(exchange, groups_per_batch)
         if exchange is not None:
-            stages = StageProcesses(cfg=cfg, layout=layout, exchange=exchange, buffer=buffer,
-                                    first_index=self.worker_index, tracer=self.tracer)
+            stages = StageProcesses(
+                cfg=cfg,
+                layout=layout,
+                exchange=exchange,
+                buffer=buffer,
+                first_index=self.worker_index,
+                tracer=self.tracer,
+            )
         elif cfg.schedule.mode == "fixed_lag":  # whole batches from one policy, in this thread
-            stages = FixedLagRollouts(stage=self._rollout_stage(layout.of_role("rollout")[0]), lag=cfg.schedule.lag,
-                                      first_version=self.learner.version)
+            stages = FixedLagRollouts(
+                stage=self._rollout_stage(layout.of_role("rollout")[0]),
+                lag=cfg.schedule.lag,
+                first_version=self.learner.version,
+            )
         else:
-            stages = RolloutPool(stages=[self._rollout_stage(p) for p in layout.of_role("rollout")], buffer=buffer,
-                                 first_index=self.worker_index)
+            stages = RolloutPool(
+                stages=[self._rollout_stage(p) for p in layout.of_role("rollout")],
+                buffer=buffer,
+                first_index=self.worker_index,
+            )
         if self.multi_process:
             stages = LeaderStages(stages, groups_per_batch)
         stages.start()
@@ -192,8 +235,9 @@ class Trainer:
             if self.leader:
                 self.run_dir.write_summary(summary)
         self.probes.start()
-        buffer = StalenessBuffer(cfg.learner.batch_size, self.eta, cfg.learner.mini_batches,
-                                 first_version=self.learner.version)
+        buffer = StalenessBuffer(
+            cfg.learner.batch_size, self.eta, cfg.learner.mini_batches, first_version=self.learner.version
+        )
         self.snapshots = snapshots = self._snapshot_store()
         version = self.learner.version
         snapshots.publish(version, self.learner.state.params)
@@ -204,8 +248,11 @@ class Trainer:
         # Ctrl-C sets a flag read between steps: a KeyboardInterrupt raised wherever the main thread
         # happens to be was seen swallowed (a CI run kept training after SIGINT; docs/reliability.md).
         interrupted = threading.Event()
-        previous_sigint = (signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set())
-                           if threading.current_thread() is threading.main_thread() else None)
+        previous_sigint = (
+            signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set())
+            if threading.current_thread() is threading.main_thread()
+            else None
+        )
         try:
             while step < cfg.train.steps:
                 if interrupted.is_set():
@@ -242,10 +289,16 @@ class Trainer:
         cfg = self.cfg
         student = nnx.merge(self.learner.graphdef, distributed.gather(self.learner.state.params))
         teacher = self._teacher_accuracy() if "teacher_accuracy" not in summary else summary["teacher_accuracy"]
-        summary = {**({"teacher_accuracy": teacher} if teacher is not None else {}), **summary,
-                   "student_after": self.evaluate_student(), "steps": step, "dropped_stale": buffer.dropped_stale,
-                   "dropped_future": buffer.dropped_future, "nonfinite_rows": self.nonfinite_rows_total,
-                   "stage_seconds": self.tracer.totals()}
+        summary = {
+            **({"teacher_accuracy": teacher} if teacher is not None else {}),
+            **summary,
+            "student_after": self.evaluate_student(),
+            "steps": step,
+            "dropped_stale": buffer.dropped_stale,
+            "dropped_future": buffer.dropped_future,
+            "nonfinite_rows": self.nonfinite_rows_total,
+            "stage_seconds": self.tracer.totals(),
+        }
         if self.leader:
             save_pretrained(student, self.run_dir.path / "student")  # Hugging Face layout
             self.data.tokenizer.save_pretrained(self.run_dir.path / "student")
@@ -257,8 +310,11 @@ class Trainer:
 
     def _checkpoint(self, step: int) -> None:
         with self.tracer.span("checkpoint", step=step):
-            meta = {"step": step, "worker_index": self.stages.groups_started,
-                    "nonfinite_rows_total": self.nonfinite_rows_total}
+            meta = {
+                "step": step,
+                "worker_index": self.stages.groups_started,
+                "nonfinite_rows_total": self.nonfinite_rows_total,
+            }
             self.run_dir.save_checkpoint(step, self.learner.state, meta)
         self.last_checkpoint = (step, self._checkpoint_path(step))
         self.stages.checkpointed()
@@ -272,8 +328,15 @@ class Trainer:
         if self.leader:
             self.tracer.write(self.run_dir.path / "trace.json", others=self.stages.trace_files())
 
-    def _train_on_batch(self, groups: list[RolloutGroup], version: int, step: int, buffer: StalenessBuffer,
-                        bar: ProgressBar, throughput: Throughput) -> int:
+    def _train_on_batch(
+        self,
+        groups: list[RolloutGroup],
+        version: int,
+        step: int,
+        buffer: StalenessBuffer,
+        bar: ProgressBar,
+        throughput: Throughput,
+    ) -> int:
         """Run the optimizer steps of one rollout batch (its mini-batches); log one record each."""
         cfg, learner = self.cfg, self.learner
         rewards = np.concatenate([g.info["rewards"] for g in groups])
@@ -283,8 +346,14 @@ class Trainer:
         with self.tracer.span("proximal" if learner.proximal is not None else "place"):
             minis = learner.mini_batches(groups)
         behaviour = min(g.oldest_version for g in groups)  # still kept: it is ≥ version − η
-        probe = self.probes.diagnose(step, len(minis), lambda: jax.device_put(
-            self.snapshots.load(behaviour)[1], state_shardings(learner.state.params, learner.mesh)), behaviour)
+        probe = self.probes.diagnose(
+            step,
+            len(minis),
+            lambda: jax.device_put(
+                self.snapshots.load(behaviour)[1], state_shardings(learner.state.params, learner.mesh)
+            ),
+            behaviour,
+        )
         for mini in minis:
             if step >= cfg.train.steps:
                 break
@@ -302,14 +371,23 @@ class Trainer:
             jump = self.probes.extrapolate(step)  # before the version is published: it carries the jump
             elapsed = throughput.add(learner.rows_per_step(), int(metrics["tokens"]))
             record = {
-                "step": step, **metrics, "lr": float(learner.lr(step - 1)),
-                "staleness_mean": stale["mean"], "staleness_max": stale["max"], "staleness_hist": stale["hist"],
-                **rollout_acc, "samples_per_s": throughput.samples / elapsed,
-                "tokens_per_s": throughput.tokens / elapsed, "dropped_stale": buffer.dropped_stale,
-                "dropped_future": buffer.dropped_future, "nonfinite_rows_total": self.nonfinite_rows_total,
+                "step": step,
+                **metrics,
+                "lr": float(learner.lr(step - 1)),
+                "staleness_mean": stale["mean"],
+                "staleness_max": stale["max"],
+                "staleness_hist": stale["hist"],
+                **rollout_acc,
+                "samples_per_s": throughput.samples / elapsed,
+                "tokens_per_s": throughput.tokens / elapsed,
+                "dropped_stale": buffer.dropped_stale,
+                "dropped_future": buffer.dropped_future,
+                "nonfinite_rows_total": self.nonfinite_rows_total,
                 "time": elapsed,
                 "trace_s": time.time() - self.tracer.origin,  # the same clock as trace.json's spans
-                **probe, **jump, **self.probes.update_geometry(step),
+                **probe,
+                **jump,
+                **self.probes.update_geometry(step),
             }
             probe = {}  # on the first step of the batch only
             if step % cfg.train.eval_every == 0 or step == cfg.train.steps:

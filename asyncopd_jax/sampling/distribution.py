@@ -51,7 +51,9 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"sampling.{field} = {value!r} is invalid; allowed: {allowed}")
         if self.num_candidates and self.temperature == 0:
-            raise ValueError("sampling.num_candidates > 0 needs temperature > 0: greedy decoding has no distribution to draw from")
+            raise ValueError(
+                "sampling.num_candidates > 0 needs temperature > 0: greedy decoding has no distribution to draw from"
+            )
         if self.num_candidates and self.truncated and not self.allow_truncated_mc:
             raise ValueError(
                 f"sampling.top_p={self.top_p} / top_k={self.top_k} truncate the sampling distribution, so Monte-Carlo "

@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.estimators import sample_candidates
@@ -92,8 +92,9 @@ class Sampler:
         default device.
     """
 
-    def __init__(self, graphdef: nnx.GraphDef, params: SamplingParams, pad_id: int = 0,
-                 mesh: jax.sharding.Mesh | None = None):
+    def __init__(
+        self, graphdef: nnx.GraphDef, params: SamplingParams, pad_id: int = 0, mesh: jax.sharding.Mesh | None = None
+    ):
         self.graphdef = graphdef
         self.mesh = mesh
         self.params = params
@@ -204,16 +205,27 @@ class Sampler:
         prompt_lengths = mask.sum(axis=1).astype(np.int32)
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
         cache, next_logits = self._prefill(
-            state, self._put(ids), self._put(mask), self._put(positions), jnp.int32(slots_p - 1),
+            state,
+            self._put(ids),
+            self._put(mask),
+            self._put(positions),
+            jnp.int32(slots_p - 1),
             slots=slots_p + t_max,
         )
         n, k = max(p.num_candidates, 1), max(p.student_topk, 1)
         carry = DecodeState(
-            cache=cache, next_logits=next_logits, step=jnp.int32(0), done=jnp.zeros((b,), bool),
-            tokens=jnp.full((b, t_max), self.pad_id, jnp.int32), logp=jnp.zeros((b, t_max), jnp.float32),
-            versions=jnp.zeros((b, t_max), jnp.int32), mask=jnp.zeros((b, t_max), bool),
-            candidate_ids=jnp.zeros((b, t_max, n), jnp.int32), candidate_logp=jnp.zeros((b, t_max, n), jnp.float32),
-            topk_ids=jnp.zeros((b, t_max, k), jnp.int32), topk_logp=jnp.zeros((b, t_max, k), jnp.float32),
+            cache=cache,
+            next_logits=next_logits,
+            step=jnp.int32(0),
+            done=jnp.zeros((b,), bool),
+            tokens=jnp.full((b, t_max), self.pad_id, jnp.int32),
+            logp=jnp.zeros((b, t_max), jnp.float32),
+            versions=jnp.zeros((b, t_max), jnp.int32),
+            mask=jnp.zeros((b, t_max), bool),
+            candidate_ids=jnp.zeros((b, t_max, n), jnp.int32),
+            candidate_logp=jnp.zeros((b, t_max, n), jnp.float32),
+            topk_ids=jnp.zeros((b, t_max, k), jnp.int32),
+            topk_logp=jnp.zeros((b, t_max, k), jnp.float32),
             prompt_lengths=self._put(prompt_lengths),
         )
         step = 0
@@ -229,8 +241,11 @@ class Sampler:
                 version, state = update
                 carry = self._recompute_cache(state, carry, ids, mask, positions, step)
         return RolloutBatch(
-            prompt_tokens=self._put(ids), prompt_mask=self._put(mask),
-            response_tokens=carry.tokens, response_mask=carry.mask, behavior_logp=carry.logp,
+            prompt_tokens=self._put(ids),
+            prompt_mask=self._put(mask),
+            response_tokens=carry.tokens,
+            response_mask=carry.mask,
+            behavior_logp=carry.logp,
             token_version=carry.versions,
             candidate_ids=carry.candidate_ids if p.num_candidates else None,
             candidate_behavior_logp=carry.candidate_logp if p.num_candidates else None,

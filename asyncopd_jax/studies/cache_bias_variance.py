@@ -74,6 +74,7 @@ def _estimators(budget: int, vocab: int, mu_logits, q_logits):
         def fn(z, key):
             ids, mu_logp = candidates(key)
             return est.reverse_kl_mc(g(z, ids), mu_logp, g(q_logits, ids), **kw)
+
         return fn
 
     def loo(z, key):
@@ -82,14 +83,25 @@ def _estimators(budget: int, vocab: int, mu_logits, q_logits):
 
     def hybrid(z, key):
         ids, mu_logp = candidates(key)
-        return est.reverse_kl_hybrid(g(z, student_support), g(q_logits, student_support), student_support,
-                                     g(z, ids), mu_logp, g(q_logits, ids), ids)
+        return est.reverse_kl_hybrid(
+            g(z, student_support),
+            g(q_logits, student_support),
+            student_support,
+            g(z, ids),
+            mu_logp,
+            g(q_logits, ids),
+            ids,
+        )
 
     return {
         "top-K, student support (`reverse_kl_topk`)": (
-            False, lambda z, key: est.reverse_kl_topk(g(z, student_support), g(q_logits, student_support))),
+            False,
+            lambda z, key: est.reverse_kl_topk(g(z, student_support), g(q_logits, student_support)),
+        ),
         "top-K, teacher support": (
-            False, lambda z, key: est.reverse_kl_topk(g(z, teacher_support), g(q_logits, teacher_support))),
+            False,
+            lambda z, key: est.reverse_kl_topk(g(z, teacher_support), g(q_logits, teacher_support)),
+        ),
         "MC + IS, recompute (`reverse_kl_mc`)": (True, mc()),
         "MC + IS, leave-one-out (`reverse_kl_mc_loo`)": (True, loo),
         "hybrid (`reverse_kl_hybrid`)": (True, hybrid),
@@ -98,8 +110,9 @@ def _estimators(budget: int, vocab: int, mu_logits, q_logits):
     }
 
 
-def gradient_statistics(student_logits, behaviour_logits, teacher_logits, *, budgets=BUDGETS, draws: int,
-                        key) -> dict[tuple[str, int], dict[str, float]]:
+def gradient_statistics(
+    student_logits, behaviour_logits, teacher_logits, *, budgets=BUDGETS, draws: int, key
+) -> dict[tuple[str, int], dict[str, float]]:
     """Bias², variance, MSE and cosine of every estimator at every budget (see the module
     docstring), relative to the mean squared norm of the exact gradient.
 
@@ -121,8 +134,12 @@ def gradient_statistics(student_logits, behaviour_logits, teacher_logits, *, bud
             mse = float(jnp.mean(jnp.sum((grads - exact) ** 2, -1)))
             flat, ref = grads.reshape(grads.shape[0], -1), exact.reshape(-1)
             cosine = float(jnp.mean(flat @ ref / (jnp.linalg.norm(flat, axis=-1) * jnp.linalg.norm(ref) + 1e-30)))
-            out[name, budget] = {"bias2": bias2 / scale, "variance": variance / scale, "mse": mse / scale,
-                                 "cosine": cosine}
+            out[name, budget] = {
+                "bias2": bias2 / scale,
+                "variance": variance / scale,
+                "mse": mse / scale,
+                "cosine": cosine,
+            }
     return out
 
 
@@ -138,10 +155,20 @@ def train_policies(work: Path, seed: int, settings: Settings, lags=LAGS) -> dict
     shutil.rmtree(run, ignore_errors=True)
     versions = sorted({max(0, settings.steps - k) for k in lags})
     out: dict[int, Path] = {}
-    sets = ["name=train", f"output_dir={run}", f"seed={seed}", "schedule.mode=fixed_lag", "schedule.lag=0",
-            "optim.schedule=constant", "optim.warmup_steps=0", f"optim.learning_rate={settings.learning_rate}",
-            f"learner.batch_size={settings.batch_size}", "task.eval_prompts=64", f"train.eval_every={10**6}",
-            f"train.checkpoint_every={10**6}"]
+    sets = [
+        "name=train",
+        f"output_dir={run}",
+        f"seed={seed}",
+        "schedule.mode=fixed_lag",
+        "schedule.lag=0",
+        "optim.schedule=constant",
+        "optim.warmup_steps=0",
+        f"optim.learning_rate={settings.learning_rate}",
+        f"learner.batch_size={settings.batch_size}",
+        "task.eval_prompts=64",
+        f"train.eval_every={10**6}",
+        f"train.checkpoint_every={10**6}",
+    ]
     done = 0
     for version in versions:
         target = run / f"v{version}"
@@ -166,11 +193,16 @@ def policy_logits(policies: dict[str, Any], behaviour: str, prompts: int, seed: 
     tokenizer = models[behaviour][1]
     data = TaskData(cfg.task, tokenizer)
     graphdef, state = nnx.split(models[behaviour][0])
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=data.max_new_tokens, stop_token_ids=(data.eos_id,),
-                              chunk_steps=data.max_new_tokens)
+    sampling = SamplingParams(
+        temperature=1.0,
+        max_new_tokens=data.max_new_tokens,
+        stop_token_ids=(data.eos_id,),
+        chunk_steps=data.max_new_tokens,
+    )
     prompt_ids, _ = data.train_prompts(np.random.default_rng([seed, 7]), prompts)
     batch = Sampler(graphdef, sampling, pad_id=data.pad_id).generate(
-        state, prompt_ids, jax.random.key(seed), prompt_slots=data.prompt_slots)
+        state, prompt_ids, jax.random.key(seed), prompt_slots=data.prompt_slots
+    )
     ids = jnp.concatenate([batch.prompt_tokens, batch.response_tokens], axis=1)
     mask = jnp.concatenate([batch.prompt_mask, batch.response_mask], axis=1)
     keep = np.asarray(batch.response_mask)
@@ -184,8 +216,15 @@ def policy_logits(policies: dict[str, Any], behaviour: str, prompts: int, seed: 
 # --- the study --------------------------------------------------------------------------------------
 
 
-def run(out_dir: str | Path, work_dir: str | Path, *, quick: bool = False, seeds: int = 3, jobs: int = 1,
-        command: str = "asyncopd study cache_bias_variance") -> Path:
+def run(
+    out_dir: str | Path,
+    work_dir: str | Path,
+    *,
+    quick: bool = False,
+    seeds: int = 3,
+    jobs: int = 1,
+    command: str = "asyncopd study cache_bias_variance",
+) -> Path:
     """``jobs`` is ignored: the three students train one after the other (a few minutes)."""
     settings = QUICK if quick else FULL
     work = Path(work_dir) / "cache_bias_variance"
@@ -207,17 +246,27 @@ def _measure(work: Path, settings: Settings, seeds: int) -> dict[int, list[dict]
             behaviour = max(0, t - k)
             policies = {"student": versions[t], "behaviour": versions[behaviour], "teacher": "builtin:teacher"}
             logits = policy_logits(policies, "behaviour", settings.prompts, seed)
-            results[k].append(gradient_statistics(logits["student"], logits["behaviour"], logits["teacher"],
-                                                  draws=settings.draws, key=jax.random.key(seed)))
+            results[k].append(
+                gradient_statistics(
+                    logits["student"],
+                    logits["behaviour"],
+                    logits["teacher"],
+                    draws=settings.draws,
+                    key=jax.random.key(seed),
+                )
+            )
     return results
 
 
 def save_statistics(path: Path, results: dict[int, list[dict]], settings: Settings, seeds: int) -> None:
     """Write the per-seed statistics next to the report (versioned with it, like the training
     studies' ledgers), with the settings and seeds they were measured under."""
-    rows = [{"lag": k, "seed": seed, "estimator": name, "budget": budget, **values}
-            for k, per_seed in results.items() for seed, stats in enumerate(per_seed)
-            for (name, budget), values in stats.items()]
+    rows = [
+        {"lag": k, "seed": seed, "estimator": name, "budget": budget, **values}
+        for k, per_seed in results.items()
+        for seed, stats in enumerate(per_seed)
+        for (name, budget), values in stats.items()
+    ]
     save_measured(path, settings, {"seeds": seeds, "rows": rows})
 
 
@@ -229,15 +278,15 @@ def load_statistics(path: Path, settings: Settings, seeds: int) -> dict[int, lis
     results: dict[int, list[dict]] = {k: [{} for _ in range(seeds)] for k in LAGS}
     for row in saved["rows"]:
         results[row["lag"]][row["seed"]][row["estimator"], row["budget"]] = {
-            field: row[field] for field in ("bias2", "variance", "mse", "cosine")}
+            field: row[field] for field in ("bias2", "variance", "mse", "cosine")
+        }
     return results
 
 
 def _write_report(out_dir: Path, results, settings: Settings, seeds: int, command: str) -> Path:
     plt = pyplot()
 
-    report = Report(out_dir, "cache_bias_variance", "E3: cache bias and variance of the reverse-KL estimators",
-                    command)
+    report = Report(out_dir, "cache_bias_variance", "E3: cache bias and variance of the reverse-KL estimators", command)
     names = list(results[LAGS[0]][0].keys())
     estimators = list(dict.fromkeys(n for n, _ in names))
 
@@ -250,13 +299,20 @@ def _write_report(out_dir: Path, results, settings: Settings, seeds: int, comman
     report.text(_intro(settings, seeds))
     for k in LAGS:
         report.heading(f"Staleness k = {k}: MSE / ‖g*‖² by budget K = N")
-        report.table(["estimator", *[f"{b}" for b in BUDGETS]],
-                     [[name, *[mean_spread(stat(k, name, b, "mse")) for b in BUDGETS]] for name in estimators])
+        report.table(
+            ["estimator", *[f"{b}" for b in BUDGETS]],
+            [[name, *[mean_spread(stat(k, name, b, "mse")) for b in BUDGETS]] for name in estimators],
+        )
     report.heading("Bias² and variance at K = N = 8 (relative to ‖g*‖²)")
     rows = []
     for name in estimators:
-        rows.append([name, *[f"{avg(k, name, 8, 'bias2'):.3g} / {avg(k, name, 8, 'variance'):.3g}" for k in LAGS],
-                     *[f"{avg(k, name, 8, 'cosine'):.3f}" for k in LAGS]])
+        rows.append(
+            [
+                name,
+                *[f"{avg(k, name, 8, 'bias2'):.3g} / {avg(k, name, 8, 'variance'):.3g}" for k in LAGS],
+                *[f"{avg(k, name, 8, 'cosine'):.3f}" for k in LAGS],
+            ]
+        )
     report.table(["estimator", *[f"bias² / var, k = {k}" for k in LAGS], *[f"cosine, k = {k}" for k in LAGS]], rows)
 
     fig, axes = plt.subplots(1, len(LAGS), figsize=(5 * len(LAGS), 4), sharey=True)
@@ -269,25 +325,36 @@ def _write_report(out_dir: Path, results, settings: Settings, seeds: int, comman
         ax.set_xlabel("budget K = N (ids per position)")
     axes[0].set_ylabel("MSE / ‖g*‖²")
     axes[-1].legend(fontsize=7)
-    report.figure(fig, "mse_by_budget.png", "Relative MSE of each estimator's gradient against the budget, "
-                  "mean over seeds")
+    report.figure(
+        fig, "mse_by_budget.png", "Relative MSE of each estimator's gradient against the budget, mean over seeds"
+    )
     plt.close(fig)
 
     report.heading("Verdict")
     report.text(_verdict(stat, estimators, settings.draws))
-    report.config("Settings", {**dataclasses.asdict(settings), "seeds": list(range(seeds)), "lags": LAGS,
-                               "budgets": BUDGETS, "config": "asyncopd_jax/configs/demo.yaml + the overrides in "
-                               "asyncopd_jax/studies/cache_bias_variance.py::train_policies"})
+    report.config(
+        "Settings",
+        {
+            **dataclasses.asdict(settings),
+            "seeds": list(range(seeds)),
+            "lags": LAGS,
+            "budgets": BUDGETS,
+            "config": "asyncopd_jax/configs/demo.yaml + the overrides in "
+            "asyncopd_jax/studies/cache_bias_variance.py::train_policies",
+        },
+    )
     return report.write()
 
 
 def _intro(settings: Settings, seeds: int) -> str:
-    return (f"Students trained to t = {settings.steps} optimizer steps (batch {settings.batch_size}, learning rate "
-            f"{settings.learning_rate}, seeds 0–{seeds - 1}); states: responses to {settings.prompts} training "
-            f"prompts sampled by π_(t−k); {settings.draws} independent draws per stochastic estimator. Every figure "
-            "is relative to the mean squared norm of the exact gradient ∇_z KL(π_t ‖ q) per position; "
-            "\"a ± b\" is the mean over seeds ± half their range. The vocabulary has only "
-            "a few dozen ids, so supports of 16 and 32 ids cover most or all of it.")
+    return (
+        f"Students trained to t = {settings.steps} optimizer steps (batch {settings.batch_size}, learning rate "
+        f"{settings.learning_rate}, seeds 0–{seeds - 1}); states: responses to {settings.prompts} training "
+        f"prompts sampled by π_(t−k); {settings.draws} independent draws per stochastic estimator. Every figure "
+        "is relative to the mean squared norm of the exact gradient ∇_z KL(π_t ‖ q) per position; "
+        '"a ± b" is the mean over seeds ± half their range. The vocabulary has only '
+        "a few dozen ids, so supports of 16 and 32 ids cover most or all of it."
+    )
 
 
 def _verdict(stat, estimators, draws: int) -> str:
@@ -305,6 +372,7 @@ def _verdict(stat, estimators, draws: int) -> str:
     topk, mc = estimators[0], estimators[2]
     parts, failed = [], []
     for k in LAGS:
+
         def ms(name, budget, field):
             return mean_spread(stat(k, name, budget, field))
 
@@ -317,15 +385,18 @@ def _verdict(stat, estimators, draws: int) -> str:
         }
         failed += [f"{claim} at k = {k}" for claim, holds in checks.items() if not holds]
         cut = np.mean(stat(k, mc, 1, "variance")) / max(np.mean(mc_var), 1e-30)
-        crossing = next((b for b in BUDGETS if np.mean(stat(k, mc, b, "mse")) < np.mean(stat(k, topk, b, "mse"))),
-                        None)
+        crossing = next((b for b in BUDGETS if np.mean(stat(k, mc, b, "mse")) < np.mean(stat(k, topk, b, "mse"))), None)
         parts.append(
             f"k = {k}: top-K (student support) at K = 8 has bias² {ms(topk, 8, 'bias2')} and variance "
             f"{ms(topk, 8, 'variance')}; MC + IS at N = 8 has bias² {ms(mc, 8, 'bias2')} (after removing the draws' "
             f"own noise, variance / {draws} = {np.mean(mc_var) / draws:.2g}) and variance {ms(mc, 8, 'variance')}; "
             f"its variance at N = 1 is {ms(mc, 1, 'variance')}, {cut:.1f}× that at N = 8 (1/N predicts 8×); "
-            + (f"MC's MSE drops below top-K's from a budget of {crossing} on." if crossing
-               else "MC's MSE stays above top-K's at every budget measured."))
+            + (
+                f"MC's MSE drops below top-K's from a budget of {crossing} on."
+                if crossing
+                else "MC's MSE stays above top-K's at every budget measured."
+            )
+        )
     total = 3 * len(LAGS)
     if not failed:
         verdict = "reproduced: all three hold at every k"
@@ -333,7 +404,9 @@ def _verdict(stat, estimators, draws: int) -> str:
         verdict = f"partly reproduced: {len(failed)} of {total} do not hold ({'; '.join(failed)})"
     else:
         verdict = "not reproduced: none of the three holds at any k"
-    return ("Finding 3 (finite caches trade bias (top-K) against variance (sampled); multi-sample MC stays unbiased "
-            "and cuts the one-sample variance), judged by three rules at each k: top-K biased without variance; MC + "
-            f"IS unbiased (|bias²| within the noise of the mean of {draws} draws on every seed); MC's variance at "
-            "N = 1 above that at N = 8 by more than the seeds' spread. " + " ".join(parts) + f" Verdict: {verdict}.")
+    return (
+        "Finding 3 (finite caches trade bias (top-K) against variance (sampled); multi-sample MC stays unbiased "
+        "and cuts the one-sample variance), judged by three rules at each k: top-K biased without variance; MC + "
+        f"IS unbiased (|bias²| within the noise of the mean of {draws} draws on every seed); MC's variance at "
+        "N = 1 above that at N = 8 by more than the seeds' spread. " + " ".join(parts) + f" Verdict: {verdict}."
+    )

@@ -22,15 +22,24 @@ import numpy as np
 from asyncopd_jax.studies.report import Report, mean_spread, pyplot
 from asyncopd_jax.studies.training_runs import LEDGER_KEYS, fixed_lag_sets, run_trainings, train
 
-KEYS = (*LEDGER_KEYS, "eval_accuracy", "eval_seconds", "time", "update_geometry", "extrapolation_factor",
-        "extrapolation_base_score",
-        "extrapolation_tried", "extrapolation_seconds")
+KEYS = (
+    *LEDGER_KEYS,
+    "eval_accuracy",
+    "eval_seconds",
+    "time",
+    "update_geometry",
+    "extrapolation_factor",
+    "extrapolation_base_score",
+    "extrapolation_tried",
+    "extrapolation_seconds",
+)
 # EffOPD's probe is the accuracy of answers; the exact reverse KL to the teacher is a smoother
 # probe while the student still answers almost nothing right (3.9 % at the start)
-ARMS = {"plain": ["learner.extrapolation.enabled=false"],
-        "extrapolation": ["learner.extrapolation.enabled=true", "learner.extrapolation.probe_metric=accuracy"],
-        "extrapolation_kl_probe": ["learner.extrapolation.enabled=true",
-                                   "learner.extrapolation.probe_metric=reverse_kl"]}
+ARMS = {
+    "plain": ["learner.extrapolation.enabled=false"],
+    "extrapolation": ["learner.extrapolation.enabled=true", "learner.extrapolation.probe_metric=accuracy"],
+    "extrapolation_kl_probe": ["learner.extrapolation.enabled=true", "learner.extrapolation.probe_metric=reverse_kl"],
+}
 EXTRAPOLATED = ("extrapolation", "extrapolation_kl_probe")
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -48,26 +57,67 @@ class Settings:
 
 
 # E1's forward_kl_topk setting at k = 0 (72 % after 600 steps at 3e-3, still rising): room to be faster
-FULL = Settings(steps=600, batch_size=64, warmup_steps=20, learning_rate=3e-3, eval_every=25, eval_prompts=256,
-                probe_prompts=64, geometry_every=25)
-QUICK = Settings(steps=8, batch_size=8, warmup_steps=2, learning_rate=3e-3, eval_every=2, eval_prompts=16,
-                 probe_prompts=8, geometry_every=4)
+FULL = Settings(
+    steps=600,
+    batch_size=64,
+    warmup_steps=20,
+    learning_rate=3e-3,
+    eval_every=25,
+    eval_prompts=256,
+    probe_prompts=64,
+    geometry_every=25,
+)
+QUICK = Settings(
+    steps=8,
+    batch_size=8,
+    warmup_steps=2,
+    learning_rate=3e-3,
+    eval_every=2,
+    eval_prompts=16,
+    probe_prompts=8,
+    geometry_every=4,
+)
 
 
 def _sets(arm: str, seed: int, s: Settings) -> list[str]:
-    return ["estimator.name=forward_kl_topk", *ARMS[arm], f"learner.extrapolation.probe_prompts={s.probe_prompts}",
-            *fixed_lag_sets(seed=seed, lag=0, learning_rate=s.learning_rate, batch_size=s.batch_size, steps=s.steps,
-                            warmup_steps=s.warmup_steps, diagnostics_every=0, probe_prompts=8,
-                            eval_prompts=s.eval_prompts),
-            f"train.eval_every={s.eval_every}", f"train.update_geometry_every={s.geometry_every}"]
+    return [
+        "estimator.name=forward_kl_topk",
+        *ARMS[arm],
+        f"learner.extrapolation.probe_prompts={s.probe_prompts}",
+        *fixed_lag_sets(
+            seed=seed,
+            lag=0,
+            learning_rate=s.learning_rate,
+            batch_size=s.batch_size,
+            steps=s.steps,
+            warmup_steps=s.warmup_steps,
+            diagnostics_every=0,
+            probe_prompts=8,
+            eval_prompts=s.eval_prompts,
+        ),
+        f"train.eval_every={s.eval_every}",
+        f"train.update_geometry_every={s.geometry_every}",
+    ]
 
 
-def run(out_dir: str | Path, work_dir: str | Path, *, quick: bool = False, seeds: int = 3, jobs: int = 1,
-        command: str = "asyncopd study extrapolation") -> Path:
+def run(
+    out_dir: str | Path,
+    work_dir: str | Path,
+    *,
+    quick: bool = False,
+    seeds: int = 3,
+    jobs: int = 1,
+    command: str = "asyncopd study extrapolation",
+) -> Path:
     s = QUICK if quick else FULL
     runs = {(arm, seed): (f"{arm}-s{seed}", _sets(arm, seed, s)) for seed in range(seeds) for arm in ARMS}
-    results = run_trainings(Path(work_dir) / "extrapolation", Path(out_dir) / "extrapolation" / "runs.jsonl", runs,
-                            jobs=jobs, train=functools.partial(train, keys=KEYS))
+    results = run_trainings(
+        Path(work_dir) / "extrapolation",
+        Path(out_dir) / "extrapolation" / "runs.jsonl",
+        runs,
+        jobs=jobs,
+        train=functools.partial(train, keys=KEYS),
+    )
     return _write_report(Path(out_dir), results, s, seeds, command)
 
 
@@ -97,8 +147,17 @@ def geometry_by_kind(result: dict) -> dict[str, np.ndarray]:
     records = [r for r in result["records"] if "update_geometry" in r]
     out: dict[str, np.ndarray] = {"steps": np.array([r["step"] for r in records])}
     for kind in KINDS:
-        out[kind] = np.array([[_nanmean([np.nan if v[i] is None else v[i] for m, v in r["update_geometry"].items()
-                                          if m.endswith(kind)]) for i in range(3)] for r in records])
+        out[kind] = np.array(
+            [
+                [
+                    _nanmean(
+                        [np.nan if v[i] is None else v[i] for m, v in r["update_geometry"].items() if m.endswith(kind)]
+                    )
+                    for i in range(3)
+                ]
+                for r in records
+            ]
+        )
     return out
 
 
@@ -111,16 +170,19 @@ def _nanmean(values) -> float:
 def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command: str) -> Path:
     plt = pyplot()
 
-    report = Report(out_dir, "extrapolation", "EffOPD: weight extrapolation against plain on-policy distillation",
-                    command)
-    report.text(f"Each seed distils the built-in task twice from the shipped student with the same prompts in the "
-                f"same order (`forward_kl_topk`, {s.steps} steps of batch {s.batch_size}, learning rate "
-                f"{s.learning_rate:g} after {s.warmup_steps} warm-up steps, constant; `schedule.mode: fixed_lag`, "
-                f"k = 0): plain, and with `learner.extrapolation.enabled: true` (factors 3, 5, 7, 9, 11 at steps "
-                f"1, 2, 4, …; a probe of {s.probe_prompts} training-distribution prompts answered greedily; strict "
-                f"improvement or rollback). Held-out accuracy (greedy, {s.eval_prompts} problems) every "
-                f"{s.eval_every} steps. Seconds: the wall-clock of training up to that step, the extrapolation "
-                "probes included and the held-out evaluations taken out. \"a ± b\": mean ± half-range over seeds.")
+    report = Report(
+        out_dir, "extrapolation", "EffOPD: weight extrapolation against plain on-policy distillation", command
+    )
+    report.text(
+        f"Each seed distils the built-in task twice from the shipped student with the same prompts in the "
+        f"same order (`forward_kl_topk`, {s.steps} steps of batch {s.batch_size}, learning rate "
+        f"{s.learning_rate:g} after {s.warmup_steps} warm-up steps, constant; `schedule.mode: fixed_lag`, "
+        f"k = 0): plain, and with `learner.extrapolation.enabled: true` (factors 3, 5, 7, 9, 11 at steps "
+        f"1, 2, 4, …; a probe of {s.probe_prompts} training-distribution prompts answered greedily; strict "
+        f"improvement or rollback). Held-out accuracy (greedy, {s.eval_prompts} problems) every "
+        f"{s.eval_every} steps. Seconds: the wall-clock of training up to that step, the extrapolation "
+        'probes included and the held-out evaluations taken out. "a ± b": mean ± half-range over seeds.'
+    )
     probe_name = {"extrapolation": "accuracy probe (EffOPD)", "extrapolation_kl_probe": "reverse-KL probe"}
     rows: list[list] = []
     speedups: dict[str, list[float]] = {arm: [] for arm in EXTRAPOLATED}
@@ -134,17 +196,54 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
             speedups[arm].append(p_steps / e_steps)
             time_speedups.append(p_sec / e_sec)
             probe = sum(r.get("extrapolation_seconds", 0.0) for r in jumped["records"])
-            rows.append([probe_name[arm], seed, f"{100 * target:.1f}",
-                         f"{100 * jumped['summary'].get('student_after', np.nan):.1f}", f"{p_steps:.0f}",
-                         f"{e_steps:.0f}", f"{p_steps / e_steps:.2f}×", f"{p_sec:.0f}",
-                         f"{e_sec:.0f} ({probe:.0f} probing)", f"{p_sec / e_sec:.2f}×"])
-        rows.append([f"**{probe_name[arm]}: mean ± half-range**", "", "", "", "", "",
-                     f"{mean_spread(speedups[arm])}×", "", "", f"{mean_spread(time_speedups)}×"])
+            rows.append(
+                [
+                    probe_name[arm],
+                    seed,
+                    f"{100 * target:.1f}",
+                    f"{100 * jumped['summary'].get('student_after', np.nan):.1f}",
+                    f"{p_steps:.0f}",
+                    f"{e_steps:.0f}",
+                    f"{p_steps / e_steps:.2f}×",
+                    f"{p_sec:.0f}",
+                    f"{e_sec:.0f} ({probe:.0f} probing)",
+                    f"{p_sec / e_sec:.2f}×",
+                ]
+            )
+        rows.append(
+            [
+                f"**{probe_name[arm]}: mean ± half-range**",
+                "",
+                "",
+                "",
+                "",
+                "",
+                f"{mean_spread(speedups[arm])}×",
+                "",
+                "",
+                f"{mean_spread(time_speedups)}×",
+            ]
+        )
     report.heading("Steps and seconds to the plain run's final accuracy")
-    report.table(["extrapolation", "seed", "plain final (%)", "extrapolated final (%)", "plain steps",
-                  "extrapolated steps", "step speed-up", "plain s", "extrapolated s", "time speed-up"], rows)
-    report.text("A plain run may reach its own final accuracy before its last step (held-out accuracy is not "
-                "monotone); \"–\" or nan: never reached.")
+    report.table(
+        [
+            "extrapolation",
+            "seed",
+            "plain final (%)",
+            "extrapolated final (%)",
+            "plain steps",
+            "extrapolated steps",
+            "step speed-up",
+            "plain s",
+            "extrapolated s",
+            "time speed-up",
+        ],
+        rows,
+    )
+    report.text(
+        "A plain run may reach its own final accuracy before its last step (held-out accuracy is not "
+        'monotone); "–" or nan: never reached.'
+    )
 
     def jump_cell(record, scale):
         if record is None:
@@ -154,12 +253,16 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
 
     for arm in EXTRAPOLATED:
         report.heading(f"Every extrapolation tried: {probe_name[arm]}", level=3)
-        kept = {seed: {r["step"]: r for r in results[arm, seed]["records"] if "extrapolation_factor" in r}
-                for seed in range(seeds)}
+        kept = {
+            seed: {r["step"]: r for r in results[arm, seed]["records"] if "extrapolation_factor" in r}
+            for seed in range(seeds)
+        }
         points = sorted({step for jumps in kept.values() for step in jumps})
         unit, scale = ("probe accuracy %", 100) if arm == "extrapolation" else ("probe −KL(π ‖ q)", 1)
-        report.table(["step", *[f"seed {seed}: factor kept ({unit} of θ_t; factor: score)" for seed in range(seeds)]],
-                     [[step, *[jump_cell(kept[seed].get(step), scale) for seed in range(seeds)]] for step in points])
+        report.table(
+            ["step", *[f"seed {seed}: factor kept ({unit} of θ_t; factor: score)" for seed in range(seeds)]],
+            [[step, *[jump_cell(kept[seed].get(step), scale) for seed in range(seeds)]] for step in points],
+        )
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for arm, color in (("plain", "tab:blue"), ("extrapolation", "tab:red"), ("extrapolation_kl_probe", "tab:green")):
@@ -175,12 +278,14 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
     report.heading("The geometry of the updates (plain runs)")
     geometry = [geometry_by_kind(results["plain", seed]) for seed in range(seeds)]
     final = {kind: np.array([g[kind][-1] for g in geometry if len(g[kind])]) for kind in KINDS}
-    report.table(["module", "‖ΔW‖ / ‖W₀‖ at the end", "rank-1 energy at the end", "alignment at the end"],
-                 [[kind, *[mean_spread(final[kind][:, i]) if final[kind].size else "–" for i in range(3)]]
-                  for kind in KINDS])
+    report.table(
+        ["module", "‖ΔW‖ / ‖W₀‖ at the end", "rank-1 energy at the end", "alignment at the end"],
+        [[kind, *[mean_spread(final[kind][:, i]) if final[kind].size else "–" for i in range(3)]] for kind in KINDS],
+    )
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for i, (ax, label) in enumerate(zip(axes, ("‖W_t − W_0‖ / ‖W_0‖", "rank-1 energy σ₁² / ‖ΔW‖²",
-                                                "cos(recent update, update before it)"))):
+    for i, (ax, label) in enumerate(
+        zip(axes, ("‖W_t − W_0‖ / ‖W_0‖", "rank-1 energy σ₁² / ‖ΔW‖²", "cos(recent update, update before it)"))
+    ):
         for kind in KINDS:
             steps = geometry[0]["steps"]
             values = [_nanmean(v) for v in zip(*[g[kind][:, i] for g in geometry if len(g[kind]) == len(steps)])]
@@ -188,8 +293,11 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         ax.set_xlabel("learner step")
         ax.set_title(label, fontsize=10)
     axes[0].legend(fontsize=8)
-    report.figure(fig, "geometry.png", "Update geometry of the plain runs by module (mean over layers and seeds); "
-                  "MLP solid, attention dashed")
+    report.figure(
+        fig,
+        "geometry.png",
+        "Update geometry of the plain runs by module (mean over layers and seeds); MLP solid, attention dashed",
+    )
     plt.close(fig)
 
     failed = [f"{arm} seed {seed}: {r['error']}" for (arm, seed), r in results.items() if r["error"]]
@@ -197,8 +305,10 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         report.text("Runs that stopped with an error: " + "; ".join(failed))
     report.heading("Verdict")
     report.text(_verdict({probe_name[arm]: v for arm, v in speedups.items()}, final))
-    report.config("Settings of every run (asyncopd_jax/configs/demo.yaml plus these overrides)",
-                  {f"{arm}, seed={seed}": r["sets"] for (arm, seed), r in results.items()})
+    report.config(
+        "Settings of every run (asyncopd_jax/configs/demo.yaml plus these overrides)",
+        {f"{arm}, seed={seed}": r["sets"] for (arm, seed), r in results.items()},
+    )
     return report.write()
 
 
@@ -219,15 +329,19 @@ def _verdict(speedups: dict[str, list[float]], final: dict[str, np.ndarray]) -> 
     rank1 = np.nanmean([final[k][:, 1] for k in KINDS if final[k].size])
     align = np.nanmean([final[k][:, 2] for k in KINDS if final[k].size])
     claims = "; ".join(f"with the {name}: {_claim(v)}" for name, v in speedups.items())
-    text = (f"Fewer steps to the plain run's final accuracy (EffOPD: about 3×): {claims}. "
-            f"Update geometry: relative update norm {mlp:.3g} in the MLP against {attention:.3g} in attention; "
-            f"rank-1 energy {rank1:.2f} on average (an isotropic random update of the student's shapes: "
-            f"(√m + √n)² / mn = 0.04–0.09); the last update's cosine to the update before it {align:.2f}.")
+    text = (
+        f"Fewer steps to the plain run's final accuracy (EffOPD: about 3×): {claims}. "
+        f"Update geometry: relative update norm {mlp:.3g} in the MLP against {attention:.3g} in attention; "
+        f"rank-1 energy {rank1:.2f} on average (an isotropic random update of the student's shapes: "
+        f"(√m + √n)² / mn = 0.04–0.09); the last update's cosine to the update before it {align:.2f}."
+    )
     if all(np.nanmean(np.array(v, float)) <= 1.2 for v in speedups.values()):
         # EffOPD's explanation: updates settle early on a stable, low-rank direction
-        text += (" The most likely reason it does not reproduce: extrapolation pays when the updates settle on "
-                 "a stable, low-rank direction (EffOPD's finding), so that θ_t − θ_a keeps pointing downhill; "
-                 f"here the rank-1 energy is {rank1:.2f}, far from 1, and successive updates are nearly "
-                 f"orthogonal (cosine {align:.2f}), so a jump of 3× or more along θ_t − θ_a overshoots and the "
-                 "probe rejects it.")
+        text += (
+            " The most likely reason it does not reproduce: extrapolation pays when the updates settle on "
+            "a stable, low-rank direction (EffOPD's finding), so that θ_t − θ_a keeps pointing downhill; "
+            f"here the rank-1 energy is {rank1:.2f}, far from 1, and successive updates are nearly "
+            f"orthogonal (cosine {align:.2f}), so a jump of 3× or more along θ_t − θ_a overshoots and the "
+            "probe rejects it."
+        )
     return text

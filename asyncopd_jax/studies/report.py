@@ -40,8 +40,16 @@ class Report:
 
     def config(self, title: str, settings: dict[str, Any]) -> None:
         """A collapsible block with the exact settings of the runs."""
-        self.lines += [f"<details><summary>{title}</summary>", "", "```json",
-                       json.dumps(settings, indent=1, sort_keys=True, default=str), "```", "", "</details>", ""]
+        self.lines += [
+            f"<details><summary>{title}</summary>",
+            "",
+            "```json",
+            json.dumps(settings, indent=1, sort_keys=True, default=str),
+            "```",
+            "",
+            "</details>",
+            "",
+        ]
 
     def write(self) -> Path:
         path = self.out_dir / f"{self.name}.md"

@@ -45,8 +45,9 @@ class Settings:
     batch_size: int
 
 
-FULL = Settings(steps=200, etas=(0, 1, 2, 4, 8, math.inf), lags=(2, 4, 8, 16), eval_every=50, eval_prompts=256,
-                batch_size=64)
+FULL = Settings(
+    steps=200, etas=(0, 1, 2, 4, 8, math.inf), lags=(2, 4, 8, 16), eval_every=50, eval_prompts=256, batch_size=64
+)
 QUICK = Settings(steps=4, etas=(0, math.inf), lags=(2,), eval_every=2, eval_prompts=16, batch_size=16)
 BOUND, EXACT = "bound", "exact"  # fully_async with bound η / fixed_lag with lag η
 
@@ -60,11 +61,21 @@ def _label(eta: float) -> str:
 
 
 def _sets(objective: str, eta: float, seed: int, s: Settings, schedule: str = BOUND) -> list[str]:
-    staleness = (["schedule.mode=fully_async", f"schedule.max_staleness={_eta(eta, s)}"] if schedule == BOUND
-                 else ["schedule.mode=fixed_lag", f"schedule.lag={int(eta)}"])
-    return [f"seed={seed}", f"estimator.name={objective}", *staleness, f"train.steps={s.steps}",
-            f"train.eval_every={s.eval_every}", f"train.checkpoint_every={10**6}",
-            f"task.eval_prompts={s.eval_prompts}", f"learner.batch_size={s.batch_size}"]
+    staleness = (
+        ["schedule.mode=fully_async", f"schedule.max_staleness={_eta(eta, s)}"]
+        if schedule == BOUND
+        else ["schedule.mode=fixed_lag", f"schedule.lag={int(eta)}"]
+    )
+    return [
+        f"seed={seed}",
+        f"estimator.name={objective}",
+        *staleness,
+        f"train.steps={s.steps}",
+        f"train.eval_every={s.eval_every}",
+        f"train.checkpoint_every={10**6}",
+        f"task.eval_prompts={s.eval_prompts}",
+        f"learner.batch_size={s.batch_size}",
+    ]
 
 
 def _arms(s: Settings) -> list[tuple[str, float]]:
@@ -77,14 +88,32 @@ def _name(schedule: str, objective: str, eta: float, seed: int) -> str:
     return f"{objective}-{kind}{_label(eta).replace('∞', 'inf')}-s{seed}"
 
 
-def run(out_dir: str | Path, work_dir: str | Path, *, quick: bool = False, seeds: int = 3, jobs: int = 1,
-        command: str = "asyncopd study rl_staleness") -> Path:
+def run(
+    out_dir: str | Path,
+    work_dir: str | Path,
+    *,
+    quick: bool = False,
+    seeds: int = 3,
+    jobs: int = 1,
+    command: str = "asyncopd study rl_staleness",
+) -> Path:
     s = QUICK if quick else FULL
-    runs = {(schedule, objective, eta, seed): (_name(schedule, objective, eta, seed),
-                                               _sets(objective, eta, seed, s, schedule))
-            for seed in range(seeds) for schedule, eta in _arms(s) for objective in OBJECTIVES}
-    results = run_trainings(Path(work_dir) / "rl_staleness", Path(out_dir) / "rl_staleness" / "runs.jsonl", runs,
-                            jobs=jobs, train=functools.partial(train, base=RL, keys=KEYS))
+    runs = {
+        (schedule, objective, eta, seed): (
+            _name(schedule, objective, eta, seed),
+            _sets(objective, eta, seed, s, schedule),
+        )
+        for seed in range(seeds)
+        for schedule, eta in _arms(s)
+        for objective in OBJECTIVES
+    }
+    results = run_trainings(
+        Path(work_dir) / "rl_staleness",
+        Path(out_dir) / "rl_staleness" / "runs.jsonl",
+        runs,
+        jobs=jobs,
+        train=functools.partial(train, base=RL, keys=KEYS),
+    )
     return _write_report(Path(out_dir), results, s, seeds, command)
 
 
@@ -115,19 +144,21 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
     plt = pyplot()
 
     report = Report(out_dir, "rl_staleness", "AReaL's staleness ablation: naive vs decoupled PPO", command)
-    report.text("Each run is `asyncopd_jax/configs/rl.yaml` "
-                "(reward-driven RL on the built-in task from the distilled student, "
-                f"{s.batch_size // 8} prompts × G = 8 answers per batch, learning rate 1e-4, {s.steps} steps) with "
-                f"the objective below, seeds 0–{seeds - 1}, and one of two staleness settings: **bound η** "
-                f"(`schedule.mode: fully_async`, `schedule.max_staleness: η`, AReaL's setting; η = ∞ runs as "
-                f"η = {s.steps}, which cannot bind) or **exact η** (`schedule.mode: fixed_lag`, `schedule.lag: η`: "
-                "every step trains on answers sampled by the policy exactly η versions older, the worst case the "
-                f"bound allows). Accuracy: held-out, greedy, {s.eval_prompts} problems, after the last step; reward: "
-                "the verifier's mean on the sampled answers over the last tenth of the steps; staleness: versions "
-                "between the policy that sampled a consumed token and the learner's (mean over the run / largest); "
-                "zero-grad tokens: share of tokens the objective's clip or mask leaves without gradient; seconds: "
-                "wall-clock of training with the held-out evaluations taken out (exact-η runs sample in the "
-                "learner's thread, so their seconds are not comparable). \"a ± b\": mean ± half-range over seeds.")
+    report.text(
+        "Each run is `asyncopd_jax/configs/rl.yaml` "
+        "(reward-driven RL on the built-in task from the distilled student, "
+        f"{s.batch_size // 8} prompts × G = 8 answers per batch, learning rate 1e-4, {s.steps} steps) with "
+        f"the objective below, seeds 0–{seeds - 1}, and one of two staleness settings: **bound η** "
+        f"(`schedule.mode: fully_async`, `schedule.max_staleness: η`, AReaL's setting; η = ∞ runs as "
+        f"η = {s.steps}, which cannot bind) or **exact η** (`schedule.mode: fixed_lag`, `schedule.lag: η`: "
+        "every step trains on answers sampled by the policy exactly η versions older, the worst case the "
+        f"bound allows). Accuracy: held-out, greedy, {s.eval_prompts} problems, after the last step; reward: "
+        "the verifier's mean on the sampled answers over the last tenth of the steps; staleness: versions "
+        "between the policy that sampled a consumed token and the learner's (mean over the run / largest); "
+        "zero-grad tokens: share of tokens the objective's clip or mask leaves without gradient; seconds: "
+        "wall-clock of training with the held-out evaluations taken out (exact-η runs sample in the "
+        'learner\'s thread, so their seconds are not comparable). "a ± b": mean ± half-range over seeds.'
+    )
     _, before = student_before(results)
     if not math.isnan(before):
         report.text(f"Student before RL: {100 * before:.1f} % held-out.")
@@ -138,41 +169,74 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
 
     for objective, title in OBJECTIVES.items():
         report.heading(title)
-        report.table(["staleness", "accuracy (%)", "sampled reward", "staleness mean / max", "largest ratio",
-                      "zero-grad tokens", "seconds", "AReaL (AIME24, bound η)"],
-                     [[f"{schedule} η = {_label(eta)}", cell((schedule, eta), objective, "accuracy", 100),
-                       cell((schedule, eta), objective, "reward"),
-                       f"{cell((schedule, eta), objective, 'staleness_mean')} / "
-                       f"{cell((schedule, eta), objective, 'staleness_max')}",
-                       cell((schedule, eta), objective, "ratio_max"), cell((schedule, eta), objective, "zero_grad"),
-                       cell((schedule, eta), objective, "seconds"), AREAL[objective].get(eta, "–")]
-                      for schedule, eta in _arms(s)])
-    failed = [f"{o} {sch} η={_label(e)} seed {seed}: {r['error']}"
-              for (sch, o, e, seed), r in results.items() if r["error"]]
+        report.table(
+            [
+                "staleness",
+                "accuracy (%)",
+                "sampled reward",
+                "staleness mean / max",
+                "largest ratio",
+                "zero-grad tokens",
+                "seconds",
+                "AReaL (AIME24, bound η)",
+            ],
+            [
+                [
+                    f"{schedule} η = {_label(eta)}",
+                    cell((schedule, eta), objective, "accuracy", 100),
+                    cell((schedule, eta), objective, "reward"),
+                    f"{cell((schedule, eta), objective, 'staleness_mean')} / "
+                    f"{cell((schedule, eta), objective, 'staleness_max')}",
+                    cell((schedule, eta), objective, "ratio_max"),
+                    cell((schedule, eta), objective, "zero_grad"),
+                    cell((schedule, eta), objective, "seconds"),
+                    AREAL[objective].get(eta, "–"),
+                ]
+                for schedule, eta in _arms(s)
+            ],
+        )
+    failed = [
+        f"{o} {sch} η={_label(e)} seed {seed}: {r['error']}" for (sch, o, e, seed), r in results.items() if r["error"]
+    ]
     if failed:
         report.text("Runs that stopped with an error: " + "; ".join(failed))
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
     for ax, objective in zip(axes, OBJECTIVES):
         for schedule, eta in _arms(s):
-            curves = [[r["rollout_accuracy"] for r in results[schedule, objective, eta, seed]["records"]
-                       if "rollout_accuracy" in r] for seed in range(seeds)]
+            curves = [
+                [
+                    r["rollout_accuracy"]
+                    for r in results[schedule, objective, eta, seed]["records"]
+                    if "rollout_accuracy" in r
+                ]
+                for seed in range(seeds)
+            ]
             length = min(len(c) for c in curves)
             if length:
-                ax.plot(np.arange(1, length + 1), np.mean([c[:length] for c in curves], axis=0),
-                        label=f"{schedule} η = {_label(eta)}", linestyle="-" if schedule == BOUND else "--")
+                ax.plot(
+                    np.arange(1, length + 1),
+                    np.mean([c[:length] for c in curves], axis=0),
+                    label=f"{schedule} η = {_label(eta)}",
+                    linestyle="-" if schedule == BOUND else "--",
+                )
         ax.set_title(OBJECTIVES[objective], fontsize=10)
         ax.set_xlabel("learner step")
     axes[0].set_ylabel("sampled reward (mean over seeds)")
     axes[0].legend(fontsize=7, ncol=2)
-    report.figure(fig, "reward.png", "The verifier's reward on the sampled answers during training "
-                                     "(bound η solid, exact η dashed)")
+    report.figure(
+        fig,
+        "reward.png",
+        "The verifier's reward on the sampled answers during training (bound η solid, exact η dashed)",
+    )
     plt.close(fig)
 
     report.heading("Verdict")
     report.text(_verdict(summary, s, seeds))
-    report.config("Settings of every run (asyncopd_jax/configs/rl.yaml plus these overrides)",
-                  {f"{o}, {sch} η={_label(e)}, seed={seed}": r["sets"] for (sch, o, e, seed), r in results.items()})
+    report.config(
+        "Settings of every run (asyncopd_jax/configs/rl.yaml plus these overrides)",
+        {f"{o}, {sch} η={_label(e)}, seed={seed}": r["sets"] for (sch, o, e, seed), r in results.items()},
+    )
     return report.write()
 
 
@@ -180,6 +244,7 @@ def _verdict(summary: dict, s: Settings, seeds: int) -> str:
     """AReaL's finding tested twice: under the bound η (fully_async) and under exact lag η.
     Reproduced when naive PPO's drop from η = 0 to its worst η ≥ 4 exceeds the seeds'
     largest half-range and exceeds decoupled PPO's drop by as much."""
+
     def values(schedule, objective, eta, field="accuracy"):
         return np.array([summary[schedule, objective, eta, seed][field] for seed in range(seeds)])
 
@@ -194,8 +259,10 @@ def _verdict(summary: dict, s: Settings, seeds: int) -> str:
             base = np.mean(values(BOUND, objective, 0))
             worst = min(stale, key=lambda eta: np.mean(values(schedule, objective, eta)))
             drops[objective] = base - np.mean(values(schedule, objective, worst))
-            said.append(f"{objective} {100 * base:.1f} % at η = 0 → worst at η ≥ 4 "
-                        f"{100 * np.mean(values(schedule, objective, worst)):.1f} % (η = {_label(worst)})")
+            said.append(
+                f"{objective} {100 * base:.1f} % at η = 0 → worst at η ≥ 4 "
+                f"{100 * np.mean(values(schedule, objective, worst)):.1f} % (η = {_label(worst)})"
+            )
         naive, decoupled = drops["ppo_clip"], drops["decoupled_ppo"]
         reproduced[schedule] = naive > spread and naive - decoupled > spread
         if reproduced[schedule]:
@@ -207,24 +274,35 @@ def _verdict(summary: dict, s: Settings, seeds: int) -> str:
         parts.append(f"**{schedule} η**: {'; '.join(said)}: {verdict}.")
     bounded = [eta for sch, eta in arms if sch == BOUND and not math.isinf(eta)]
     reach = max(np.mean(values(BOUND, o, eta, "staleness_mean")) for o in OBJECTIVES for eta in bounded)
-    why = (f" Why the bound tells little here: with η ≤ {max(bounded):g} the mean staleness of consumed tokens "
-           f"stayed at {reach:.2f} versions or less — a rollout group costs less than a learner step on this "
-           "machine, so the rollout stage never gets far ahead (AReaL's many generation servers do); only the "
-           "unbounded runs, whose rollout stage samples most groups before the learner catches up, see real "
-           "staleness." if reach < 1 else "")
+    why = (
+        f" Why the bound tells little here: with η ≤ {max(bounded):g} the mean staleness of consumed tokens "
+        f"stayed at {reach:.2f} versions or less — a rollout group costs less than a learner step on this "
+        "machine, so the rollout stage never gets far ahead (AReaL's many generation servers do); only the "
+        "unbounded runs, whose rollout stage samples most groups before the learner catches up, see real "
+        "staleness."
+        if reach < 1
+        else ""
+    )
     lag_ratio = {o: np.mean(values(EXACT, o, max(s.lags), "ratio_max")) for o in OBJECTIVES}
     lag_zero = {o: np.mean(values(EXACT, o, max(s.lags), "zero_grad")) for o in OBJECTIVES}
     sync_zero = {o: np.mean(values(BOUND, o, 0, "zero_grad")) for o in OBJECTIVES}
-    mechanics = "" if reproduced[EXACT] else (
-        f" The most likely reason it does not reproduce even at exact lag: at η = {max(s.lags)} the largest "
-        f"importance ratio is {lag_ratio['ppo_clip']:.3g} (naive) / {lag_ratio['decoupled_ppo']:.3g} (decoupled), "
-        f"and the share of tokens without gradient is {100 * lag_zero['ppo_clip']:.1f} % (naive) / "
-        f"{100 * lag_zero['decoupled_ppo']:.1f} % (decoupled) against {100 * sync_zero['ppo_clip']:.1f} % / "
-        f"{100 * sync_zero['decoupled_ppo']:.1f} % at η = 0 (groups whose answers all score alike have zero "
-        "advantage): the clip barely engages. With one optimizer step per batch, naive PPO's clip around the "
-        "stale behaviour policy can only drop out-of-band tokens — it slows learning but cannot push the policy "
-        "away; AReaL takes several PPO minibatch updates per batch, which compound a trust region centred on the "
-        "wrong policy (this learner takes one step per batch), on answers thousands of tokens long whose ratios "
-        "drift much further than these ~20-token ones.")
-    return (f"AReaL: naive PPO 42.0 → 23.3 at η = 4, decoupled PPO 42.2 at η = 4 and 38.7 at η = 16. "
-            f"{' '.join(parts)} Largest half-range over seeds {100 * spread:.1f} points." + why + mechanics)
+    mechanics = (
+        ""
+        if reproduced[EXACT]
+        else (
+            f" The most likely reason it does not reproduce even at exact lag: at η = {max(s.lags)} the largest "
+            f"importance ratio is {lag_ratio['ppo_clip']:.3g} (naive) / {lag_ratio['decoupled_ppo']:.3g} (decoupled), "
+            f"and the share of tokens without gradient is {100 * lag_zero['ppo_clip']:.1f} % (naive) / "
+            f"{100 * lag_zero['decoupled_ppo']:.1f} % (decoupled) against {100 * sync_zero['ppo_clip']:.1f} % / "
+            f"{100 * sync_zero['decoupled_ppo']:.1f} % at η = 0 (groups whose answers all score alike have zero "
+            "advantage): the clip barely engages. With one optimizer step per batch, naive PPO's clip around the "
+            "stale behaviour policy can only drop out-of-band tokens — it slows learning but cannot push the policy "
+            "away; AReaL takes several PPO minibatch updates per batch, which compound a trust region centred on the "
+            "wrong policy (this learner takes one step per batch), on answers thousands of tokens long whose ratios "
+            "drift much further than these ~20-token ones."
+        )
+    )
+    return (
+        f"AReaL: naive PPO 42.0 → 23.3 at η = 4, decoupled PPO 42.2 at η = 4 and 38.7 at η = 16. "
+        f"{' '.join(parts)} Largest half-range over seeds {100 * spread:.1f} points." + why + mechanics
+    )

@@ -73,8 +73,9 @@ class Settings:
 
 
 FULL = Settings(steps=40, skip=10, balances=tuple(BALANCES), modes=MODES, sim_steps=60, devices=DEVICES, rounds=3)
-QUICK = Settings(steps=8, skip=3, balances=("small batch (B = 16)",), modes=MODES[:3:2], sim_steps=12,
-                 devices=(2, 4), rounds=1)
+QUICK = Settings(
+    steps=8, skip=3, balances=("small batch (B = 16)",), modes=MODES[:3:2], sim_steps=12, devices=(2, 4), rounds=1
+)
 
 
 # ---------------------------------------------------------------------------------------
@@ -82,9 +83,17 @@ QUICK = Settings(steps=8, skip=3, balances=("small batch (B = 16)",), modes=MODE
 
 
 def _sets(mode: str, placement: str, balance: str, s: Settings) -> list[str]:
-    return [f"schedule.mode={mode}", f"schedule.placement={placement}", "schedule.max_staleness=2",
-            "schedule.n_step=1", f"train.steps={s.steps}", f"train.eval_every={10**6}",
-            f"train.checkpoint_every={10**6}", "task.eval_prompts=16", *BALANCES[balance]]
+    return [
+        f"schedule.mode={mode}",
+        f"schedule.placement={placement}",
+        "schedule.max_staleness=2",
+        "schedule.n_step=1",
+        f"train.steps={s.steps}",
+        f"train.eval_every={10**6}",
+        f"train.checkpoint_every={10**6}",
+        "task.eval_prompts=16",
+        *BALANCES[balance],
+    ]
 
 
 def measured_rate(records: list[dict], skip: int) -> float:
@@ -148,8 +157,9 @@ def stage_costs(trace_path: Path, window: tuple[float, float]) -> StageCosts:
         publish_s=float(np.mean([e["seconds"] for e in named("publish")])) if named("publish") else 0.0,
         rows=round(rows / len(rollouts)),
         mean_length=mean_length,
-        longest_over_mean=float(np.mean([e["args"]["longest"] / (e["args"]["tokens"] / e["args"]["rows"])
-                                         for e in rollouts])),
+        longest_over_mean=float(
+            np.mean([e["args"]["longest"] / (e["args"]["tokens"] / e["args"]["rows"]) for e in rollouts])
+        ),
     )
 
 
@@ -198,8 +208,17 @@ def simulate_sync(costs: StageCosts, lengths: Lengths, devices: int, steps: int,
     return steps * devices * costs.rows / total
 
 
-def simulate_split(costs: StageCosts, lengths: Lengths, devices: int, rollout_devices: int, steps: int, *,
-                   continuous: bool, eta: int, seed: int = 0) -> float:
+def simulate_split(
+    costs: StageCosts,
+    lengths: Lengths,
+    devices: int,
+    rollout_devices: int,
+    steps: int,
+    *,
+    continuous: bool,
+    eta: int,
+    seed: int = 0,
+) -> float:
     """Samples/s with ``rollout_devices`` generating and the rest learning (global batch
     devices·B per optimizer step). ``continuous``: a finished row's slot takes the next
     prompt at once (fully async); otherwise a device starts a new batch of B rows only when
@@ -274,15 +293,17 @@ def simulate_split(costs: StageCosts, lengths: Lengths, devices: int, rollout_de
             push(now + busy, "decode", d)
     # the rate over the steady part (after a fifth of the steps)
     first = steps // 5
-    return (steps - first) * batch / (step_times[-1] - step_times[first - 1]) if first else steps * batch / step_times[-1]
+    return (
+        (steps - first) * batch / (step_times[-1] - step_times[first - 1]) if first else steps * batch / step_times[-1]
+    )
 
 
-def best_split(costs: StageCosts, lengths: Lengths, devices: int, steps: int, *, continuous: bool,
-               eta: int) -> tuple[float, int]:
+def best_split(
+    costs: StageCosts, lengths: Lengths, devices: int, steps: int, *, continuous: bool, eta: int
+) -> tuple[float, int]:
     """The highest samples/s over the splits (rollout devices) tried, and that split."""
     candidates = sorted({min(devices - 1, max(1, round(devices * f))) for f in np.linspace(0.1, 0.9, 9)})
-    rates = {r: simulate_split(costs, lengths, devices, r, steps, continuous=continuous, eta=eta)
-             for r in candidates}
+    rates = {r: simulate_split(costs, lengths, devices, r, steps, continuous=continuous, eta=eta) for r in candidates}
     best = max(rates, key=rates.__getitem__)
     return rates[best], best
 
@@ -291,8 +312,15 @@ def best_split(costs: StageCosts, lengths: Lengths, devices: int, steps: int, *,
 # the study
 
 
-def run(out_dir: str | Path, work_dir: str | Path, *, quick: bool = False, seeds: int = 1, jobs: int = 1,
-        command: str = "asyncopd study throughput") -> Path:
+def run(
+    out_dir: str | Path,
+    work_dir: str | Path,
+    *,
+    quick: bool = False,
+    seeds: int = 1,
+    jobs: int = 1,
+    command: str = "asyncopd study throughput",
+) -> Path:
     """``jobs`` is ignored: throughput is measured one run at a time, with the machine to itself.
     The measurements are saved next to the report (``throughput/measured.json``); a later call
     with the same settings rebuilds the report from them without measuring again."""
@@ -329,8 +357,17 @@ def _measure(work: Path, s: Settings) -> dict[tuple[str, str, str], dict[str, An
 
 def save_measurements(path: Path, measured: dict[tuple[str, str, str], dict[str, Any]], s: Settings) -> None:
     """Write the measurements, with the settings they were taken under, as JSON."""
-    rows = [{"balance": b, "mode": m, "placement": p, "rates": e["rates"], "sets": e["sets"],
-             "costs": [dataclasses.asdict(c) for c in e["costs"]]} for (b, m, p), e in measured.items()]
+    rows = [
+        {
+            "balance": b,
+            "mode": m,
+            "placement": p,
+            "rates": e["rates"],
+            "sets": e["sets"],
+            "costs": [dataclasses.asdict(c) for c in e["costs"]],
+        }
+        for (b, m, p), e in measured.items()
+    ]
     save_measured(path, s, {"runs": rows})
 
 
@@ -339,37 +376,60 @@ def load_measurements(path: Path, s: Settings) -> dict[tuple[str, str, str], dic
     saved = load_measured(path, s)
     if saved is None:
         return None
-    return {(r["balance"], r["mode"], r["placement"]): {"rates": r["rates"], "sets": r["sets"],
-                                                        "costs": [StageCosts(**c) for c in r["costs"]]}
-            for r in saved["runs"]}
+    return {
+        (r["balance"], r["mode"], r["placement"]): {
+            "rates": r["rates"],
+            "sets": r["sets"],
+            "costs": [StageCosts(**c) for c in r["costs"]],
+        }
+        for r in saved["runs"]
+    }
 
 
 def _write_report(out_dir: Path, measured: dict, s: Settings, command: str) -> Path:
     plt = pyplot()
 
     report = Report(out_dir, "throughput", "E4: throughput of sync, n-step-off and fully async OPD", command)
-    report.text(f"Each measured run is the demo workload (`asyncopd_jax/configs/demo.yaml`) for {s.steps} optimizer steps; "
-                f"samples/s over steps {s.skip + 1}–{s.steps} (the first include compilation), measured in "
-                f"{s.rounds} rounds (every setting once per round, the order reversed each round): \"a ± b\" is "
-                "the mean ± half-range over rounds, and a ratio is taken within each round. "
-                "n_step_off: n = 1; fully_async: η = 2. ρ: the time to sample and score a batch over the time "
-                "to learn from it, from the sync run's stage spans. Machine: this one (2 shared CPU cores).")
+    report.text(
+        f"Each measured run is the demo workload (`asyncopd_jax/configs/demo.yaml`) for {s.steps} optimizer steps; "
+        f"samples/s over steps {s.skip + 1}–{s.steps} (the first include compilation), measured in "
+        f'{s.rounds} rounds (every setting once per round, the order reversed each round): "a ± b" is '
+        "the mean ± half-range over rounds, and a ratio is taken within each round. "
+        "n_step_off: n = 1; fully_async: η = 2. ρ: the time to sample and score a batch over the time "
+        "to learn from it, from the sync run's stage spans. Machine: this one (2 shared CPU cores)."
+    )
     report.heading("Measured on this machine")
     header = ["balance", "ρ"] + [f"{m} ({p})" for m, p in s.modes] + ["best async / sync"]
-    report.table(header, [[balance, f"{_calibration(measured, balance).rollout_over_learn:.3g}",
-                           *[mean_spread(measured[balance, m, p]["rates"]) for m, p in s.modes],
-                           f"{mean_spread(best_async_over_sync(measured, balance, s))}×"] for balance in s.balances])
+    report.table(
+        header,
+        [
+            [
+                balance,
+                f"{_calibration(measured, balance).rollout_over_learn:.3g}",
+                *[mean_spread(measured[balance, m, p]["rates"]) for m, p in s.modes],
+                f"{mean_spread(best_async_over_sync(measured, balance, s))}×",
+            ]
+            for balance in s.balances
+        ],
+    )
     calibration_balance = s.balances[0]
     costs = _calibration(measured, calibration_balance)
     report.heading("Calibration of the simulation")
-    report.text(f"From the sync run of \"{calibration_balance}\" (the round with the median rate): " + ", ".join(
-        f"{k} = {v:.4g}" for k, v in dataclasses.asdict(costs).items()) + ".")
-    shapes = {"builtin": fit_lengths(costs, cap=LONG_TAIL_CAP * costs.mean_length),
-              "long_tail": Lengths(costs.mean_length, LONG_TAIL_SIGMA, LONG_TAIL_CAP * costs.mean_length)}
+    report.text(
+        f'From the sync run of "{calibration_balance}" (the round with the median rate): '
+        + ", ".join(f"{k} = {v:.4g}" for k, v in dataclasses.asdict(costs).items())
+        + "."
+    )
+    shapes = {
+        "builtin": fit_lengths(costs, cap=LONG_TAIL_CAP * costs.mean_length),
+        "long_tail": Lengths(costs.mean_length, LONG_TAIL_SIGMA, LONG_TAIL_CAP * costs.mean_length),
+    }
     check = simulate_sync(costs, shapes["builtin"], 1, s.sim_steps)
-    report.text(f"Fitted log-spread of the built-in task's answer lengths: {shapes['builtin'].sigma:.3f}. "
-                f"Check of the calibration: simulated sync on one device {check:.1f} samples/s against "
-                f"{np.median(measured[calibration_balance, 'sync', 'threads']['rates']):.1f} measured.")
+    report.text(
+        f"Fitted log-spread of the built-in task's answer lengths: {shapes['builtin'].sigma:.3f}. "
+        f"Check of the calibration: simulated sync on one device {check:.1f} samples/s against "
+        f"{np.median(measured[calibration_balance, 'sync', 'threads']['rates']):.1f} measured."
+    )
     report.heading("Simulated on D devices")
     simulated = {}
     for shape, lengths in shapes.items():
@@ -379,16 +439,32 @@ def _write_report(out_dir: Path, measured: dict, s: Settings, command: str) -> P
             off, off_split = best_split(costs, lengths, devices, s.sim_steps, continuous=False, eta=1)
             full, full_split = best_split(costs, lengths, devices, s.sim_steps, continuous=True, eta=2)
             simulated[shape, devices] = (sync, off, full)
-            table.append([devices, f"{sync:.1f}", f"{off:.1f} (D_r = {off_split})", f"{full:.1f} (D_r = {full_split})",
-                          f"{off / sync:.2f}×", f"{full / sync:.2f}×"])
+            table.append(
+                [
+                    devices,
+                    f"{sync:.1f}",
+                    f"{off:.1f} (D_r = {off_split})",
+                    f"{full:.1f} (D_r = {full_split})",
+                    f"{off / sync:.2f}×",
+                    f"{full / sync:.2f}×",
+                ]
+            )
         report.heading(f"Answer lengths: {shape}", level=3)
         report.table(["D", "sync", "n_step_off", "fully_async", "n_step_off / sync", "fully_async / sync"], table)
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     for shape in shapes:
-        ax.plot(s.devices, [simulated[shape, d][2] / simulated[shape, d][0] for d in s.devices], "o-",
-                label=f"fully_async, {shape}")
-        ax.plot(s.devices, [simulated[shape, d][1] / simulated[shape, d][0] for d in s.devices], "s--",
-                label=f"n_step_off, {shape}")
+        ax.plot(
+            s.devices,
+            [simulated[shape, d][2] / simulated[shape, d][0] for d in s.devices],
+            "o-",
+            label=f"fully_async, {shape}",
+        )
+        ax.plot(
+            s.devices,
+            [simulated[shape, d][1] / simulated[shape, d][0] for d in s.devices],
+            "s--",
+            label=f"n_step_off, {shape}",
+        )
     ax.axhspan(1.6, 3.8, color="grey", alpha=0.15, label="AsyncOPD 1.6–3.8×")
     ax.axhline(2.77, color="k", lw=0.8, ls=":", label="AReaL 2.77×")
     ax.set_xscale("log", base=2)
@@ -399,16 +475,19 @@ def _write_report(out_dir: Path, measured: dict, s: Settings, command: str) -> P
     plt.close(fig)
     report.heading("Verdict")
     report.text(_verdict(measured, simulated, s))
-    report.config("Settings of every measured run (asyncopd_jax/configs/demo.yaml plus these overrides)",
-                  {f"{b}, {m}, {p}": v["sets"] for (b, m, p), v in measured.items()})
+    report.config(
+        "Settings of every measured run (asyncopd_jax/configs/demo.yaml plus these overrides)",
+        {f"{b}, {m}, {p}": v["sets"] for (b, m, p), v in measured.items()},
+    )
     return report.write()
 
 
 def best_async_over_sync(measured: dict, balance: str, s: Settings) -> list[float]:
     """Per round: the best asynchronous schedule's samples/s over sync's, at ``balance``."""
     sync = measured[balance, "sync", "threads"]["rates"]
-    return [max(measured[balance, m, p]["rates"][r] for m, p in s.modes if m != "sync") / sync[r]
-            for r in range(len(sync))]
+    return [
+        max(measured[balance, m, p]["rates"][r] for m, p in s.modes if m != "sync") / sync[r] for r in range(len(sync))
+    ]
 
 
 def _calibration(measured: dict, balance: str) -> StageCosts:
@@ -428,22 +507,29 @@ def _verdict(measured: dict, simulated: dict, s: Settings) -> str:
     def in_range(value):
         return PUBLISHED_RANGE[0] <= value <= PUBLISHED_RANGE[1]
 
-    cases = {**{f"measured, {b}": float(np.mean(r)) for b, r in ratios.items()},
-             **{f"simulated even answers, D = {d}": r for d, r in zip(s.devices, builtin)},
-             **{f"simulated long-tailed answers, D = {d}": r for d, r in zip(s.devices, tail)}}
+    cases = {
+        **{f"measured, {b}": float(np.mean(r)) for b, r in ratios.items()},
+        **{f"simulated even answers, D = {d}": r for d, r in zip(s.devices, builtin)},
+        **{f"simulated long-tailed answers, D = {d}": r for d, r in zip(s.devices, tail)},
+    }
     inside = [case for case, value in cases.items() if in_range(value)]
     if len(inside) == len(cases):
         verdict = "reproduced: every measured and simulated case is in AsyncOPD's range"
     elif not inside:
         verdict = "not reproduced: no measured or simulated case reaches AsyncOPD's range"
     else:
-        verdict = f"partly reproduced: in AsyncOPD's range only {len(inside)} of {len(cases)} cases ({'; '.join(inside)})"
+        verdict = (
+            f"partly reproduced: in AsyncOPD's range only {len(inside)} of {len(cases)} cases ({'; '.join(inside)})"
+        )
     means = [float(np.mean(r)) for r in ratios.values()]
-    return (f"Measured on this 2-core machine, the best asynchronous schedule is {min(means):.2f}–{max(means):.2f}× "
-            "sync across the cost balances (" + "; ".join(f"{b}: {mean_spread(r)}×" for b, r in ratios.items()) +
-            f"). Simulated on separate devices, fully async is {min(builtin):.2f}–{max(builtin):.2f}× sync with the "
-            f"built-in task's short, even answers and {min(tail):.2f}–{max(tail):.2f}× with long-tailed answers. "
-            f"{PUBLISHED}. Where the speed-up comes from in the simulation: sync waits for the longest answer of the "
-            "global batch and leaves generation and learning hardware idle in turn; with even answers and perfect "
-            "data parallelism there is little to win, which is why the built-in task alone cannot reproduce "
-            f"the papers' figures. Verdict on AsyncOPD's speed-up: {verdict}.")
+    return (
+        f"Measured on this 2-core machine, the best asynchronous schedule is {min(means):.2f}–{max(means):.2f}× "
+        "sync across the cost balances ("
+        + "; ".join(f"{b}: {mean_spread(r)}×" for b, r in ratios.items())
+        + f"). Simulated on separate devices, fully async is {min(builtin):.2f}–{max(builtin):.2f}× sync with the "
+        f"built-in task's short, even answers and {min(tail):.2f}–{max(tail):.2f}× with long-tailed answers. "
+        f"{PUBLISHED}. Where the speed-up comes from in the simulation: sync waits for the longest answer of the "
+        "global batch and leaves generation and learning hardware idle in turn; with even answers and perfect "
+        "data parallelism there is little to win, which is why the built-in task alone cannot reproduce "
+        f"the papers' figures. Verdict on AsyncOPD's speed-up: {verdict}."
+    )

@@ -40,21 +40,51 @@ from asyncopd_jax.config import load_config
 DEMO, RL = configs.DEMO, configs.RL
 
 # The per-step metrics a ledger keeps (the rest stays in the run directory).
-LEDGER_KEYS = ("step", "loss", "grad_norm", "zero_grad_fraction", "importance_ratio_max", "staleness_mean",
-               "staleness_max", "rollout_accuracy", "probe_reverse_kl", "probe_forward_kl", "probe_drift_kl")
+LEDGER_KEYS = (
+    "step",
+    "loss",
+    "grad_norm",
+    "zero_grad_fraction",
+    "importance_ratio_max",
+    "staleness_mean",
+    "staleness_max",
+    "rollout_accuracy",
+    "probe_reverse_kl",
+    "probe_forward_kl",
+    "probe_drift_kl",
+)
 
 
-def fixed_lag_sets(*, seed: int, lag: int, learning_rate: float, batch_size: int, steps: int,
-                   diagnostics_every: int, probe_prompts: int, eval_prompts: int,
-                   warmup_steps: int = 0) -> list[str]:
+def fixed_lag_sets(
+    *,
+    seed: int,
+    lag: int,
+    learning_rate: float,
+    batch_size: int,
+    steps: int,
+    diagnostics_every: int,
+    probe_prompts: int,
+    eval_prompts: int,
+    warmup_steps: int = 0,
+) -> list[str]:
     """The overrides every study run shares: exact staleness ``lag``, a constant learning
     rate after ``warmup_steps`` of linear warm-up, no periodic eval or checkpoint (one
     held-out eval at the end), probe diagnostics."""
-    return [f"seed={seed}", "schedule.mode=fixed_lag", f"schedule.lag={lag}", f"optim.learning_rate={learning_rate}",
-            f"optim.warmup_steps={warmup_steps}", "optim.schedule=constant", f"learner.batch_size={batch_size}",
-            f"train.steps={steps}", f"train.eval_every={10**6}", f"train.checkpoint_every={10**6}",
-            f"train.diagnostics_every={diagnostics_every}", f"train.diagnostic_prompts={probe_prompts}",
-            f"task.eval_prompts={eval_prompts}"]
+    return [
+        f"seed={seed}",
+        "schedule.mode=fixed_lag",
+        f"schedule.lag={lag}",
+        f"optim.learning_rate={learning_rate}",
+        f"optim.warmup_steps={warmup_steps}",
+        "optim.schedule=constant",
+        f"learner.batch_size={batch_size}",
+        f"train.steps={steps}",
+        f"train.eval_every={10**6}",
+        f"train.checkpoint_every={10**6}",
+        f"train.diagnostics_every={diagnostics_every}",
+        f"train.diagnostic_prompts={probe_prompts}",
+        f"task.eval_prompts={eval_prompts}",
+    ]
 
 
 def mean_curve(results: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], np.ndarray]:
@@ -124,8 +154,14 @@ def compact(name: str, result: Mapping[str, Any], keys: Sequence[str] = LEDGER_K
             columns[key] = values
         elif at:
             columns[key] = {"at": at, "values": values}
-    return {"name": name, "sets": list(result["sets"]), "summary": result["summary"], "error": result["error"],
-            "columns": columns, "steps": len(records)}
+    return {
+        "name": name,
+        "sets": list(result["sets"]),
+        "summary": result["summary"],
+        "error": result["error"],
+        "columns": columns,
+        "steps": len(records),
+    }
 
 
 def expand(line: Mapping[str, Any]) -> dict[str, Any]:
@@ -167,8 +203,9 @@ def _pin_from(cores: Any) -> None:
     pin_this_process(cores.get())
 
 
-def train(work: Path, name: str, sets: list[str], base: Path = DEMO,
-          keys: Sequence[str] = LEDGER_KEYS) -> tuple[dict[str, Any], float]:
+def train(
+    work: Path, name: str, sets: list[str], base: Path = DEMO, keys: Sequence[str] = LEDGER_KEYS
+) -> tuple[dict[str, Any], float]:
     """Train one run (:func:`run_training`); return its ledger line (``keys`` as columns) and
     the seconds it took. ``functools.partial`` of it, with another ``base`` or ``keys``, is
     what a study passes to :func:`run_trainings` (the pool's workers import it)."""
@@ -184,10 +221,15 @@ def default_jobs() -> int:
 K = TypeVar("K", bound=Hashable)
 
 
-def run_trainings(work: Path, ledger: Path, runs: Mapping[K, tuple[str, Sequence[str]]], *,
-                  jobs: int = 1, shared: Sequence[Path] = (),
-                  train: Callable[[Path, str, list[str]], tuple[dict[str, Any], float]] = train,
-                  ) -> dict[K, dict[str, Any]]:
+def run_trainings(
+    work: Path,
+    ledger: Path,
+    runs: Mapping[K, tuple[str, Sequence[str]]],
+    *,
+    jobs: int = 1,
+    shared: Sequence[Path] = (),
+    train: Callable[[Path, str, list[str]], tuple[dict[str, Any], float]] = train,
+) -> dict[K, dict[str, Any]]:
     """Every run of ``runs`` (key → (name, overrides)), from the ledger where it is there,
     else copied from a ``shared`` ledger (another study's) that holds a run with exactly the
     same overrides, else trained (``jobs`` at a time, each pinned to its own cores); each
@@ -203,15 +245,16 @@ def run_trainings(work: Path, ledger: Path, runs: Mapping[K, tuple[str, Sequence
     if len(set(names)) != len(names):
         raise ValueError("run names must be unique within a study")
     have = read_ledger(ledger)
-    todo = [(name, list(sets)) for name, sets in runs.values()
-            if name not in have or have[name]["sets"] != list(sets)]
+    todo = [(name, list(sets)) for name, sets in runs.values() if name not in have or have[name]["sets"] != list(sets)]
     elsewhere = {json.dumps(line["sets"]): line for path in shared for line in read_ledger(path).values()}
     for name, sets in [t for t in todo if json.dumps(t[1]) in elsewhere]:
         _append(ledger, {**elsewhere[json.dumps(sets)], "name": name})
         todo.remove((name, sets))
     if todo:
-        print(f"{len(runs) - len(todo)} of {len(runs)} runs in {ledger}; training {len(todo)}, {jobs} at a time",
-              flush=True)
+        print(
+            f"{len(runs) - len(todo)} of {len(runs)} runs in {ledger}; training {len(todo)}, {jobs} at a time",
+            flush=True,
+        )
     done = 0
 
     def record(line: dict[str, Any], seconds: float) -> None:

@@ -58,5 +58,7 @@ def exact_staleness_note(results: Mapping[K, Mapping[str, Any]], lag_of: Callabl
             wrong.append(str(key))
     if wrong:
         return f"Staleness was NOT exactly k after step k in {len(wrong)} runs: {', '.join(wrong)}."
-    return (f"Staleness: in all {len(results)} runs, every token consumed after step k was exactly k versions old "
-            "(the per-step staleness mean and maximum in metrics.jsonl both equal k).")
+    return (
+        f"Staleness: in all {len(results)} runs, every token consumed after step k was exactly k versions old "
+        "(the per-step staleness mean and maximum in metrics.jsonl both equal k)."
+    )

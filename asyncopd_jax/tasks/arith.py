@@ -54,7 +54,9 @@ def is_held_out(problem: Problem) -> bool:
     return hashlib.blake2b(key, digest_size=2).digest()[0] % 10 == 0
 
 
-def sample_problems(rng: np.random.Generator, n: int, difficulty: int, max_value: int, *, held_out: bool) -> list[Problem]:
+def sample_problems(
+    rng: np.random.Generator, n: int, difficulty: int, max_value: int, *, held_out: bool
+) -> list[Problem]:
     """``n`` problems from the training split (``held_out=False``) or the evaluation split."""
     if difficulty < 2:
         raise ValueError(f"task.difficulty = {difficulty} is invalid; allowed: >= 2 (operands per problem)")

@@ -32,9 +32,18 @@ def model_config(size: str) -> DecoderConfig:
         raise ValueError(f"built-in model {size!r} is invalid; allowed: {', '.join(dims)}")
     hidden, layers, mlp, head_dim = dims[size]
     return DecoderConfig(
-        model_type="qwen3", vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=mlp,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-        tie_word_embeddings=True, max_position_embeddings=128, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        model_type="qwen3",
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        tie_word_embeddings=True,
+        max_position_embeddings=128,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
         rope_theta=10_000.0,
     )
 
@@ -77,9 +86,12 @@ class TaskData(PromptTask):
             responses[row, : len(ids)] = ids
             response_mask[row, : len(ids)] = True
         return RolloutBatch(
-            prompt_tokens=jnp.asarray(prompts), prompt_mask=jnp.asarray(mask),
-            response_tokens=jnp.asarray(responses), response_mask=jnp.asarray(response_mask),
-            behavior_logp=jnp.zeros(responses.shape, jnp.float32), token_version=jnp.zeros(responses.shape, jnp.int32),
+            prompt_tokens=jnp.asarray(prompts),
+            prompt_mask=jnp.asarray(mask),
+            response_tokens=jnp.asarray(responses),
+            response_mask=jnp.asarray(response_mask),
+            behavior_logp=jnp.zeros(responses.shape, jnp.float32),
+            token_version=jnp.zeros(responses.shape, jnp.int32),
         )
 
 

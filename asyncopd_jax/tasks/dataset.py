@@ -73,13 +73,14 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
             import pyarrow as pa
             import pyarrow.parquet as pq
         except ImportError:
-            raise DatasetError(f"{path}: reading Parquet needs pyarrow: pip install \"asyncopd-jax[parquet]\"") \
-                from None
+            raise DatasetError(f'{path}: reading Parquet needs pyarrow: pip install "asyncopd-jax[parquet]"') from None
         try:
             table = pq.read_table(path)
         except (pa.ArrowException, OSError) as err:  # not Parquet, truncated, …
-            raise DatasetError(f"{path}: cannot be read as Parquet ({' '.join(str(err).split())}); "
-                               "the file is truncated or corrupt: write it again") from None
+            raise DatasetError(
+                f"{path}: cannot be read as Parquet ({' '.join(str(err).split())}); "
+                "the file is truncated or corrupt: write it again"
+            ) from None
         for number, row in enumerate(table.to_pylist(), start=1):
             yield number, row
     else:
@@ -102,8 +103,9 @@ def _rows_text(rows: list[int]) -> str:
     return f"row {shown}" if len(rows) == 1 else f"rows {shown}{more}"
 
 
-def read_examples(path: str | Path, prompt_field: str, answer_field: str | None = None, *,
-                  require_answers: bool = False) -> list[Example]:
+def read_examples(
+    path: str | Path, prompt_field: str, answer_field: str | None = None, *, require_answers: bool = False
+) -> list[Example]:
     """Every example of ``path``; a :class:`DatasetError` naming the rows at fault (all of
     them, not just the first) if any row is not a JSON object (invalid JSON, not UTF-8, an
     array, …), lacks the prompt field (or, with ``require_answers``, the answer field, or
@@ -152,10 +154,15 @@ def read_examples(path: str | Path, prompt_field: str, answer_field: str | None 
     for kind, rows in bad.items():
         # The parser's detail for the first row only: it differs from row to row.
         numbers, (first, detail) = [n for n, _ in rows], rows[0]
-        problems.append(f"{_rows_text(numbers)} is {kind} ({detail})" if len(rows) == 1 else
-                        f"{_rows_text(numbers)} are {kind} (row {first}: {detail})")
-    problems += [f"{_rows_text(rows)} have no field {what}" if len(rows) > 1 else f"{_rows_text(rows)} has no field {what}"
-                 for what, rows in missing.items()]
+        problems.append(
+            f"{_rows_text(numbers)} is {kind} ({detail})"
+            if len(rows) == 1
+            else f"{_rows_text(numbers)} are {kind} (row {first}: {detail})"
+        )
+    problems += [
+        f"{_rows_text(rows)} have no field {what}" if len(rows) > 1 else f"{_rows_text(rows)} has no field {what}"
+        for what, rows in missing.items()
+    ]
     if not_text:
         problems.append(f"{_rows_text(not_text)}: the prompt is not a non-empty string")
     if null_answers:

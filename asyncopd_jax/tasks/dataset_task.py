@@ -25,11 +25,19 @@ from asyncopd_jax.tasks.prompt_task import PromptTask
 class DatasetTask(PromptTask):
     """Items are :class:`~asyncopd_jax.tasks.dataset.Example` s."""
 
-    def __init__(self, task: TaskConfig, tokenizer: PreTrainedTokenizerBase, *, max_new_tokens: int,
-                 max_positions: int | None = None, require_answers: bool = False):
+    def __init__(
+        self,
+        task: TaskConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_new_tokens: int,
+        max_positions: int | None = None,
+        require_answers: bool = False,
+    ):
         super().__init__(tokenizer)
-        examples = read_examples(task.path, task.prompt_field, task.answer_field or None,
-                                 require_answers=require_answers)
+        examples = read_examples(
+            task.path, task.prompt_field, task.answer_field or None, require_answers=require_answers
+        )
         self.train_items, held = split_held_out(examples, task.eval_fraction)
         self.eval_items = [e for e in held if e.answer is not None][: task.eval_prompts]
         self._ids = dict(zip(examples, super().encode(examples)))  # every prompt tokenized once, here
@@ -37,12 +45,15 @@ class DatasetTask(PromptTask):
         self.max_new_tokens = max_new_tokens
         if max_positions is not None and self.prompt_slots + max_new_tokens > max_positions:
             too_long = sorted(e.row for e in examples if len(self._ids[e]) + max_new_tokens > max_positions)
-            shown = ", ".join(map(str, too_long[:10])) + (f" and {len(too_long) - 10} more" if len(too_long) > 10 else "")
+            shown = ", ".join(map(str, too_long[:10])) + (
+                f" and {len(too_long) - 10} more" if len(too_long) > 10 else ""
+            )
             raise DatasetError(
                 f"{task.path}: rows {shown}: prompt + sampling.max_new_tokens ({max_new_tokens}) is longer than the "
                 f"models' context ({max_positions} positions; longest prompt {self.prompt_slots} tokens), the smaller "
                 "max_position_embeddings of the student's and the teacher's config.json; shorten those prompts, drop "
-                "them, or lower sampling.max_new_tokens")
+                "them, or lower sampling.max_new_tokens"
+            )
 
     def encode(self, items: Sequence[Example]) -> list[list[int]]:
         return [self._ids[e] for e in items]

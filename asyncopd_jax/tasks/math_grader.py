@@ -43,7 +43,7 @@ def _last_boxed(text: str) -> str | None:
     for i in range(open_at, len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
-            return text[open_at + 1:i]
+            return text[open_at + 1 : i]
     return None  # unbalanced: no answer
 
 
@@ -54,7 +54,7 @@ def extract_answer(response: str) -> str | None:
         return boxed.strip()
     cues = list(_ANSWER_CUES.finditer(response))
     if cues:
-        tail = response[cues[-1].end():].strip()
+        tail = response[cues[-1].end() :].strip()
         line = tail.splitlines()[0].strip() if tail else ""
         if line:
             return line.rstrip(".")

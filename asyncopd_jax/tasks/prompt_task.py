@@ -59,22 +59,35 @@ class PromptTask:
     def decode(self, batch: RolloutBatch) -> list[str]:
         tokens, mask = np.asarray(batch.response_tokens), np.asarray(batch.response_mask)
         # one sequence in, one string out (decode's type also covers a batch: a list)
-        return [cast(str, self.tokenizer.decode([int(t) for t in row[m] if t != self.eos_id], skip_special_tokens=True))
-                for row, m in zip(tokens, mask)]
+        return [
+            cast(str, self.tokenizer.decode([int(t) for t in row[m] if t != self.eos_id], skip_special_tokens=True))
+            for row, m in zip(tokens, mask)
+        ]
 
     def rewards(self, items: Sequence[Any], batch: RolloutBatch) -> list[float]:
         return [self.score(i, r) for i, r in zip(items, self.decode(batch))]
 
-    def accuracy(self, graphdef: nnx.GraphDef, params: nnx.State, *, items: Sequence[Any] | None = None,
-                 temperature: float = 0.0, seed: int = 0) -> float:
+    def accuracy(
+        self,
+        graphdef: nnx.GraphDef,
+        params: nnx.State,
+        *,
+        items: Sequence[Any] | None = None,
+        temperature: float = 0.0,
+        seed: int = 0,
+    ) -> float:
         """Mean score of the answers of ``(graphdef, params)`` on ``items`` (default: the
         held-out items), greedy or sampled at ``temperature`` with key ``seed`` (NaN if none
         can be checked)."""
         items = self.eval_items if items is None else items
         if not items:
             return float("nan")
-        params_ = SamplingParams(temperature=temperature, max_new_tokens=self.max_new_tokens,
-                                 stop_token_ids=(self.eos_id,), chunk_steps=self.max_new_tokens)
+        params_ = SamplingParams(
+            temperature=temperature,
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=(self.eos_id,),
+            chunk_steps=self.max_new_tokens,
+        )
         sampler = _cached_sampler(graphdef, params_, self.pad_id)
         batch = sampler.generate(params, self.encode(items), jax.random.key(seed), prompt_slots=self.prompt_slots)
         scores = np.asarray(self.rewards(items, batch), np.float64)
@@ -92,8 +105,9 @@ def _cached_sampler(graphdef, params: SamplingParams, pad_id: int) -> Sampler:
     return _SAMPLERS[key]
 
 
-def make_task(task: TaskConfig, tokenizer: PreTrainedTokenizerBase, *, max_new_tokens: int,
-              max_positions: int | None = None) -> PromptTask:
+def make_task(
+    task: TaskConfig, tokenizer: PreTrainedTokenizerBase, *, max_new_tokens: int, max_positions: int | None = None
+) -> PromptTask:
     """The task ``task.name`` names: the built-in ``arith`` task or a user's ``dataset``.
 
     ``max_new_tokens`` (``sampling.max_new_tokens``) bounds the rollouts' answers (and a

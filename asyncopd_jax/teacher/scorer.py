@@ -96,8 +96,13 @@ def score_hidden(
             )
         return out
 
-    xs = (by_chunks(hidden), jnp.arange(n_chunks), by_chunks(batch.response_tokens),
-          by_chunks(batch.candidate_ids), by_chunks(batch.student_topk_ids))
+    xs = (
+        by_chunks(hidden),
+        jnp.arange(n_chunks),
+        by_chunks(batch.response_tokens),
+        by_chunks(batch.candidate_ids),
+        by_chunks(batch.student_topk_ids),
+    )
     chunks = jax.lax.map(one_chunk, xs)
     store = jnp.dtype(params.store_dtype)
 
@@ -148,8 +153,13 @@ class ReferenceScorer:
 
     def _score_fn(self, state, batch: RolloutBatch) -> Array:
         model: Decoder = nnx.merge(self.graphdef, state)
-        return gather_logprobs_from_hidden(response_hidden(model, batch), model.lm_head_weight(),
-                                           batch.response_tokens, self.chunk_size, self.temperature)
+        return gather_logprobs_from_hidden(
+            response_hidden(model, batch),
+            model.lm_head_weight(),
+            batch.response_tokens,
+            self.chunk_size,
+            self.temperature,
+        )
 
     def score(self, batch: RolloutBatch) -> Array:
         """``[B, T]`` fp32 log π_ref of ``batch.response_tokens``."""

@@ -110,9 +110,9 @@ def group_advantages(rewards, group_size, normalize_std=True, eps=1e-6, ddof=1):
     rewards = np.asarray(rewards, np.float64)
     out = np.empty_like(rewards)
     for start in range(0, len(rewards), group_size):
-        g = rewards[start:start + group_size]
+        g = rewards[start : start + group_size]
         mean, std = (0.0, 1.0) if group_size == 1 else (g.mean(), g.std(ddof=ddof))
-        out[start:start + group_size] = (g - mean) / (std + eps) if normalize_std else g - mean
+        out[start : start + group_size] = (g - mean) / (std + eps) if normalize_std else g - mean
     return out
 
 

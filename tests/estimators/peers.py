@@ -28,8 +28,9 @@ AlgoConfig = ActorConfig = types.SimpleNamespace
 
 def actor_config(clip_ratio_low: float, clip_ratio_high: float) -> Any:
     """What compute_policy_loss_gspo reads of verl's ActorConfig."""
-    config = types.SimpleNamespace(clip_ratio=None, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-                                   global_batch_info={})
+    config = types.SimpleNamespace(
+        clip_ratio=None, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, global_batch_info={}
+    )
     return config
 
 
@@ -370,14 +371,10 @@ def _apply_m2po_masking(
 
     sorted_m2, indices = torch.sort(m2_selected, descending=True)
     restored_indices = torch.argsort(indices)
-    sorted_m2_loss_mask = _get_m2po_loss_mask(
-        sorted_m2=sorted_m2, m2_threshold=m2_threshold
-    )
+    sorted_m2_loss_mask = _get_m2po_loss_mask(sorted_m2=sorted_m2, m2_threshold=m2_threshold)
     m2_selected_mask = sorted_m2_loss_mask[restored_indices]
 
-    m2_full_flat = torch.zeros_like(
-        mask_flat, dtype=torch.bool, device=loss_mask.device
-    )
+    m2_full_flat = torch.zeros_like(mask_flat, dtype=torch.bool, device=loss_mask.device)
     m2_full_flat[mask_flat] = m2_selected_mask
 
     return m2_full_flat.view_as(loss_mask)

@@ -28,8 +28,9 @@ def test_the_default_std_is_the_unbiased_one():
     got = np.asarray(group_advantages(rewards, 4))
     np.testing.assert_allclose(got, oracle.group_advantages(rewards, 4, ddof=1), rtol=1e-5)
     # √(G / (G − 1)) apart from the population std's advantages
-    np.testing.assert_allclose(np.asarray(group_advantages(rewards, 4, std="population")) / got, np.sqrt(4 / 3),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(group_advantages(rewards, 4, std="population")) / got, np.sqrt(4 / 3), rtol=1e-5
+    )
     with pytest.raises(ValueError, match="std = 'sample' is invalid; allowed: unbiased, population"):
         group_advantages(rewards, 4, std="sample")
 
@@ -37,8 +38,7 @@ def test_the_default_std_is_the_unbiased_one():
 @pytest.mark.parametrize("std", ["unbiased", "population"])
 def test_a_group_of_one_keeps_its_raw_reward(std):
     rewards = jnp.array([1.0, 0.0, 0.5])
-    np.testing.assert_allclose(group_advantages(rewards, 1, std=std), np.array([1.0, 0.0, 0.5]) / (1 + 1e-6),
-                               rtol=1e-6)
+    np.testing.assert_allclose(group_advantages(rewards, 1, std=std), np.array([1.0, 0.0, 0.5]) / (1 + 1e-6), rtol=1e-6)
     np.testing.assert_allclose(group_advantages(rewards, 1, normalize_std=False, std=std), [1.0, 0.0, 0.5])
 
 
@@ -55,8 +55,9 @@ def test_groups_split_over_devices_are_normalised_over_all_their_members():
 
 def test_advantages_are_relative_to_their_own_group():
     rewards = jnp.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0])
-    np.testing.assert_allclose(group_advantages(rewards, 4, normalize_std=False),
-                               [0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75])
+    np.testing.assert_allclose(
+        group_advantages(rewards, 4, normalize_std=False), [0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75]
+    )
     # std-normalised: each group's advantages have unit (unbiased) std
     a = np.asarray(group_advantages(rewards, 4)).reshape(2, 4)
     np.testing.assert_allclose(a.std(axis=1, ddof=1), [1.0, 1.0], rtol=1e-4)

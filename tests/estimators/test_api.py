@@ -66,7 +66,8 @@ def _estimators() -> dict[str, Callable]:
         # Top-K supports are distinct ids: the first K of a random permutation.
         "forward_kl_topk": lambda s, q, mu, ids: est.forward_kl_topk(g(s, _support(ids)), g(q, _support(ids))),
         "forward_kl_topk_renormalized": lambda s, q, mu, ids: est.forward_kl_topk_renormalized(
-            g(s, _support(ids)), g(q, _support(ids))),
+            g(s, _support(ids)), g(q, _support(ids))
+        ),
         "reverse_kl_topk": lambda s, q, mu, ids: est.reverse_kl_topk(g(s, _support(ids)), g(q, _support(ids))),
         # The plain forward MC gradient is 0 only in expectation (see test_forward_kl).
         "forward_kl_mc": lambda s, q, mu, ids: est.forward_kl_mc(g(s, ids), g(q, ids), control_variate=True),
@@ -83,11 +84,20 @@ def _estimators() -> dict[str, Callable]:
         "second_moment_clip": batch_masked(est.second_moment_clip_loss),
         # on the first candidate as the emitted token: GSPO's ratio is over a response's tokens
         "gspo": lambda s, q, mu, ids: est.gspo_loss(
-            g(s, ids[..., 0]), g(mu, ids[..., 0]), jax.lax.stop_gradient(g(q, ids[..., 0]) - g(s, ids[..., 0])),
-            jnp.ones(ids.shape[:-1], bool), clip_eps=0.2),
+            g(s, ids[..., 0]),
+            g(mu, ids[..., 0]),
+            jax.lax.stop_gradient(g(q, ids[..., 0]) - g(s, ids[..., 0])),
+            jnp.ones(ids.shape[:-1], bool),
+            clip_eps=0.2,
+        ),
         "gspo_token": lambda s, q, mu, ids: est.gspo_loss(
-            g(s, ids[..., 0]), g(mu, ids[..., 0]), jax.lax.stop_gradient(g(q, ids[..., 0]) - g(s, ids[..., 0])),
-            jnp.ones(ids.shape[:-1], bool), clip_eps=0.2, level="token"),
+            g(s, ids[..., 0]),
+            g(mu, ids[..., 0]),
+            jax.lax.stop_gradient(g(q, ids[..., 0]) - g(s, ids[..., 0])),
+            jnp.ones(ids.shape[:-1], bool),
+            clip_eps=0.2,
+            level="token",
+        ),
     }
 
 
@@ -154,8 +164,14 @@ def _logprob_level() -> dict[str, Callable]:
         "reverse_kl_mc_loo": lambda lp, mu, q, a, m: est.reverse_kl_mc_loo(lp, mu, q),
         # Support ids 0, 1; candidate ids 0, 1, 2, 0, 1 (inside and outside the support).
         "reverse_kl_hybrid": lambda lp, mu, q, a, m: est.reverse_kl_hybrid(
-            lp[..., :2], q[..., :2], jnp.broadcast_to(jnp.arange(2), (B, T, 2)), lp, mu, q,
-            jnp.broadcast_to(jnp.arange(N) % 3, (B, T, N))),
+            lp[..., :2],
+            q[..., :2],
+            jnp.broadcast_to(jnp.arange(2), (B, T, 2)),
+            lp,
+            mu,
+            q,
+            jnp.broadcast_to(jnp.arange(N) % 3, (B, T, N)),
+        ),
         "ppo_clip": lambda lp, mu, q, a, m: est.ppo_clip_loss(lp, mu, a, dual_clip=3.0),
         "decoupled_ppo": lambda lp, mu, q, a, m: est.decoupled_ppo_loss(lp, lp - 0.1, mu, a),
         "truncated_is": lambda lp, mu, q, a, m: est.truncated_is_loss(lp, mu, a),

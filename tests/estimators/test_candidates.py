@@ -66,8 +66,11 @@ def test_peaked_distribution_and_bf16_logits():
 def test_invalid_arguments():
     logits = jnp.zeros((1, 1, 4))
     # the message says why, not only what
-    with pytest.raises(ValueError, match=r"temperature must be > 0 \(got 0.0\); greedy decoding has no sampling "
-                                         "distribution to draw Monte-Carlo candidates from$"):
+    with pytest.raises(
+        ValueError,
+        match=r"temperature must be > 0 \(got 0.0\); greedy decoding has no sampling "
+        "distribution to draw Monte-Carlo candidates from$",
+    ):
         sample_candidates(jax.random.key(0), logits, 2, 0.0)
     with pytest.raises(ValueError, match="n must be >= 1"):
         sample_candidates(jax.random.key(0), logits, 0)

@@ -17,7 +17,7 @@ B, T, K, N, V = 2, 4, 8, 5, 11
 def _logp(*shape, seed=0):
     """Log-probs of the first ``shape[-1]`` of V ids (a top-K support), ``shape[:-1]`` positions."""
     probs = np.random.default_rng(seed).dirichlet(np.ones(V), size=shape[:-1])
-    return jnp.log(jnp.asarray(probs, jnp.float32))[..., :shape[-1]]
+    return jnp.log(jnp.asarray(probs, jnp.float32))[..., : shape[-1]]
 
 
 def _one_line(err) -> str:
@@ -26,42 +26,86 @@ def _one_line(err) -> str:
     return text
 
 
-@pytest.mark.parametrize("call,message", [
-    # [B, T] where [B, T, K] is expected (it used to return [B] silently)
-    (lambda: est.forward_kl_topk(_logp(B, T, K), _logp(B, T, K)[..., 0]),
-     r"forward_kl_topk: teacher_logp has shape \[2, 4\]; expected \[B, T, K\] = \[2, 4, 8\]$"),
-    (lambda: est.forward_kl_topk(_logp(B, T, K)[..., 0], _logp(B, T, K)[..., 0]),
-     r"forward_kl_topk: student_logp has shape \[2, 4\]; expected \[B, T, K\] \(rank 3\)$"),
-    # a K mismatch names the K passed (it used to say K + 1: the hidden tail bucket)
-    (lambda: est.forward_kl_topk(_logp(B, T, K), _logp(B, T, 7)),
-     r"forward_kl_topk: teacher_logp has shape \[2, 4, 7\]; expected \[B, T, K\] = \[2, 4, 8\] "
-     r"\(K = 8 from student_logp\)$"),
-    (lambda: est.reverse_kl_topk(_logp(B, T, K), _logp(B, T, 3)), r"reverse_kl_topk: teacher_logp .*\(K = 8 from student_logp\)"),
-    (lambda: est.forward_kl_mc(_logp(B, T, N), _logp(B, T, N)[:1]),
-     r"forward_kl_mc: teacher_logp has shape \[1, 4, 5\]; expected \[B, T, N\] = \[2, 4, 5\] "
-     r"\(B = 2 from student_logp\)"),
-    (lambda: est.reverse_kl_mc(_logp(B, T, N), _logp(B, T, N), _logp(B, T, 4)),
-     r"reverse_kl_mc: teacher_logp has shape \[2, 4, 4\]; expected \[B, T, N\] = \[2, 4, 5\] \(N = 5"),
-    (lambda: est.reverse_kl_mc_loo(_logp(B, T, N), _logp(B, T), _logp(B, T, N)), r"reverse_kl_mc_loo: behavior_logp"),
-    (lambda: est.reverse_kl_hybrid(_logp(B, T, K), _logp(B, T, K), jnp.zeros((B, T, 3), jnp.int32), _logp(B, T, N),
-                                   _logp(B, T, N), _logp(B, T, N), jnp.zeros((B, T, N), jnp.int32)),
-     r"reverse_kl_hybrid: support_ids has shape \[2, 4, 3\]; expected \[B, T, K\] = \[2, 4, 8\]"),
-    (lambda: est.forward_kl_dense(jnp.zeros((B, T, V)), jnp.zeros((B, V))), r"forward_kl_dense: teacher_logits"),
-    (lambda: est.ppo_clip_loss(_logp(B, T), _logp(B, T), jnp.zeros((B,))),
-     r"ppo_clip_loss: advantages has shape \[2\]; expected \[2, 4\] like logp"),
-    (lambda: est.ppo_clip_loss(_logp(B, T)[0, 0], _logp(B, T)[0, 0], jnp.zeros(())),
-     r"ppo_clip_loss: logp has shape \[\]; expected \[B, T\] or \[B, T, N\]"),
-    (lambda: est.decoupled_ppo_loss(_logp(B, T), _logp(B, T, 1), _logp(B, T), jnp.zeros((B, T))),
-     r"decoupled_ppo_loss: proximal_logp"),
-    (lambda: est.truncated_is_loss(_logp(B, T), _logp(B, T), jnp.zeros((T, B))), r"truncated_is_loss: advantages"),
-    (lambda: est.m2po_loss(_logp(B, T), _logp(B, T), jnp.zeros((B, T)), jnp.ones((B, 3), bool)), r"m2po_loss: mask"),
-    (lambda: est.gspo_loss(_logp(B, T, N), _logp(B, T, N), jnp.zeros((B, T, N)), jnp.ones((B, T, N), bool)),
-     r"gspo_loss: logp has shape \[2, 4, 5\]; expected \[B, T\] \(rank 2\)"),
-    (lambda: est.aggregate(jnp.zeros((B, T)), jnp.ones((B, T + 1), bool), "seq-mean-token-mean"),
-     r"loss_numerator \(seq-mean-token-mean\): mask has shape \[2, 5\]; expected \[B, T\] = \[2, 4\]"),
-    (lambda: est.reference_kl(_logp(B, T), _logp(B, T, 1)), r"reference_kl: reference_logp"),
-    (lambda: est.with_distillation(jnp.zeros(B), _logp(B, T), _logp(B, T, 1), 0.5), r"with_distillation: student_logp"),
-])
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        # [B, T] where [B, T, K] is expected (it used to return [B] silently)
+        (
+            lambda: est.forward_kl_topk(_logp(B, T, K), _logp(B, T, K)[..., 0]),
+            r"forward_kl_topk: teacher_logp has shape \[2, 4\]; expected \[B, T, K\] = \[2, 4, 8\]$",
+        ),
+        (
+            lambda: est.forward_kl_topk(_logp(B, T, K)[..., 0], _logp(B, T, K)[..., 0]),
+            r"forward_kl_topk: student_logp has shape \[2, 4\]; expected \[B, T, K\] \(rank 3\)$",
+        ),
+        # a K mismatch names the K passed (it used to say K + 1: the hidden tail bucket)
+        (
+            lambda: est.forward_kl_topk(_logp(B, T, K), _logp(B, T, 7)),
+            r"forward_kl_topk: teacher_logp has shape \[2, 4, 7\]; expected \[B, T, K\] = \[2, 4, 8\] "
+            r"\(K = 8 from student_logp\)$",
+        ),
+        (
+            lambda: est.reverse_kl_topk(_logp(B, T, K), _logp(B, T, 3)),
+            r"reverse_kl_topk: teacher_logp .*\(K = 8 from student_logp\)",
+        ),
+        (
+            lambda: est.forward_kl_mc(_logp(B, T, N), _logp(B, T, N)[:1]),
+            r"forward_kl_mc: teacher_logp has shape \[1, 4, 5\]; expected \[B, T, N\] = \[2, 4, 5\] "
+            r"\(B = 2 from student_logp\)",
+        ),
+        (
+            lambda: est.reverse_kl_mc(_logp(B, T, N), _logp(B, T, N), _logp(B, T, 4)),
+            r"reverse_kl_mc: teacher_logp has shape \[2, 4, 4\]; expected \[B, T, N\] = \[2, 4, 5\] \(N = 5",
+        ),
+        (
+            lambda: est.reverse_kl_mc_loo(_logp(B, T, N), _logp(B, T), _logp(B, T, N)),
+            r"reverse_kl_mc_loo: behavior_logp",
+        ),
+        (
+            lambda: est.reverse_kl_hybrid(
+                _logp(B, T, K),
+                _logp(B, T, K),
+                jnp.zeros((B, T, 3), jnp.int32),
+                _logp(B, T, N),
+                _logp(B, T, N),
+                _logp(B, T, N),
+                jnp.zeros((B, T, N), jnp.int32),
+            ),
+            r"reverse_kl_hybrid: support_ids has shape \[2, 4, 3\]; expected \[B, T, K\] = \[2, 4, 8\]",
+        ),
+        (lambda: est.forward_kl_dense(jnp.zeros((B, T, V)), jnp.zeros((B, V))), r"forward_kl_dense: teacher_logits"),
+        (
+            lambda: est.ppo_clip_loss(_logp(B, T), _logp(B, T), jnp.zeros((B,))),
+            r"ppo_clip_loss: advantages has shape \[2\]; expected \[2, 4\] like logp",
+        ),
+        (
+            lambda: est.ppo_clip_loss(_logp(B, T)[0, 0], _logp(B, T)[0, 0], jnp.zeros(())),
+            r"ppo_clip_loss: logp has shape \[\]; expected \[B, T\] or \[B, T, N\]",
+        ),
+        (
+            lambda: est.decoupled_ppo_loss(_logp(B, T), _logp(B, T, 1), _logp(B, T), jnp.zeros((B, T))),
+            r"decoupled_ppo_loss: proximal_logp",
+        ),
+        (lambda: est.truncated_is_loss(_logp(B, T), _logp(B, T), jnp.zeros((T, B))), r"truncated_is_loss: advantages"),
+        (
+            lambda: est.m2po_loss(_logp(B, T), _logp(B, T), jnp.zeros((B, T)), jnp.ones((B, 3), bool)),
+            r"m2po_loss: mask",
+        ),
+        (
+            lambda: est.gspo_loss(_logp(B, T, N), _logp(B, T, N), jnp.zeros((B, T, N)), jnp.ones((B, T, N), bool)),
+            r"gspo_loss: logp has shape \[2, 4, 5\]; expected \[B, T\] \(rank 2\)",
+        ),
+        (
+            lambda: est.aggregate(jnp.zeros((B, T)), jnp.ones((B, T + 1), bool), "seq-mean-token-mean"),
+            r"loss_numerator \(seq-mean-token-mean\): mask has shape \[2, 5\]; expected \[B, T\] = \[2, 4\]",
+        ),
+        (lambda: est.reference_kl(_logp(B, T), _logp(B, T, 1)), r"reference_kl: reference_logp"),
+        (
+            lambda: est.with_distillation(jnp.zeros(B), _logp(B, T), _logp(B, T, 1), 0.5),
+            r"with_distillation: student_logp",
+        ),
+    ],
+)
 def test_a_wrong_shape_names_the_argument_and_the_expected_shape(call, message):
     with pytest.raises(ValueError, match=message) as err:
         call()
@@ -73,19 +117,26 @@ def test_a_wrong_shape_names_the_argument_and_the_expected_shape(call, message):
 LOGITS = jnp.asarray(np.random.default_rng(1).normal(scale=3.0, size=(B, T, K)) + 4.0, jnp.float32)
 
 
-@pytest.mark.parametrize("call,argument", [
-    (lambda lp, bad: est.forward_kl_topk(lp, bad, check_inputs=True), "teacher_logp"),
-    (lambda lp, bad: est.reverse_kl_topk(bad, lp, check_inputs=True), "student_logp"),
-    (lambda lp, bad: est.forward_kl_mc(lp, bad, check_inputs=True), "teacher_logp"),
-    (lambda lp, bad: est.reverse_kl_mc(lp, bad, lp, check_inputs=True), "behavior_logp"),
-    (lambda lp, bad: est.reverse_kl_mc_loo(lp, lp, bad, check_inputs=True), "teacher_logp"),
-    (lambda lp, bad: est.ppo_clip_loss(bad, lp, lp, check_inputs=True), "logp"),
-    (lambda lp, bad: est.decoupled_ppo_loss(lp, bad, lp, lp, check_inputs=True), "proximal_logp"),
-    (lambda lp, bad: est.truncated_is_loss(lp, bad, lp, check_inputs=True), "behavior_logp"),
-    (lambda lp, bad: est.m2po_loss(lp, bad, lp, jnp.ones(lp.shape, bool), check_inputs=True), "behavior_logp"),
-    (lambda lp, bad: est.gspo_loss(lp[..., 0], bad[..., 0], lp[..., 0], jnp.ones((B, T), bool), check_inputs=True),
-     "behavior_logp"),
-])
+@pytest.mark.parametrize(
+    "call,argument",
+    [
+        (lambda lp, bad: est.forward_kl_topk(lp, bad, check_inputs=True), "teacher_logp"),
+        (lambda lp, bad: est.reverse_kl_topk(bad, lp, check_inputs=True), "student_logp"),
+        (lambda lp, bad: est.forward_kl_mc(lp, bad, check_inputs=True), "teacher_logp"),
+        (lambda lp, bad: est.reverse_kl_mc(lp, bad, lp, check_inputs=True), "behavior_logp"),
+        (lambda lp, bad: est.reverse_kl_mc_loo(lp, lp, bad, check_inputs=True), "teacher_logp"),
+        (lambda lp, bad: est.ppo_clip_loss(bad, lp, lp, check_inputs=True), "logp"),
+        (lambda lp, bad: est.decoupled_ppo_loss(lp, bad, lp, lp, check_inputs=True), "proximal_logp"),
+        (lambda lp, bad: est.truncated_is_loss(lp, bad, lp, check_inputs=True), "behavior_logp"),
+        (lambda lp, bad: est.m2po_loss(lp, bad, lp, jnp.ones(lp.shape, bool), check_inputs=True), "behavior_logp"),
+        (
+            lambda lp, bad: est.gspo_loss(
+                lp[..., 0], bad[..., 0], lp[..., 0], jnp.ones((B, T), bool), check_inputs=True
+            ),
+            "behavior_logp",
+        ),
+    ],
+)
 def test_check_inputs_catches_raw_logits(call, argument):
     good = _logp(B, T, K)
     with pytest.raises(Exception, match=rf": {argument} holds values up to .*; expected log-probabilities"):

@@ -95,7 +95,9 @@ def _mc_draws(n_draws: int, seed: int, student: np.ndarray, teacher: np.ndarray,
     s_rep = jnp.broadcast_to(jnp.asarray(student, jnp.float32), (n_draws, 1, V))
 
     def per_draw(z):
-        return forward_kl_mc(gather_logprobs(z, samples), lq[samples].astype(np.float32), control_variate=control_variate)
+        return forward_kl_mc(
+            gather_logprobs(z, samples), lq[samples].astype(np.float32), control_variate=control_variate
+        )
 
     values = np.asarray(per_draw(s_rep)).ravel()
     grads = np.asarray(jax.grad(lambda z: per_draw(z).sum())(s_rep)).reshape(n_draws, V)

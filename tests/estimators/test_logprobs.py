@@ -166,6 +166,7 @@ def test_entropy_from_the_fused_pass_matches_the_oracle_in_value_and_gradient(ch
         lp, ent = gather_logprobs_and_entropy_from_hidden(h, w, ids, chunk_size, temperature)
         return jnp.sum(lp * g_logp) + jnp.sum(ent * g_entropy)
 
-    for got, want in zip(jax.jit(jax.grad(fused, argnums=(0, 1)))(hidden, head),
-                         jax.grad(dense, argnums=(0, 1))(hidden, head)):
+    for got, want in zip(
+        jax.jit(jax.grad(fused, argnums=(0, 1)))(hidden, head), jax.grad(dense, argnums=(0, 1))(hidden, head)
+    ):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)

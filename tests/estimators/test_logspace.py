@@ -16,8 +16,9 @@ def test_the_ratio_is_exact_inside_the_clip_and_clipped_on_both_sides():
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert np.all(np.isfinite(got)) and got[0] > 0  # e^{-60} would be 1e-26: clipped to e^{-20} = 2e-9
     # a tighter clip of the caller's choice
-    np.testing.assert_allclose(np.asarray(importance_ratio(jnp.array([5.0, -5.0]), jnp.zeros(2), 1.0)),
-                               [np.e, 1 / np.e], rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(importance_ratio(jnp.array([5.0, -5.0]), jnp.zeros(2), 1.0)), [np.e, 1 / np.e], rtol=1e-6
+    )
 
 
 def test_bf16_log_probs_give_fp32_ratios():

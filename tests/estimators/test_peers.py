@@ -39,9 +39,17 @@ def test_aggregation_modes_reproduce_verl_agg_loss(mode):
     want = peers.agg_loss(torch.tensor(values), torch.tensor(mask), mode).item()
     assert _report(f"agg_loss {mode}", est.aggregate(values, mask, mode), want) < 1e-6
     halves = [slice(0, 4), slice(4, 8)]
-    ranks = [peers.agg_loss(torch.tensor(values[h]), torch.tensor(mask[h]), mode, dp_size=2,
-                            batch_num_tokens=mask.sum(), global_batch_size=(mask.sum(-1) > 0).sum()).item()
-             for h in halves]
+    ranks = [
+        peers.agg_loss(
+            torch.tensor(values[h]),
+            torch.tensor(mask[h]),
+            mode,
+            dp_size=2,
+            batch_num_tokens=mask.sum(),
+            global_batch_size=(mask.sum(-1) > 0).sum(),
+        ).item()
+        for h in halves
+    ]
     assert _report(f"agg_loss {mode}, 2 ranks", est.aggregate(values, mask, mode), np.mean(ranks)) < 1e-6
 
 
@@ -55,8 +63,9 @@ def test_group_advantages_reproduce_verl_grpo(group_size, normalize_std):
     token_rewards = np.zeros((len(rewards), t), np.float32)
     token_rewards[:, -1] = rewards  # an outcome reward on the last token
     index = np.repeat(np.arange(len(rewards) // group_size), group_size)
-    want, _ = peers.compute_grpo_outcome_advantage(torch.tensor(token_rewards), torch.ones(len(rewards), t), index,
-                                                   norm_adv_by_std_in_grpo=normalize_std)
+    want, _ = peers.compute_grpo_outcome_advantage(
+        torch.tensor(token_rewards), torch.ones(len(rewards), t), index, norm_adv_by_std_in_grpo=normalize_std
+    )
     got = est.group_advantages(rewards, group_size, normalize_std=normalize_std)
     assert _report(f"GRPO advantages G={group_size} std={normalize_std}", got, want[:, 0].numpy()) < 1e-5
 
@@ -69,10 +78,12 @@ def test_gspo_reproduces_verl_in_value_and_gradient():
     adv = np.repeat(rng.normal(size=(mask.shape[0], 1)), mask.shape[1], 1).astype(np.float32)
     config = peers.actor_config(0.01, 0.02)
     lp = torch.tensor(logp, requires_grad=True)
-    loss, _ = peers.compute_policy_loss_gspo(torch.tensor(behavior), lp, torch.tensor(adv), torch.tensor(mask),
-                                             config=config)
+    loss, _ = peers.compute_policy_loss_gspo(
+        torch.tensor(behavior), lp, torch.tensor(adv), torch.tensor(mask), config=config
+    )
     loss.backward()
     for level in ("token", "sequence"):
+
         def ours(x):
             values = est.gspo_loss(x, behavior, adv, mask, clip_eps=(0.01, 0.02), level=level)
             return est.aggregate(values, mask, "seq-mean-token-mean")
@@ -137,10 +148,12 @@ def test_renormalised_top_k_reproduces_tunix_distill_top_k(temperature):
     student, teacher = (rng.normal(scale=2.0, size=(3, 7, 40)).astype(np.float32) for _ in range(2))
     want = _tunix_top_k_distillation(student, teacher, 8, temperature)
     ids = jax.lax.top_k(teacher, 8)[1]  # the teacher's top-K: temperature does not change the order
-    per_token = est.forward_kl_topk_renormalized(est.gather_logprobs(student, ids, temperature),
-                                                 est.gather_logprobs(teacher, ids, temperature))
+    per_token = est.forward_kl_topk_renormalized(
+        est.gather_logprobs(student, ids, temperature), est.gather_logprobs(teacher, ids, temperature)
+    )
     assert _report(f"Tunix distill_top_k T={temperature}", jnp.mean(per_token) * temperature**2, want) < 1e-5
     for tail in (True, False):  # neither tail form is Tunix's
-        other = est.forward_kl_topk(est.gather_logprobs(student, ids, temperature),
-                                    est.gather_logprobs(teacher, ids, temperature), tail=tail)
+        other = est.forward_kl_topk(
+            est.gather_logprobs(student, ids, temperature), est.gather_logprobs(teacher, ids, temperature), tail=tail
+        )
         assert abs(float(jnp.mean(other) * temperature**2 - want)) > 1e-3

@@ -91,8 +91,9 @@ def _ragged(seed: int, rows: int = 6, t: int = 8, weights: bool = False):
 def test_aggregation_modes_match_the_oracle(mode, weights):
     values, mask = _ragged(1, weights=weights)
     np.testing.assert_allclose(aggregate(values, mask, mode), oracle.aggregate(values, mask, mode), rtol=1e-5)
-    np.testing.assert_allclose(aggregate(values, mask, mode, horizon=32),
-                               oracle.aggregate(values, mask, mode, horizon=32), rtol=1e-5)
+    np.testing.assert_allclose(
+        aggregate(values, mask, mode, horizon=32), oracle.aggregate(values, mask, mode, horizon=32), rtol=1e-5
+    )
     value, grad = jax.value_and_grad(lambda v: aggregate(v, mask, mode))(values)
     assert np.isfinite(value) and np.all(np.isfinite(grad)) and np.all(np.asarray(grad)[mask == 0] == 0)
 
@@ -118,8 +119,11 @@ def test_all_zero_mask_gives_zero_in_every_mode(mode):
 
 
 @settings(max_examples=20, deadline=None)
-@given(mode=st.sampled_from(AGGREGATIONS), cuts=st.lists(st.integers(1, 5), min_size=1, max_size=4),
-       seed=st.integers(0, 10_000))
+@given(
+    mode=st.sampled_from(AGGREGATIONS),
+    cuts=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    seed=st.integers(0, 10_000),
+)
 def test_every_mode_is_exact_over_any_split_into_rows(mode, cuts, seed):
     """Σ over parts of normalized_loss with the whole batch's denominator (value and
     gradient) == the whole batch's aggregate: micro-batches, packed micro-batches trimmed to

@@ -17,17 +17,21 @@ def _problem(seed=0, spread=0.8):
     return logp, reference
 
 
-@pytest.mark.parametrize("kind,value,grad", [
-    ("k1", lambda d: d, lambda d: np.ones_like(d)),
-    ("k2", lambda d: 0.5 * d * d, lambda d: d),
-    ("k3", lambda d: np.exp(-d) - 1 + d, lambda d: 1 - np.exp(-d)),
-])
+@pytest.mark.parametrize(
+    "kind,value,grad",
+    [
+        ("k1", lambda d: d, lambda d: np.ones_like(d)),
+        ("k2", lambda d: 0.5 * d * d, lambda d: d),
+        ("k3", lambda d: np.exp(-d) - 1 + d, lambda d: 1 - np.exp(-d)),
+    ],
+)
 def test_reference_kl_estimators(kind, value, grad):
     logp, reference = _problem()
     d = logp.astype(np.float64) - reference
     np.testing.assert_allclose(reference_kl(logp, reference, kind), value(d), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(jax.grad(lambda lp: reference_kl(lp, reference, kind).sum())(logp), grad(d),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        jax.grad(lambda lp: reference_kl(lp, reference, kind).sum())(logp), grad(d), rtol=1e-5, atol=1e-6
+    )
     np.testing.assert_array_equal(jax.grad(lambda r: reference_kl(logp, r, kind).sum())(reference), 0.0)
 
 

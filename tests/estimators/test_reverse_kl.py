@@ -58,6 +58,7 @@ def test_topk_on_a_partial_support_matches_oracle():
     np.testing.assert_allclose(reverse_kl_topk(sup_s, sup_q, tail=False), plain, rtol=1e-5)
     coarse = oracle.kl(oracle.coarse_grain(ls, ids), oracle.coarse_grain(lq, ids))
     np.testing.assert_allclose(reverse_kl_topk(sup_s, sup_q), coarse, rtol=1e-5)
+
     # Gradient of the tail-bucket form against the oracle, by central differences.
     def oracle_value(z):
         lz = oracle.log_softmax(z)
@@ -154,8 +155,15 @@ def test_mc_clip_limits_the_ratio_like_ppo():
 
 def _hybrid(z, q, support, ids, mu_logp):
     """reverse_kl_hybrid with every log-prob gathered from logits ``z`` (student) and ``q``."""
-    return reverse_kl_hybrid(gather_logprobs(z, support), gather_logprobs(q, support), support,
-                             gather_logprobs(z, ids), mu_logp, gather_logprobs(q, ids), ids)
+    return reverse_kl_hybrid(
+        gather_logprobs(z, support),
+        gather_logprobs(q, support),
+        support,
+        gather_logprobs(z, ids),
+        mu_logp,
+        gather_logprobs(q, ids),
+        ids,
+    )
 
 
 def test_hybrid_matches_the_numpy_oracle_at_one_draw():
@@ -175,8 +183,11 @@ def test_hybrid_equals_dense_when_the_support_is_the_vocabulary():
     support = np.broadcast_to(np.random.default_rng(2).permutation(V), (B, T, V))
     ids, mu_logp = sample_candidates(jax.random.key(4), jnp.asarray(_logits(15)), 4)
     np.testing.assert_allclose(_hybrid(s, q, support, ids, mu_logp), reverse_kl_dense(s, q), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(jax.grad(lambda z: _hybrid(z, q, support, ids, mu_logp).sum())(s),
-                               jax.grad(lambda z: reverse_kl_dense(z, q).sum())(s), atol=1e-6)
+    np.testing.assert_allclose(
+        jax.grad(lambda z: _hybrid(z, q, support, ids, mu_logp).sum())(s),
+        jax.grad(lambda z: reverse_kl_dense(z, q).sum())(s),
+        atol=1e-6,
+    )
 
 
 def _draws(n_positions: int, n: int, seed: int):
@@ -217,7 +228,8 @@ def test_hybrid_has_a_fraction_of_the_mc_variance_when_the_support_holds_most_ma
     support = jnp.broadcast_to(jnp.argsort(-STUDENT)[:2], (n_positions, 1, 2))
     values, grads = _per_position(lambda z: _hybrid(z, teacher, support, ids, pi_logp), student)
     mc_values, mc_grads = _per_position(
-        lambda z: reverse_kl_mc(gather_logprobs(z, ids), pi_logp, gather_logprobs(teacher, ids)), student)
+        lambda z: reverse_kl_mc(gather_logprobs(z, ids), pi_logp, gather_logprobs(teacher, ids)), student
+    )
     assert grads.var(axis=0).sum() < 0.5 * mc_grads.var(axis=0).sum()
     assert values.var() < 0.5 * mc_values.var()
 
@@ -231,8 +243,15 @@ def test_hybrid_with_the_candidates_inside_the_support_counted_is_biased():
     no_support = jnp.full_like(ids, -1)[..., :1]
 
     def doubled(z):
-        head = reverse_kl_hybrid(gather_logprobs(z, support), gather_logprobs(teacher, support), support,
-                                 gather_logprobs(z, ids)[..., :0], mu_logp[..., :0], mu_logp[..., :0], ids[..., :0])
+        head = reverse_kl_hybrid(
+            gather_logprobs(z, support),
+            gather_logprobs(teacher, support),
+            support,
+            gather_logprobs(z, ids)[..., :0],
+            mu_logp[..., :0],
+            mu_logp[..., :0],
+            ids[..., :0],
+        )
         tail = _hybrid(z, teacher, no_support, ids, mu_logp)
         return head + tail
 
@@ -246,10 +265,12 @@ def test_loo_baseline_is_unbiased_under_staleness_with_the_same_value():
     n_positions = 100_000
     ids, mu_logp, student, teacher = _draws(n_positions, 4, seed=6)
     values, grads = _per_position(
-        lambda z: reverse_kl_mc_loo(gather_logprobs(z, ids), mu_logp, gather_logprobs(teacher, ids)), student)
+        lambda z: reverse_kl_mc_loo(gather_logprobs(z, ids), mu_logp, gather_logprobs(teacher, ids)), student
+    )
     _assert_unbiased(values, grads)
     plain_values, _ = _per_position(
-        lambda z: reverse_kl_mc(gather_logprobs(z, ids), mu_logp, gather_logprobs(teacher, ids)), student)
+        lambda z: reverse_kl_mc(gather_logprobs(z, ids), mu_logp, gather_logprobs(teacher, ids)), student
+    )
     np.testing.assert_allclose(values, plain_values, rtol=1e-5, atol=1e-6)  # same value, draw by draw
 
 
@@ -281,20 +302,26 @@ def test_loo_matches_the_numpy_oracle_and_is_plain_mc_for_one_candidate(n):
     baseline = ((ratio * d).sum(-1, keepdims=True) - ratio * d) / (ratio.sum(-1, keepdims=True) - ratio)
     np.testing.assert_allclose(reverse_kl_mc_loo(lp, mu, lq), (ratio * d).mean(-1), rtol=1e-5)
     # ∂/∂ log π_n of the surrogate: (1/N) ρ_n (d_n − b_n).
-    np.testing.assert_allclose(jax.grad(lambda x: reverse_kl_mc_loo(x, mu, lq).sum())(lp),
-                               ratio * (d - baseline) / n, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        jax.grad(lambda x: reverse_kl_mc_loo(x, mu, lq).sum())(lp), ratio * (d - baseline) / n, rtol=1e-4, atol=1e-6
+    )
     one = (lp[..., :1], mu[..., :1], lq[..., :1])
     np.testing.assert_allclose(reverse_kl_mc_loo(*one), reverse_kl_mc(*one), rtol=1e-6)
-    np.testing.assert_allclose(jax.grad(lambda x: reverse_kl_mc_loo(x, *one[1:]).sum())(one[0]),
-                               jax.grad(lambda x: reverse_kl_mc(x, *one[1:]).sum())(one[0]), rtol=1e-6)
+    np.testing.assert_allclose(
+        jax.grad(lambda x: reverse_kl_mc_loo(x, *one[1:]).sum())(one[0]),
+        jax.grad(lambda x: reverse_kl_mc(x, *one[1:]).sum())(one[0]),
+        rtol=1e-6,
+    )
 
 
 def test_hybrid_and_loo_are_zero_with_zero_gradient_when_student_equals_teacher():
     ids, mu_logp = sample_candidates(jax.random.key(9), jnp.broadcast_to(BEHAVIOUR, (64, 1, V)), 8)
     teacher = jnp.broadcast_to(TEACHER, (64, 1, V))
     support = jnp.broadcast_to(jnp.argsort(-BEHAVIOUR)[:3], (64, 1, 3))
-    for fn in (lambda z: _hybrid(z, teacher, support, ids, mu_logp),
-               lambda z: reverse_kl_mc_loo(gather_logprobs(z, ids), mu_logp, gather_logprobs(teacher, ids))):
+    for fn in (
+        lambda z: _hybrid(z, teacher, support, ids, mu_logp),
+        lambda z: reverse_kl_mc_loo(gather_logprobs(z, ids), mu_logp, gather_logprobs(teacher, ids)),
+    ):
         value, grad = jax.value_and_grad(lambda z: fn(z).sum())(teacher)
         np.testing.assert_allclose(value, 0.0, atol=1e-5)
         np.testing.assert_allclose(grad, 0.0, atol=1e-6)

@@ -58,9 +58,7 @@ def test_decoupled_ppo_weights_and_masks(shape):
     want = np.where(weight <= 2.0, want, 0.0)
     assert (weight > 2.0).any() and (weight <= 2.0).any()  # both branches exercised
     np.testing.assert_allclose(per, want, rtol=1e-5, atol=1e-6)
-    grad = jax.grad(
-        lambda lp: decoupled_ppo_loss(lp, proximal, behavior, adv, behavior_weight_cap=2.0).sum()
-    )(logp)
+    grad = jax.grad(lambda lp: decoupled_ppo_loss(lp, proximal, behavior, adv, behavior_weight_cap=2.0).sum())(logp)
     np.testing.assert_array_equal(np.asarray(grad)[weight > 2.0], 0.0)
     # Defaults: the behaviour weight is capped at 5 (weights of 4.5, 5.5 and 6.5 placed on
     # three tokens); with a dual clip c, the oracle's.
@@ -140,11 +138,19 @@ def test_bad_clip_arguments_raise():
         truncated_is_loss(logp, behavior, adv, cap=0.0)
     assert jnp.all(jnp.isfinite(ppo_clip_loss(logp, behavior, adv)))
     # ε_low = 0 (no lower clip) is allowed: the ratio is clipped at 1 from below.
-    np.testing.assert_allclose(ppo_clip_loss(logp, behavior, adv, clip_eps=(0.0, 0.2)),
-                               oracle.ppo_clip(logp, behavior, adv, 1.0, 1.2), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        ppo_clip_loss(logp, behavior, adv, clip_eps=(0.0, 0.2)),
+        oracle.ppo_clip(logp, behavior, adv, 1.0, 1.2),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     # and ε_high = 0: clipped at 1 from above
-    np.testing.assert_allclose(ppo_clip_loss(logp, behavior, adv, clip_eps=(0.2, 0.0)),
-                               oracle.ppo_clip(logp, behavior, adv, 0.8, 1.0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        ppo_clip_loss(logp, behavior, adv, clip_eps=(0.2, 0.0)),
+        oracle.ppo_clip(logp, behavior, adv, 0.8, 1.0),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_second_moment_clip_loss_with_a_wide_adaptive_range_and_dual_clip():
@@ -171,8 +177,10 @@ def test_decoupled_ppo_keeps_a_token_whose_weight_equals_the_cap():
 def test_second_moment_clip_range_default_budget_is_0_04():
     logp, behavior, adv = _problem((4, 16), seed=5, spread=1.0)
     mask = np.ones_like(logp, bool)
-    np.testing.assert_array_equal(second_moment_clip_range(logp, behavior, adv, mask),
-                                  second_moment_clip_range(logp, behavior, adv, mask, second_moment_budget=0.04))
+    np.testing.assert_array_equal(
+        second_moment_clip_range(logp, behavior, adv, mask),
+        second_moment_clip_range(logp, behavior, adv, mask, second_moment_budget=0.04),
+    )
     assert np.isfinite(second_moment_clip_range(logp, behavior, adv, mask))
 
 
@@ -188,7 +196,9 @@ def test_second_moment_clip_range_ignores_tokens_whose_ratio_has_not_moved():
     without[:2] = False
     want = second_moment_clip_range(still, behavior, adv_zero, without, second_moment_budget=0.1)
     assert np.isfinite(want)
-    np.testing.assert_array_equal(second_moment_clip_range(still, behavior, adv_zero, mask, second_moment_budget=0.1), want)
+    np.testing.assert_array_equal(
+        second_moment_clip_range(still, behavior, adv_zero, mask, second_moment_budget=0.1), want
+    )
 
 
 def test_second_moment_clip_range_matches_bisection_on_many_random_problems():
@@ -198,7 +208,10 @@ def test_second_moment_clip_range_matches_bisection_on_many_random_problems():
         logp, behavior, adv = _problem((3, 7), seed=100 + seed, spread=rng.uniform(0.2, 1.5))
         mask = rng.uniform(size=logp.shape) > 0.3
         budget = float(rng.choice([0.01, 0.05, 0.2, 0.5]))
-        got, want = float(threshold(logp, behavior, adv, mask, budget)), oracle.second_moment_clip_tau(logp, behavior, adv, mask, budget)
+        got, want = (
+            float(threshold(logp, behavior, adv, mask, budget)),
+            oracle.second_moment_clip_tau(logp, behavior, adv, mask, budget),
+        )
         if np.isinf(want):
             assert np.isinf(got), seed
         else:
@@ -248,8 +261,9 @@ def test_m2po_mask_matches_the_paper_on_many_random_problems():
     rng = np.random.default_rng(12)
     kept_some = removed_some = 0
     for seed in range(40):
-        logp, behavior, _, mask = _m2po_problem((3, 9), seed=200 + seed, spread=rng.uniform(0.05, 1.0),
-                                               ties=seed % 2 == 0)
+        logp, behavior, _, mask = _m2po_problem(
+            (3, 9), seed=200 + seed, spread=rng.uniform(0.05, 1.0), ties=seed % 2 == 0
+        )
         budget = float(rng.choice([0.01, 0.04, 0.2]))
         got = np.asarray(masker(logp, behavior, mask, budget))
         np.testing.assert_array_equal(got, oracle.m2po_mask(logp, behavior, mask, budget), err_msg=str(seed))
@@ -286,7 +300,8 @@ def test_m2po_loss_is_the_unclipped_importance_weighted_gradient_on_kept_tokens(
     for index in (1, 2):
         args = [logp, behavior, adv]
         g = jax.grad(lambda x: m2po_loss(*[x if i == index else a for i, a in enumerate(args)], mask).sum())(
-            args[index])
+            args[index]
+        )
         np.testing.assert_array_equal(g, 0.0)
 
 
@@ -302,7 +317,8 @@ def test_m2po_is_batch_global_with_axis_name():
     alone = jax.vmap(lambda lp, mu, m: m2po_mask(lp, mu, m))(*split)
     assert not np.array_equal(np.asarray(alone).reshape(8, 12), whole)
     loss = jax.vmap(lambda lp, mu, a, m: m2po_loss(lp, mu, a, m, axis_name="data"), axis_name="data")(
-        *split[:2], adv.reshape(4, 2, 12), split[2])
+        *split[:2], adv.reshape(4, 2, 12), split[2]
+    )
     np.testing.assert_allclose(np.asarray(loss).reshape(8, 12), m2po_loss(logp, behavior, adv, mask), rtol=1e-6)
 
 
@@ -343,8 +359,10 @@ def test_gspo_value_and_gradient(level):
 
 def test_gspo_token_equals_gspo_with_a_sequence_advantage_and_defaults_to_the_papers_clip():
     logp, behavior, adv, mask = _gspo_problem(21, spread=0.001, sequence_advantage=True)
-    seq, tok = (jax.value_and_grad(lambda lp: gspo_loss(lp, behavior, adv, mask, level=level).sum())(logp)
-                for level in ("sequence", "token"))
+    seq, tok = (
+        jax.value_and_grad(lambda lp: gspo_loss(lp, behavior, adv, mask, level=level).sum())(logp)
+        for level in ("sequence", "token")
+    )
     np.testing.assert_allclose(seq[0], tok[0], rtol=1e-6)
     np.testing.assert_allclose(seq[1], tok[1], rtol=1e-5, atol=1e-7)
     want, _ = oracle.gspo(logp, behavior, adv, mask, 1 - 3e-4, 1 + 4e-4, "sequence")
@@ -359,10 +377,14 @@ def test_decoupled_ppo_truncate_mode_clamps_the_behaviour_weight():
     weight = np.exp(proximal.astype(np.float64) - behavior)
     assert (weight > 2.0).any() and (weight <= 2.0).any()
     got = decoupled_ppo_loss(logp, proximal, behavior, adv, behavior_weight_cap=2.0, behavior_weight_mode="truncate")
-    np.testing.assert_allclose(got, np.minimum(weight, 2.0) * oracle.ppo_clip(logp, proximal, adv, 0.8, 1.2),
-                               rtol=1e-5, atol=1e-6)
-    grad = jax.grad(lambda lp: decoupled_ppo_loss(lp, proximal, behavior, adv, behavior_weight_cap=2.0,
-                                                  behavior_weight_mode="truncate").sum())(logp)
+    np.testing.assert_allclose(
+        got, np.minimum(weight, 2.0) * oracle.ppo_clip(logp, proximal, adv, 0.8, 1.2), rtol=1e-5, atol=1e-6
+    )
+    grad = jax.grad(
+        lambda lp: decoupled_ppo_loss(
+            lp, proximal, behavior, adv, behavior_weight_cap=2.0, behavior_weight_mode="truncate"
+        ).sum()
+    )(logp)
     assert np.all(np.asarray(grad)[(weight > 2.0) & (np.abs(adv) > 0.5)] != 0)  # the capped tokens still train
     with pytest.raises(ValueError, match="behavior_weight_mode = 'clip' is invalid; allowed: mask, truncate"):
         decoupled_ppo_loss(logp, proximal, behavior, adv, behavior_weight_mode="clip")
@@ -373,8 +395,9 @@ def test_decoupled_ppo_floor_masks_tokens_whose_weight_is_too_small(mode):
     logp, behavior, adv = _problem((3, 5, 4), seed=23, spread=1.0)
     proximal = (behavior + np.random.default_rng(24).normal(scale=1.0, size=behavior.shape)).astype(np.float32)
     weight = np.exp(proximal.astype(np.float64) - behavior)
-    got = decoupled_ppo_loss(logp, proximal, behavior, adv, behavior_weight_cap=3.0, behavior_weight_mode=mode,
-                             behavior_weight_floor=0.5)
+    got = decoupled_ppo_loss(
+        logp, proximal, behavior, adv, behavior_weight_cap=3.0, behavior_weight_mode=mode, behavior_weight_floor=0.5
+    )
     capped = np.minimum(weight, 3.0) if mode == "truncate" else np.where(weight <= 3.0, weight, 0.0)
     want = np.where(weight >= 0.5, capped * oracle.ppo_clip(logp, proximal, adv, 0.8, 1.2), 0.0)
     assert (weight < 0.5).any() and (weight > 3.0).any()
@@ -392,5 +415,6 @@ def test_second_moment_clip_is_batch_global_with_axis_name():
     np.testing.assert_allclose(got, np.full(4, whole), rtol=1e-6)
     assert np.isfinite(whole) and not np.allclose(jax.vmap(second_moment_clip_range)(*split), whole)
     loss = jax.vmap(lambda *a: second_moment_clip_loss(*a, axis_name="data"), axis_name="data")(*split)
-    np.testing.assert_allclose(np.asarray(loss).reshape(8, 12), second_moment_clip_loss(logp, behavior, adv, mask),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(loss).reshape(8, 12), second_moment_clip_loss(logp, behavior, adv, mask), rtol=1e-6
+    )

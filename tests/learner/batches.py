@@ -19,7 +19,9 @@ def make_learner_batch() -> LearnerBatch:
     (deterministic: the same batch in every process that builds it)."""
     student, teacher = tiny_decoder(0, scale=0.7), tiny_decoder(1, scale=0.7)
     graphdef, state = nnx.split(student)
-    free = Sampler(graphdef, SamplingParams(max_new_tokens=8, num_candidates=4)).generate(state, PROMPTS, jax.random.key(0))
+    free = Sampler(graphdef, SamplingParams(max_new_tokens=8, num_candidates=4)).generate(
+        state, PROMPTS, jax.random.key(0)
+    )
     stop = int(free.response_tokens[0, 2])
     params = SamplingParams(max_new_tokens=8, num_candidates=4, student_topk=3, stop_token_ids=(stop,))
     rollout = Sampler(graphdef, params).generate(state, PROMPTS, jax.random.key(0))

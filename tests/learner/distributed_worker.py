@@ -33,14 +33,18 @@ def optimizer() -> optax.GradientTransformation:
 
 
 def main(out: str, process_id: int, num_processes: int, port: int) -> None:
-    distributed.initialize(DistributedConfig(initialize=True, coordinator_address=f"127.0.0.1:{port}",
-                                             num_processes=num_processes, process_id=process_id))
+    distributed.initialize(
+        DistributedConfig(
+            initialize=True, coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id
+        )
+    )
     assert jax.process_count() == num_processes and jax.device_count() > jax.local_device_count()
     batch = make_learner_batch()
     mesh = make_mesh(MESH)
     graphdef, state = create_train_state(tiny_decoder(0, scale=0.7), optimizer(), mesh)
-    step = make_train_step(graphdef, optimizer(), PolicyLoss(EstimatorConfig(ESTIMATOR)), mesh=mesh,
-                           state_example=state)
+    step = make_train_step(
+        graphdef, optimizer(), PolicyLoss(EstimatorConfig(ESTIMATOR)), mesh=mesh, state_example=state
+    )
     rows = distributed.process_rows(batch.rollout.response_tokens.shape[0])
     local = jax.tree_util.tree_map(lambda x: np.asarray(x)[rows], batch)
     losses = []

@@ -34,8 +34,9 @@ def _one_process_reference():
     batch = make_learner_batch()
     mesh = make_mesh(worker.MESH, devices=jax.devices()[:4])
     graphdef, state = create_train_state(tiny_decoder(0, scale=0.7), worker.optimizer(), mesh)
-    step = make_train_step(graphdef, worker.optimizer(), PolicyLoss(EstimatorConfig(worker.ESTIMATOR)), mesh=mesh,
-                           state_example=state)
+    step = make_train_step(
+        graphdef, worker.optimizer(), PolicyLoss(EstimatorConfig(worker.ESTIMATOR)), mesh=mesh, state_example=state
+    )
     losses = []
     for _ in range(worker.STEPS):
         state, metrics = step(state, batch)
@@ -45,11 +46,22 @@ def _one_process_reference():
 
 def test_two_learner_processes_equal_one(tmp_path):
     port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.learner.distributed_worker", str(tmp_path), str(i), "2",
-                               str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for i in range(2)]
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "PYTHONPATH": str(ROOT),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.learner.distributed_worker", str(tmp_path), str(i), "2", str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
     try:
         outputs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
     finally:

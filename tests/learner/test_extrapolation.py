@@ -25,10 +25,12 @@ def _params(seed: int = 0):
 
 def _toward(target, params):
     """A probe that rewards closeness of the movable weights to ``target``."""
+
     def score(p):
         leaves = jax.tree_util.tree_leaves_with_path(p)
         goal = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_leaves_with_path(target))
         return -sum(float(jnp.sum((v - goal[jax.tree_util.keystr(k)]) ** 2)) for k, v in leaves if is_movable(k))
+
     return score
 
 
@@ -64,8 +66,9 @@ def test_only_attention_and_mlp_weights_move():
     anchor, current = _params(0), _params(1)
     moved = extrapolate(anchor, current, 3.0)
     names_moved, names_kept = set(), set()
-    for (path, a), c, m in zip(jax.tree_util.tree_leaves_with_path(anchor), jax.tree.leaves(current),
-                               jax.tree.leaves(moved)):
+    for (path, a), c, m in zip(
+        jax.tree_util.tree_leaves_with_path(anchor), jax.tree.leaves(current), jax.tree.leaves(moved)
+    ):
         name = jax.tree_util.keystr(path)
         if np.array_equal(np.asarray(m), np.asarray(c)):
             names_kept.add(name)
@@ -73,8 +76,9 @@ def test_only_attention_and_mlp_weights_move():
             np.testing.assert_allclose(m, a + 3 * (c - a), rtol=1e-5, atol=1e-6)
             names_moved.add(name)
     assert all(("self_attn" in n and "_proj" in n) or "mlp" in n for n in names_moved) and len(names_moved) == 14
-    assert {n for n in names_kept if "embed" in n or n.startswith("['norm']") or "layernorm" in n
-            or "_norm" in n} == names_kept
+    assert {
+        n for n in names_kept if "embed" in n or n.startswith("['norm']") or "layernorm" in n or "_norm" in n
+    } == names_kept
 
 
 def test_bf16_weights_are_extrapolated_in_fp32():

@@ -60,8 +60,9 @@ def clean() -> LearnerBatch:
     rng = np.random.default_rng(0)
     advantages = jnp.asarray(rng.normal(size=batch.rollout.response_tokens.shape), jnp.float32)
     reference = jnp.asarray(batch.rollout.behavior_logp + rng.normal(scale=0.3, size=advantages.shape), jnp.float32)
-    return dataclasses.replace(batch, rollout=dataclasses.replace(batch.rollout, advantages=advantages,
-                                                                  reference_logp=reference))
+    return dataclasses.replace(
+        batch, rollout=dataclasses.replace(batch.rollout, advantages=advantages, reference_logp=reference)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +72,13 @@ def student(clean) -> StudentLogProbs:
     model = tiny_decoder(2, scale=0.7)
     hidden, head = response_hidden(model, clean.rollout), model.lm_head_weight()
     r, c = clean.rollout, clean.cache
-    ids = {"token": r.response_tokens, "candidates": r.candidate_ids, "student_topk": r.student_topk_ids,
-           "teacher_topk": c.topk_ids, "teacher_samples": c.sample_ids}
+    ids = {
+        "token": r.response_tokens,
+        "candidates": r.candidate_ids,
+        "student_topk": r.student_topk_ids,
+        "teacher_topk": c.topk_ids,
+        "teacher_samples": c.sample_ids,
+    }
     return student_logprobs(ids, lambda i: gather_logprobs_from_hidden(hidden, head, i))
 
 
@@ -120,8 +126,9 @@ def test_the_row_mask_matches_numpy_and_ignores_padding_and_unread_fields(clean)
         want |= (per_token & mask).any(1)
         batch = dataclasses.replace(batch, **{_owner(field): dataclasses.replace(owner, **{field: jnp.asarray(array)})})
     topk_mu = np.full(np.shape(clean.rollout.student_topk_behavior_logp), -np.inf, np.float32)
-    batch = dataclasses.replace(batch, rollout=dataclasses.replace(batch.rollout,
-                                                                   student_topk_behavior_logp=jnp.asarray(topk_mu)))
+    batch = dataclasses.replace(
+        batch, rollout=dataclasses.replace(batch.rollout, student_topk_behavior_logp=jnp.asarray(topk_mu))
+    )
     assert 0 < want.sum() < len(want)  # the draw hit some rows and spared some
     np.testing.assert_array_equal(np.asarray(nonfinite_rows(batch)), want)
 
@@ -130,8 +137,11 @@ def test_the_row_mask_matches_numpy_and_ignores_padding_and_unread_fields(clean)
     np.testing.assert_array_equal(np.asarray(cleaned.rollout.response_mask), mask & ~want[:, None])
     for field in ROLLOUT_FIELDS + CACHE_FIELDS:  # finite values kept; no NaN left to leak through 0 · NaN
         raw = np.asarray(getattr(getattr(batch, _owner(field)), field))
-        np.testing.assert_array_equal(np.asarray(getattr(getattr(cleaned, _owner(field)), field)),
-                                      np.where(np.isfinite(raw), raw, 0), err_msg=field)
+        np.testing.assert_array_equal(
+            np.asarray(getattr(getattr(cleaned, _owner(field)), field)),
+            np.where(np.isfinite(raw), raw, 0),
+            err_msg=field,
+        )
     np.testing.assert_array_equal(np.asarray(cleaned.rollout.student_topk_behavior_logp), topk_mu)  # not read: as is
 
 
@@ -162,8 +172,9 @@ def test_dropping_nonfinite_rows_equals_deleting_them(clean, student, field):
     kept_batch, dropped = drop_nonfinite_rows(poisoned)
     np.testing.assert_array_equal(np.flatnonzero(np.asarray(dropped)), BAD_ROWS)
     got_value, got_grads = _estimator_loss(config, kept_batch, student)
-    want_value, want_grads = _estimator_loss(config, _without_rows(clean, list(BAD_ROWS)),
-                                             _without_rows(student, list(BAD_ROWS)))
+    want_value, want_grads = _estimator_loss(
+        config, _without_rows(clean, list(BAD_ROWS)), _without_rows(student, list(BAD_ROWS))
+    )
     np.testing.assert_allclose(got_value, want_value, rtol=1e-6, atol=1e-7)
     kept = np.setdiff1d(np.arange(len(dropped)), BAD_ROWS)
     for got, want in zip(jax.tree_util.tree_leaves(got_grads), jax.tree_util.tree_leaves(want_grads)):
@@ -178,8 +189,10 @@ def sgd_steps():
     gradient) on ``forward_kl_topk``, built once so that their compilations are shared."""
     graphdef, _ = nnx.split(tiny_decoder(0, scale=0.7))
     loss = PolicyLoss(EstimatorConfig("forward_kl_topk"))
-    return {"plain": make_train_step(graphdef, optax.sgd(1.0), loss, micro_batches=2),
-            "packed": make_packed_train_step(graphdef, optax.sgd(1.0), loss, token_budget=64)}
+    return {
+        "plain": make_train_step(graphdef, optax.sgd(1.0), loss, micro_batches=2),
+        "packed": make_packed_train_step(graphdef, optax.sgd(1.0), loss, token_budget=64),
+    }
 
 
 def _one_sgd_step(step, batch: LearnerBatch):
@@ -187,8 +200,12 @@ def _one_sgd_step(step, batch: LearnerBatch):
     _, state = create_train_state(tiny_decoder(0, scale=0.7), optax.sgd(1.0))
     before = jax.device_get(state.params)
     after, metrics = step(state, batch)
-    grad = np.concatenate([np.ravel(a - b) for a, b in zip(jax.tree_util.tree_leaves(before),
-                                                         jax.tree_util.tree_leaves(jax.device_get(after.params)))])
+    grad = np.concatenate(
+        [
+            np.ravel(a - b)
+            for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(jax.device_get(after.params)))
+        ]
+    )
     return float(metrics["loss"]), grad, jax.device_get(metrics)
 
 
@@ -201,8 +218,9 @@ def test_the_train_step_drops_nonfinite_rows(clean, sgd_steps, kind):
     tokens kept. A token count or a micro-batch weight taken before the drop would differ."""
     mask = np.array(clean.rollout.response_mask)
     mask[list(BAD_ROWS)] = False
-    oracle_batch = dataclasses.replace(clean, rollout=dataclasses.replace(clean.rollout,
-                                                                          response_mask=jnp.asarray(mask)))
+    oracle_batch = dataclasses.replace(
+        clean, rollout=dataclasses.replace(clean.rollout, response_mask=jnp.asarray(mask))
+    )
     got_loss, got_grad, metrics = _one_sgd_step(sgd_steps[kind], _poison(clean, "topk_logp"))
     want_loss, want_grad, oracle = _one_sgd_step(sgd_steps[kind], oracle_batch)
     assert int(metrics["nonfinite_rows"]) == len(BAD_ROWS) and int(oracle["nonfinite_rows"]) == 0
@@ -229,7 +247,9 @@ def test_a_nonfinite_step_leaves_the_state_unchanged(clean):
     leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(jnp.nan)
     nan_weight = dataclasses.replace(copy_of(start), params=jax.tree_util.tree_unflatten(treedef, leaves))
     adam, schedule = copy_of(start.opt_state)
-    inf_lr = dataclasses.replace(copy_of(start), opt_state=(adam, schedule._replace(count=jnp.ones_like(schedule.count))))
+    inf_lr = dataclasses.replace(
+        copy_of(start), opt_state=(adam, schedule._replace(count=jnp.ones_like(schedule.count)))
+    )
 
     for state, broken in ((nan_weight, "loss"), (inf_lr, "update_norm")):
         before = jax.device_get(state)
@@ -262,6 +282,8 @@ def test_a_batch_with_every_row_dropped_does_not_move_the_weights(clean):
     assert int(metrics["nonfinite_rows"]) == topk.shape[0] and float(metrics["tokens"]) == 0
     assert float(metrics["update_norm"]) == 0 and np.isfinite(float(metrics["loss"]))
     assert int(after.step) == int(before.step) + 1
-    for a, b in zip(jax.tree_util.tree_leaves((after.params, after.opt_state)),
-                    jax.tree_util.tree_leaves((before.params, before.opt_state))):
+    for a, b in zip(
+        jax.tree_util.tree_leaves((after.params, after.opt_state)),
+        jax.tree_util.tree_leaves((before.params, before.opt_state)),
+    ):
         np.testing.assert_array_equal(a, b)

@@ -62,8 +62,14 @@ def _student():
 
 def _sampling(temperature: float) -> SamplingParams:
     # Chunks of 3 decode steps: the KV cache is carried across host-loop iterations.
-    return SamplingParams(temperature=temperature, max_new_tokens=10, num_candidates=4, student_topk=3,
-                          stop_token_ids=(STOP,), chunk_steps=3)
+    return SamplingParams(
+        temperature=temperature,
+        max_new_tokens=10,
+        num_candidates=4,
+        student_topk=3,
+        stop_token_ids=(STOP,),
+        chunk_steps=3,
+    )
 
 
 def _scorer(temperature: float) -> TeacherScorer:
@@ -93,14 +99,28 @@ def _rollout_threads(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, 
         return picked, [None] * n
 
     producer = GroupProducer(
-        sampler=Sampler(graphdef, _sampling(temperature)), snapshots=snapshots, prompts=prompts,
-        reward=RewardStage(lambda problems, batch: [0.0] * len(problems)), group_size=4, seed=0, prompt_slots=PROMPT_SLOTS,
+        sampler=Sampler(graphdef, _sampling(temperature)),
+        snapshots=snapshots,
+        prompts=prompts,
+        reward=RewardStage(lambda problems, batch: [0.0] * len(problems)),
+        group_size=4,
+        seed=0,
+        prompt_slots=PROMPT_SLOTS,
         tracer=Tracer(),
     )
-    scoring = ScoringStage(plan=StagePlan("scoring", 0, "learner"), mesh=stage_mesh(jax.local_devices()[:1]),
-                           scorers=Scorers(_scorer(temperature)), teacher=None)
-    pool = RolloutPool(stages=[RolloutStage(plan=StagePlan("rollout", i, "learner"), mesh=scoring.mesh,
-                                            producer=producer, scoring=scoring) for i in range(2)], buffer=buffer)
+    scoring = ScoringStage(
+        plan=StagePlan("scoring", 0, "learner"),
+        mesh=stage_mesh(jax.local_devices()[:1]),
+        scorers=Scorers(_scorer(temperature)),
+        teacher=None,
+    )
+    pool = RolloutPool(
+        stages=[
+            RolloutStage(plan=StagePlan("rollout", i, "learner"), mesh=scoring.mesh, producer=producer, scoring=scoring)
+            for i in range(2)
+        ],
+        buffer=buffer,
+    )
     pool.start()
     try:
         groups = buffer.take(0, timeout=120)
@@ -109,8 +129,10 @@ def _rollout_threads(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, 
         pool.join(timeout=60)
         snapshots.close()
     concat = lambda *xs: jnp.concatenate(xs, axis=0)  # noqa: E731
-    return (jax.tree_util.tree_map(concat, *[g.batch for g in groups]),
-            jax.tree_util.tree_map(concat, *[g.cache for g in groups]))
+    return (
+        jax.tree_util.tree_map(concat, *[g.batch for g in groups]),
+        jax.tree_util.tree_map(concat, *[g.cache for g in groups]),
+    )
 
 
 def _rollout_processes(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, TeacherScoreCache]:
@@ -119,12 +141,23 @@ def _rollout_processes(temperature: float, tmp_path: Path) -> tuple[RolloutBatch
     save_pretrained(_student(), tmp_path / "student")
     save_tokenizer(tmp_path / "student")
     sets = {
-        "student.path": tmp_path / "student", "teacher.path": tmp_path / "student", "sampling.temperature": temperature,
-        "sampling.max_new_tokens": 10, "sampling.num_candidates": 4, "sampling.student_topk": 3,
-        "sampling.stop_token_ids": f"[{STOP}]", "sampling.chunk_steps": 3, "scoring.topk": 4,
-        "scoring.num_samples": 3, "scoring.temperature": temperature, "learner.batch_size": 8,
-        "estimator.name": "reverse_kl_mc", "schedule.placement": "processes", "stages.rollout_processes": 2,
-        "stages.scoring_processes": 1, "stages.snapshot_dir": tmp_path / "snapshots",
+        "student.path": tmp_path / "student",
+        "teacher.path": tmp_path / "student",
+        "sampling.temperature": temperature,
+        "sampling.max_new_tokens": 10,
+        "sampling.num_candidates": 4,
+        "sampling.student_topk": 3,
+        "sampling.stop_token_ids": f"[{STOP}]",
+        "sampling.chunk_steps": 3,
+        "scoring.topk": 4,
+        "scoring.num_samples": 3,
+        "scoring.temperature": temperature,
+        "learner.batch_size": 8,
+        "estimator.name": "reverse_kl_mc",
+        "schedule.placement": "processes",
+        "stages.rollout_processes": 2,
+        "stages.scoring_processes": 1,
+        "stages.snapshot_dir": tmp_path / "snapshots",
         "stages.snapshot_format": "safetensors",
     }
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
@@ -135,10 +168,12 @@ def _rollout_processes(temperature: float, tmp_path: Path) -> tuple[RolloutBatch
     buffer = StalenessBuffer(batch_size=8, eta=0)
     tracer = Tracer()
     layout = plan_layout(cfg, run_path=tmp_path, available_cores=[], trace_origin=tracer.origin)
-    layout = dataclasses.replace(layout, seed=0, stages=layout.of_role("learner") + layout.stages[1:2]
-                                 + layout.of_role("scoring"))  # rollout-0 (groups of 4) and scoring-0
-    stages = StageProcesses(cfg=cfg, layout=layout, exchange=Exchange(tmp_path / "exchange"), buffer=buffer,
-                            first_index=0, tracer=tracer)
+    layout = dataclasses.replace(
+        layout, seed=0, stages=layout.of_role("learner") + layout.stages[1:2] + layout.of_role("scoring")
+    )  # rollout-0 (groups of 4) and scoring-0
+    stages = StageProcesses(
+        cfg=cfg, layout=layout, exchange=Exchange(tmp_path / "exchange"), buffer=buffer, first_index=0, tracer=tracer
+    )
     stages.start()
     try:
         groups = buffer.take(0, timeout=300)
@@ -147,8 +182,10 @@ def _rollout_processes(temperature: float, tmp_path: Path) -> tuple[RolloutBatch
         stages.join(timeout=60)
         snapshots.close()
     concat = lambda *xs: jnp.concatenate(xs, axis=0)  # noqa: E731
-    return (jax.tree_util.tree_map(concat, *[g.batch for g in groups]),
-            jax.tree_util.tree_map(concat, *[g.cache for g in groups]))
+    return (
+        jax.tree_util.tree_map(concat, *[g.batch for g in groups]),
+        jax.tree_util.tree_map(concat, *[g.cache for g in groups]),
+    )
 
 
 ROLLOUT = {"direct": _rollout_direct, "threads": _rollout_threads, "processes": _rollout_processes}
@@ -177,15 +214,25 @@ def assert_learner_matches_sampler(temperature: float, batch: RolloutBatch, cach
         ("student top-K", topk.student_topk, batch.student_topk_behavior_logp),
     ]
     for what, learner, sampler in pairs:
-        np.testing.assert_allclose(np.asarray(learner)[mask], np.asarray(sampler)[mask], atol=1e-5, rtol=0,
-                                   err_msg=f"learner vs sampler log-probs on the {what}")
+        np.testing.assert_allclose(
+            np.asarray(learner)[mask],
+            np.asarray(sampler)[mask],
+            atol=1e-5,
+            rtol=0,
+            err_msg=f"learner vs sampler log-probs on the {what}",
+        )
 
 
 # CI time: the processes placement at temperature 0.7 runs with -m slow (the other
 # placements cover the temperature, processes at 1.0 the placement).
-@pytest.mark.parametrize("placement,temperature", [
-    pytest.param(p, t, marks=pytest.mark.slow) if (p, t) == ("processes", 0.7) else (p, t)
-    for p in PLACEMENTS for t in TEMPERATURES])
+@pytest.mark.parametrize(
+    "placement,temperature",
+    [
+        pytest.param(p, t, marks=pytest.mark.slow) if (p, t) == ("processes", 0.7) else (p, t)
+        for p in PLACEMENTS
+        for t in TEMPERATURES
+    ],
+)
 def test_learner_log_probs_equal_the_sampler_behaviour_log_probs(placement, temperature):
     assert_learner_matches_sampler(*rollout(placement, temperature))
 
@@ -204,8 +251,9 @@ def assert_estimators_vanish_at_the_teacher(temperature: float, batch: RolloutBa
         loss = PolicyLoss(_estimator(name), temperature=temperature)
         graphdef, state = create_train_state(_student(), optimizer)
         before = jax.device_get(state.params)
-        proximal = (make_proximal_fn(graphdef, loss)(state.params, LearnerBatch(batch, cache))
-                    if loss.needs_proximal else None)
+        proximal = (
+            make_proximal_fn(graphdef, loss)(state.params, LearnerBatch(batch, cache)) if loss.needs_proximal else None
+        )
         train_step = make_train_step(graphdef, optimizer, loss, micro_batches=2)
         state, metrics = train_step(state, LearnerBatch(batch, cache, proximal))
         assert abs(float(metrics["loss"])) < 1e-6, (name, float(metrics["loss"]))
@@ -220,8 +268,9 @@ def assert_estimators_vanish_at_the_teacher(temperature: float, batch: RolloutBa
 # The threads and processes placements of this check (~80 s each) run with -m slow to keep CI
 # under 30 minutes; test_learner_log_probs_equal_the_sampler_behaviour_log_probs covers those
 # placements in CI (the estimators see the same batch whatever produced it).
-@pytest.mark.parametrize("placement", [pytest.param(p, marks=pytest.mark.slow) if p != "direct" else p
-                                       for p in PLACEMENTS])
+@pytest.mark.parametrize(
+    "placement", [pytest.param(p, marks=pytest.mark.slow) if p != "direct" else p for p in PLACEMENTS]
+)
 def test_every_estimator_is_zero_with_zero_gradient_when_the_teacher_is_the_student(placement):
     assert_estimators_vanish_at_the_teacher(*rollout(placement, 0.7))
 
@@ -229,8 +278,9 @@ def test_every_estimator_is_zero_with_zero_gradient_when_the_teacher_is_the_stud
 def test_the_estimators_are_not_trivially_zero():
     """The zero-gradient check can see a gradient: another teacher gives a clearly nonzero one."""
     temperature, batch, _ = rollout("direct", 0.7)
-    cache = TeacherScorer(tiny_decoder(1, scale=0.7), ScoringParams(topk=4, num_samples=3,
-                                                                      temperature=temperature)).score(batch)
+    cache = TeacherScorer(
+        tiny_decoder(1, scale=0.7), ScoringParams(topk=4, num_samples=3, temperature=temperature)
+    ).score(batch)
     optimizer = optax.sgd(1.0)
     for name in ("reverse_kl_mc", "forward_kl_topk", "reverse_kl_topk"):
         graphdef, state = create_train_state(_student(), optimizer)

@@ -37,8 +37,9 @@ def _run(loss, batch, micro_batches=1, mesh=None, steps=1, optimizer=None, token
     optimizer = optimizer or make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=0, schedule="constant"), 10)
     graphdef, state = create_train_state(tiny_decoder(0, scale=0.7), optimizer, mesh)
     if token_budget:
-        step = make_packed_train_step(graphdef, optimizer, loss, token_budget=token_budget, bucket=bucket, mesh=mesh,
-                                      state_example=state)
+        step = make_packed_train_step(
+            graphdef, optimizer, loss, token_budget=token_budget, bucket=bucket, mesh=mesh, state_example=state
+        )
     else:
         step = make_train_step(graphdef, optimizer, loss, micro_batches=micro_batches, mesh=mesh, state_example=state)
     history = []
@@ -66,12 +67,16 @@ def test_micro_batch_split_does_not_change_the_step(learner_batch, estimator):
     assert int(one.step) == 1  # the policy version counts optimizer steps
 
 
-@pytest.mark.parametrize("estimator,budget,bucket,data", [
-    # CI time: two of the four run with -m slow (each compiles its own steps, ~20 s)
-    pytest.param("reverse_kl_hybrid", 24, 2, 1, marks=pytest.mark.slow), ("forward_kl_topk", 40, 8, 1),
-    pytest.param("decoupled_ppo", 24, 2, 1, marks=pytest.mark.slow),
-    ("reverse_kl_hybrid", 120, 4, 4),  # on a data 4 × fsdp 2 mesh: micro-batches of a multiple of 8 rows
-])
+@pytest.mark.parametrize(
+    "estimator,budget,bucket,data",
+    [
+        # CI time: two of the four run with -m slow (each compiles its own steps, ~20 s)
+        pytest.param("reverse_kl_hybrid", 24, 2, 1, marks=pytest.mark.slow),
+        ("forward_kl_topk", 40, 8, 1),
+        pytest.param("decoupled_ppo", 24, 2, 1, marks=pytest.mark.slow),
+        ("reverse_kl_hybrid", 120, 4, 4),  # on a data 4 × fsdp 2 mesh: micro-batches of a multiple of 8 rows
+    ],
+)
 def test_token_budget_micro_batches_do_not_change_the_step(learner_batch, estimator, budget, bucket, data):
     """Dynamic batching (rows sorted by length, trimmed to their own slots, filler rows
     masked out) gives the plain step's parameters and metrics: the token mean stays exact."""
@@ -83,8 +88,15 @@ def test_token_budget_micro_batches_do_not_change_the_step(learner_batch, estima
     # atol 1e-6: micro-batches sum the gradient in another order (float32 rounding); a token
     # mean taken per micro-batch instead of over the mini-batch errs by 0.05-0.6 here.
     _assert_params_close(plain, packed, rtol=1e-5, atol=1e-6)
-    for key in ("loss", "reverse_kl_signal", "importance_ratio_mean", "importance_ratio_max", "zero_grad_fraction",
-                "grad_norm", "tokens"):
+    for key in (
+        "loss",
+        "reverse_kl_signal",
+        "importance_ratio_mean",
+        "importance_ratio_max",
+        "zero_grad_fraction",
+        "grad_norm",
+        "tokens",
+    ):
         np.testing.assert_allclose(m_plain[0][key], m_packed[0][key], rtol=1e-5, atol=1e-7, err_msg=key)
     assert m_packed[0]["micro_batches"] > (1 if data == 1 else 0) and 0 <= m_packed[0]["padding_fraction"] < 1
 
@@ -104,8 +116,11 @@ def test_sharded_step_equals_single_device(learner_batch):
 
 
 def test_losses_fall(learner_batch):
-    for loss, steps in [(SFTLoss(), 15), (PolicyLoss(EstimatorConfig("reverse_kl_mc")), 15),
-                        (PolicyLoss(EstimatorConfig("forward_kl_topk")), 15)]:
+    for loss, steps in [
+        (SFTLoss(), 15),
+        (PolicyLoss(EstimatorConfig("reverse_kl_mc")), 15),
+        (PolicyLoss(EstimatorConfig("forward_kl_topk")), 15),
+    ]:
         _, history = _run(loss, learner_batch, steps=steps)
         first, last = history[0]["loss"], history[-1]["loss"]
         assert last < first - 0.05 * abs(first), (loss, first, last)
@@ -172,13 +187,19 @@ def test_aggregation_modes_are_exact_over_micro_batches_and_packing(learner_batc
         np.testing.assert_allclose(metrics[0]["loss"], m1[0]["loss"], rtol=1e-5)
     assert mp[0]["micro_batches"] > 1
     model = tiny_decoder(0, scale=0.7)
-    values, _ = evaluate_estimator(EstimatorConfig("forward_kl_topk"), learner_batch.rollout, learner_batch.cache,
-                                   loss.student(model, learner_batch))
+    values, _ = evaluate_estimator(
+        EstimatorConfig("forward_kl_topk"),
+        learner_batch.rollout,
+        learner_batch.cache,
+        loss.student(model, learner_batch),
+    )
     mask = np.asarray(learner_batch.rollout.response_mask)
     assert len(set(mask.sum(-1).tolist())) > 1  # rows of different lengths: the modes differ
     np.testing.assert_allclose(m1[0]["loss"], oracle.aggregate(np.asarray(values), mask, aggregation), rtol=1e-5)
     token_mean_step, _ = _run(PolicyLoss(EstimatorConfig("forward_kl_topk")), learner_batch, **sgd)
-    assert not np.allclose(jax.tree_util.tree_leaves(one.params)[0], jax.tree_util.tree_leaves(token_mean_step.params)[0])
+    assert not np.allclose(
+        jax.tree_util.tree_leaves(one.params)[0], jax.tree_util.tree_leaves(token_mean_step.params)[0]
+    )
 
 
 @pytest.mark.parametrize("token_budget", [0, 40])
@@ -194,8 +215,11 @@ def test_check_inputs_stops_a_step_fed_raw_logits(learner_batch, token_budget):
     plain, m_plain = _run(PolicyLoss(EstimatorConfig("forward_kl_topk")), learner_batch, **kw)
     _assert_params_close(checked, plain, rtol=1e-6, atol=1e-8)
     cache = dataclasses.replace(learner_batch.cache, topk_logp=learner_batch.cache.topk_logp + 3.0)  # logits, say
-    with pytest.raises(Exception, match=r"forward_kl_topk: cache.topk_logp holds values up to .*; expected "
-                                        r"log-probabilities"):
+    with pytest.raises(
+        Exception,
+        match=r"forward_kl_topk: cache.topk_logp holds values up to .*; expected "
+        r"log-probabilities",
+    ):
         _run(loss, LearnerBatch(learner_batch.rollout, cache, learner_batch.proximal), **kw)
     assert PolicyLoss.from_config(RunConfig(estimator=EstimatorConfig(check_inputs=True))).check_inputs
 
@@ -206,9 +230,19 @@ def test_the_loss_is_built_from_the_run_config():
     value that arrives."""
     from asyncopd_jax.cli import DEMO_CONFIG
 
-    cfg = load_config(DEMO_CONFIG, ["algorithm=rl", "estimator.name=decoupled_ppo", "rl.samples_per_prompt=8",
-                                    "rl.distill_coef=0.3", "sampling.temperature=0.7", "learner.logprob_chunk=64",
-                                    "estimator.aggregation=seq-mean-token-mean", "estimator.check_inputs=true"])
+    cfg = load_config(
+        DEMO_CONFIG,
+        [
+            "algorithm=rl",
+            "estimator.name=decoupled_ppo",
+            "rl.samples_per_prompt=8",
+            "rl.distill_coef=0.3",
+            "sampling.temperature=0.7",
+            "learner.logprob_chunk=64",
+            "estimator.aggregation=seq-mean-token-mean",
+            "estimator.check_inputs=true",
+        ],
+    )
     loss = PolicyLoss.from_config(cfg)
     assert loss.estimator is cfg.estimator
     assert (loss.distill_coef, loss.temperature, loss.chunk_size) == (0.3, 0.7, 64)

@@ -37,10 +37,16 @@ def test_undefined_quantities_are_none_before_any_update():
 
 def test_only_attention_and_mlp_matrices_are_reported_by_module_name():
     rng = np.random.default_rng(1)
-    tree = {"embed_tokens": {"embedding": rng.normal(size=(8, 4))},
-            "layers": {0: {"mlp": {"up_proj": {"kernel": rng.normal(size=(4, 6))}},
-                           "self_attn": {"q_proj": {"kernel": rng.normal(size=(4, 4)), "bias": np.zeros(4)}},
-                           "input_layernorm": {"weight": np.ones(4)}}}}
+    tree = {
+        "embed_tokens": {"embedding": rng.normal(size=(8, 4))},
+        "layers": {
+            0: {
+                "mlp": {"up_proj": {"kernel": rng.normal(size=(4, 6))}},
+                "self_attn": {"q_proj": {"kernel": rng.normal(size=(4, 4)), "bias": np.zeros(4)}},
+                "input_layernorm": {"weight": np.ones(4)},
+            }
+        },
+    }
     moved = {**tree, "embed_tokens": {"embedding": tree["embed_tokens"]["embedding"] + 1}}
     out = update_geometry(tree, tree, moved)
     assert sorted(out) == ["layers.0.mlp.up_proj", "layers.0.self_attn.q_proj"]

@@ -30,9 +30,16 @@ def tiny_config(family: str, *, tied: bool = False) -> transformers.PretrainedCo
     """A tiny config of each family, exercising that family's peculiarities."""
     if family == "llama":
         return transformers.LlamaConfig(
-            **TINY, tie_word_embeddings=tied, rope_theta=500_000.0,
-            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                              high_freq_factor=4.0, original_max_position_embeddings=64),
+            **TINY,
+            tie_word_embeddings=tied,
+            rope_theta=500_000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
         )
     if family == "qwen2":
         return transformers.Qwen2Config(**TINY, tie_word_embeddings=tied, rope_theta=1_000_000.0)

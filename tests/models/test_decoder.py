@@ -31,8 +31,9 @@ def test_logits_match_transformers_on_padded_batch(tmp_path, family, tied):
     # float32 logits of order 4 agree to ~4e-6: 5x margin, and nothing relative.
     np.testing.assert_allclose(got[valid], want[valid], atol=PARITY_ATOL, rtol=0)
     # Default positions (cumsum of the mask) are the same explicit ones.
-    np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))[valid],
-                               got[valid], atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))[valid], got[valid], atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -45,7 +46,9 @@ def test_save_pretrained_loads_in_transformers_with_same_logits(tmp_path, family
     ids, mask, positions = left_padded_batch(seed=2)
     ours = np.asarray(model(jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask)))
     valid = mask.astype(bool)
-    np.testing.assert_allclose(torch_logits(reloaded, ids, mask, positions)[valid], ours[valid], atol=PARITY_ATOL, rtol=0)
+    np.testing.assert_allclose(
+        torch_logits(reloaded, ids, mask, positions)[valid], ours[valid], atol=PARITY_ATOL, rtol=0
+    )
     # And back into ours: bit-identical.
     again = from_pretrained(tmp_path / "ours")
     np.testing.assert_array_equal(np.asarray(again(jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask))), ours)

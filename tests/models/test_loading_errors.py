@@ -66,23 +66,29 @@ def test_missing_directory_config_weights_or_tokenizer_names_the_file_and_direct
     (model / "model.safetensors").rename(tmp_path / "weights.bak")
     with pytest.raises(FileNotFoundError) as err:
         from_pretrained(model)
-    assert _one_line(err) == (f"no weights in {model}: expected model.safetensors or model.safetensors.index.json "
-                              "(found: config.json)")
+    assert _one_line(err) == (
+        f"no weights in {model}: expected model.safetensors or model.safetensors.index.json (found: config.json)"
+    )
     (tmp_path / "weights.bak").rename(model / "model.safetensors")
 
     # save_pretrained writes no tokenizer: the model loads, its tokenizer does not
     from_pretrained(model)
     with pytest.raises(FileNotFoundError) as err:
         load_tokenizer(model)
-    assert _one_line(err) == (f"no tokenizer in {model}: expected one of tokenizer.json, tokenizer.model, vocab.json "
-                              "(found: config.json, model.safetensors); copy the model's tokenizer files into it")
+    assert _one_line(err) == (
+        f"no tokenizer in {model}: expected one of tokenizer.json, tokenizer.model, vocab.json "
+        "(found: config.json, model.safetensors); copy the model's tokenizer files into it"
+    )
 
 
 def test_a_tokenizer_config_without_a_vocabulary_is_named_as_missing(tmp_path):
     tok = make_tokenizer(tmp_path / "t", ["a", "b"])
     (tok / "tokenizer.json").unlink()  # tokenizer_config.json alone holds no vocabulary
-    with pytest.raises(FileNotFoundError, match=r"no tokenizer in .*/t: expected one of tokenizer.json, "
-                                                r"tokenizer.model, vocab.json \(found: .*tokenizer_config.json\)"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"no tokenizer in .*/t: expected one of tokenizer.json, "
+        r"tokenizer.model, vocab.json \(found: .*tokenizer_config.json\)",
+    ):
         load_tokenizer(tok)
 
 
@@ -91,8 +97,10 @@ def test_a_sharded_checkpoint_missing_a_shard_names_it(tmp_path):
     shards = sorted((tmp_path / "m").glob("model-*.safetensors"))
     assert len(shards) > 2
     shards[1].unlink()
-    with pytest.raises(FileNotFoundError, match=f"model.safetensors.index.json lists shard\\(s\\) that do not exist: "
-                                                f"{re.escape(str(shards[1]))}"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=f"model.safetensors.index.json lists shard\\(s\\) that do not exist: {re.escape(str(shards[1]))}",
+    ):
         from_pretrained(tmp_path / "m")
 
 
@@ -133,8 +141,11 @@ def test_a_truncated_json_file_of_a_checkpoint_is_named(tmp_path, name):
     _truncate(tmp_path / "m" / name)
     with pytest.raises(ValueError) as err:
         from_pretrained(tmp_path / "m")
-    assert re.fullmatch(f"{re.escape(str(tmp_path / 'm' / name))} is not valid JSON \\(line \\d+, column \\d+: .+\\); "
-                        "it is truncated or corrupt: re-download or re-save it", _one_line(err)), str(err.value)
+    assert re.fullmatch(
+        f"{re.escape(str(tmp_path / 'm' / name))} is not valid JSON \\(line \\d+, column \\d+: .+\\); "
+        "it is truncated or corrupt: re-download or re-save it",
+        _one_line(err),
+    ), str(err.value)
 
 
 @pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
@@ -152,23 +163,33 @@ def test_a_tensor_of_the_wrong_shape_names_tensor_file_and_config(tmp_path):
     assert re.fullmatch(
         f"{re.escape(str(model / 'model.safetensors'))}: tensor 'model.layers.0.mlp.\\w+_proj.weight' has shape "
         f"\\[(64, 32|32, 64)\\], but {re.escape(str(model / 'config.json'))} implies \\[(48, 32|32, 48)\\]; weights "
-        "and config.json belong to different models", _one_line(err)), str(err.value)
+        "and config.json belong to different models",
+        _one_line(err),
+    ), str(err.value)
 
 
 def test_weights_config_json_does_not_account_for_are_refused(tmp_path):
     # config.json says 1 layer, the weights hold 2: loading would silently drop layer 1
     model = _edit_config(_checkpoint(tmp_path / "layers"), num_hidden_layers=1)
-    with pytest.raises(ValueError, match=r"layers: the weights hold tensor\(s\) that config.json does not account for: "
-                                         r"'model.layers.1.input_layernorm.weight', .* and \d+ more; .*num_hidden_layers"):
+    with pytest.raises(
+        ValueError,
+        match=r"layers: the weights hold tensor\(s\) that config.json does not account for: "
+        r"'model.layers.1.input_layernorm.weight', .* and \d+ more; .*num_hidden_layers",
+    ):
         from_pretrained(model)
     # Llama biases (attention_bias) that config.json switches off
     model = _edit_config(_checkpoint(tmp_path / "bias", "llama", attention_bias=True), attention_bias=False)
-    with pytest.raises(ValueError, match=r"does not account for: 'model.layers.0.self_attn.k_proj.bias', .*attention_bias"):
+    with pytest.raises(
+        ValueError, match=r"does not account for: 'model.layers.0.self_attn.k_proj.bias', .*attention_bias"
+    ):
         from_pretrained(model)
     # ... and the other way round: a tensor config.json needs is missing
     model = _edit_config(_checkpoint(tmp_path / "nobias", "llama"), attention_bias=True)
-    with pytest.raises(ValueError, match=r"nobias: the weights have no tensor 'model.layers.0.self_attn.k_proj.bias', "
-                                         r"which config.json \(llama\) needs"):
+    with pytest.raises(
+        ValueError,
+        match=r"nobias: the weights have no tensor 'model.layers.0.self_attn.k_proj.bias', "
+        r"which config.json \(llama\) needs",
+    ):
         from_pretrained(model)
 
 
@@ -178,52 +199,93 @@ def test_harmless_mismatches_still_load(tmp_path):
     assert from_pretrained(tmp_path / "tied").config.tie_word_embeddings
     # fields transformers ignores for Qwen (no MLP bias; Qwen2's fixed attention biases), a
     # window switched off, a Llama window covering the whole context, bookkeeping fields
-    qwen2 = _edit_config(_checkpoint(tmp_path / "qwen2", "qwen2"), mlp_bias=True, attention_bias=True,
-                         use_sliding_window=False, sliding_window=16, max_window_layers=1)
+    qwen2 = _edit_config(
+        _checkpoint(tmp_path / "qwen2", "qwen2"),
+        mlp_bias=True,
+        attention_bias=True,
+        use_sliding_window=False,
+        sliding_window=16,
+        max_window_layers=1,
+    )
     assert from_pretrained(qwen2).config.model_type == "qwen2"
     qwen3 = _edit_config(_checkpoint(tmp_path / "qwen3"), mlp_bias=True, use_sliding_window=True, sliding_window=None)
     assert not from_pretrained(qwen3).config.mlp_bias
-    llama = _edit_config(_checkpoint(tmp_path / "llama", "llama", max_position_embeddings=64), sliding_window=64,
-                         torch_dtype="float32", transformers_version="4.50.0", initializer_range=0.02, use_cache=True,
-                         attention_dropout=0.0, pretraining_tp=1, hidden_act="silu", num_experts=0)
+    llama = _edit_config(
+        _checkpoint(tmp_path / "llama", "llama", max_position_embeddings=64),
+        sliding_window=64,
+        torch_dtype="float32",
+        transformers_version="4.50.0",
+        initializer_range=0.02,
+        use_cache=True,
+        attention_dropout=0.0,
+        pretraining_tp=1,
+        hidden_act="silu",
+        num_experts=0,
+    )
     assert from_pretrained(llama).config.max_position_embeddings == 64
 
 
 # --- 3. config.json: other architectures and settings the decoder would silently ignore ---
 
 UNSUPPORTED = {
-    "gpt2": ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
-             "unsupported architecture: model_type='gpt2' architectures=['GPT2LMHeadModel']; "
-             "allowed model_type: llama, qwen2, qwen3 (dense decoders)"),
-    "mixtral-head": ({"architectures": ["MixtralForCausalLM"]},
-                     "architectures = ['MixtralForCausalLM'] is not supported for model_type 'qwen3'; "
-                     "allowed: ['Qwen3ForCausalLM']"),
-    "experts": ({"num_experts": 8}, "num_experts = 8 describes mixture-of-experts layers, which this decoder does not "
-                "implement; allowed: absent, null or 0 (dense models only)"),
-    "local-experts": ({"num_local_experts": 8, "num_experts_per_tok": 2}, "num_local_experts = 8 describes "
-                      "mixture-of-experts layers"),
-    "qwen-window": ({"use_sliding_window": True, "sliding_window": 64, "max_position_embeddings": 4096},
-                    "use_sliding_window = true with sliding_window = 64 (< max_position_embeddings = 4096) asks for "
-                    "sliding-window attention, which this decoder does not implement; allowed: a window of at least "
-                    "max_position_embeddings, or none (set use_sliding_window to false)"),
-    "llama-window": ({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "sliding_window": 4096,
-                      "max_position_embeddings": 32768},
-                     "sliding_window = 4096 (< max_position_embeddings = 32768) asks for sliding-window attention, "
-                     "which this decoder does not implement; allowed: a window of at least max_position_embeddings, "
-                     "or none (set sliding_window to null if the model was trained with full attention)"),
-    "yarn": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-             "rope_scaling.rope_type = 'yarn' is not implemented; allowed: default, llama3 (or no rope_scaling)"),
-    "linear-old-key": ({"rope_scaling": {"type": "linear", "factor": 2.0}},
-                       "rope_scaling.rope_type = 'linear' is not implemented"),
-    "yarn-v5": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
-                "rope_parameters.rope_type = 'yarn' is not implemented; allowed: default, llama3 (or no rope_parameters)"),
+    "gpt2": (
+        {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
+        "unsupported architecture: model_type='gpt2' architectures=['GPT2LMHeadModel']; "
+        "allowed model_type: llama, qwen2, qwen3 (dense decoders)",
+    ),
+    "mixtral-head": (
+        {"architectures": ["MixtralForCausalLM"]},
+        "architectures = ['MixtralForCausalLM'] is not supported for model_type 'qwen3'; allowed: ['Qwen3ForCausalLM']",
+    ),
+    "experts": (
+        {"num_experts": 8},
+        "num_experts = 8 describes mixture-of-experts layers, which this decoder does not "
+        "implement; allowed: absent, null or 0 (dense models only)",
+    ),
+    "local-experts": (
+        {"num_local_experts": 8, "num_experts_per_tok": 2},
+        "num_local_experts = 8 describes mixture-of-experts layers",
+    ),
+    "qwen-window": (
+        {"use_sliding_window": True, "sliding_window": 64, "max_position_embeddings": 4096},
+        "use_sliding_window = true with sliding_window = 64 (< max_position_embeddings = 4096) asks for "
+        "sliding-window attention, which this decoder does not implement; allowed: a window of at least "
+        "max_position_embeddings, or none (set use_sliding_window to false)",
+    ),
+    "llama-window": (
+        {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "sliding_window": 4096,
+            "max_position_embeddings": 32768,
+        },
+        "sliding_window = 4096 (< max_position_embeddings = 32768) asks for sliding-window attention, "
+        "which this decoder does not implement; allowed: a window of at least max_position_embeddings, "
+        "or none (set sliding_window to null if the model was trained with full attention)",
+    ),
+    "yarn": (
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+        "rope_scaling.rope_type = 'yarn' is not implemented; allowed: default, llama3 (or no rope_scaling)",
+    ),
+    "linear-old-key": (
+        {"rope_scaling": {"type": "linear", "factor": 2.0}},
+        "rope_scaling.rope_type = 'linear' is not implemented",
+    ),
+    "yarn-v5": (
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
+        "rope_parameters.rope_type = 'yarn' is not implemented; allowed: default, llama3 (or no rope_parameters)",
+    ),
     # transformers itself requires low_freq_factor and high_freq_factor (5 fills in the original context)
-    "llama3-incomplete": ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-                          "transformers.AutoConfig refuses it: Missing required keys in `rope_"),
+    "llama3-incomplete": (
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+        "transformers.AutoConfig refuses it: Missing required keys in `rope_",
+    ),
     "rope-not-object": ({"rope_scaling": "linear"}, "rope_scaling = 'linear' is invalid; allowed: null or an object"),
     "gelu": ({"hidden_act": "gelu"}, "hidden_act = 'gelu' is not implemented; allowed: silu, swish"),
-    "no-hidden-size": ({"hidden_size": ...}, "missing field 'hidden_size' (a positive integer); is this the "
-                       "config.json of a Hugging Face model?"),
+    "no-hidden-size": (
+        {"hidden_size": ...},
+        "missing field 'hidden_size' (a positive integer); is this the config.json of a Hugging Face model?",
+    ),
     "string-size": ({"vocab_size": "61"}, "vocab_size = '61' is invalid; allowed: a positive integer"),
     "heads": ({"num_key_value_heads": 3}, "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
 }
@@ -254,8 +316,10 @@ def test_a_vocabulary_mismatch_names_both_tokenizers(tmp_path):
     with pytest.raises(ValueError) as err:
         check_same_vocabulary(student, teacher)
     message = _one_line(err)
-    assert message.startswith(f"teacher and student vocabularies differ (student {tmp_path / 'student'}, "
-                              f"teacher {tmp_path / 'teacher'}): tokenizer sizes differ: student 19, teacher 8; "), message
+    assert message.startswith(
+        f"teacher and student vocabularies differ (student {tmp_path / 'student'}, "
+        f"teacher {tmp_path / 'teacher'}): tokenizer sizes differ: student 19, teacher 8; "
+    ), message
     assert message.endswith("; pick a teacher and student that share one tokenizer (the same model family)")
 
 
@@ -265,9 +329,11 @@ def test_models_padded_past_the_tokenizer_share_its_ids_and_no_fewer(tmp_path):
     assert shared_vocab_size(tokenizer, 32, 40) == 32 and shared_vocab_size(tokenizer, 40, 19) == 19
     with pytest.raises(ValueError) as err:
         shared_vocab_size(tokenizer, 18, 32)
-    assert _one_line(err) == ("model vocab_size differs (student 18, teacher 32) and the tokenizer's ids reach 18, "
-                              "past the student's 18 rows: the two models do not have a row for every token; pick a "
-                              "teacher and student of one family")
+    assert _one_line(err) == (
+        "model vocab_size differs (student 18, teacher 32) and the tokenizer's ids reach 18, "
+        "past the student's 18 rows: the two models do not have a row for every token; pick a "
+        "teacher and student of one family"
+    )
 
 
 # --- 5. config.json is read by transformers.AutoConfig, locally, without remote code ---
@@ -282,9 +348,16 @@ def test_config_json_means_what_it_means_to_transformers(tmp_path):
     qwen3 = _edit_config(_checkpoint(tmp_path / "qwen3"), max_position_embeddings=...)
     want = AutoConfig.from_pretrained(qwen3, local_files_only=True).max_position_embeddings
     assert from_pretrained(qwen3).config.max_position_embeddings == want == 32768
-    llama = _edit_config(_checkpoint(tmp_path / "llama", "llama"), rope_scaling={
-        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16})
+    llama = _edit_config(
+        _checkpoint(tmp_path / "llama", "llama"),
+        rope_scaling={
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
     scaling = from_pretrained(llama).config.rope_scaling
     assert scaling["rope_type"] == "llama3" and scaling["factor"] == 8.0 and "rope_theta" not in scaling
 

@@ -10,7 +10,9 @@ from transformers import PreTrainedTokenizerFast
 
 from asyncopd_jax.models import check_same_vocabulary, encode_prompts, load_tokenizer
 
-TEMPLATE = "{% for m in messages %}<user>{{ m['content'] }}</user>{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}"
+TEMPLATE = (
+    "{% for m in messages %}<user>{{ m['content'] }}</user>{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}"
+)
 
 
 def make_tokenizer(path: Path, words: list[str], *, chat_template: str | None = TEMPLATE) -> Path:
@@ -18,10 +20,12 @@ def make_tokenizer(path: Path, words: list[str], *, chat_template: str | None = 
     specials = ["<pad>", "<eos>", "<unk>", "<user>", "</user>", "<bot>"]
     vocab = {tok: i for i, tok in enumerate(specials + words)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.WhitespaceSplit(),
-        pre_tokenizers.Split(Regex(r"<[^>]+>|\w+|[^\w\s]"), behavior="isolated"),
-    ])
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Split(Regex(r"<[^>]+>|\w+|[^\w\s]"), behavior="isolated"),
+        ]
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
     if chat_template:
         fast.chat_template = chat_template

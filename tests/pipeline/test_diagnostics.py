@@ -21,8 +21,13 @@ def test_exact_kls_match_numpy_over_masked_positions_in_uneven_chunks():
     q = rng.normal(size=(B, T, H2))
     w, w2 = rng.normal(size=(H, V)), rng.normal(size=(H2, V))
     mask = rng.uniform(size=(B, T)) > 0.3
-    got = exact_kls(*(jnp.asarray(x, jnp.float32) for x in (s, q, old, w, w2)), jnp.asarray(mask),
-                    student_temperature=0.7, teacher_temperature=1.3, chunk=4)  # 15 positions: 4 chunks
+    got = exact_kls(
+        *(jnp.asarray(x, jnp.float32) for x in (s, q, old, w, w2)),
+        jnp.asarray(mask),
+        student_temperature=0.7,
+        teacher_temperature=1.3,
+        chunk=4,
+    )  # 15 positions: 4 chunks
     ls, lq, lo = oracle.log_softmax(s @ w / 0.7), oracle.log_softmax(q @ w2 / 1.3), oracle.log_softmax(old @ w / 0.7)
     want = {"reverse": oracle.kl(ls, lq), "forward": oracle.kl(lq, ls), "drift": oracle.kl(ls, lo)}
     for name, per_token in want.items():
@@ -31,8 +36,17 @@ def test_exact_kls_match_numpy_over_masked_positions_in_uneven_chunks():
 
 @pytest.mark.slow  # CI time (~40 s): the exact-KL test above runs in CI
 def test_a_run_logs_the_probe_kls_every_few_steps(models, tmp_path):  # noqa: F811
-    cfg = _config(models, tmp_path, **{"schedule.mode": "fixed_lag", "schedule.lag": 2, "train.steps": 8,
-                                       "train.diagnostics_every": 4, "train.diagnostic_prompts": 16})
+    cfg = _config(
+        models,
+        tmp_path,
+        **{
+            "schedule.mode": "fixed_lag",
+            "schedule.lag": 2,
+            "train.steps": 8,
+            "train.diagnostics_every": 4,
+            "train.diagnostic_prompts": 16,
+        },
+    )
     Trainer(cfg, progress=False).run()
     records = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     probed = {r["step"]: r for r in records if "probe_reverse_kl" in r}

@@ -25,11 +25,14 @@ LIMIT = 400_000  # bytes: a checkpoint of the tiny student and its Adam moments 
 
 
 @pytest.mark.slow  # ~2 min on 2 cores (two CLI runs); keeps CI under 30 minutes
-@pytest.mark.skipif(not (sys.platform.startswith("linux") and hasattr(resource, "prlimit")),
-                    reason="sets another process's file-size limit with prlimit (Linux)")
+@pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and hasattr(resource, "prlimit")),
+    reason="sets another process's file-size limit with prlimit (Linux)",
+)
 def test_a_full_disk_at_checkpoint_time_keeps_the_last_good_checkpoint(models, tmp_path):  # noqa: F811
-    cfg = _config(models, tmp_path, name="full", **{"schedule.mode": "sync", "train.steps": 30,
-                                                   "train.checkpoint_every": 3})
+    cfg = _config(
+        models, tmp_path, name="full", **{"schedule.mode": "sync", "train.steps": 30, "train.checkpoint_every": 3}
+    )
     config_file = tmp_path / "config.yaml"
     save_config(cfg, config_file)
     run = tmp_path / "full"
@@ -47,8 +50,11 @@ def test_a_full_disk_at_checkpoint_time_keeps_the_last_good_checkpoint(models, t
     assert proc.returncode == 2, output[-3000:]
     assert "Traceback" not in output, output[-3000:]  # Orbax's logged traceback went to the log file
     last_line = output.strip().splitlines()[-1]
-    said = re.search(r"saving the checkpoint of step (\d+) failed \(File too large\); the last good checkpoint is "
-                     r"step (\d+) in (\S+); free space", last_line)
+    said = re.search(
+        r"saving the checkpoint of step (\d+) failed \(File too large\); the last good checkpoint is "
+        r"step (\d+) in (\S+); free space",
+        last_line,
+    )
     assert said, output[-3000:]
     failed, good = int(said.group(1)), int(said.group(2))
     assert good >= 3 and failed > good and said.group(3) == str(run.resolve() / "checkpoints" / str(good))

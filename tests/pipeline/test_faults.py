@@ -104,8 +104,11 @@ def test_a_nonfinite_step_stops_the_run_at_that_step(models, tmp_path, monkeypat
     k = 3
     if fault == "inf_learning_rate":  # the schedule the optimizer is built with (count = steps taken)
         real_schedule = optimizer_module.learning_rate_schedule
-        monkeypatch.setattr(optimizer_module, "learning_rate_schedule", lambda cfg, total: (
-            lambda count: jnp.where(count == k - 1, jnp.inf, real_schedule(cfg, total)(count))))
+        monkeypatch.setattr(
+            optimizer_module,
+            "learning_rate_schedule",
+            lambda cfg, total: lambda count: jnp.where(count == k - 1, jnp.inf, real_schedule(cfg, total)(count)),
+        )
     cfg = _config(models, tmp_path, **{"schedule.mode": "sync", "train.steps": 4, "train.checkpoint_every": 2})
     trainer = _fast_trainer(cfg, monkeypatch)
 

@@ -43,11 +43,20 @@ def test_lag_zero_is_the_sync_schedule_step_for_step(models, tmp_path):  # noqa:
     np.testing.assert_allclose([r["loss"] for r in fixed], [r["loss"] for r in sync], rtol=1e-6)
 
 
-@pytest.mark.parametrize("sets,message", [
-    ({"learner.mini_batches": 2}, r"learner.mini_batches = 2 is invalid with schedule.mode = fixed_lag; allowed: 1"),
-    ({"schedule.placement": "processes"}, r"schedule.placement = 'processes' is invalid with schedule.mode = fixed_lag"),
-    ({"schedule.lag": -1}, r"schedule.lag = -1 is invalid; allowed: >= 0"),
-])
+@pytest.mark.parametrize(
+    "sets,message",
+    [
+        (
+            {"learner.mini_batches": 2},
+            r"learner.mini_batches = 2 is invalid with schedule.mode = fixed_lag; allowed: 1",
+        ),
+        (
+            {"schedule.placement": "processes"},
+            r"schedule.placement = 'processes' is invalid with schedule.mode = fixed_lag",
+        ),
+        ({"schedule.lag": -1}, r"schedule.lag = -1 is invalid; allowed: >= 0"),
+    ],
+)
 def test_bad_fixed_lag_settings_name_the_field(models, tmp_path, sets, message):  # noqa: F811
     with pytest.raises(ConfigError, match=message):
         _config(models, tmp_path, **{"schedule.mode": "fixed_lag", **sets})
@@ -59,8 +68,11 @@ def test_the_configured_aggregation_reaches_the_learner(models, tmp_path):  # no
     (sequences × horizon) with Dr. GRPO's seq-mean-token-sum-norm (horizon: max_new_tokens)."""
     lag0 = {"schedule.mode": "fixed_lag", "schedule.lag": 0, "train.steps": 1}
     token = _run(models, tmp_path, "token", **lag0)[0]
-    cfg = _config(models, tmp_path, **{"name": "norm", "train.checkpoint_every": 100,
-                                       "estimator.aggregation": "seq-mean-token-sum-norm", **lag0})
+    cfg = _config(
+        models,
+        tmp_path,
+        **{"name": "norm", "train.checkpoint_every": 100, "estimator.aggregation": "seq-mean-token-sum-norm", **lag0},
+    )
     Trainer(cfg, progress=False).run()
     norm = json.loads((tmp_path / "norm" / "metrics.jsonl").read_text().splitlines()[0])
     assert norm["tokens"] == token["tokens"] < 8 * 12  # some answers end before the horizon

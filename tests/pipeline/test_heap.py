@@ -19,8 +19,10 @@ def _anonymous_kb() -> int:
     raise KeyError("RssAnon")
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or not Path("/proc/self/status").is_file(),
-                    reason="malloc_trim is glibc's; resident memory is read from /proc")
+@pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc" or not Path("/proc/self/status").is_file(),
+    reason="malloc_trim is glibc's; resident memory is read from /proc",
+)
 def test_a_fragmented_heap_is_given_back_to_the_kernel():
     """256 MiB in 64 KiB blocks (below glibc's mmap threshold: they live in the heap), then
     every block freed but one in 16: the kept blocks pin the heap's top, so free() alone

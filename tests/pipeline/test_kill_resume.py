@@ -31,9 +31,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _cli(*args: str) -> subprocess.Popen:
     """``asyncopd train ARGS`` in its own process group, output to a pipe."""
-    return subprocess.Popen([sys.executable, "-m", "asyncopd_jax.cli", "train", "--no-progress", *args], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncopd_jax.cli", "train", "--no-progress", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _steps(run: Path) -> list[int]:
@@ -66,8 +71,9 @@ def _kill_at_random(cfg, tmp_path, seed: int) -> tuple[Path, int, set[int]]:
                 break
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.5))  # anywhere inside the next step
-        assert proc.poll() is None, f"seed {seed}: the run ended before the kill:\n" + \
-            proc.stdout.read().decode(errors="replace")[-3000:]
+        assert proc.poll() is None, (
+            f"seed {seed}: the run ended before the kill:\n" + proc.stdout.read().decode(errors="replace")[-3000:]
+        )
         os.kill(proc.pid, signal.SIGKILL)  # the learner only: its stage processes must notice
         proc.wait(30)
     finally:
@@ -98,8 +104,12 @@ def test_sigkill_of_the_learner_then_resume_is_the_uninterrupted_run(models, tmp
     records = RunDir(run).read_metrics()
     assert [r["step"] for r in records] == list(range(1, 13)), f"seed {seed}"  # every step exactly once
     ref = RunDir(tmp_path / "reference").read_metrics()
-    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in ref], rtol=1e-5,
-                               err_msg=f"seed {seed}: killed at step {reached}, resumed from {checkpoints}")
+    np.testing.assert_allclose(
+        [r["loss"] for r in records],
+        [r["loss"] for r in ref],
+        rtol=1e-5,
+        err_msg=f"seed {seed}: killed at step {reached}, resumed from {checkpoints}",
+    )
     got = json.loads((run / "summary.json").read_text())
     assert got["student_after"] == pytest.approx(want["student_after"], abs=1e-9), f"seed {seed}"
 
@@ -110,9 +120,18 @@ def test_sigkill_of_the_learner_with_stage_processes_leaves_no_orphan_and_resume
     """Stages in their own processes, fully async: the stage processes exit by themselves
     when their learner dies, and the resumed run has every step once, within η."""
     seed = int.from_bytes(os.urandom(4), "little")
-    cfg = _config(models, tmp_path, name="killed", **{
-        "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": 2,
-        "train.steps": 14, "train.checkpoint_every": 4})
+    cfg = _config(
+        models,
+        tmp_path,
+        name="killed",
+        **{
+            "schedule.placement": "processes",
+            "schedule.mode": "fully_async",
+            "schedule.max_staleness": 2,
+            "train.steps": 14,
+            "train.checkpoint_every": 4,
+        },
+    )
     run, reached, stages = _kill_at_random(cfg, tmp_path, seed)
     assert stages, f"seed {seed}: no stage process was seen"
     deadline = time.monotonic() + 30

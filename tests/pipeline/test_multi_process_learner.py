@@ -21,23 +21,56 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow  # CI time: tests/learner/test_distributed.py runs a two-process learner in CI
 def test_a_learner_over_two_processes_runs_the_pipeline(models, tmp_path):  # noqa: F811
-    cfg = _config(models, tmp_path, **{
-        "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": 2,
-        "learner.mesh": "{data: -1, fsdp: 2}", "train.steps": 8, "train.checkpoint_every": 4,
-        "stages.rollout_processes": 2,  # two groups per batch: their order matters
-    })
+    cfg = _config(
+        models,
+        tmp_path,
+        **{
+            "schedule.placement": "processes",
+            "schedule.mode": "fully_async",
+            "schedule.max_staleness": 2,
+            "learner.mesh": "{data: -1, fsdp: 2}",
+            "train.steps": 8,
+            "train.checkpoint_every": 4,
+            "stages.rollout_processes": 2,  # two groups per batch: their order matters
+        },
+    )
     config_file = tmp_path / "config.yaml"
     save_config(cfg, config_file)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "asyncopd_jax.cli", "train", "--no-progress", "--config", str(config_file),
-         "--set", "distributed.initialize=true", "--set", f"distributed.coordinator_address=127.0.0.1:{port}",
-         "--set", "distributed.num_processes=2", "--set", f"distributed.process_id={i}"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "PYTHONPATH": str(ROOT),
+    }
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "asyncopd_jax.cli",
+                "train",
+                "--no-progress",
+                "--config",
+                str(config_file),
+                "--set",
+                "distributed.initialize=true",
+                "--set",
+                f"distributed.coordinator_address=127.0.0.1:{port}",
+                "--set",
+                "distributed.num_processes=2",
+                "--set",
+                f"distributed.process_id={i}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
     try:
         outputs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
     finally:

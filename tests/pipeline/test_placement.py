@@ -30,28 +30,54 @@ def _layout(models, tmp_path, **sets) -> Layout:  # noqa: F811
 
 
 def test_threads_puts_every_stage_in_the_learner_process_on_its_own_devices(models, tmp_path):  # noqa: F811
-    layout = _layout(models, tmp_path, **{"schedule.rollout_workers": 2, "stages.learner_devices": "0-3",
-                                          "stages.rollout_devices": "4-5", "stages.scoring_devices": "6,7"})
+    layout = _layout(
+        models,
+        tmp_path,
+        **{
+            "schedule.rollout_workers": 2,
+            "stages.learner_devices": "0-3",
+            "stages.rollout_devices": "4-5",
+            "stages.scoring_devices": "6,7",
+        },
+    )
     assert [(s.name, s.process, s.devices) for s in layout.stages] == [
-        ("learner-0", "learner", (0, 1, 2, 3)), ("rollout-0", "learner", (4, 5)), ("rollout-1", "learner", (4, 5)),
-        ("scoring-0", "learner", (6, 7))]
+        ("learner-0", "learner", (0, 1, 2, 3)),
+        ("rollout-0", "learner", (4, 5)),
+        ("rollout-1", "learner", (4, 5)),
+        ("scoring-0", "learner", (6, 7)),
+    ]
     assert layout.stage_processes() == () and layout.snapshots.in_memory and layout.group_size == 4
 
 
 def test_processes_deal_devices_to_the_processes_and_rollouts_score_without_scoring_processes(models, tmp_path):  # noqa: F811
-    layout = _layout(models, tmp_path, **{"schedule.placement": "processes", "stages.rollout_processes": 2,
-                                          "stages.rollout_devices": "2-5", "stages.learner_devices": "0,1"})
+    layout = _layout(
+        models,
+        tmp_path,
+        **{
+            "schedule.placement": "processes",
+            "stages.rollout_processes": 2,
+            "stages.rollout_devices": "2-5",
+            "stages.learner_devices": "0,1",
+        },
+    )
     assert [(s.name, s.process, s.devices) for s in layout.stages] == [
-        ("learner-0", "learner", (0, 1)), ("rollout-0", "rollout-0", (2, 3)), ("rollout-1", "rollout-1", (4, 5)),
-        ("scoring-0", "rollout-0", (2, 3)), ("scoring-1", "rollout-1", (4, 5))]
+        ("learner-0", "learner", (0, 1)),
+        ("rollout-0", "rollout-0", (2, 3)),
+        ("rollout-1", "rollout-1", (4, 5)),
+        ("scoring-0", "rollout-0", (2, 3)),
+        ("scoring-1", "rollout-1", (4, 5)),
+    ]
     assert [s.name for s in layout.stage_processes()] == ["rollout-0", "rollout-1"]
     assert layout.scorer_of(layout.stage("rollout-1")).name == "scoring-1"
     assert not layout.snapshots.in_memory and layout.snapshots.format == "safetensors"
 
 
 def test_the_layout_round_trips_through_json_and_refuses_another_version(models, tmp_path):  # noqa: F811
-    layout = _layout(models, tmp_path, **{"schedule.placement": "processes", "stages.scoring_processes": 1,
-                                          "stages.scoring_devices": "'3'"})
+    layout = _layout(
+        models,
+        tmp_path,
+        **{"schedule.placement": "processes", "stages.scoring_processes": 1, "stages.scoring_devices": "'3'"},
+    )
     assert Layout.from_json(layout.to_json()) == layout
     data = json.loads(layout.to_json())
     with pytest.raises(LayoutError, match="layout version 0; this asyncopd reads version 1"):
@@ -89,8 +115,15 @@ def test_the_exchange_writes_the_layout_atomically(models, tmp_path, monkeypatch
         def __getattr__(self, name):
             return getattr(self.f, name)
 
-    monkeypatch.setattr(Path, "open", lambda self, mode="r", *a, **k: DiesHalfWay(real_open(self, mode, *a, **k))
-                        if "w" in mode and self.name.startswith("layout.json") else real_open(self, mode, *a, **k))
+    monkeypatch.setattr(
+        Path,
+        "open",
+        lambda self, mode="r", *a, **k: (
+            DiesHalfWay(real_open(self, mode, *a, **k))
+            if "w" in mode and self.name.startswith("layout.json")
+            else real_open(self, mode, *a, **k)
+        ),
+    )
     with pytest.raises(OSError, match="No space"):
         exchange.write(cfg, bigger)
     monkeypatch.undo()
@@ -98,15 +131,27 @@ def test_the_exchange_writes_the_layout_atomically(models, tmp_path, monkeypatch
     assert exchange.read()[1] == layout
 
 
-@pytest.mark.parametrize("platform,devices,expected", [
-    ("gpu", (2, 3), {"CUDA_VISIBLE_DEVICES": "2,3"}),
-    ("tpu", (4, 5, 6, 7), {"TPU_VISIBLE_CHIPS": "4,5,6,7", "TPU_PROCESS_BOUNDS": "1,1,1",
-                           "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,2,1", "TPU_PROCESS_PORT": "8480",
-                           "TPU_PROCESS_ADDRESSES": "localhost:8480", "CLOUD_TPU_TASK_ID": "0",
-                           "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}),
-    ("cpu", (1,), {}),
-    ("tpu", (), {}),
-])
+@pytest.mark.parametrize(
+    "platform,devices,expected",
+    [
+        ("gpu", (2, 3), {"CUDA_VISIBLE_DEVICES": "2,3"}),
+        (
+            "tpu",
+            (4, 5, 6, 7),
+            {
+                "TPU_VISIBLE_CHIPS": "4,5,6,7",
+                "TPU_PROCESS_BOUNDS": "1,1,1",
+                "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,2,1",
+                "TPU_PROCESS_PORT": "8480",
+                "TPU_PROCESS_ADDRESSES": "localhost:8480",
+                "CLOUD_TPU_TASK_ID": "0",
+                "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+            },
+        ),
+        ("cpu", (1,), {}),
+        ("tpu", (), {}),
+    ],
+)
 def test_a_stage_process_gets_its_devices_by_the_platform_mechanism(platform, devices, expected):
     assert placement.device_env(platform, devices, port=8480) == expected
 
@@ -117,19 +162,36 @@ def test_a_tpu_stage_process_holds_a_chip_count_libtpu_can_bound():
 
 
 def test_each_stage_process_gets_its_own_tpu_port(models, tmp_path):  # noqa: F811
-    layout = _layout(models, tmp_path, **{"schedule.placement": "processes", "stages.rollout_processes": 2,
-                                          "stages.scoring_processes": 2, "stages.rollout_devices": "0,1",
-                                          "stages.scoring_devices": "2,3", "stages.learner_devices": "4-7"})
+    layout = _layout(
+        models,
+        tmp_path,
+        **{
+            "schedule.placement": "processes",
+            "stages.rollout_processes": 2,
+            "stages.scoring_processes": 2,
+            "stages.rollout_devices": "0,1",
+            "stages.scoring_devices": "2,3",
+            "stages.learner_devices": "4-7",
+        },
+    )
     ports = [placement.stage_process_env(layout, s, "tpu")["TPU_PROCESS_PORT"] for s in layout.stage_processes()]
     assert len(set(ports)) == 4 and placement.TPU_BASE_PORT not in map(int, ports)
 
 
-@pytest.mark.parametrize("sets,message", [
-    ({"stages.rollout_devices": "4-x"}, r"stages.rollout_devices = '4-x' is invalid; allowed: '' or a device list"),
-    ({"stages.learner_cores": "3-1"}, r"stages.learner_cores = '3-1' is invalid; allowed: 'auto', '' or a CPU list"),
-    ({"schedule.placement": "processes", "stages.learner_devices": "0,1", "stages.rollout_devices": "1,2"},
-     r"stages.learner_devices = '0,1' is invalid; allowed: devices no rollout or scoring process holds"),
-])
+@pytest.mark.parametrize(
+    "sets,message",
+    [
+        ({"stages.rollout_devices": "4-x"}, r"stages.rollout_devices = '4-x' is invalid; allowed: '' or a device list"),
+        (
+            {"stages.learner_cores": "3-1"},
+            r"stages.learner_cores = '3-1' is invalid; allowed: 'auto', '' or a CPU list",
+        ),
+        (
+            {"schedule.placement": "processes", "stages.learner_devices": "0,1", "stages.rollout_devices": "1,2"},
+            r"stages.learner_devices = '0,1' is invalid; allowed: devices no rollout or scoring process holds",
+        ),
+    ],
+)
 def test_bad_device_and_core_lists_name_the_field(models, tmp_path, sets, message):  # noqa: F811
     with pytest.raises(ConfigError, match=message):
         _config(models, tmp_path, **sets)
@@ -137,15 +199,22 @@ def test_bad_device_and_core_lists_name_the_field(models, tmp_path, sets, messag
 
 def test_a_stage_on_devices_this_process_lacks_is_refused_naming_them(models, tmp_path):  # noqa: F811
     cfg = _config(models, tmp_path, **{"stages.learner_devices": "6-9", "learner.mesh": "{data: -1, fsdp: 1}"})
-    with pytest.raises(ValueError, match=r"stages.learner_devices = 6,7,8,9 names device 9, but this process has "
-                                         r"8 device\(s\) \(0-7\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"stages.learner_devices = 6,7,8,9 names device 9, but this process has "
+        r"8 device\(s\) \(0-7\)",
+    ):
         Trainer(cfg, progress=False)
 
 
 # --- every stage on its own devices, one process -----------------------------------------------------
 
-SPLIT = {"stages.learner_devices": "0-3", "stages.rollout_devices": "4-7", "stages.scoring_devices": "4-7",
-         "learner.mesh": "{data: -1, fsdp: 1}"}
+SPLIT = {
+    "stages.learner_devices": "0-3",
+    "stages.rollout_devices": "4-7",
+    "stages.scoring_devices": "4-7",
+    "learner.mesh": "{data: -1, fsdp: 1}",
+}
 
 
 def _ids(tree) -> set[int]:
@@ -154,8 +223,11 @@ def _ids(tree) -> set[int]:
 
 def _run_recording(models, tmp_path, monkeypatch, name, **sets):  # noqa: F811
     """Run 8 sync steps; return (trainer, losses, the devices of what each stage made)."""
-    cfg = _config(models, tmp_path, **{"name": name, "schedule.mode": "sync", "train.steps": 8,
-                                       "train.checkpoint_every": 100, **sets})
+    cfg = _config(
+        models,
+        tmp_path,
+        **{"name": name, "schedule.mode": "sync", "train.steps": 8, "train.checkpoint_every": 100, **sets},
+    )
     trainer = Trainer(cfg, progress=False)
     seen: dict[str, set[int]] = {"rollout": set(), "scores": set(), "weights_to_sampler": set()}
     real_score = ScoringStage.score
@@ -192,8 +264,12 @@ def _run_recording(models, tmp_path, monkeypatch, name, **sets):  # noqa: F811
 def test_threads_run_each_stage_on_its_own_devices_and_learn_as_on_one(models, tmp_path, monkeypatch):  # noqa: F811
     split, split_losses, seen = _run_recording(models, tmp_path, monkeypatch, "split", **SPLIT)
     assert _ids(split.state.params) == _ids(split.state.opt_state) == {0, 1, 2, 3}
-    assert seen == {"rollout": {4, 5, 6, 7}, "scores": {4, 5, 6, 7}, "weights_to_sampler": {4, 5, 6, 7},
-                    "rollout_rows_per_device": {2}}  # 8 rows over 4 devices: batch-parallel, not replicated
+    assert seen == {
+        "rollout": {4, 5, 6, 7},
+        "scores": {4, 5, 6, 7},
+        "weights_to_sampler": {4, 5, 6, 7},
+        "rollout_rows_per_device": {2},
+    }  # 8 rows over 4 devices: batch-parallel, not replicated
     assert _ids(split.scoring.teacher) == {4, 5, 6, 7}
     assert len(split_losses) == 8
     # Today's placement (every stage on device 0): the same rollouts (same keys, same
@@ -204,8 +280,13 @@ def test_threads_run_each_stage_on_its_own_devices_and_learn_as_on_one(models, t
 
 
 def test_scoring_runs_on_its_own_devices_apart_from_rollout(models, tmp_path, monkeypatch):  # noqa: F811
-    trainer, _, seen = _run_recording(models, tmp_path, monkeypatch, "apart", **{
-        **SPLIT, "train.steps": 2, "stages.rollout_devices": "4,5", "stages.scoring_devices": "6,7"})
+    trainer, _, seen = _run_recording(
+        models,
+        tmp_path,
+        monkeypatch,
+        "apart",
+        **{**SPLIT, "train.steps": 2, "stages.rollout_devices": "4,5", "stages.scoring_devices": "6,7"},
+    )
     assert seen["rollout"] == {4, 5} and seen["scores"] == {6, 7} and seen["weights_to_sampler"] == {4, 5}
 
 

@@ -25,7 +25,9 @@ from asyncopd_jax.pipeline.trainer import Trainer
 from tests.pipeline.test_trainer import _config, _kl_start_end, models  # noqa: F401 - fixture
 
 
-def _cores(stages: StagesConfig, available) -> tuple[tuple[int, ...], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
+def _cores(
+    stages: StagesConfig, available
+) -> tuple[tuple[int, ...], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
     """(the learner's cores, [(stage process, cores, devices)]) of the processes placement."""
     cfg = load_config(None, ["schedule.placement=processes"])
     layout = plan_layout(dataclasses.replace(cfg, stages=stages), run_path=Path("/tmp/run"), available_cores=available)
@@ -38,8 +40,12 @@ def test_auto_split_gives_the_learner_its_share_and_the_rest_to_rollouts():
     learner, specs = _cores(StagesConfig(rollout_processes=2, scoring_processes=2), range(16))
     assert learner == tuple(range(6))  # ⌈0.37 · 16⌉
     # Of the 10 left, ⌈0.55 · 10⌉ = 6 score and 4 sample, dealt evenly.
-    assert [(name, cores) for name, cores, _ in specs] == [("rollout-0", (6, 7)), ("rollout-1", (8, 9)),
-                                                           ("scoring-0", (10, 11, 12)), ("scoring-1", (13, 14, 15))]
+    assert [(name, cores) for name, cores, _ in specs] == [
+        ("rollout-0", (6, 7)),
+        ("rollout-1", (8, 9)),
+        ("scoring-0", (10, 11, 12)),
+        ("scoring-1", (13, 14, 15)),
+    ]
 
 
 def test_auto_leaves_processes_unpinned_when_a_process_would_get_fewer_than_two_cores():
@@ -54,12 +60,23 @@ def test_auto_leaves_processes_unpinned_when_a_process_would_get_fewer_than_two_
 
 
 def test_explicit_cores_and_devices_are_dealt_to_the_processes():
-    stages = StagesConfig(rollout_processes=3, learner_cores="0-1", rollout_cores="2,3", scoring_processes=1,
-                          scoring_cores="", rollout_devices="1,2", learner_devices="0")
+    stages = StagesConfig(
+        rollout_processes=3,
+        learner_cores="0-1",
+        rollout_cores="2,3",
+        scoring_processes=1,
+        scoring_cores="",
+        rollout_devices="1,2",
+        learner_devices="0",
+    )
     learner, specs = _cores(stages, range(4))
     assert learner == (0, 1)
-    assert specs == [("rollout-0", (2,), (1,)), ("rollout-1", (3,), (2,)), ("rollout-2", (2,), (1,)),
-                     ("scoring-0", (), ())]
+    assert specs == [
+        ("rollout-0", (2,), (1,)),
+        ("rollout-1", (3,), (2,)),
+        ("rollout-2", (2,), (1,)),
+        ("scoring-0", (), ()),
+    ]
 
 
 def _records(run):
@@ -67,16 +84,27 @@ def _records(run):
 
 
 def test_the_stages_run_in_their_own_processes_and_the_run_learns(models, tmp_path):  # noqa: F811
-    cfg = _config(models, tmp_path, **{
-        "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": 2,
-        "stages.rollout_processes": 2, "stages.scoring_processes": 1, "train.steps": 12, "stages.rollout_niceness": 7,
-    })
+    cfg = _config(
+        models,
+        tmp_path,
+        **{
+            "schedule.placement": "processes",
+            "schedule.mode": "fully_async",
+            "schedule.max_staleness": 2,
+            "stages.rollout_processes": 2,
+            "stages.scoring_processes": 1,
+            "train.steps": 12,
+            "stages.rollout_niceness": 7,
+        },
+    )
     trainer = Trainer(cfg, progress=False)
     summary = trainer.run()
     run = tmp_path / "t"
     for name in ("rollout-0", "rollout-1", "scoring-0"):  # every stage process runs at the niceness asked for
-        assert f"{name}: pid {trainer.stages.pids[name]}, niceness {min(os.nice(0) + 7, 19)}," in \
-            (run / "exchange" / "logs" / f"{name}.log").read_text()
+        assert (
+            f"{name}: pid {trainer.stages.pids[name]}, niceness {min(os.nice(0) + 7, 19)},"
+            in (run / "exchange" / "logs" / f"{name}.log").read_text()
+        )
     records = _records(run)
     assert [r["step"] for r in records] == list(range(1, 13))
     start, end = _kl_start_end(records)
@@ -101,12 +129,16 @@ def test_the_stages_run_in_their_own_processes_and_the_run_learns(models, tmp_pa
 
 def _claims(exchange: Path, owner: str) -> set[str]:
     """Record names ``owner`` has claimed (a ticket to sample, a sampled group to score)."""
-    return {p.name.rsplit("@", 1)[0] + ".npz" for spool in ("tickets", "sampled")
-            for p in (exchange / spool / "claimed").glob(f"*@{owner}.npz")}
+    return {
+        p.name.rsplit("@", 1)[0] + ".npz"
+        for spool in ("tickets", "sampled")
+        for p in (exchange / spool / "claimed").glob(f"*@{owner}.npz")
+    }
 
 
-def _kill_when(trainer, role_name, committed: int, seen: set, killed: dict,
-               while_holding: bool = False) -> threading.Thread:
+def _kill_when(
+    trainer, role_name, committed: int, seen: set, killed: dict, while_holding: bool = False
+) -> threading.Thread:
     """Kill ``role_name`` with SIGKILL once ``committed`` scored records exist (and, with
     ``while_holding``, while it holds a claimed record: ``killed["held"]``, listed after the
     kill, so exact); note every record name ever seen in the spool."""
@@ -119,8 +151,7 @@ def _kill_when(trainer, role_name, committed: int, seen: set, killed: dict,
             if scored.is_dir():
                 seen.update(p.name for p in scored.glob("*.npz"))
             stages = getattr(trainer, "stages", None)
-            if (stages is not None and len(seen) >= committed
-                    and (not while_holding or _claims(exchange, role_name))):
+            if stages is not None and len(seen) >= committed and (not while_holding or _claims(exchange, role_name)):
                 os.kill(stages.pids[role_name], signal.SIGKILL)
                 killed["at"] = time.monotonic()
                 killed["held"] = _claims(exchange, role_name)
@@ -151,12 +182,19 @@ def _slow(param):
 
 
 @pytest.mark.parametrize("role,stages", [ROLLOUT, _slow(SCORING)])
-def test_a_killed_stage_process_stops_the_run_in_seconds_and_resume_loses_nothing(
-        models, tmp_path, role, stages):  # noqa: F811
-    cfg = _config(models, tmp_path, **{
-        "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": 2,
-        "train.steps": 16, "train.checkpoint_every": 5, **stages,
-    })
+def test_a_killed_stage_process_stops_the_run_in_seconds_and_resume_loses_nothing(models, tmp_path, role, stages):  # noqa: F811
+    cfg = _config(
+        models,
+        tmp_path,
+        **{
+            "schedule.placement": "processes",
+            "schedule.mode": "fully_async",
+            "schedule.max_staleness": 2,
+            "train.steps": 16,
+            "train.checkpoint_every": 5,
+            **stages,
+        },
+    )
     trainer = Trainer(cfg, progress=False)
     seen: set = set()
     killed: dict = {}
@@ -195,10 +233,18 @@ def test_a_killed_stage_process_stops_the_run_in_seconds_and_resume_loses_nothin
 
 @pytest.mark.parametrize("role,stages", [_slow(ROLLOUT), SCORING])
 def test_a_killed_stage_process_is_restarted_when_configured(models, tmp_path, role, stages):  # noqa: F811
-    cfg = _config(models, tmp_path, **{
-        "schedule.placement": "processes", "schedule.mode": "fully_async", "stages.restarts": 1, "train.steps": 10,
-        "train.checkpoint_every": 100, **stages,
-    })
+    cfg = _config(
+        models,
+        tmp_path,
+        **{
+            "schedule.placement": "processes",
+            "schedule.mode": "fully_async",
+            "stages.restarts": 1,
+            "train.steps": 10,
+            "train.checkpoint_every": 100,
+            **stages,
+        },
+    )
     trainer = Trainer(cfg, progress=False)
     seen: set = set()
     killed: dict = {}
@@ -228,17 +274,29 @@ def test_ctrl_c_checkpoints_and_stops_every_process(models, tmp_path):  # noqa: 
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it: the learner saves a
     checkpoint of the step it reached, stops its stage processes and exits with 130, and no
     stage process is left behind."""
-    cfg = _config(models, tmp_path, **{
-        "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": 2,
-        "stages.scoring_processes": 1, "train.steps": 10_000, "train.checkpoint_every": 10_000,
-    })
+    cfg = _config(
+        models,
+        tmp_path,
+        **{
+            "schedule.placement": "processes",
+            "schedule.mode": "fully_async",
+            "schedule.max_staleness": 2,
+            "stages.scoring_processes": 1,
+            "train.steps": 10_000,
+            "train.checkpoint_every": 10_000,
+        },
+    )
     config_file = tmp_path / "config.yaml"
     save_config(cfg, config_file)
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen(
         [sys.executable, "-m", "asyncopd_jax.cli", "train", "--no-progress", "--config", str(config_file)],
-        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True)  # its own process group, like a job in a terminal
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # its own process group, like a job in a terminal
     metrics = tmp_path / "t" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 300
@@ -256,8 +314,10 @@ def test_ctrl_c_checkpoints_and_stops_every_process(models, tmp_path):  # noqa: 
             os.kill(proc.pid, signal.SIGUSR1)
             time.sleep(3)
             os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail("not stopped 120 s after Ctrl-C; its threads:\n" + proc.communicate()[0].decode(
-                errors="replace")[-8000:])
+            pytest.fail(
+                "not stopped 120 s after Ctrl-C; its threads:\n"
+                + proc.communicate()[0].decode(errors="replace")[-8000:]
+            )
         took = time.monotonic() - sent
     finally:
         if proc.poll() is None:
@@ -278,8 +338,16 @@ def test_a_snapshot_directory_removed_mid_run_stops_it_with_that_reason(models, 
     stage process is gone."""
     import shutil
 
-    cfg = _config(models, tmp_path, **{"schedule.placement": "processes", "schedule.mode": "fully_async",
-                                       "train.steps": 200, "train.checkpoint_every": 4})
+    cfg = _config(
+        models,
+        tmp_path,
+        **{
+            "schedule.placement": "processes",
+            "schedule.mode": "fully_async",
+            "train.steps": 200,
+            "train.checkpoint_every": 4,
+        },
+    )
     trainer = Trainer(cfg, progress=False)
     removed: dict = {}
 

@@ -14,16 +14,23 @@ from asyncopd_jax.pipeline.reward_stage import RewardStage
 
 def _batch(rows: int, T: int = 5) -> RolloutBatch:
     return RolloutBatch(
-        prompt_tokens=jnp.ones((rows, 2), jnp.int32), prompt_mask=jnp.ones((rows, 2), bool),
-        response_tokens=jnp.zeros((rows, T), jnp.int32), response_mask=jnp.ones((rows, T), bool),
-        behavior_logp=jnp.zeros((rows, T)), token_version=jnp.zeros((rows, T), jnp.int32),
+        prompt_tokens=jnp.ones((rows, 2), jnp.int32),
+        prompt_mask=jnp.ones((rows, 2), bool),
+        response_tokens=jnp.zeros((rows, T), jnp.int32),
+        response_mask=jnp.ones((rows, T), bool),
+        behavior_logp=jnp.zeros((rows, T)),
+        token_version=jnp.zeros((rows, T), jnp.int32),
     )
 
 
 def test_rl_groups_repeat_each_prompt_and_carry_group_relative_advantages():
     rewards = np.array([1, 0, 0, 0, 1, 1, 1, 1], np.float32)  # prompt 0: one of four right; prompt 1: all right
-    stage = RewardStage(lambda problems, batch: [rewards[i] for i in range(len(problems))], samples_per_prompt=4,
-                        advantages=True, normalize_std=False)
+    stage = RewardStage(
+        lambda problems, batch: [rewards[i] for i in range(len(problems))],
+        samples_per_prompt=4,
+        advantages=True,
+        normalize_std=False,
+    )
     assert stage.prompts_per_group(8) == 2
     assert stage.repeat(["a", "b"]) == ["a"] * 4 + ["b"] * 4
     batch, got = stage(list(range(8)), _batch(8))
@@ -42,8 +49,11 @@ def test_the_config_chooses_the_std():
     from asyncopd_jax.config import RLConfig, RunConfig
 
     for std in ("unbiased", "population"):
-        cfg = RunConfig(algorithm="rl", estimator=dataclasses.replace(RunConfig().estimator, name="ppo_clip"),
-                        rl=RLConfig(samples_per_prompt=2, advantage_std=std))
+        cfg = RunConfig(
+            algorithm="rl",
+            estimator=dataclasses.replace(RunConfig().estimator, name="ppo_clip"),
+            rl=RLConfig(samples_per_prompt=2, advantage_std=std),
+        )
         assert RewardStage.from_config(cfg, lambda p, b: []).std == std
 
 

@@ -18,11 +18,22 @@ RL_CONFIG = configs.RL
 @pytest.mark.parametrize("mode", ["sync", pytest.param("fully_async", marks=pytest.mark.slow)])  # CI time
 def test_rl_raises_the_verifier_reward_from_the_warm_start(tmp_path, mode):
     steps = 40
-    cfg = load_config(RL_CONFIG, [
-        f"output_dir={tmp_path}", "name=rl", f"schedule.mode={mode}", f"train.steps={steps}",
-        "train.eval_every=1000", "train.checkpoint_every=1000", "teacher.path=''", "learner.batch_size=64",
-        "rl.samples_per_prompt=8", "optim.learning_rate=0.0003", "task.eval_prompts=128",
-    ])
+    cfg = load_config(
+        RL_CONFIG,
+        [
+            f"output_dir={tmp_path}",
+            "name=rl",
+            f"schedule.mode={mode}",
+            f"train.steps={steps}",
+            "train.eval_every=1000",
+            "train.checkpoint_every=1000",
+            "teacher.path=''",
+            "learner.batch_size=64",
+            "rl.samples_per_prompt=8",
+            "optim.learning_rate=0.0003",
+            "task.eval_prompts=128",
+        ],
+    )
     summary = Trainer(cfg, progress=False).run()
     records = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
@@ -36,9 +47,20 @@ def test_rl_raises_the_verifier_reward_from_the_warm_start(tmp_path, mode):
 
 
 def _rl_records(tmp_path, name, *sets):
-    cfg = load_config(RL_CONFIG, [
-        f"output_dir={tmp_path}", f"name={name}", "train.eval_every=1000", "train.checkpoint_every=1000",
-        "teacher.path=''", "learner.batch_size=16", "rl.samples_per_prompt=4", "task.eval_prompts=16", *sets])
+    cfg = load_config(
+        RL_CONFIG,
+        [
+            f"output_dir={tmp_path}",
+            f"name={name}",
+            "train.eval_every=1000",
+            "train.checkpoint_every=1000",
+            "teacher.path=''",
+            "learner.batch_size=16",
+            "rl.samples_per_prompt=4",
+            "task.eval_prompts=16",
+            *sets,
+        ],
+    )
     Trainer(cfg, progress=False).run()
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
@@ -64,8 +86,17 @@ def test_the_entropy_bonus_and_the_kl_to_the_reference_reach_the_loss(tmp_path):
 def test_the_reference_is_scored_in_a_scoring_process(tmp_path):
     """processes placement, RL without a teacher: the scoring process loads the reference
     and scores every group; the learner's KL to it starts at 0 and grows."""
-    records = _rl_records(tmp_path, "p", "schedule.placement=processes", "schedule.mode=fully_async",
-                          "stages.rollout_processes=1", "stages.scoring_processes=1", "train.steps=6",
-                          "optim.learning_rate=0.003", "estimator.reference_kl_coef=0.5", "estimator.reference_kl=k2")
+    records = _rl_records(
+        tmp_path,
+        "p",
+        "schedule.placement=processes",
+        "schedule.mode=fully_async",
+        "stages.rollout_processes=1",
+        "stages.scoring_processes=1",
+        "train.steps=6",
+        "optim.learning_rate=0.003",
+        "estimator.reference_kl_coef=0.5",
+        "estimator.reference_kl=k2",
+    )
     assert abs(records[0]["reference_kl"]) < 1e-6
     assert max(r["reference_kl"] for r in records[1:]) > 1e-4

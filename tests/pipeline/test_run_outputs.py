@@ -53,8 +53,9 @@ def _file_size_limit(limit: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
-needs_fsize_limit = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                       reason="a file-size limit (RLIMIT_FSIZE) stands in for a full disk (Linux)")
+needs_fsize_limit = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="a file-size limit (RLIMIT_FSIZE) stands in for a full disk (Linux)"
+)
 
 
 @needs_fsize_limit
@@ -75,8 +76,9 @@ def test_the_unfinished_save_of_a_killed_run_is_removed_on_resume(tmp_path):
     directory = (tmp_path / "run" / "checkpoints").resolve()
     # What a run killed in the middle of saving step 5 leaves: Orbax's temporary directory, half
     # written (made here by a save that fails, through Orbax alone, so nothing removes it).
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-        create=True, enable_async_checkpointing=False))
+    manager = ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+    )
     # (TensorStore's write error, a ValueError today: the test needs only what the failure leaves)
     with _file_size_limit(400_000), pytest.raises(Exception):  # noqa: B017
         manager.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(_state())), force=True)

@@ -27,26 +27,32 @@ def _records(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_sync_with_stage_processes_never_drops_a_group_while_a_snapshot_is_written(
-        models, tmp_path, monkeypatch):  # noqa: F811
+def test_sync_with_stage_processes_never_drops_a_group_while_a_snapshot_is_written(models, tmp_path, monkeypatch):  # noqa: F811
     """Each snapshot takes 0.3 s to commit (after the learner moved on): a rollout admitted
     meanwhile must wait for it, not sample the previous version and be dropped as stale."""
     real_save = snapshots_module.save_file
     monkeypatch.setattr(snapshots_module, "save_file", lambda *a, **k: (time.sleep(0.3), real_save(*a, **k))[1])
-    cfg = _config(models, tmp_path, **{"schedule.mode": "sync", "train.steps": 6, "train.checkpoint_every": 100,
-                                       **PLACEMENTS["processes"]})
+    cfg = _config(
+        models,
+        tmp_path,
+        **{"schedule.mode": "sync", "train.steps": 6, "train.checkpoint_every": 100, **PLACEMENTS["processes"]},
+    )
     summary = Trainer(cfg, progress=False).run()
     records = _records(tmp_path / "t")
-    assert summary["dropped_stale"] == 0 and [r["staleness_max"] for r in records] == [0] * 6, \
-        [(r["dropped_stale"], r["staleness_max"]) for r in records]
+    assert summary["dropped_stale"] == 0 and [r["staleness_max"] for r in records] == [0] * 6, [
+        (r["dropped_stale"], r["staleness_max"]) for r in records
+    ]
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_a_learner_that_skips_a_version_stops_the_run_naming_it(models, tmp_path, placement):  # noqa: F811
     """A learner that (wrongly) publishes only every second version would leave a sync run
     waiting forever for version 1; the rollout's wait is bounded and its error names it."""
-    cfg = _config(models, tmp_path, **{"schedule.mode": "sync", "train.steps": 6, "stages.startup_timeout": 15,
-                                       **PLACEMENTS[placement]})
+    cfg = _config(
+        models,
+        tmp_path,
+        **{"schedule.mode": "sync", "train.steps": 6, "stages.startup_timeout": 15, **PLACEMENTS[placement]},
+    )
     trainer = Trainer(cfg, progress=False)
     real_store = trainer._snapshot_store
 
@@ -58,7 +64,9 @@ def test_a_learner_that_skips_a_version_stops_the_run_naming_it(models, tmp_path
 
     trainer._snapshot_store = every_second_version
     # A livelock (rollouts from the old version, dropped, again and again) fails instead of hanging.
-    watchdog = threading.Timer(150, lambda: trainer.stages.buffer.fail(AssertionError("livelock: no error, no progress")))
+    watchdog = threading.Timer(
+        150, lambda: trainer.stages.buffer.fail(AssertionError("livelock: no error, no progress"))
+    )
     watchdog.start()
     start = time.monotonic()
     try:
@@ -75,8 +83,17 @@ def test_a_learner_that_skips_a_version_stops_the_run_naming_it(models, tmp_path
 def test_the_teacher_scores_at_the_scoring_temperature_in_every_placement(models, tmp_path, placement):  # noqa: F811
     """Sampling at 0.7 and scoring at 1.6: the cache of the first batch equals the
     teacher's own scores at 1.6 (and not at 0.7, so the comparison can fail)."""
-    cfg = _config(models, tmp_path, **{"schedule.mode": "sync", "train.steps": 1, "sampling.temperature": 0.7,
-                                       "scoring.temperature": 1.6, **PLACEMENTS[placement]})
+    cfg = _config(
+        models,
+        tmp_path,
+        **{
+            "schedule.mode": "sync",
+            "train.steps": 1,
+            "sampling.temperature": 0.7,
+            "scoring.temperature": 1.6,
+            **PLACEMENTS[placement],
+        },
+    )
     trainer = Trainer(cfg, progress=False)
     taken = []
     real_start = trainer._start_stages
@@ -94,9 +111,13 @@ def test_the_teacher_scores_at_the_scoring_temperature_in_every_placement(models
     for group in taken:
         batch = jax.tree_util.tree_map(np.asarray, group.batch)
         for temperature, equal in ((1.6, True), (0.7, False)):
-            expected = TeacherScorer(teacher, ScoringParams(topk=8, temperature=temperature, chunk_size=64)).score(batch)
+            expected = TeacherScorer(teacher, ScoringParams(topk=8, temperature=temperature, chunk_size=64)).score(
+                batch
+            )
             mask = batch.response_mask
-            close = np.allclose(np.asarray(group.cache.topk_logp)[mask], np.asarray(expected.topk_logp)[mask],
-                                atol=1e-4) and np.allclose(np.asarray(group.cache.token_logp)[mask],
-                                                           np.asarray(expected.token_logp)[mask], atol=1e-4)
+            close = np.allclose(
+                np.asarray(group.cache.topk_logp)[mask], np.asarray(expected.topk_logp)[mask], atol=1e-4
+            ) and np.allclose(
+                np.asarray(group.cache.token_logp)[mask], np.asarray(expected.token_logp)[mask], atol=1e-4
+            )
             assert close == equal, (placement, temperature)

@@ -179,8 +179,13 @@ def test_a_reader_in_another_process_pins_its_snapshot(tmp_path, fmt):
     signals = tmp_path / "signals"
     signals.mkdir()
     repo = Path(__file__).resolve().parents[2]
-    reader = subprocess.Popen([sys.executable, "-c", READER_PROCESS, str(tmp_path / "s"), str(signals), fmt], cwd=repo,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER_PROCESS, str(tmp_path / "s"), str(signals), fmt],
+        cwd=repo,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not (signals / "inside").exists():
         assert reader.poll() is None, reader.stdout.read()

@@ -38,10 +38,21 @@ def _status(field: str) -> int:
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc for memory, files and threads")
 def test_soak(models, tmp_path):  # noqa: F811
     eta = 2
-    cfg = _config(models, tmp_path, **{
-        "schedule.placement": "processes", "schedule.mode": "fully_async", "schedule.max_staleness": eta,
-        "stages.rollout_processes": 2, "stages.restarts": 10_000, "train.steps": STEPS,
-        "train.checkpoint_every": max(STEPS // 20, 10), "train.eval_every": 10 * STEPS, "task.eval_prompts": 8})
+    cfg = _config(
+        models,
+        tmp_path,
+        **{
+            "schedule.placement": "processes",
+            "schedule.mode": "fully_async",
+            "schedule.max_staleness": eta,
+            "stages.rollout_processes": 2,
+            "stages.restarts": 10_000,
+            "train.steps": STEPS,
+            "train.checkpoint_every": max(STEPS // 20, 10),
+            "train.eval_every": 10 * STEPS,
+            "task.eval_prompts": 8,
+        },
+    )
     trainer = Trainer(cfg, progress=False)
     samples: list[tuple[int, int, int, int]] = []  # (step, RSS kB, open files, threads)
     kills: list[float] = []
@@ -83,7 +94,7 @@ def test_soak(models, tmp_path):  # noqa: F811
     # half is compared with the fastest of the first.
     short = max(STEPS // 40, 25)
     rates = [short / (t[a + short] - t[a]) for a in range(WINDOW, len(t) - short, short)]
-    early, late = rates[: len(rates) // 2], rates[len(rates) // 2:]
+    early, late = rates[: len(rates) // 2], rates[len(rates) // 2 :]
     # After compilation and warm-up, before the end of the run (its final checkpoint,
     # evaluation and saved student allocate once, not per step).
     warm = [s for s in samples if WINDOW <= s[0] < STEPS] or samples
@@ -95,14 +106,16 @@ def test_soak(models, tmp_path):  # noqa: F811
     # allocator still holds between heap trims (pipeline/heap.py) is noise around it
     late_steps, late_rss = np.array([s[0] for s in warm[half:]]), np.array(rss[half:])
     slope_kb = float(np.polyfit(late_steps, late_rss, 1)[0] * 1024)
-    print(f"\nsoak: {STEPS} steps in {seconds:.0f} s, {len(kills)} rollout processes killed; RSS from step "
-          f"{warm[0][0]} to {warm[-1][0]} at tenths of the run {' → '.join(f'{x:.0f}' for x in tenths)} MiB "
-          f"(second half trend {slope_kb:+.2f} KB/step); staleness max "
-          f"{worst} (η = {eta}); steps/s: first {WINDOW} {WINDOW / (t[WINDOW] - t[0]):.1f} (compilation "
-          f"included), last {WINDOW} {WINDOW / (t[-1] - t[-1 - WINDOW]):.1f}; {short}-step windows after the "
-          f"warm-up: first half median {np.median(early):.1f} best {max(early):.1f}, second half median "
-          f"{np.median(late):.1f} best {max(late):.1f}; open files {min(files)}–{max(files)}; threads "
-          f"{min(threads)}–{max(threads)}")
+    print(
+        f"\nsoak: {STEPS} steps in {seconds:.0f} s, {len(kills)} rollout processes killed; RSS from step "
+        f"{warm[0][0]} to {warm[-1][0]} at tenths of the run {' → '.join(f'{x:.0f}' for x in tenths)} MiB "
+        f"(second half trend {slope_kb:+.2f} KB/step); staleness max "
+        f"{worst} (η = {eta}); steps/s: first {WINDOW} {WINDOW / (t[WINDOW] - t[0]):.1f} (compilation "
+        f"included), last {WINDOW} {WINDOW / (t[-1] - t[-1 - WINDOW]):.1f}; {short}-step windows after the "
+        f"warm-up: first half median {np.median(early):.1f} best {max(early):.1f}, second half median "
+        f"{np.median(late):.1f} best {max(late):.1f}; open files {min(files)}–{max(files)}; threads "
+        f"{min(threads)}–{max(threads)}"
+    )
     assert worst <= eta
     assert kills, "no rollout process was killed"
     assert max(rss[half:]) <= 1.05 * rss[0] + 32, tenths  # flat: no per-step growth

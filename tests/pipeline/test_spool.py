@@ -120,16 +120,21 @@ def test_a_rollout_group_round_trips_exactly(tmp_path):
     rng = np.random.default_rng(0)
     B, T, N, K = 3, 5, 2, 4
     batch = RolloutBatch(
-        prompt_tokens=rng.integers(0, 9, (B, 4)).astype(np.int32), prompt_mask=np.ones((B, 4), bool),
-        response_tokens=rng.integers(0, 9, (B, T)).astype(np.int32), response_mask=rng.random((B, T)) < 0.8,
-        behavior_logp=rng.normal(size=(B, T)).astype(np.float32), token_version=rng.integers(3, 6, (B, T)).astype(np.int32),
+        prompt_tokens=rng.integers(0, 9, (B, 4)).astype(np.int32),
+        prompt_mask=np.ones((B, 4), bool),
+        response_tokens=rng.integers(0, 9, (B, T)).astype(np.int32),
+        response_mask=rng.random((B, T)) < 0.8,
+        behavior_logp=rng.normal(size=(B, T)).astype(np.float32),
+        token_version=rng.integers(3, 6, (B, T)).astype(np.int32),
         candidate_ids=rng.integers(0, 9, (B, T, N)).astype(np.int32),
         candidate_behavior_logp=rng.normal(size=(B, T, N)).astype(np.float32),
     )
-    cache = TeacherScoreCache(token_logp=rng.normal(size=(B, T)).astype(np.float32),
-                              candidate_logp=rng.normal(size=(B, T, N)).astype(np.float32),
-                              topk_ids=rng.integers(0, 9, (B, T, K)).astype(np.int32),
-                              topk_logp=rng.normal(size=(B, T, K)).astype(np.float32))
+    cache = TeacherScoreCache(
+        token_logp=rng.normal(size=(B, T)).astype(np.float32),
+        candidate_logp=rng.normal(size=(B, T, N)).astype(np.float32),
+        topk_ids=rng.integers(0, 9, (B, T, K)).astype(np.int32),
+        topk_logp=rng.normal(size=(B, T, K)).astype(np.float32),
+    )
     group = RolloutGroup(batch, cache, 3, 5, {"rewards": np.array([1.0, 0.0, 1.0], np.float32)})
     spool = Spool(tmp_path)
     spool.put("g", group_to_record(group, index=41))

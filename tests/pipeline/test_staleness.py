@@ -56,8 +56,11 @@ def test_random_schedules_obey_the_capacity_rule_and_the_staleness_bound(eta, mi
     @settings(max_examples=40, deadline=None, database=None)
     @given(
         groups_per_batch=st.sampled_from([1, 2, 3]),
-        actions=st.lists(st.tuples(st.sampled_from(["start", "finish", "learn", "swap"]), st.integers(0, 7)),
-                         min_size=100, max_size=400),
+        actions=st.lists(
+            st.tuples(st.sampled_from(["start", "finish", "learn", "swap"]), st.integers(0, 7)),
+            min_size=100,
+            max_size=400,
+        ),
     )
     def run(groups_per_batch, actions):
         group, batch = 2, 2 * groups_per_batch
@@ -70,8 +73,9 @@ def test_random_schedules_obey_the_capacity_rule_and_the_staleness_bound(eta, mi
         for action, pick in actions:
             if action == "start":
                 in_flight = started - dropped
-                if allowed_to_start(in_flight, group, eta=eta, mini_batches=mini_batches, consumed=consumed,
-                                    batch=batch):
+                if allowed_to_start(
+                    in_flight, group, eta=eta, mini_batches=mini_batches, consumed=consumed, batch=batch
+                ):
                     buf.acquire(group, timeout=0)
                     started += group
                     running.append([published, published])
@@ -216,11 +220,14 @@ def test_release_gives_capacity_back_and_wakes_a_waiting_producer():
         buf.acquire(1, timeout=0)
 
 
-@pytest.mark.parametrize("eta,mini_batches,first_version,expected", [
-    (0, 1, 0, [0, 1, 2, 3]),  # sync: exactly the version the learner is at
-    (2, 1, 0, [0, 0, 0, 1]),  # η = 2: up to two versions back
-    (2, 2, 10, [8, 10, 12, 14]),  # two steps per batch, after a resume at version 10
-])
+@pytest.mark.parametrize(
+    "eta,mini_batches,first_version,expected",
+    [
+        (0, 1, 0, [0, 1, 2, 3]),  # sync: exactly the version the learner is at
+        (2, 1, 0, [0, 0, 0, 1]),  # η = 2: up to two versions back
+        (2, 2, 10, [8, 10, 12, 14]),  # two steps per batch, after a resume at version 10
+    ],
+)
 def test_acquire_names_the_oldest_version_a_rollout_may_start_from(eta, mini_batches, first_version, expected):
     """A group admitted after c consumed batches is trained at version v₀ + c·M or later,
     so it may start from v₀ + c·M − η or newer (never older: it would be dropped)."""

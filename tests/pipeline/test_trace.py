@@ -61,13 +61,18 @@ def test_write_merges_other_processes_and_names_what_was_dropped(tmp_path, monke
     _record(rollout, ["rollout", "score"], monkeypatch)
     rollout.dump(tmp_path / "rollout0.json")
     (tmp_path / "torn.json").write_text('{"events": [')  # a process killed mid-write is skipped
-    learner.write(tmp_path / "trace.json", others=[tmp_path / "rollout0.json", tmp_path / "torn.json",
-                                                    tmp_path / "missing.json"])
+    learner.write(
+        tmp_path / "trace.json", others=[tmp_path / "rollout0.json", tmp_path / "torn.json", tmp_path / "missing.json"]
+    )
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert trace["otherData"]["dropped_spans"] == {"learner": 1, "rollout0": 0}
     spans = load_spans(tmp_path / "trace.json")
     assert sorted((s["process"], s["name"]) for s in spans) == [
-        ("learner", "learn"), ("learner", "learn"), ("rollout0", "rollout"), ("rollout0", "score")]
+        ("learner", "learn"),
+        ("learner", "learn"),
+        ("rollout0", "rollout"),
+        ("rollout0", "score"),
+    ]
     assert all(s["seconds"] == pytest.approx(0.5) for s in spans)
 
 

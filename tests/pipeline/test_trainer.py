@@ -28,11 +28,24 @@ def models(tmp_path_factory):
 
 def _config(models, tmp_path, **sets):
     overrides = {
-        "name": "t", "output_dir": str(tmp_path), "student.path": str(models / "student"),
-        "teacher.path": "builtin:teacher", "task.eval_prompts": 16, "sampling.max_new_tokens": 12,
-        "sampling.num_candidates": 4, "sampling.chunk_steps": 4, "learner.batch_size": 8,
-        "learner.mesh": "{data: 1, fsdp: 1}", "optim.learning_rate": 0.01, "estimator.name": "forward_kl_topk", "scoring.topk": 8, "optim.warmup_steps": 0,
-        "optim.schedule": "constant", "train.steps": 12, "train.eval_every": 100, "train.checkpoint_every": 4,
+        "name": "t",
+        "output_dir": str(tmp_path),
+        "student.path": str(models / "student"),
+        "teacher.path": "builtin:teacher",
+        "task.eval_prompts": 16,
+        "sampling.max_new_tokens": 12,
+        "sampling.num_candidates": 4,
+        "sampling.chunk_steps": 4,
+        "learner.batch_size": 8,
+        "learner.mesh": "{data: 1, fsdp: 1}",
+        "optim.learning_rate": 0.01,
+        "estimator.name": "forward_kl_topk",
+        "scoring.topk": 8,
+        "optim.warmup_steps": 0,
+        "optim.schedule": "constant",
+        "train.steps": 12,
+        "train.eval_every": 100,
+        "train.checkpoint_every": 4,
         **sets,
     }
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
@@ -45,11 +58,14 @@ def _kl_start_end(records, k=4):
     return kl[0], np.mean(kl[-k:])
 
 
-@pytest.mark.parametrize("mode,extra", [
-    ("sync", {}),
-    ("n_step_off", {"schedule.n_step": 1}),
-    ("fully_async", {"schedule.max_staleness": 2, "schedule.rollout_workers": 2}),
-])
+@pytest.mark.parametrize(
+    "mode,extra",
+    [
+        ("sync", {}),
+        ("n_step_off", {"schedule.n_step": 1}),
+        ("fully_async", {"schedule.max_staleness": 2, "schedule.rollout_workers": 2}),
+    ],
+)
 def test_every_schedule_reduces_the_kl_to_the_teacher(models, tmp_path, mode, extra):
     cfg = _config(models, tmp_path, **{"schedule.mode": mode, **extra})
     summary = Trainer(cfg, progress=False).run()
@@ -109,8 +125,10 @@ def test_resume_after_a_crash_continues_without_loss_or_repetition(models, tmp_p
     moments = [x for x in jax.tree_util.tree_leaves(state.opt_state) if np.ndim(x) == 2]
     assert moments and all(np.abs(m).max() > 0 for m in moments)  # Adam's moments after 4 steps
     fresh = jax.device_get(Trainer(_config(models, tmp_path, name="fresh"), progress=False).state)
-    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(fresh.params),
-                                                          jax.tree_util.tree_leaves(restored.params)))
+    assert not all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree_util.tree_leaves(fresh.params), jax.tree_util.tree_leaves(restored.params))
+    )
     assert meta["worker_index"] >= 4  # one rollout group per batch: at least 4 started before step 4
     assert resumed.worker_index == meta["worker_index"]
     summary = resumed.run()
@@ -136,9 +154,17 @@ def test_a_crashing_worker_stops_the_run_cleanly(models, tmp_path):
 def _params_after_one_step(models, tmp_path, name, probe=None):
     """Train one deterministic (fixed_lag) step; with ``probe``, EffOPD extrapolation is on
     and ``probe`` replaces its score. Returns (the trainer after the run, its first record)."""
-    cfg = _config(models, tmp_path, **{"name": name, "schedule.mode": "fixed_lag", "train.steps": 1,
-                                       "learner.extrapolation.enabled": probe is not None,
-                                       "learner.extrapolation.probe_prompts": 4})
+    cfg = _config(
+        models,
+        tmp_path,
+        **{
+            "name": name,
+            "schedule.mode": "fixed_lag",
+            "train.steps": 1,
+            "learner.extrapolation.enabled": probe is not None,
+            "learner.extrapolation.probe_prompts": 4,
+        },
+    )
     trainer = Trainer(cfg, progress=False)
     if probe is not None:
         trainer.probes.extrapolation_probe = probe
@@ -159,8 +185,11 @@ def test_extrapolation_in_the_learner_accepts_what_helps_and_rolls_back_exactly_
     plain, _ = _params_after_one_step(models, tmp_path, "plain")
     theta0 = _leaves(Trainer(_config(models, tmp_path, name="init"), progress=False).state.params)
     theta1 = _leaves(plain.state.params)
-    moved = {k for k in theta0 if any(p in k for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                        "up_proj", "down_proj"))}
+    moved = {
+        k
+        for k in theta0
+        if any(p in k for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    }
     assert moved and moved != set(theta0)
 
     def distance_from_start(params):  # strictly larger for every factor: must accept them all
@@ -171,7 +200,9 @@ def test_extrapolation_in_the_learner_accepts_what_helps_and_rolls_back_exactly_
     for k, v in _leaves(further.state.params).items():
         want = theta0[k] + 11 * (theta1[k] - theta0[k]) if k in moved else theta1[k]
         np.testing.assert_allclose(v, want, rtol=1e-5, atol=1e-6, err_msg=k)
-    for a, b in zip(jax.tree_util.tree_leaves(further.state.opt_state), jax.tree_util.tree_leaves(plain.state.opt_state)):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(further.state.opt_state), jax.tree_util.tree_leaves(plain.state.opt_state)
+    ):
         np.testing.assert_array_equal(a, b)
 
     rejected, record = _params_after_one_step(models, tmp_path, "rejected", lambda params: 0.5)
@@ -181,9 +212,18 @@ def test_extrapolation_in_the_learner_accepts_what_helps_and_rolls_back_exactly_
 
 
 def test_extrapolation_with_the_real_probe_logs_every_jump_and_the_update_geometry(models, tmp_path):
-    cfg = _config(models, tmp_path, **{"schedule.mode": "sync", "train.steps": 5,
-                                       "learner.extrapolation.enabled": True, "learner.extrapolation.probe_prompts": 8,
-                                       "learner.extrapolation.factors": "[3, 5]", "train.update_geometry_every": 2})
+    cfg = _config(
+        models,
+        tmp_path,
+        **{
+            "schedule.mode": "sync",
+            "train.steps": 5,
+            "learner.extrapolation.enabled": True,
+            "learner.extrapolation.probe_prompts": 8,
+            "learner.extrapolation.factors": "[3, 5]",
+            "train.update_geometry_every": 2,
+        },
+    )
     Trainer(cfg, progress=False).run()
     records = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     jumps = {r["step"]: r for r in records if "extrapolation_factor" in r}

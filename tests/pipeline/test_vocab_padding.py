@@ -58,24 +58,39 @@ def test_the_padded_model_differs_unless_narrowed(models):
     base, big = from_pretrained(models / "base"), from_pretrained(models / "padded")
     ids = jnp.array([[1, 5, 7, 9, 4]])
     wide = jax.nn.softmax(big(ids), axis=-1)
-    assert float(wide[..., base.config.vocab_size:].sum(-1).min()) > 0.5
+    assert float(wide[..., base.config.vocab_size :].sum(-1).min()) > 0.5
     big.vocab_limit = base.config.vocab_size
     assert jnp.allclose(jax.nn.log_softmax(big(ids)), jax.nn.log_softmax(base(ids)), atol=1e-5)
 
 
-@pytest.mark.parametrize("padded_side,placement", [
-    ("teacher", "threads"),    # the trainer's own teacher scores
-    ("teacher", "processes"),  # a scoring process loads the teacher
-    ("student", "processes"),  # a rollout process samples, the trainer's learner trains
-])
+@pytest.mark.parametrize(
+    "padded_side,placement",
+    [
+        ("teacher", "threads"),  # the trainer's own teacher scores
+        ("teacher", "processes"),  # a scoring process loads the teacher
+        ("student", "processes"),  # a rollout process samples, the trainer's learner trains
+    ],
+)
 def test_models_padded_differently_are_compared_over_the_ids_they_share(models, tmp_path, padded_side, placement):
     student, teacher = ("padded", "base") if padded_side == "student" else ("base", "padded")
     sets = {
-        "name": "v", "output_dir": tmp_path, "student.path": models / student, "teacher.path": models / teacher,
-        "task.eval_prompts": 8, "sampling.max_new_tokens": 8, "sampling.num_candidates": 4, "learner.batch_size": 8,
-        "learner.mesh": "{data: 1, fsdp: 1}", "estimator.name": "reverse_kl_mc", "schedule.mode": "sync",
-        "schedule.placement": placement, "optim.warmup_steps": 0, "train.steps": 1, "train.eval_every": 100,
-        "stages.rollout_processes": 1, "stages.scoring_processes": 1 if placement == "processes" else 0,
+        "name": "v",
+        "output_dir": tmp_path,
+        "student.path": models / student,
+        "teacher.path": models / teacher,
+        "task.eval_prompts": 8,
+        "sampling.max_new_tokens": 8,
+        "sampling.num_candidates": 4,
+        "learner.batch_size": 8,
+        "learner.mesh": "{data: 1, fsdp: 1}",
+        "estimator.name": "reverse_kl_mc",
+        "schedule.mode": "sync",
+        "schedule.placement": placement,
+        "optim.warmup_steps": 0,
+        "train.steps": 1,
+        "train.eval_every": 100,
+        "stages.rollout_processes": 1,
+        "stages.scoring_processes": 1 if placement == "processes" else 0,
     }
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
     trainer = Trainer(cfg, progress=False)

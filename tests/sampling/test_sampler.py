@@ -84,7 +84,9 @@ def test_stop_tokens_end_responses_and_the_loop_exits_early():
     free = _sample(model, SamplingParams(temperature=0.0, max_new_tokens=12))
     stop = int(free.response_tokens[0, 3])  # a token row 0 emits at step 3 under greedy decoding
     graphdef, state = nnx.split(model)
-    sampler = Sampler(graphdef, SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop,), chunk_steps=4))
+    sampler = Sampler(
+        graphdef, SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop,), chunk_steps=4)
+    )
     batch = sampler.generate(state, PROMPTS, jax.random.key(0))
     tokens, mask = np.asarray(batch.response_tokens), np.asarray(batch.response_mask)
     for row in range(len(PROMPTS)):
@@ -155,7 +157,7 @@ def test_top_k_top_p_truncation():
     forced = teacher_forced_logits(model, batch)
     want = np.asarray(sampling_logprobs(jnp.asarray(forced), params))
     tokens = np.asarray(batch.response_tokens)
-    rank = (np.argsort(np.argsort(-forced, -1), -1))
+    rank = np.argsort(np.argsort(-forced, -1), -1)
     assert (np.take_along_axis(rank, tokens[..., None], -1) < 5).all()
     np.testing.assert_allclose(batch.behavior_logp, np.take_along_axis(want, tokens[..., None], -1)[..., 0], atol=2e-5)
     # The truncated distribution is normalised and keeps at most 5 ids.

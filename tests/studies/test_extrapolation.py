@@ -9,13 +9,15 @@ import pytest
 from asyncopd_jax.studies import extrapolation
 from asyncopd_jax.studies.extrapolation import KINDS, _verdict, curve, geometry_by_kind, to_target
 
-RESULT = {"records": [
-    {"step": 1, "time": 5.0},
-    {"step": 2, "time": 6.0, "eval_accuracy": 0.2, "eval_seconds": 2.0},
-    {"step": 3, "time": 9.0},
-    {"step": 4, "time": 10.0, "eval_accuracy": 0.6, "eval_seconds": 2.0},
-    {"step": 6, "time": 14.0, "eval_accuracy": 0.5, "eval_seconds": 2.0},
-]}
+RESULT = {
+    "records": [
+        {"step": 1, "time": 5.0},
+        {"step": 2, "time": 6.0, "eval_accuracy": 0.2, "eval_seconds": 2.0},
+        {"step": 3, "time": 9.0},
+        {"step": 4, "time": 10.0, "eval_accuracy": 0.6, "eval_seconds": 2.0},
+        {"step": 6, "time": 14.0, "eval_accuracy": 0.5, "eval_seconds": 2.0},
+    ]
+}
 
 
 def test_training_seconds_leave_out_the_evaluations_before_each_step():
@@ -33,21 +35,32 @@ def test_the_first_evaluation_at_or_above_the_target_counts():
 def test_geometry_is_averaged_over_layers_per_kind_and_skips_undefined_values():
     def geometry(norm, align):
         return {f"layers.{layer}.mlp.up_proj": [norm * (layer + 1), 0.5, align] for layer in range(2)} | {
-            "layers.0.self_attn.q_proj": [1.0, 0.25, align]}
+            "layers.0.self_attn.q_proj": [1.0, 0.25, align]
+        }
 
-    g = geometry_by_kind({"records": [{"step": 5, "update_geometry": geometry(0.1, None)}, {"step": 7},
-                                      {"step": 9, "update_geometry": geometry(0.2, 0.8)}]})
+    g = geometry_by_kind(
+        {
+            "records": [
+                {"step": 5, "update_geometry": geometry(0.1, None)},
+                {"step": 7},
+                {"step": 9, "update_geometry": geometry(0.2, 0.8)},
+            ]
+        }
+    )
     assert g["steps"].tolist() == [5, 9]
     np.testing.assert_allclose(g["up_proj"], [[0.15, 0.5, np.nan], [0.3, 0.5, 0.8]])
     np.testing.assert_allclose(g["q_proj"][1], [1.0, 0.25, 0.8])
     assert np.isnan(g["down_proj"]).all()
 
 
-@pytest.mark.parametrize("speedups,claim", [
-    ([3.0, 2.5, 2.0], "reproduced (3.00×, 2.50×, 2.00× across seeds)"),
-    ([3.0, 1.0, 1.0], "partly reproduced"),
-    ([1.0, 1.1, 0.9], "not reproduced"),
-])
+@pytest.mark.parametrize(
+    "speedups,claim",
+    [
+        ([3.0, 2.5, 2.0], "reproduced (3.00×, 2.50×, 2.00× across seeds)"),
+        ([3.0, 1.0, 1.0], "partly reproduced"),
+        ([1.0, 1.1, 0.9], "not reproduced"),
+    ],
+)
 def test_the_verdict_follows_the_speedups(speedups, claim):
     final = {kind: np.array([[0.3 if kind in KINDS[4:] else 0.1, 0.6, 0.9]]) for kind in KINDS}
     text = _verdict({"accuracy probe": speedups}, final)

@@ -25,9 +25,19 @@ def test_the_exact_arm_trains_every_step_on_answers_exactly_eta_versions_old():
 
 
 def test_summarise_reads_reward_staleness_and_training_seconds():
-    records = [{"step": s, "rollout_accuracy": s / 10, "staleness_mean": s % 3, "staleness_max": s % 4,
-                "importance_ratio_max": 1 + s, "zero_grad_fraction": 0.1, "time": 2.0 * s} for s in range(1, 21)]
-    records[9]["eval_seconds"] = 3.0   # an evaluation after step 10: inside the later "time"s
+    records = [
+        {
+            "step": s,
+            "rollout_accuracy": s / 10,
+            "staleness_mean": s % 3,
+            "staleness_max": s % 4,
+            "importance_ratio_max": 1 + s,
+            "zero_grad_fraction": 0.1,
+            "time": 2.0 * s,
+        }
+        for s in range(1, 21)
+    ]
+    records[9]["eval_seconds"] = 3.0  # an evaluation after step 10: inside the later "time"s
     records[19]["eval_seconds"] = 4.0  # after the last step: not inside any
     s = summarise({"records": records, "summary": {"student_after": 0.7}})
     assert s["accuracy"] == 0.7 and s["reward"] == pytest.approx(1.95)  # the last 2 of 20 steps
@@ -36,22 +46,34 @@ def test_summarise_reads_reward_staleness_and_training_seconds():
 
 
 def _summary(accuracy, staleness_mean=0.5):
-    return {(sch, o, eta, seed): {"accuracy": accuracy(sch, o, eta) + 0.02 * seed, "staleness_mean": staleness_mean,
-                                  "ratio_max": 2.0, "zero_grad": 0.1}
-            for sch, eta in _arms(FULL) for o in OBJECTIVES for seed in range(3)}
+    return {
+        (sch, o, eta, seed): {
+            "accuracy": accuracy(sch, o, eta) + 0.02 * seed,
+            "staleness_mean": staleness_mean,
+            "ratio_max": 2.0,
+            "zero_grad": 0.1,
+        }
+        for sch, eta in _arms(FULL)
+        for o in OBJECTIVES
+        for seed in range(3)
+    }
 
 
-@pytest.mark.parametrize("naive_drop,decoupled_drop,verdict", [
-    (0.2, 0.0, "reproduced (naive"),
-    (0.01, 0.0, "partly reproduced"),
-    (0.0, 0.1, "not reproduced"),
-    (0.2, 0.2, "not reproduced"),  # both lose alike: staleness hurts, but not naive PPO more
-])
+@pytest.mark.parametrize(
+    "naive_drop,decoupled_drop,verdict",
+    [
+        (0.2, 0.0, "reproduced (naive"),
+        (0.01, 0.0, "partly reproduced"),
+        (0.0, 0.1, "not reproduced"),
+        (0.2, 0.2, "not reproduced"),  # both lose alike: staleness hurts, but not naive PPO more
+    ],
+)
 @pytest.mark.parametrize("schedule", [BOUND, EXACT])
 def test_the_verdict_follows_the_drops_of_each_arm(naive_drop, decoupled_drop, verdict, schedule):
     def accuracy(sch, objective, eta):
         drop = naive_drop if objective == "ppo_clip" else decoupled_drop
         return 0.7 - (drop if eta >= 4 and sch == schedule else 0.0)
+
     text = _verdict(_summary(accuracy), FULL, seeds=3)
     other = EXACT if schedule == BOUND else BOUND
     this_arm = text.split(f"**{schedule} η**")[1].split("**")[0]
@@ -64,6 +86,7 @@ def test_the_verdict_follows_the_drops_of_each_arm(naive_drop, decoupled_drop, v
 def test_the_verdict_says_when_the_bound_never_binds():
     def flat(sch, objective, eta):
         return 0.7
+
     assert "never gets far ahead" in _verdict(_summary(flat, staleness_mean=0.4), FULL, seeds=3)
     assert "never gets far ahead" not in _verdict(_summary(flat, staleness_mean=3.0), FULL, seeds=3)
 

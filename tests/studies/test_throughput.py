@@ -30,8 +30,15 @@ EVEN = Lengths(mean=L, sigma=0.0, cap=100)  # every answer exactly L tokens
 
 
 def _costs(decode=0.01, score=1e-3, learn=2e-3, publish=0.005) -> StageCosts:
-    return StageCosts(decode_step_s=decode, score_token_s=score, learn_token_s=learn, publish_s=publish, rows=B,
-                      mean_length=L, longest_over_mean=1.0)
+    return StageCosts(
+        decode_step_s=decode,
+        score_token_s=score,
+        learn_token_s=learn,
+        publish_s=publish,
+        rows=B,
+        mean_length=L,
+        longest_over_mean=1.0,
+    )
 
 
 def test_sync_is_generate_then_score_and_learn_on_every_device():
@@ -75,8 +82,9 @@ def test_long_tails_hurt_whole_batch_generation_more_than_continuous():
 def test_fit_lengths_recovers_the_spread():
     rng = np.random.default_rng(1)
     x = Lengths(mean=20.0, sigma=0.4, cap=1e9).draw(rng, 4000 * 16).reshape(4000, 16).astype(float)
-    costs = StageCosts(0.0, 0.0, 0.0, 0.0, rows=16, mean_length=20.0,
-                       longest_over_mean=float(np.mean(x.max(1) / x.mean(1))))
+    costs = StageCosts(
+        0.0, 0.0, 0.0, 0.0, rows=16, mean_length=20.0, longest_over_mean=float(np.mean(x.max(1) / x.mean(1)))
+    )
     assert fit_lengths(costs, cap=1e9).sigma == pytest.approx(0.4, abs=0.03)
 
 
@@ -107,18 +115,24 @@ def test_stage_costs_and_rate_from_a_trace_and_metrics(tmp_path, monkeypatch):
     assert c.publish_s == pytest.approx(0.1)
     assert (c.rows, c.mean_length) == (4, 4.0)
     assert c.longest_over_mean == pytest.approx((6 / 5 + 4 / 3) / 2)
-    records = [{"samples_per_s": 10.0, "time": 1.0, "trace_s": 5.0},
-               {"samples_per_s": 10.0, "time": 2.0, "trace_s": 6.0},
-               {"samples_per_s": 12.0, "time": 4.0, "trace_s": 7.0}]
+    records = [
+        {"samples_per_s": 10.0, "time": 1.0, "trace_s": 5.0},
+        {"samples_per_s": 10.0, "time": 2.0, "trace_s": 6.0},
+        {"samples_per_s": 12.0, "time": 4.0, "trace_s": 7.0},
+    ]
     assert measured_rate(records, skip=2) == pytest.approx((48 - 20) / 1.0)
 
 
 def _measured(rates: dict[str, list[float]], balance="small batch (B = 16)"):
     """QUICK's modes at one balance with per-round ``rates``; sync's costs differ per round."""
-    return {(balance, mode, placement): {"rates": rates[mode], "sets": [f"schedule.mode={mode}"],
-                                         "costs": [_costs(decode=0.01 * (r + 1)) for r in range(len(rates[mode]))]
-                                         if mode == "sync" else []}
-            for mode, placement in QUICK.modes}
+    return {
+        (balance, mode, placement): {
+            "rates": rates[mode],
+            "sets": [f"schedule.mode={mode}"],
+            "costs": [_costs(decode=0.01 * (r + 1)) for r in range(len(rates[mode]))] if mode == "sync" else [],
+        }
+        for mode, placement in QUICK.modes
+    }
 
 
 def test_ratios_are_taken_within_a_round_and_the_calibration_is_the_median_round():
@@ -127,16 +141,27 @@ def test_ratios_are_taken_within_a_round_and_the_calibration_is_the_median_round
     assert _calibration(measured, "small batch (B = 16)").decode_step_s == pytest.approx(0.03)  # 80: round 2
 
 
-@pytest.mark.parametrize("async_rate,builtin,tail,verdict", [
-    (200.0, 2.0, 3.0, "reproduced: every measured and simulated case is in AsyncOPD's range"),
-    (110.0, 1.0, 1.2, "not reproduced: no measured or simulated case reaches AsyncOPD's range"),
-    (110.0, 1.0, 3.0, "partly reproduced: in AsyncOPD's range only 2 of 5 cases (simulated long-tailed answers, "
-                      "D = 2; simulated long-tailed answers, D = 4)"),
-])
+@pytest.mark.parametrize(
+    "async_rate,builtin,tail,verdict",
+    [
+        (200.0, 2.0, 3.0, "reproduced: every measured and simulated case is in AsyncOPD's range"),
+        (110.0, 1.0, 1.2, "not reproduced: no measured or simulated case reaches AsyncOPD's range"),
+        (
+            110.0,
+            1.0,
+            3.0,
+            "partly reproduced: in AsyncOPD's range only 2 of 5 cases (simulated long-tailed answers, "
+            "D = 2; simulated long-tailed answers, D = 4)",
+        ),
+    ],
+)
 def test_the_speed_up_verdict_names_the_cases_in_the_published_range(async_rate, builtin, tail, verdict):
     measured = _measured({"sync": [100.0], "fully_async": [async_rate]})
-    simulated = {(shape, d): (1.0, 1.0, speedup) for d in QUICK.devices
-                 for shape, speedup in (("builtin", builtin), ("long_tail", tail))}
+    simulated = {
+        (shape, d): (1.0, 1.0, speedup)
+        for d in QUICK.devices
+        for shape, speedup in (("builtin", builtin), ("long_tail", tail))
+    }
     text = _verdict(measured, simulated, QUICK)
     assert text.endswith(f"Verdict on AsyncOPD's speed-up: {verdict}."), text
 

@@ -25,13 +25,19 @@ RESULT = {
 
 def test_a_ledger_line_reads_back_as_the_records_it_keeps():
     line = compact("run-a", RESULT)
-    assert line["columns"] == {"step": [1, 2], "loss": [1.235, -0.0001235], "grad_norm": [2.0, 0.0],
-                               "probe_reverse_kl": {"at": [0], "values": [0.1235]}}
+    assert line["columns"] == {
+        "step": [1, 2],
+        "loss": [1.235, -0.0001235],
+        "grad_norm": [2.0, 0.0],
+        "probe_reverse_kl": {"at": [0], "values": [0.1235]},
+    }
     back = expand(json.loads(json.dumps(line)))
     assert back["sets"] == RESULT["sets"] and back["summary"] == RESULT["summary"] and back["error"] is None
     # steps without a probe have no probe key (as in metrics.jsonl); keys outside the ledger are gone
-    assert back["records"] == [{"step": 1, "loss": 1.235, "grad_norm": 2.0, "probe_reverse_kl": 0.1235},
-                               {"step": 2, "loss": -0.0001235, "grad_norm": 0.0}]
+    assert back["records"] == [
+        {"step": 1, "loss": 1.235, "grad_norm": 2.0, "probe_reverse_kl": 0.1235},
+        {"step": 2, "loss": -0.0001235, "grad_norm": 0.0},
+    ]
 
 
 def fake_train(work: Path, name: str, sets: list[str]) -> tuple[dict, float]:
@@ -89,23 +95,33 @@ def test_a_run_another_study_holds_with_the_same_settings_is_copied_not_trained(
     other = tmp_path / "other.jsonl"
     run_trainings(tmp_path / "w1", other, {1: ("theirs", ["seed=0", "x"])}, train=fake_train)
     ledger = tmp_path / "mine.jsonl"
-    results = run_trainings(tmp_path / "w2", ledger, {("m", 0): ("mine0", ["seed=0", "x"]),
-                                                      ("m", 1): ("mine1", ["seed=1", "x"])},
-                            shared=[other], train=fake_train)
+    results = run_trainings(
+        tmp_path / "w2",
+        ledger,
+        {("m", 0): ("mine0", ["seed=0", "x"]), ("m", 1): ("mine1", ["seed=1", "x"])},
+        shared=[other],
+        train=fake_train,
+    )
     assert [p.name.split(".")[0] for p in (tmp_path / "w2").iterdir()] == ["mine1-x"]  # only the new one trained
     assert set(read_ledger(ledger)) == {"mine0", "mine1"} and results[("m", 0)]["sets"] == ["seed=0", "x"]
 
 
 def test_a_ledger_line_of_the_first_format_still_reads():
     """The first ledger lines kept every column as a full list, None where a step had no value."""
-    old = {"name": "r", "sets": [], "summary": {}, "error": None,
-           "columns": {"step": [1, 2], "probe_reverse_kl": [None, 0.5]}}
+    old = {
+        "name": "r",
+        "sets": [],
+        "summary": {},
+        "error": None,
+        "columns": {"step": [1, 2], "probe_reverse_kl": [None, 0.5]},
+    }
     assert expand(old)["records"] == [{"step": 1}, {"step": 2, "probe_reverse_kl": 0.5}]
 
 
 def test_a_mean_curve_averages_the_seeds_that_logged_at_the_same_steps():
     def run(*pairs):
         return {"records": [{"step": 1, "loss": 0.0}] + [{"step": step, "kl": kl} for step, kl in pairs]}
+
     steps, mean = mean_curve([run((2, 1.0), (4, 3.0)), run((2, 3.0), (4, 5.0)), run((2, 100.0))], "kl")
     assert steps == [2, 4] and mean.tolist() == [2.0, 4.0]  # the third run stopped early: left out
     steps, mean = mean_curve([run(), run()], "kl")

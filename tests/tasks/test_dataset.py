@@ -15,10 +15,14 @@ def _jsonl(path, rows):
 
 
 def test_prompts_and_answers_are_read_with_their_rows(tmp_path):
-    path = _jsonl(tmp_path / "d.jsonl", [{"q": "1+1?", "a": 2}, "", {"q": "Name?", "a": "Ada", "x": 1},
-                                         {"q": "No answer"}])
-    assert read_examples(path, "q", "a") == [Example("1+1?", "2", 1), Example("Name?", "Ada", 3),
-                                             Example("No answer", None, 4)]
+    path = _jsonl(
+        tmp_path / "d.jsonl", [{"q": "1+1?", "a": 2}, "", {"q": "Name?", "a": "Ada", "x": 1}, {"q": "No answer"}]
+    )
+    assert read_examples(path, "q", "a") == [
+        Example("1+1?", "2", 1),
+        Example("Name?", "Ada", 3),
+        Example("No answer", None, 4),
+    ]
     assert [e.answer for e in read_examples(path, "q")] == [None, None, None]
 
 
@@ -32,12 +36,17 @@ def test_missing_fields_name_the_rows_and_what_the_rows_have(tmp_path):
     path = _jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(DatasetError) as err:
         read_examples(path, "question")
-    assert str(err.value) == (f"{path}: rows 1, 4 have no field 'question' (task.prompt_field); "
-                              "row 1 has: problem, solution")
+    assert str(err.value) == (
+        f"{path}: rows 1, 4 have no field 'question' (task.prompt_field); row 1 has: problem, solution"
+    )
     # RL needs answers: a row without one is named
     with pytest.raises(DatasetError, match=r"row 1 has no field 'answer' \(task.answer_field\)"):
-        read_examples(_jsonl(tmp_path / "e.jsonl", [{"question": "q"}, {"question": "r", "answer": 2}]),
-                      "question", "answer", require_answers=True)
+        read_examples(
+            _jsonl(tmp_path / "e.jsonl", [{"question": "q"}, {"question": "r", "answer": 2}]),
+            "question",
+            "answer",
+            require_answers=True,
+        )
     with pytest.raises(DatasetError, match="task.answer_field must name the reference answers"):
         read_examples(path, "problem", None, require_answers=True)
 

@@ -22,8 +22,10 @@ def test_every_invalid_json_row_is_named_not_just_the_first(tmp_path):
     path = _lines(tmp_path / "d.jsonl", [{"q": "a"}, "{not json", {"q": "b"}, '{"q": "unterminated'])
     with pytest.raises(DatasetError) as err:
         read_examples(path, "q")
-    assert str(err.value) == (f"{path}: rows 2, 4 are not valid JSON (row 2: Expecting property name enclosed in "
-                              "double quotes, column 2); row 1 has: q")
+    assert str(err.value) == (
+        f"{path}: rows 2, 4 are not valid JSON (row 2: Expecting property name enclosed in "
+        "double quotes, column 2); row 1 has: q"
+    )
 
 
 def test_rows_that_are_not_json_objects_are_named(tmp_path):
@@ -54,7 +56,9 @@ def test_null_answers_are_named_when_answers_are_required(tmp_path):
 
 def test_a_nested_prompt_field_whose_parent_is_not_an_object(tmp_path):
     path = _lines(tmp_path / "d.jsonl", [{"meta": {"question": "a"}}, {"meta": "flat"}])
-    with pytest.raises(DatasetError, match=r"row 2 has no field 'meta.question' \(task.prompt_field\); row 1 has: meta"):
+    with pytest.raises(
+        DatasetError, match=r"row 2 has no field 'meta.question' \(task.prompt_field\); row 1 has: meta"
+    ):
         read_examples(path, "meta.question")
 
 
@@ -90,7 +94,8 @@ def test_dataset_prompts_too_long_for_the_context_name_every_row(tmp_path):
     assert str(err.value) == (
         f"{path}: rows 2, 4: prompt + sampling.max_new_tokens (16) is longer than the models' context (32 "
         "positions; longest prompt 42 tokens), the smaller max_position_embeddings of the student's and the "
-        "teacher's config.json; shorten those prompts, drop them, or lower sampling.max_new_tokens")
+        "teacher's config.json; shorten those prompts, drop them, or lower sampling.max_new_tokens"
+    )
     # exactly filling the context is fine: 22 + 10 = 32
     path = _lines(tmp_path / "e.jsonl", [{"q": "1+2="}, {"q": "1+" * 10 + "1="}])
     assert _dataset_task(path, max_new_tokens=10, max_positions=32).prompt_slots == 22
@@ -104,9 +109,12 @@ def test_builtin_prompts_too_long_for_the_context_name_the_fields(tmp_path):
         "task.name = arith: the longest prompt (34 tokens at task.difficulty = 8, task.max_value = 999) + the answer "
         "(120 tokens: sampling.max_new_tokens = 120, longest solution 104) is longer than the models' context "
         "(128 positions, the smaller max_position_embeddings of the student's and the teacher's config.json); "
-        "lower sampling.max_new_tokens, task.difficulty or task.max_value")
+        "lower sampling.max_new_tokens, task.difficulty or task.max_value"
+    )
     # the evaluation's own answers count too: sampling.max_new_tokens below them does not hide them
-    with pytest.raises(ValueError, match=r"the answer \(104 tokens: sampling.max_new_tokens = 28, longest solution 104\)"):
+    with pytest.raises(
+        ValueError, match=r"the answer \(104 tokens: sampling.max_new_tokens = 28, longest solution 104\)"
+    ):
         make_task(task, build_tokenizer(), max_new_tokens=28, max_positions=128)
     # 34 + 104 = 138 positions: exactly enough
     assert make_task(task, build_tokenizer(), max_new_tokens=28, max_positions=138).prompt_slots == 34

@@ -26,11 +26,23 @@ def _arith_jsonl(path, n=400, answers=True):
 
 
 def _config(tmp_path, data, **sets):
-    overrides = {"name": "d", "output_dir": str(tmp_path), "task.name": "dataset", "task.path": str(data),
-                 "task.prompt_field": "input.text", "task.answer_field": "gold", "task.eval_fraction": 0.1,
-                 "task.eval_prompts": 32, "sampling.max_new_tokens": 28, "learner.batch_size": 8,
-                 "schedule.mode": "sync", "train.steps": 3, "train.eval_every": 100, "train.checkpoint_every": 100,
-                 **sets}
+    overrides = {
+        "name": "d",
+        "output_dir": str(tmp_path),
+        "task.name": "dataset",
+        "task.path": str(data),
+        "task.prompt_field": "input.text",
+        "task.answer_field": "gold",
+        "task.eval_fraction": 0.1,
+        "task.eval_prompts": 32,
+        "sampling.max_new_tokens": 28,
+        "learner.batch_size": 8,
+        "schedule.mode": "sync",
+        "train.steps": 3,
+        "train.eval_every": 100,
+        "train.checkpoint_every": 100,
+        **sets,
+    }
     return load_config(DEMO_CONFIG, [f"{k}={v}" for k, v in overrides.items()])
 
 
@@ -56,8 +68,11 @@ def test_a_prompt_too_long_for_the_model_names_its_rows(tmp_path):
     data.write_text(json.dumps({"prompt": "Q:1+2="}) + "\n" + json.dumps({"prompt": "Q:" + "1+" * 60 + "1="}) + "\n")
     cfg = _config(tmp_path, data, **{"task.prompt_field": "prompt"})
     tokenizer = load_tokenizer(resolve_model_path("builtin:student"))
-    with pytest.raises(DatasetError, match=r"long.jsonl: rows 2: prompt \+ sampling.max_new_tokens \(28\) is longer "
-                                           r"than the models' context \(128 positions; longest prompt 124 tokens\)"):
+    with pytest.raises(
+        DatasetError,
+        match=r"long.jsonl: rows 2: prompt \+ sampling.max_new_tokens \(28\) is longer "
+        r"than the models' context \(128 positions; longest prompt 124 tokens\)",
+    ):
         DatasetTask(cfg.task, tokenizer, max_new_tokens=28, max_positions=128)
 
 

@@ -26,9 +26,12 @@ def test_round_trip_fp32_bf16_and_optional_fields(tmp_path):
         np.testing.assert_array_equal(got, want)
 
     batch = RolloutBatch(
-        prompt_tokens=np.ones((2, 3), np.int32), prompt_mask=np.ones((2, 3), bool),
-        response_tokens=np.ones((2, 5), np.int32), response_mask=np.ones((2, 5), bool),
-        behavior_logp=np.zeros((2, 5), np.float32), token_version=np.arange(10, dtype=np.int32).reshape(2, 5),
+        prompt_tokens=np.ones((2, 3), np.int32),
+        prompt_mask=np.ones((2, 3), bool),
+        response_tokens=np.ones((2, 5), np.int32),
+        response_mask=np.ones((2, 5), bool),
+        behavior_logp=np.zeros((2, 5), np.float32),
+        token_version=np.arange(10, dtype=np.int32).reshape(2, 5),
     )
     save_arrays(batch, tmp_path / "batch")
     np.testing.assert_array_equal(load_arrays(tmp_path / "batch").token_version, batch.token_version)

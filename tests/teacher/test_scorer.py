@@ -95,9 +95,15 @@ def test_chunk_size_does_not_change_scores(world):
     for field in ("token_logp", "candidate_logp", "student_topk_logp", "topk_logp"):
         np.testing.assert_allclose(getattr(a, field), getattr(b, field), atol=1e-6, err_msg=field)
     np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
-    np.testing.assert_allclose(a.sample_logp, np.take_along_axis(
-        np.asarray(jax.nn.log_softmax(_hidden(model, batch) @ model.lm_head_weight(), axis=-1)), np.asarray(a.sample_ids), -1
-    ), atol=1e-5)
+    np.testing.assert_allclose(
+        a.sample_logp,
+        np.take_along_axis(
+            np.asarray(jax.nn.log_softmax(_hidden(model, batch) @ model.lm_head_weight(), axis=-1)),
+            np.asarray(a.sample_ids),
+            -1,
+        ),
+        atol=1e-5,
+    )
 
 
 def test_bf16_storage_error_is_within_bf16_rounding(world):

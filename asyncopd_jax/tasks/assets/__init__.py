@@ -23,7 +23,7 @@ BUILTIN_PREFIX = "builtin:"
 def resolve_model_path(path: str) -> Path:
     """``builtin:NAME`` → the shipped directory; anything else → ``Path(path)``."""
     if path.startswith(BUILTIN_PREFIX):
-        name = path[len(BUILTIN_PREFIX):]
+        name = path[len(BUILTIN_PREFIX) :]
         directory = ASSETS / name
         if not directory.is_dir():
             shipped = sorted(p.name for p in ASSETS.iterdir() if p.is_dir() and not p.name.startswith("_"))
