@@ -123,10 +123,18 @@ class LearnerStage:
         return self.cfg.learner.batch_size // self.cfg.learner.mini_batches
 
 
-def staleness(groups: list[RolloutGroup], version: int) -> dict[str, Any]:
-    """Mean, max and histogram of the token staleness of a batch at ``version``."""
+def batch_stats(groups: list[RolloutGroup], version: int) -> dict[str, Any]:
+    """A rollout batch's metrics at learner ``version``: the mean, max and histogram of its
+    token staleness, and the mean reward of its rollouts (where the task can check them)."""
     ages = np.concatenate(
         [version - np.asarray(g.batch.token_version)[np.asarray(g.batch.response_mask)] for g in groups]
     )
-    hist = np.bincount(np.maximum(ages, 0)).tolist() if ages.size else []
-    return {"mean": float(ages.mean()) if ages.size else 0.0, "max": int(ages.max()) if ages.size else 0, "hist": hist}
+    stats: dict[str, Any] = {
+        "staleness_mean": float(ages.mean()) if ages.size else 0.0,
+        "staleness_max": int(ages.max()) if ages.size else 0,
+        "staleness_hist": np.bincount(np.maximum(ages, 0)).tolist() if ages.size else [],
+    }
+    rewards = np.concatenate([g.info["rewards"] for g in groups])
+    if np.isfinite(rewards).any():  # NaN: a response the task cannot check (no reference answers)
+        stats["rollout_accuracy"] = float(np.nanmean(rewards))
+    return stats

@@ -13,15 +13,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
 from asyncopd_jax.config import RunConfig
-from asyncopd_jax.learner import distributed
+from asyncopd_jax.learner import distributed, state_shardings
 from asyncopd_jax.learner.extrapolation import Extrapolator
 from asyncopd_jax.learner.update_geometry import update_geometry
 from asyncopd_jax.pipeline.diagnostics import ProbeDiagnostics
 from asyncopd_jax.pipeline.learner_stage import LearnerStage
+from asyncopd_jax.pipeline.snapshots import SnapshotStore
 from asyncopd_jax.pipeline.stage import RunModels
 from asyncopd_jax.pipeline.trace import Tracer
 
@@ -83,14 +85,17 @@ class Probes:
         if self.cfg.train.update_geometry_every:  # θ_0 and θ_s of the update-geometry diagnostic, on the host
             self.geometry_params = [distributed.gather(params)] * 2
 
-    def diagnose(self, step: int, steps: int, behaviour_params: Callable[[], nnx.State], behaviour: int) -> dict:
+    def diagnose(self, step: int, steps: int, snapshots: SnapshotStore, behaviour: int) -> dict:
         """The diagnostics of a batch whose steps ``step + 1 .. step + steps`` include a
-        multiple of ``train.diagnostics_every`` ({} otherwise)."""
+        multiple of ``train.diagnostics_every`` ({} otherwise), against the policy of
+        version ``behaviour`` (from ``snapshots``, copied onto the learner's devices)."""
         every = self.cfg.train.diagnostics_every
         if self.diagnostics is None or not any(s % every == 0 for s in range(step, step + steps)):
             return {}
+        params = self.learner.state.params
         with self.tracer.span("diagnostics"):
-            probe = self.diagnostics.measure(self.learner.state.params, behaviour_params())
+            behaviour_params = jax.device_put(snapshots.load(behaviour)[1], state_shardings(params, self.learner.mesh))
+            probe = self.diagnostics.measure(params, behaviour_params)
         return {**probe, "probe_behaviour_version": behaviour}
 
     def extrapolate(self, step: int) -> dict[str, Any]:

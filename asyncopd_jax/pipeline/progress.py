@@ -12,11 +12,12 @@ class Throughput:
     def __init__(self) -> None:
         self.start, self.samples, self.tokens = time.perf_counter(), 0, 0
 
-    def add(self, samples: int, tokens: int) -> float:
-        """Count a step; return the seconds elapsed since the start."""
+    def add(self, samples: int, tokens: int) -> dict[str, float]:
+        """Count a step; the rates since the start and the seconds elapsed (``time``)."""
         self.samples += samples
         self.tokens += tokens
-        return time.perf_counter() - self.start
+        elapsed = time.perf_counter() - self.start
+        return {"samples_per_s": self.samples / elapsed, "tokens_per_s": self.tokens / elapsed, "time": elapsed}
 
 
 class ProgressBar:

@@ -28,35 +28,23 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from asyncopd_jax.config import RunConfig
-from asyncopd_jax.learner import TrainState, distributed, state_shardings
+from asyncopd_jax.learner import TrainState, distributed
 from asyncopd_jax.learner.faults import nonfinite_step_error, step_is_finite
 from asyncopd_jax.models import save_pretrained
 from asyncopd_jax.pipeline.exchange import Exchange
-from asyncopd_jax.pipeline.fixed_lag import FixedLagRollouts
 from asyncopd_jax.pipeline.heap import HeapTrimmer
-from asyncopd_jax.pipeline.learner_stage import LearnerStage, staleness
-from asyncopd_jax.pipeline.multihost import FollowerStages, LeaderStages
-from asyncopd_jax.pipeline.placement import LEARNER_PROCESS, Layout, StagePlan, plan_layout
+from asyncopd_jax.pipeline.learner_stage import LearnerStage, batch_stats
+from asyncopd_jax.pipeline.local_stages import LocalStages
+from asyncopd_jax.pipeline.placement import LEARNER_PROCESS, Layout, plan_layout
 from asyncopd_jax.pipeline.probes import Probes
 from asyncopd_jax.pipeline.progress import ProgressBar, Throughput
-from asyncopd_jax.pipeline.rollout import RolloutPool, Stages
+from asyncopd_jax.pipeline.rollout import Stages
 from asyncopd_jax.pipeline.run_outputs import RunDir
-from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore, InMemorySnapshotStore, SnapshotStore
-from asyncopd_jax.pipeline.stage import (
-    RolloutStage,
-    build_rollout_stage,
-    build_scoring_stage,
-    rollout_shardings,
-    run_models,
-    stage_mesh,
-    teacher_on,
-    with_shardings,
-)
-from asyncopd_jax.pipeline.stage_processes import StageProcesses
+from asyncopd_jax.pipeline.snapshots import SnapshotStore
+from asyncopd_jax.pipeline.stage import build_scoring_stage, run_models, stage_mesh, teacher_on
 from asyncopd_jax.pipeline.staleness import RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 
@@ -91,6 +79,17 @@ class Trainer:
             else None
         )
         self.probes = Probes(cfg, self.models, self.learner, self._teacher_on_learner, self.leader, self.tracer)
+        self.local = LocalStages(
+            cfg,
+            self.layout,
+            self.models,
+            self.learner,
+            self.scoring,
+            self.tracer,
+            self.run_dir.path,
+            self.leader,
+            self.multi_process,
+        )
         self.start_step, self.worker_index = 0, 0
         # Faults at run time: rows dropped for NaN / inf scores so far, and the checkpoint a
         # diverged step's error points to (step, path), None before the first one.
@@ -125,85 +124,10 @@ class Trainer:
         return teacher_on(stage_mesh(self.learner_devices), self.cfg, self.models, self.scoring)
 
     def _snapshot_store(self) -> SnapshotStore:
-        channel, params = self.layout.snapshots, self.learner.state.params
-        if channel.in_memory:  # handed to the rollout threads by a device-to-device copy onto their devices
-            rollouts = self.layout.of_role("rollout")
-            return InMemorySnapshotStore(
-                keep=channel.keep, shardings=rollout_shardings(self.layout, rollouts[0], params, self.learner_devices)
-            )
-        # Versions left by an earlier incarnation of this run may be newer than the restored
-        # policy; rollouts from them would be refused as "future". The learner is the only
-        # writer and no reader runs yet, so start from an empty directory.
-        if self.leader:
-            shutil.rmtree(channel.directory, ignore_errors=True)
-        distributed.barrier("snapshot directory emptied")
-        return DiskSnapshotStore(
-            channel.directory,
-            with_shardings(params, state_shardings(params, self.learner.mesh)),
-            keep=channel.keep,
-            format=channel.format,
-        )
-
-    def _rollout_stage(self, plan: StagePlan) -> RolloutStage:
-        """A rollout stage in this process (its weights from ``self.snapshots``, or, from
-        snapshots on disk, read onto its own devices)."""
-        snapshots = self.snapshots
-        if not self.layout.snapshots.in_memory:
-            params = self.learner.state.params
-            snapshots = DiskSnapshotStore(
-                self.layout.snapshots.directory,
-                with_shardings(params, rollout_shardings(self.layout, plan, params, self.learner_devices)),
-                read_only=True,
-                format=self.layout.snapshots.format,
-            )
-        return build_rollout_stage(
-            self.cfg,
-            self.layout,
-            plan,
-            self.models,
-            snapshots=snapshots,
-            tracer=self.tracer,
-            scoring=self.scoring,
-            graphdef=self.learner.graphdef,
-            default_devices=self.learner_devices,
-            interruptible=self.cfg.schedule.mode != "fixed_lag",
-        )
+        return self.local.snapshot_store()
 
     def _start_stages(self, buffer: StalenessBuffer) -> Stages:
-        """The rollout and scoring stages, where the layout puts them."""
-        cfg, layout = self.cfg, self.layout
-        groups_per_batch = cfg.learner.batch_size // layout.group_size
-        exchange = Exchange(self.run_dir.path / "exchange") if layout.stage_processes() else None
-        stages: Stages
-        if not self.leader:
-            if exchange is None:  # not reached: the config puts a learner over processes with stage processes
-                raise RuntimeError("a follower learner process needs stage processes (schedule.placement = processes)")
-            return FollowerStages(exchange, groups_per_batch)
-        if exchange is not None:
-            stages = StageProcesses(
-                cfg=cfg,
-                layout=layout,
-                exchange=exchange,
-                buffer=buffer,
-                first_index=self.worker_index,
-                tracer=self.tracer,
-            )
-        elif cfg.schedule.mode == "fixed_lag":  # whole batches from one policy, in this thread
-            stages = FixedLagRollouts(
-                stage=self._rollout_stage(layout.of_role("rollout")[0]),
-                lag=cfg.schedule.lag,
-                first_version=self.learner.version,
-            )
-        else:
-            stages = RolloutPool(
-                stages=[self._rollout_stage(p) for p in layout.of_role("rollout")],
-                buffer=buffer,
-                first_index=self.worker_index,
-            )
-        if self.multi_process:
-            stages = LeaderStages(stages, groups_per_batch)
-        stages.start()
-        return stages
+        return self.local.start(buffer, self.snapshots, self.worker_index)
 
     # --- evaluation ---------------------------------------------------------------------
 
@@ -339,21 +263,11 @@ class Trainer:
     ) -> int:
         """Run the optimizer steps of one rollout batch (its mini-batches); log one record each."""
         cfg, learner = self.cfg, self.learner
-        rewards = np.concatenate([g.info["rewards"] for g in groups])
-        # NaN: a response the task cannot check (a dataset without reference answers)
-        rollout_acc = {"rollout_accuracy": float(np.nanmean(rewards))} if np.isfinite(rewards).any() else {}
-        stale = staleness(groups, version)
+        batch_record = batch_stats(groups, version)
         with self.tracer.span("proximal" if learner.proximal is not None else "place"):
             minis = learner.mini_batches(groups)
         behaviour = min(g.oldest_version for g in groups)  # still kept: it is ≥ version − η
-        probe = self.probes.diagnose(
-            step,
-            len(minis),
-            lambda: jax.device_put(
-                self.snapshots.load(behaviour)[1], state_shardings(learner.state.params, learner.mesh)
-            ),
-            behaviour,
-        )
+        probe = self.probes.diagnose(step, len(minis), self.snapshots, behaviour)
         for mini in minis:
             if step >= cfg.train.steps:
                 break
@@ -369,21 +283,15 @@ class Trainer:
             self.nonfinite_rows_total += dropped
             step += 1
             jump = self.probes.extrapolate(step)  # before the version is published: it carries the jump
-            elapsed = throughput.add(learner.rows_per_step(), int(metrics["tokens"]))
             record = {
                 "step": step,
                 **metrics,
                 "lr": float(learner.lr(step - 1)),
-                "staleness_mean": stale["mean"],
-                "staleness_max": stale["max"],
-                "staleness_hist": stale["hist"],
-                **rollout_acc,
-                "samples_per_s": throughput.samples / elapsed,
-                "tokens_per_s": throughput.tokens / elapsed,
+                **batch_record,
+                **throughput.add(learner.rows_per_step(), int(metrics["tokens"])),
                 "dropped_stale": buffer.dropped_stale,
                 "dropped_future": buffer.dropped_future,
                 "nonfinite_rows_total": self.nonfinite_rows_total,
-                "time": elapsed,
                 "trace_s": time.time() - self.tracer.origin,  # the same clock as trace.json's spans
                 **probe,
                 **jump,
