@@ -358,26 +358,20 @@ def _decoupled_ppo(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     )
 
 
-def _gspo(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.gspo_loss(
-        x.student.token,
-        x.batch.behavior_logp,
-        _given(x.advantage),
-        x.batch.response_mask,
-        clip_eps=(c.gspo_clip_low, c.gspo_clip_high),
-        level="sequence",
-    )
+def _gspo_at(level: Literal["sequence", "token"]) -> EstimatorFn:
+    """GSPO's adapter with its ratio per sequence (GSPO) or per token (GSPO-token)."""
 
+    def gspo(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+        return est.gspo_loss(
+            x.student.token,
+            x.batch.behavior_logp,
+            _given(x.advantage),
+            x.batch.response_mask,
+            clip_eps=(c.gspo_clip_low, c.gspo_clip_high),
+            level=level,
+        )
 
-def _gspo_token(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.gspo_loss(
-        x.student.token,
-        x.batch.behavior_logp,
-        _given(x.advantage),
-        x.batch.response_mask,
-        clip_eps=(c.gspo_clip_low, c.gspo_clip_high),
-        level="token",
-    )
+    return gspo
 
 
 def _truncated_is(x: EstimatorInputs, c: EstimatorConfig) -> Array:
@@ -483,13 +477,13 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
         ),
         EstimatorSpec(
             "gspo",
-            _gspo,
+            _gspo_at("sequence"),
             needs_advantage=True,
             description="GSPO: PPO clip on the response's geometric-mean ratio (aggregate with seq-mean-token-mean)",
         ),
         EstimatorSpec(
             "gspo_token",
-            _gspo_token,
+            _gspo_at("token"),
             needs_advantage=True,
             description="GSPO-token: GSPO's sequence ratio with per-token advantages",
         ),
