@@ -13,7 +13,9 @@ import pytest
 
 from asyncopd_jax import estimators as est
 
-torch = pytest.importorskip("torch")
+# The peers' losses are PyTorch code: the test extra installs torch (CI's main run); only the
+# base-install run on the oldest JAX (tools/oldest_jax.sh: JAX and NumPy alone) skips this file.
+torch = pytest.importorskip("torch", reason="the peers' losses run on PyTorch (the test extra has it)")
 from tests.estimators import peers  # noqa: E402  (needs torch)
 
 
