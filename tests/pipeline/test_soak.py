@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from asyncopd_jax.pipeline import trainer as trainer_module
+from asyncopd_jax.pipeline.heap import HeapTrimmer, trim_heap
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.trainer import Trainer
 from tests.pipeline.test_trainer import _config, models  # noqa: F401
@@ -34,9 +36,13 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
+def _steps_done(metrics: Path) -> int:
+    return sum(1 for _ in metrics.open()) if metrics.is_file() else 0
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc for memory, files and threads")
-def test_soak(models, tmp_path):  # noqa: F811
+def test_soak(models, tmp_path, monkeypatch):  # noqa: F811
     eta = 2
     cfg = _config(
         models,
@@ -53,18 +59,33 @@ def test_soak(models, tmp_path):  # noqa: F811
             "task.eval_prompts": 8,
         },
     )
+    metrics = tmp_path / "t" / "metrics.jsonl"
+    trimmed: list[tuple[int, int]] = []  # (step, RSS kB) right after each of the learner's heap trims
+
+    def trim_and_record() -> bool:
+        trimmed_any = trim_heap()
+        trimmed.append((_steps_done(metrics), _status("VmRSS")))
+        return trimmed_any
+
+    class RecordingTrimmer(HeapTrimmer):
+        """The learner's own trimmer (every 30 s), noting the resident memory it leaves."""
+
+        def __init__(self) -> None:
+            super().__init__(trim=trim_and_record)
+
+    monkeypatch.setattr(trainer_module, "HeapTrimmer", RecordingTrimmer)
     trainer = Trainer(cfg, progress=False)
     samples: list[tuple[int, int, int, int]] = []  # (step, RSS kB, open files, threads)
     kills: list[float] = []
     done = threading.Event()
-    metrics = tmp_path / "t" / "metrics.jsonl"
 
     def watch() -> None:
         rng = random.Random(0)
         next_kill = time.monotonic() + rng.uniform(30, 120)
         while not done.wait(1.0):
-            steps = sum(1 for _ in metrics.open()) if metrics.is_file() else 0
-            samples.append((steps, _status("VmRSS"), len(os.listdir("/proc/self/fd")), _status("Threads")))
+            samples.append(
+                (_steps_done(metrics), _status("VmRSS"), len(os.listdir("/proc/self/fd")), _status("Threads"))
+            )
             stages = getattr(trainer, "stages", None)
             if time.monotonic() > next_kill and stages is not None and getattr(stages, "pids", None):
                 name = rng.choice(sorted(n for n in stages.pids if n.startswith("rollout")))
@@ -102,25 +123,36 @@ def test_soak(models, tmp_path):  # noqa: F811
     half = len(warm) // 2
     files, threads = [s[2] for s in warm], [s[3] for s in warm]
     tenths = [rss[min(int(q * len(rss)), len(rss) - 1)] for q in np.linspace(0, 1, 11)]
-    # the trend of the second half (KB per step): a leak is a steady slope, freed memory the
-    # allocator still holds between heap trims (pipeline/heap.py) is noise around it
-    late_steps, late_rss = np.array([s[0] for s in warm[half:]]), np.array(rss[half:])
-    slope_kb = float(np.polyfit(late_steps, late_rss, 1)[0] * 1024)
+    # A leak is memory the process cannot give back: the trend (KB per step) of the resident
+    # memory right after each of the learner's heap trims, over the second half of the
+    # training loop (the trace's window fills by design until about step 4,000). Between two
+    # trims glibc touches freed pages again and RSS stands 6-32 MiB higher for a while: that
+    # is bounded by the peak check below, not a trend (fitted to 1 Hz samples, one such
+    # excursion late in the run reads as +3 KB/step).
+    middle = (WINDOW + STEPS) // 2
+    late_trims = [(step, kb / 1024) for step, kb in trimmed if middle <= step < STEPS]
+    slope_kb = float(np.polyfit(*np.array(late_trims).T, 1)[0] * 1024) if len(late_trims) > 1 else np.nan
+    # Open files at rest: the fewest in each tenth of the loop (an Orbax save holds ~25 for a
+    # moment; a leaked descriptor raises every later minimum).
+    resting_files = [int(min(chunk)) for chunk in np.array_split(np.array(files), 10)]
     print(
         f"\nsoak: {STEPS} steps in {seconds:.0f} s, {len(kills)} rollout processes killed; RSS from step "
         f"{warm[0][0]} to {warm[-1][0]} at tenths of the run {' → '.join(f'{x:.0f}' for x in tenths)} MiB "
-        f"(second half trend {slope_kb:+.2f} KB/step); staleness max "
+        f"(right after each heap trim of the second half, at steps {[s for s, _ in late_trims]}: "
+        f"{' → '.join(f'{x:.0f}' for _, x in late_trims)} MiB, trend {slope_kb:+.2f} KB/step); staleness max "
         f"{worst} (η = {eta}); steps/s: first {WINDOW} {WINDOW / (t[WINDOW] - t[0]):.1f} (compilation "
         f"included), last {WINDOW} {WINDOW / (t[-1] - t[-1 - WINDOW]):.1f}; {short}-step windows after the "
         f"warm-up: first half median {np.median(early):.1f} best {max(early):.1f}, second half median "
-        f"{np.median(late):.1f} best {max(late):.1f}; open files {min(files)}–{max(files)}; threads "
+        f"{np.median(late):.1f} best {max(late):.1f}; open files {min(files)}–{max(files)} "
+        f"(fewest per tenth {resting_files}); threads "
         f"{min(threads)}–{max(threads)}"
     )
+    assert len(late_trims) >= 4, f"too few heap trims in the second half to fit a trend: {trimmed}"
     assert worst <= eta
     assert kills, "no rollout process was killed"
     assert max(rss[half:]) <= 1.05 * rss[0] + 32, tenths  # flat: no per-step growth
     assert slope_kb < 2, slope_kb  # < 2 KB per step: < 2 GB over a million steps
     assert max(late) >= 0.7 * max(early), (early, late)
-    # bounded: the second half never holds more than the first half's peak (plus slack)
-    assert max(files[half:]) <= max(files[:half]) + 4, files
+    # bounded: the second half never holds more than the first half (plus slack)
+    assert max(resting_files[5:]) <= max(resting_files[:5]) + 4, resting_files
     assert max(threads[half:]) <= max(threads[:half]) + 4, threads
