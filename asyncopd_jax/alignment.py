@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from asyncopd_jax.cache import RolloutBatch
-from asyncopd_jax.models.decoder import Decoder
+from asyncopd_jax.models.decoder import Decoder, Remat
 
 Array = jax.Array
 
@@ -24,9 +24,10 @@ def response_aligned(hidden: Array, prompt_slots: int, response_len: int) -> Arr
     return jax.lax.slice_in_dim(hidden, prompt_slots - 1, prompt_slots - 1 + response_len, axis=1)
 
 
-def response_hidden(model: Decoder, batch: RolloutBatch) -> Array:
-    """Run ``model`` over prompt + response; ``[B, T, H]`` target-aligned hidden states."""
+def response_hidden(model: Decoder, batch: RolloutBatch, remat: Remat = "none") -> Array:
+    """Run ``model`` over prompt + response; ``[B, T, H]`` target-aligned hidden states
+    (``remat``: what each layer keeps for a backward pass, see :meth:`Decoder.forward`)."""
     ids = jnp.concatenate([batch.prompt_tokens, batch.response_tokens], axis=1)
     mask = jnp.concatenate([batch.prompt_mask, batch.response_mask], axis=1)
-    hidden = model.hidden_states(ids, attention_mask=mask)
+    hidden = model.hidden_states(ids, attention_mask=mask, remat=remat)
     return response_aligned(hidden, batch.prompt_tokens.shape[1], batch.response_tokens.shape[1])

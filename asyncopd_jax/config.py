@@ -154,6 +154,10 @@ class LearnerConfig:
     mini_batches: int = 1  # optimizer steps per rollout batch
     micro_batches: int = 1  # gradient accumulation inside one optimizer step
     logprob_chunk: int = 512
+    # What each decoder layer keeps for the backward pass: "none" (everything; fastest, the
+    # demo's models are tiny), "layer" (only its input: least memory, ~1/3 more compute),
+    # "dots" (its weight matmuls' outputs: attention and activations recomputed).
+    remat: Literal["none", "layer", "dots"] = "none"
     # Dynamic batching (asyncopd_jax.learner.packing): > 0 cuts each mini-batch into
     # micro-batches of rows of similar length, at most this many prompt + response slots
     # each (trimmed to their own longest row, in steps of token_bucket); 0: micro_batches.

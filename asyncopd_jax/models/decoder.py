@@ -13,6 +13,8 @@ Module and parameter names follow Hugging Face, so checkpoint names map one to o
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,16 @@ from flax import nnx
 from asyncopd_jax.models.config import DecoderConfig, rope_inverse_frequencies
 
 Array = jax.Array
+
+Remat = Literal["none", "layer", "dots"]
+# What a layer keeps for the backward pass (``jax.checkpoint`` policies): everything
+# ("none": no rematerialisation); only its input ("layer": the whole layer is recomputed,
+# the least memory); the outputs of its weight matmuls ("dots": attention scores, softmax and
+# the MLP's activation are recomputed, the matmuls against weights are not).
+REMAT_POLICIES = {
+    "layer": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @jax.tree_util.register_dataclass
@@ -151,6 +163,20 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), keys, values
 
 
+def _rematerialised(layer: DecoderLayer, remat: Remat):
+    """``layer``'s call, keeping for the backward pass what ``remat`` says (the layer's
+    weights are arguments of the checkpointed function, so their gradients flow)."""
+    if remat == "none":
+        return layer
+    graphdef, state = nnx.split(layer)
+
+    @functools.partial(jax.checkpoint, policy=REMAT_POLICIES[remat])
+    def call(state, *args):
+        return nnx.merge(graphdef, state)(*args)
+
+    return functools.partial(call, state)
+
+
 class Decoder(nnx.Module):
     """A causal language model of the Llama / Qwen2 / Qwen3 family.
 
@@ -187,7 +213,13 @@ class Decoder(nnx.Module):
     # --- the KV-cache forward -------------------------------------------------------
 
     def forward(
-        self, tokens: Array, positions: Array, token_valid: Array, cache: KVCache, write_slot: Array | int
+        self,
+        tokens: Array,
+        positions: Array,
+        token_valid: Array,
+        cache: KVCache,
+        write_slot: Array | int,
+        remat: Remat = "none",
     ) -> tuple[Array, KVCache]:
         """Run ``tokens [B, S]`` written into cache slots ``[write_slot, write_slot + S)``.
 
@@ -197,6 +229,7 @@ class Decoder(nnx.Module):
           token_valid: ``[B, S]`` bool; False marks padding, which no query attends to.
           cache: the cache to write into (``C ≥ write_slot + S`` slots).
           write_slot: first slot written (scalar, may be traced).
+          remat: what each layer keeps for a backward pass (:data:`REMAT_POLICIES`).
 
         Returns:
           ``(hidden [B, S, H] after the final norm, updated cache)``.
@@ -216,26 +249,30 @@ class Decoder(nnx.Module):
         x = self.embed_tokens(tokens)
         keys, values = [], []
         for layer, k, v in zip(self.layers, cache.keys, cache.values):
-            x, k, v = layer(x, cos, sin, k, v, mask, write_slot)
+            x, k, v = _rematerialised(layer, remat)(x, cos, sin, k, v, mask, write_slot)
             keys.append(k)
             values.append(v)
         return self.norm(x), KVCache(tuple(keys), tuple(values), valid)
 
     def hidden_states(
-        self, tokens: Array, positions: Array | None = None, attention_mask: Array | None = None
+        self,
+        tokens: Array,
+        positions: Array | None = None,
+        attention_mask: Array | None = None,
+        remat: Remat = "none",
     ) -> Array:
         """Final hidden states ``[B, S, H]`` of a plain causal forward.
 
         ``attention_mask [B, S]`` (1 = real token) excludes padding from attention;
         ``positions`` default to ``cumsum(mask) − 1`` (left padding gets the positions a
-        single unpadded sequence would have).
+        single unpadded sequence would have); ``remat``: see :meth:`forward`.
         """
         b, s = tokens.shape
         mask = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
         if positions is None:
             positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
         cache = KVCache.empty(self.config, b, s, self.dtype)
-        hidden, _ = self.forward(tokens, positions, mask, cache, 0)
+        hidden, _ = self.forward(tokens, positions, mask, cache, 0, remat)
         return hidden
 
     def lm_head_weight(self) -> Array:

@@ -294,8 +294,8 @@ def _learner_one_position_off(monkeypatch) -> None:
     """The bug these checks exist for: the learner's row t holds the state before token t − 1."""
     aligned = learner_step.response_hidden
 
-    def shifted(model, batch):
-        hidden = aligned(model, batch)
+    def shifted(model, batch, remat="none"):
+        hidden = aligned(model, batch, remat)
         return jnp.concatenate([hidden[:, :1], hidden[:, :-1]], axis=1)
 
     monkeypatch.setattr(learner_step, "response_hidden", shifted)
