@@ -1,5 +1,5 @@
 # fmt: off
-"""The ``asyncopd`` command: ``train``, ``sft``, ``eval``, ``study`` and ``stage``.
+"""The ``asyncopd`` command: ``train``, ``sft``, ``eval``, ``study``, ``plan`` and ``stage``.
 
     asyncopd train                                  # the bundled demo (asyncopd_jax/configs/demo.yaml)
     asyncopd train --config rl                      # a bundled config by name: demo, rl, …
@@ -10,6 +10,7 @@
     asyncopd sft --model teacher --steps 1000 --out asyncopd_jax/tasks/assets/teacher
     asyncopd eval --model builtin:student
     asyncopd study cache_bias_variance --quick      # a study's report in docs/study/
+    asyncopd plan --config qwen3_1.7b_from_8b_v5e16 --topology v5e-16   # does it fit? (compiled, not run)
 """
 # fmt: on
 
@@ -33,6 +34,22 @@ from asyncopd_jax.config import ConfigError, OptimConfig, TaskConfig, check_resu
 from asyncopd_jax.studies.training_runs import default_jobs
 
 DEMO_CONFIG = configs.DEMO
+
+
+def _plan(args: argparse.Namespace) -> None:
+    from asyncopd_jax.scale.chips import get_topology, proxy_devices_needed
+    from asyncopd_jax.scale.plan import Shapes, format_plan, make_plan
+
+    proxies = proxy_devices_needed(args.topology)
+    if proxies:  # XLA:CPU devices stand in for the GPUs: set before JAX starts its CPU client
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={proxies}"
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # compile for the topology; never touch a local accelerator
+    cfg = load_config(args.config or DEMO_CONFIG, args.set)
+    response = args.response_tokens or cfg.sampling.max_new_tokens
+    shapes = Shapes(prompt_tokens=args.prompt_tokens, response_tokens=response, layers=args.layers)
+    print(format_plan(make_plan(cfg, get_topology(args.topology), shapes)))
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -236,6 +253,22 @@ def main(argv: list[str] | None = None) -> int:
         help="training runs side by side, each pinned to its own cores (default: one per core)",
     )
     study.set_defaults(fn=_study)
+
+    plan = sub.add_parser(
+        "plan",
+        parents=[common],
+        help="compile every stage of a config for a TPU slice or GPU node (shapes only) and print what each "
+        "chip holds, its FLOPs and roofline time",
+    )
+    plan.add_argument("--config", help="a YAML file or a bundled config (default: demo)")
+    plan.add_argument("--set", action="append", default=[], metavar="A.B=C", help="override a config field")
+    plan.add_argument("--topology", required=True, help="v5e-16, v6e-8, v5p-8 (TPU: libtpu), h100-8 (XLA:CPU proxy)")
+    plan.add_argument("--prompt-tokens", type=int, default=512, help="prompt slots P (default 512)")
+    plan.add_argument(
+        "--response-tokens", type=int, default=0, help="response slots T (default: sampling.max_new_tokens)"
+    )
+    plan.add_argument("--layers", type=int, default=None, help="compile this many layers (a quick, reduced plan)")
+    plan.set_defaults(fn=_plan)
 
     stage = sub.add_parser(
         "stage",

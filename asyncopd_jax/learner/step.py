@@ -41,7 +41,7 @@ from asyncopd_jax.estimators import (
 from asyncopd_jax.learner.faults import drop_nonfinite_rows
 from asyncopd_jax.learner.packing import plan_micro_batches, take_micro_batch
 from asyncopd_jax.learner.sharding import batch_shardings, state_shardings
-from asyncopd_jax.models.decoder import Decoder
+from asyncopd_jax.models.decoder import Decoder, Remat
 
 if TYPE_CHECKING:
     from asyncopd_jax.config import RunConfig
@@ -81,17 +81,21 @@ class PolicyLoss:
       temperature: the sampler's temperature: π_θ is scored at it, so that importance
         ratios compare the distribution the behaviour policy actually sampled from.
       chunk_size: rows per chunk of the fused LM-head gather.
+      remat: what each decoder layer keeps for the backward pass (``learner.remat``;
+        :data:`~asyncopd_jax.models.decoder.REMAT_POLICIES`).
     """
 
     estimator: EstimatorConfig
     distill_coef: float = 0.0
     temperature: float = 1.0
     chunk_size: int = 512
+    remat: Remat = "none"
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> PolicyLoss:
         """The loss a run's config asks for."""
-        return cls(cfg.estimator, cfg.rl.distill_coef, cfg.sampling.temperature, cfg.learner.logprob_chunk)
+        learner = cfg.learner
+        return cls(cfg.estimator, cfg.rl.distill_coef, cfg.sampling.temperature, learner.logprob_chunk, learner.remat)
 
     @property
     def aggregation(self) -> Aggregation:
@@ -111,7 +115,7 @@ class PolicyLoss:
 
     def student(self, model: Decoder, batch: LearnerBatch) -> StudentLogProbs:
         """The student's log-probs on every id the estimator needs (one fused gather)."""
-        hidden, head = response_hidden(model, batch.rollout), model.lm_head_weight()
+        hidden, head = response_hidden(model, batch.rollout, self.remat), model.lm_head_weight()
         ids = required_ids(self.estimator.name, batch.rollout, batch.cache)
         return student_logprobs(  # the entropy comes from the same pass, almost free: a metric, or a bonus
             ids, lambda i: gather_logprobs_and_entropy_from_hidden(hidden, head, i, self.chunk_size, self.temperature)
@@ -239,25 +243,12 @@ def _apply(optimizer: optax.GradientTransformation, state: TrainState, acc: Accu
     return TrainState(params=params, opt_state=opt_state, step=state.step + finite.astype(state.step.dtype)), metrics
 
 
-def make_train_step(
-    graphdef: nnx.GraphDef,
-    optimizer: optax.GradientTransformation,
-    loss_fn: LossFn,
-    *,
-    micro_batches: int = 1,
-    mesh: jax.sharding.Mesh | None = None,
-    state_example: TrainState | None = None,
-) -> Callable[[TrainState, LearnerBatch], tuple[TrainState, dict[str, Array]]]:
-    """A jitted ``(state, batch) → (state, metrics)`` doing one optimizer step.
-
-    Metrics are token-weighted means over the mini-batch (the estimator's metrics,
-    ``loss``) plus ``grad_norm``, ``update_norm``, ``tokens`` (the tokens trained on) and
-    ``nonfinite_rows`` (rows dropped for a NaN / inf in their scores, see
-    :func:`~asyncopd_jax.learner.faults.drop_nonfinite_rows`); the state is donated, and
-    comes back unchanged if the loss, gradient or update is not finite. With ``mesh`` (and a
-    ``state_example`` to derive shardings from) parameters and optimizer state are
-    FSDP-sharded and the batch is split over ``(data, fsdp)``.
-    """
+def train_step_function(
+    graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, loss_fn: LossFn, *, micro_batches: int = 1
+) -> Callable[[TrainState, LearnerBatch], tuple[checkify.Error | None, tuple[TrainState, dict[str, Array]]]]:
+    """The train step as a pure function, to jit (:func:`make_train_step`) or to compile ahead
+    of time at shapes only (:mod:`asyncopd_jax.scale.plan`): ``(state, batch) → (error,
+    (state, metrics))``, ``error`` the loss's functionalised input checks (None if it makes none)."""
 
     def step(state: TrainState, batch: LearnerBatch):
         batch, dropped = drop_nonfinite_rows(batch)  # before `total`: the mean is over the rows kept
@@ -279,18 +270,48 @@ def make_train_step(
         state, metrics = _apply(optimizer, state, acc, total)
         return state, {**metrics, "nonfinite_rows": jnp.sum(dropped)}
 
-    checked = _checkified(step, loss_fn)
+    return _checkified(step, loss_fn)
+
+
+def jit_train_step(step: Callable, mesh: jax.sharding.Mesh | None = None, state_example: TrainState | None = None):
+    """:func:`train_step_function`'s step jitted with the state donated; on ``mesh``, the state
+    comes back FSDP-sharded as ``state_example`` is (:func:`state_shardings`) and the
+    metrics and error replicated."""
     if mesh is None:
-        jitted = jax.jit(checked, donate_argnums=(0,))
-        place = lambda batch: batch  # noqa: E731
-    else:
-        if state_example is None:
-            raise ValueError("make_train_step with a mesh needs state_example to derive the shardings")
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        jitted = jax.jit(
-            checked, donate_argnums=(0,), out_shardings=(replicated, (state_shardings(state_example, mesh), replicated))
-        )
-        place = lambda batch: jax.device_put(batch, batch_shardings(batch, mesh))  # noqa: E731
+        return jax.jit(step, donate_argnums=(0,))
+    if state_example is None:
+        raise ValueError("a train step on a mesh needs state_example to derive the shardings")
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.jit(
+        step, donate_argnums=(0,), out_shardings=(replicated, (state_shardings(state_example, mesh), replicated))
+    )
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    loss_fn: LossFn,
+    *,
+    micro_batches: int = 1,
+    mesh: jax.sharding.Mesh | None = None,
+    state_example: TrainState | None = None,
+) -> Callable[[TrainState, LearnerBatch], tuple[TrainState, dict[str, Array]]]:
+    """A jitted ``(state, batch) → (state, metrics)`` doing one optimizer step.
+
+    Metrics are token-weighted means over the mini-batch (the estimator's metrics,
+    ``loss``) plus ``grad_norm``, ``update_norm``, ``tokens`` (the tokens trained on) and
+    ``nonfinite_rows`` (rows dropped for a NaN / inf in their scores, see
+    :func:`~asyncopd_jax.learner.faults.drop_nonfinite_rows`); the state is donated, and
+    comes back unchanged if the loss, gradient or update is not finite. With ``mesh`` (and a
+    ``state_example`` to derive shardings from) parameters and optimizer state are
+    FSDP-sharded and the batch is split over ``(data, fsdp)``.
+    """
+    jitted = jit_train_step(
+        train_step_function(graphdef, optimizer, loss_fn, micro_batches=micro_batches), mesh, state_example
+    )
+
+    def place(batch: LearnerBatch) -> LearnerBatch:
+        return batch if mesh is None else jax.device_put(batch, batch_shardings(batch, mesh))
 
     def train_step(state: TrainState, batch: LearnerBatch):
         error, out = jitted(state, place(batch))

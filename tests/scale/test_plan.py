@@ -1,0 +1,102 @@
+"""``asyncopd plan``: the learner step compiled at shapes only, on a topology's devices.
+
+The abstract batch must be the batch the pipeline makes (else the plan compiles another
+program than the run's); rematerialisation must lower what a step holds; the command's
+errors are one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+
+from asyncopd_jax.cli import main
+from asyncopd_jax.config import load_config
+from asyncopd_jax.pipeline.learner_stage import LearnerStage
+from asyncopd_jax.pipeline.trainer import Trainer
+from asyncopd_jax.scale.chips import get_topology
+from asyncopd_jax.scale.plan import (
+    Shapes,
+    abstract_learner_batch,
+    abstract_model,
+    architecture,
+    format_plan,
+    make_plan,
+)
+from tests.pipeline.test_trainer import _config, models  # noqa: F401
+
+
+def _structure(tree):
+    """Tree structure, and each leaf's shape after the rows and its dtype."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, [(tuple(x.shape[1:]), str(x.dtype)) for x in leaves]
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        {},  # forward_kl_topk with 4 MC candidates: teacher top-K, candidates
+        {"estimator.name": "reverse_kl_hybrid", "sampling.student_topk": 3, "scoring.store_dtype": "bfloat16"},
+        {"estimator.name": "decoupled_ppo", "scoring.num_samples": 2},  # proximal log-probs, teacher samples
+    ],
+    ids=["topk+candidates", "hybrid+bf16", "proximal+samples"],
+)
+def test_the_abstract_batch_is_the_batch_the_pipeline_makes(models, tmp_path, monkeypatch, sets):  # noqa: F811
+    cfg = _config(models, tmp_path, **{"train.steps": 1, **sets})
+    seen = []
+    original = LearnerStage.step
+    monkeypatch.setattr(LearnerStage, "step", lambda self, mini: seen.append(mini) or original(self, mini))
+    Trainer(cfg, progress=False).run()
+    real = seen[0]
+    rows, prompt = real.rollout.prompt_tokens.shape
+    config, _ = architecture(cfg.student)
+    model = abstract_model(config, cfg.student.dtype, vocab_limit=None)
+    abstract = abstract_learner_batch(cfg, rows, Shapes(prompt, cfg.sampling.max_new_tokens), model)
+    assert _structure(abstract) == _structure(real)
+    assert abstract.rollout.response_tokens.shape == real.rollout.response_tokens.shape
+
+
+def test_the_shipped_architectures_stand_in_for_weights_this_machine_lacks():
+    config, source = architecture(load_config(None, ["student.path=/models/Qwen3-1.7B"]).student, layers=2)
+    assert source.endswith("architectures/Qwen3-1.7B/config.json")
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (2048, 2, 151936)
+
+
+def _qwen_width_config(**sets):
+    """Qwen3-1.7B's widths and vocabulary, 2 layers, 2 rows × 256 tokens per learner device."""
+    base = {
+        "student.path": "/models/Qwen3-1.7B",
+        "teacher.path": "/models/Qwen3-8B",
+        "scoring.topk": 16,
+        "estimator.name": "forward_kl_topk",
+        "learner.batch_size": 8,
+        "learner.mesh": "{data: 1, fsdp: -1}",
+        **sets,
+    }
+    return load_config(None, [f"{k}={v}" for k, v in base.items()])
+
+
+def test_the_plan_names_its_compiler_and_every_figure_per_chip():
+    cfg = _qwen_width_config()
+    plan = make_plan(cfg, get_topology("h100-4"), Shapes(prompt_tokens=32, response_tokens=96, layers=1))
+    text = format_plan(plan)
+    assert "XLA:CPU (a proxy for the GPUs)" in text and "1 layers (reduced)" in text
+    (learner,) = plan.stages
+    assert learner.stage == "learner step" and learner.tokens == 8 * 128
+    assert learner.flops > 0 and learner.peak_bytes > learner.argument_bytes > 0
+    assert dataclasses.replace(learner, error="x").error == "x"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--topology", "v5e"], "--topology 'v5e': expected <chip>-<count>"),
+        (["--topology", "h100-4", "--set", "learner.remat=all"], "learner.remat"),
+    ],
+)
+def test_plan_errors_are_one_line(capsys, argv, says):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err
