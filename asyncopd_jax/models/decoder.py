@@ -288,3 +288,13 @@ class Decoder(nnx.Module):
     def __call__(self, input_ids: Array, positions: Array | None = None, attention_mask: Array | None = None) -> Array:
         """``[B, S]`` ids → fp32 logits ``[B, S, V]`` (causal; see :meth:`hidden_states`)."""
         return self.logits(self.hidden_states(input_ids, positions, attention_mask))
+
+
+def abstract_decoder(
+    config: DecoderConfig, dtype: jnp.dtype | str, vocab_limit: int | None = None
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """A decoder's graph and parameters as shapes and dtypes (nothing allocated): what a
+    stage needs to receive weights into, or a plan to compile at."""
+    model = nnx.eval_shape(lambda: Decoder(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+    model.vocab_limit = vocab_limit
+    return nnx.split(model)

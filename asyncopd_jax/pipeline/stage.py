@@ -23,7 +23,6 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -38,6 +37,7 @@ from asyncopd_jax.models import (
     shared_vocab_size,
 )
 from asyncopd_jax.models.config import read_hf_config
+from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.pipeline.placement import Layout, StagePlan
 from asyncopd_jax.pipeline.reward_stage import RewardStage
 from asyncopd_jax.pipeline.rollout import GroupProducer, group_key
@@ -247,10 +247,7 @@ def rollout_shardings(
 def student_graph(cfg: RunConfig, models: RunModels) -> tuple[nnx.GraphDef, Any]:
     """The student's graph and abstract parameters (shapes and dtypes; nothing allocated):
     what a rollout stage needs to receive the policy's weights."""
-    dtype = jnp.dtype(cfg.student.dtype)  # as from_pretrained makes the learner's
-    abstract = nnx.eval_shape(lambda: Decoder(models.student_config, dtype=dtype, rngs=nnx.Rngs(0)))
-    abstract.vocab_limit = models.vocab_limit
-    return nnx.split(abstract)
+    return abstract_decoder(models.student_config, cfg.student.dtype, models.vocab_limit)  # dtype: as the learner's
 
 
 def with_shardings(abstract: Any, shardings: Any) -> Any:

@@ -20,15 +20,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.config import ModelSource, RunConfig
 from asyncopd_jax.learner.optimizer import make_optimizer
 from asyncopd_jax.learner.sharding import batch_shardings, make_mesh, state_shardings
-from asyncopd_jax.learner.step import LearnerBatch, PolicyLoss, TrainState, make_proximal_fn, train_step_function
+from asyncopd_jax.learner.step import (
+    LearnerBatch,
+    PolicyLoss,
+    TrainState,
+    jit_train_step,
+    make_proximal_fn,
+    train_step_function,
+)
 from asyncopd_jax.models.config import DecoderConfig, read_hf_config
-from asyncopd_jax.models.decoder import Decoder
+from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.pipeline.placement import parse_id_list
 from asyncopd_jax.scale.chips import GIB, Chip, Topology
 from asyncopd_jax.tasks.assets import resolve_model_path
@@ -87,13 +93,6 @@ def architecture(source: ModelSource, layers: int | None = None) -> tuple[Decode
     if layers is not None:
         config = dataclasses.replace(config, num_hidden_layers=layers)
     return config, str(directory / "config.json")
-
-
-def abstract_model(config: DecoderConfig, dtype: str, vocab_limit: int | None) -> tuple[nnx.GraphDef, nnx.State]:
-    """A decoder's graph and parameters as shapes and dtypes (nothing allocated)."""
-    model = nnx.eval_shape(lambda: Decoder(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
-    model.vocab_limit = vocab_limit
-    return nnx.split(model)
 
 
 def _placed(tree: Any, shardings: Any) -> Any:
@@ -193,7 +192,7 @@ def compile_learner_step(
     """One optimizer step of ``learner.batch_size / learner.mini_batches`` rows, on the
     learner's mesh (``learner.mesh`` over ``devices``), as the run jits it."""
     mesh = make_mesh(cfg.learner.mesh, devices)
-    graphdef, params = abstract_model(config, cfg.student.dtype, vocab_limit)
+    graphdef, params = abstract_decoder(config, cfg.student.dtype, vocab_limit)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     state = jax.eval_shape(lambda p: TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)), params)
     rows = cfg.learner.batch_size // cfg.learner.mini_batches
@@ -201,10 +200,8 @@ def compile_learner_step(
     step = train_step_function(
         graphdef, optimizer, PolicyLoss.from_config(cfg), micro_batches=cfg.learner.micro_batches
     )
-    state_sharding = state_shardings(state, mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(replicated, (state_sharding, replicated)))
-    lowered = jitted.lower(_placed(state, state_sharding), _placed(batch, batch_shardings(batch, mesh)))
+    jitted = jit_train_step(step, mesh, state_example=state)  # as make_train_step jits it for the run
+    lowered = jitted.lower(_placed(state, state_shardings(state, mesh)), _placed(batch, batch_shardings(batch, mesh)))
     tokens = rows * (shapes.prompt_tokens + shapes.response_tokens)
     return _figures("learner step", len(mesh.devices.flat), rows, tokens, lowered)
 
@@ -226,10 +223,8 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
     vocab_limit = None
     if cfg.teacher.path:
         teacher, sources["teacher"] = architecture(cfg.teacher, shapes.layers)
-        if teacher.vocab_size != student.vocab_size:
-            vocab_limit = min(
-                teacher.vocab_size, student.vocab_size
-            )  # the ids both embed (run_models: the tokenizer's)
+        if teacher.vocab_size != student.vocab_size:  # the ids both embed (a run asks the tokenizer)
+            vocab_limit = min(teacher.vocab_size, student.vocab_size)
     count = len(topology.devices)
     learner_ids = stage_device_ids(cfg.stages.learner_devices, count, range(count))
     learner = compile_learner_step(cfg, student, [topology.devices[i] for i in learner_ids], shapes, vocab_limit)

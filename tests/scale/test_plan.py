@@ -14,13 +14,13 @@ import pytest
 
 from asyncopd_jax.cli import main
 from asyncopd_jax.config import load_config
+from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.pipeline.learner_stage import LearnerStage
 from asyncopd_jax.pipeline.trainer import Trainer
 from asyncopd_jax.scale.chips import get_topology
 from asyncopd_jax.scale.plan import (
     Shapes,
     abstract_learner_batch,
-    abstract_model,
     architecture,
     format_plan,
     make_plan,
@@ -52,7 +52,7 @@ def test_the_abstract_batch_is_the_batch_the_pipeline_makes(models, tmp_path, mo
     real = seen[0]
     rows, prompt = real.rollout.prompt_tokens.shape
     config, _ = architecture(cfg.student)
-    model = abstract_model(config, cfg.student.dtype, vocab_limit=None)
+    model = abstract_decoder(config, cfg.student.dtype)
     abstract = abstract_learner_batch(cfg, rows, Shapes(prompt, cfg.sampling.max_new_tokens), model)
     assert _structure(abstract) == _structure(real)
     assert abstract.rollout.response_tokens.shape == real.rollout.response_tokens.shape
