@@ -36,6 +36,7 @@ from asyncopd_jax.learner.step import (
 from asyncopd_jax.models.config import DecoderConfig, read_hf_config
 from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.pipeline.placement import parse_id_list
+from asyncopd_jax.pipeline.stage import with_shardings
 from asyncopd_jax.scale.chips import GIB, Chip, Topology
 from asyncopd_jax.tasks.assets import resolve_model_path
 
@@ -93,10 +94,6 @@ def architecture(source: ModelSource, layers: int | None = None) -> tuple[Decode
     if layers is not None:
         config = dataclasses.replace(config, num_hidden_layers=layers)
     return config, str(directory / "config.json")
-
-
-def _placed(tree: Any, shardings: Any) -> Any:
-    return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 def abstract_learner_batch(
@@ -201,7 +198,9 @@ def compile_learner_step(
         graphdef, optimizer, PolicyLoss.from_config(cfg), micro_batches=cfg.learner.micro_batches
     )
     jitted = jit_train_step(step, mesh, state_example=state)  # as make_train_step jits it for the run
-    lowered = jitted.lower(_placed(state, state_shardings(state, mesh)), _placed(batch, batch_shardings(batch, mesh)))
+    lowered = jitted.lower(
+        with_shardings(state, state_shardings(state, mesh)), with_shardings(batch, batch_shardings(batch, mesh))
+    )
     tokens = rows * (shapes.prompt_tokens + shapes.response_tokens)
     return _figures("learner step", len(mesh.devices.flat), rows, tokens, lowered)
 

@@ -4,28 +4,20 @@ reports the same temporaries with and without ``jax.checkpoint``.)"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from asyncopd_jax.models import DecoderConfig
 from asyncopd_jax.models.decoder import Decoder
+from tests.tiny_models import tiny_config
 
-CONFIG = DecoderConfig(
-    model_type="qwen3",
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=192,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    max_position_embeddings=1024,
-    tie_word_embeddings=True,
+# tiny_config's family and vocabulary, wider and deeper: 4 layers, 4 heads of 16
+CONFIG = dataclasses.replace(
+    tiny_config(vocab=64), hidden_size=64, intermediate_size=192, num_hidden_layers=4, head_dim=16
 )
 
 

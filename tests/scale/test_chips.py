@@ -34,7 +34,10 @@ def test_a_gpu_node_is_stood_in_for_by_cpu_devices_and_says_so():
         get_topology("h100-16")
 
 
-@pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed (pip install 'asyncopd-jax[tpu]')")
+@pytest.mark.skipif(
+    not libtpu_available(),
+    reason="libtpu is not installed (pip install 'asyncopd-jax[tpu]'; CI installs it and runs tests/scale)",
+)
 @pytest.mark.parametrize(("name", "chips", "kind"), [("v5e-8", 8, "TPU v5 lite"), ("v5p-8", 4, "TPU v5")])
 def test_a_tpu_slice_is_libtpus_description_of_its_chips(name, chips, kind):
     topology = get_topology(name)
@@ -42,7 +45,9 @@ def test_a_tpu_slice_is_libtpus_description_of_its_chips(name, chips, kind):
     assert not topology.proxy
 
 
-@pytest.mark.skipif(libtpu_available(), reason="checks the message given where libtpu is missing")
+@pytest.mark.skipif(
+    libtpu_available(), reason="checks the message given where libtpu is missing (runs in the README's test command)"
+)
 def test_without_libtpu_a_tpu_slice_says_what_to_install():
     with pytest.raises(ValueError, match=r"asyncopd-jax\[tpu\]"):
         get_topology("v5e-8")
