@@ -60,6 +60,10 @@ class ModelSource:
 
     path: str = ""
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # How whole-sequence attention is computed (the learner, the teacher's scoring): "auto"
+    # is Pallas splash attention on TPU, a pure-JAX flash attention on GPU, the plain one on
+    # CPU (asyncopd_jax.models.attention); the long-sequence ones never hold [S, S] scores.
+    attention: Literal["auto", "xla", "blockwise", "splash"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +110,23 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh of the learner: ``data × fsdp`` devices (−1: all remaining devices)."""
+    """Device mesh of a stage: ``data × fsdp × tensor`` devices (−1 for ``data`` or ``fsdp``:
+    all remaining devices); see :mod:`asyncopd_jax.models.partitioning` for what each axis
+    splits."""
 
     data: int = -1
     fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        check_fields(
+            "mesh",
+            [
+                ("data", self.data, self.data == -1 or self.data >= 1, "-1 or >= 1"),
+                ("fsdp", self.fsdp, self.fsdp == -1 or self.fsdp >= 1, "-1 or >= 1"),
+                ("tensor", self.tensor, self.tensor >= 1, ">= 1"),
+            ],
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +175,9 @@ class LearnerConfig:
     # demo's models are tiny), "layer" (only its input: least memory, ~1/3 more compute),
     # "dots" (its weight matmuls' outputs: attention and activations recomputed).
     remat: Literal["none", "layer", "dots"] = "none"
+    # Mixed precision: the dtype the forward and backward run in; the student's weights (its
+    # master copy) and the optimizer's moments stay in student.dtype. null: student.dtype.
+    compute_dtype: Literal["float32", "bfloat16"] | None = None
     # Dynamic batching (asyncopd_jax.learner.packing): > 0 cuts each mini-batch into
     # micro-batches of rows of similar length, at most this many prompt + response slots
     # each (trimmed to their own longest row, in steps of token_bucket); 0: micro_batches.
@@ -256,6 +276,11 @@ class StagesConfig:
     learner_devices: str = ""
     rollout_devices: str = ""
     scoring_devices: str = ""
+    # How a rollout / scoring stage's devices form its mesh (the learner's: learner.mesh):
+    # e.g. scoring_mesh: {data: 1, tensor: 4} splits an 8B teacher's heads, MLP and
+    # vocabulary over 4 chips (asyncopd_jax.models.partitioning).
+    rollout_mesh: MeshConfig = MeshConfig()
+    scoring_mesh: MeshConfig = MeshConfig()
     rollout_niceness: int = 5  # lower CPU priority: where cores are shared the learner goes first
     snapshot_dir: str = "auto"  # "auto": /dev/shm/asyncopd-<run> (RAM) if there, else <run>/snapshots
     # How a snapshot is written: "safetensors" (one flat file; ~1 ms for the demo's student),

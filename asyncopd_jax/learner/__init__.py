@@ -3,7 +3,7 @@
 from asyncopd_jax.learner import distributed
 from asyncopd_jax.learner.faults import NonFiniteLoss, drop_nonfinite_rows, nonfinite_rows
 from asyncopd_jax.learner.optimizer import learning_rate_schedule, make_optimizer
-from asyncopd_jax.learner.sharding import batch_shardings, make_mesh, param_spec, state_shardings
+from asyncopd_jax.learner.sharding import batch_shardings, make_mesh, state_shardings
 from asyncopd_jax.learner.step import (
     LearnerBatch,
     PolicyLoss,
@@ -32,6 +32,5 @@ __all__ = [
     "make_proximal_fn",
     "make_train_step",
     "nonfinite_rows",
-    "param_spec",
     "state_shardings",
 ]

@@ -1,9 +1,11 @@
-"""The learner's device mesh and sharding rules (``data × fsdp``; no ``pmap``).
+"""The learner's device mesh and sharding (``data × fsdp × tensor``; no ``pmap``).
 
-* Batches are split along their leading (example) axis over both mesh axes.
-* Parameters and optimizer moments are sharded FSDP-style: each array's largest axis
-  that the ``fsdp`` size divides is split over ``fsdp``; everything else is replicated.
-  XLA inserts the all-gathers and reduce-scatters.
+* Batches are split along their leading (example) axis over ``data`` and ``fsdp`` (and
+  replicated over ``tensor``, so the rows need not divide the whole mesh).
+* Parameters and optimizer moments lie as the partition rules say
+  (:mod:`asyncopd_jax.models.partitioning`): the ``embed`` dimension over ``fsdp``
+  (FSDP), heads, MLP and vocabulary over ``tensor``. XLA inserts the all-gathers and
+  reduce-scatters.
 """
 
 from __future__ import annotations
@@ -13,45 +15,37 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asyncopd_jax.config import MeshConfig
+from asyncopd_jax.models.partitioning import MESH_AXES, parameter_shardings
 
 BATCH_AXES = ("data", "fsdp")
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
-    """A ``(data, fsdp)`` mesh over ``devices`` (default: all); −1 takes the remainder.
+    """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all); −1 for ``data`` or
+    ``fsdp`` takes the remainder.
 
     With explicit sizes whose product is smaller than the device count, the first
-    ``data · fsdp`` devices are used (e.g. ``data: 1, fsdp: 1`` for one device).
+    ``data · fsdp · tensor`` devices are used (e.g. all 1 for one device).
     """
     devices = list(jax.devices() if devices is None else devices)
-    fsdp = len(devices) // max(cfg.data, 1) if cfg.fsdp == -1 else cfg.fsdp
-    data = len(devices) // fsdp if cfg.data == -1 else cfg.data
-    if 0 < data * fsdp < len(devices) and cfg.data != -1 and cfg.fsdp != -1:
-        devices = devices[: data * fsdp]
-    if data * fsdp != len(devices) or data < 1 or fsdp < 1:
+    tensor = cfg.tensor
+    rest = len(devices) // max(tensor, 1)
+    fsdp = rest // max(cfg.data, 1) if cfg.fsdp == -1 else cfg.fsdp
+    data = rest // max(fsdp, 1) if cfg.data == -1 else cfg.data
+    if 0 < data * fsdp * tensor < len(devices) and cfg.data != -1 and cfg.fsdp != -1:
+        devices = devices[: data * fsdp * tensor]
+    if data * fsdp * tensor != len(devices) or min(data, fsdp, tensor) < 1:
         raise ValueError(
-            f"learner.mesh data={cfg.data} × fsdp={cfg.fsdp} does not fit the {len(devices)} devices "
-            "(use -1 for one axis to take the remaining devices)"
+            f"learner.mesh data={cfg.data} × fsdp={cfg.fsdp} × tensor={cfg.tensor} does not fit the "
+            f"{len(devices)} devices (use -1 for data or fsdp to take the remaining devices)"
         )
-    return Mesh(np.asarray(devices).reshape(data, fsdp), ("data", "fsdp"))
-
-
-def param_spec(shape: tuple[int, ...], fsdp: int) -> PartitionSpec:
-    """Shard the largest axis divisible by ``fsdp`` over ``fsdp``; replicate otherwise."""
-    if fsdp == 1 or not shape:
-        return PartitionSpec()
-    candidates = [axis for axis in np.argsort(shape)[::-1] if shape[axis] % fsdp == 0]
-    if not candidates:
-        return PartitionSpec()
-    spec: list[str | None] = [None] * len(shape)
-    spec[int(candidates[0])] = "fsdp"
-    return PartitionSpec(*spec)
+    return Mesh(np.asarray(devices).reshape(data, fsdp, tensor), MESH_AXES)
 
 
 def state_shardings(tree, mesh: Mesh):
-    """A NamedSharding per array leaf of ``tree`` (parameters, optimizer state)."""
-    fsdp = mesh.shape["fsdp"]
-    return jax.tree_util.tree_map(lambda x: NamedSharding(mesh, param_spec(tuple(np.shape(x)), fsdp)), tree)
+    """A NamedSharding per array leaf of ``tree`` (parameters, optimizer state), by the
+    partition rules."""
+    return parameter_shardings(tree, mesh)
 
 
 def batch_shardings(tree, mesh: Mesh):
@@ -61,3 +55,13 @@ def batch_shardings(tree, mesh: Mesh):
         return NamedSharding(mesh, PartitionSpec(BATCH_AXES) if np.ndim(x) else PartitionSpec())
 
     return jax.tree_util.tree_map(spec, tree)
+
+
+def put(tree, shardings):
+    """``tree`` on ``shardings`` (a pytree of them like ``tree``), copying only when some
+    leaf lives elsewhere: ``jax.device_put`` of arrays already in place still costs ~10 µs
+    a leaf, paid per mini-batch and per rollout group in the pipeline's hot path."""
+    leaves, targets = jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(shardings)
+    if all(isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(leaves, targets)):
+        return tree
+    return jax.device_put(tree, shardings)

@@ -40,8 +40,9 @@ from asyncopd_jax.estimators import (
 )
 from asyncopd_jax.learner.faults import drop_nonfinite_rows
 from asyncopd_jax.learner.packing import plan_micro_batches, take_micro_batch
-from asyncopd_jax.learner.sharding import batch_shardings, state_shardings
-from asyncopd_jax.models.decoder import Decoder, Remat
+from asyncopd_jax.learner.sharding import batch_shardings, put, state_shardings
+from asyncopd_jax.models.decoder import Decoder, Remat, cast_floating
+from asyncopd_jax.models.partitioning import mesh_context
 
 if TYPE_CHECKING:
     from asyncopd_jax.config import RunConfig
@@ -83,6 +84,9 @@ class PolicyLoss:
       chunk_size: rows per chunk of the fused LM-head gather.
       remat: what each decoder layer keeps for the backward pass (``learner.remat``;
         :data:`~asyncopd_jax.models.decoder.REMAT_POLICIES`).
+      compute_dtype: the dtype the forward and backward run in (``learner.compute_dtype``;
+        None: the parameters' own). The parameters, their gradients and the optimizer's
+        moments stay in theirs: bf16 compute over fp32 master weights (:func:`loss_model`).
     """
 
     estimator: EstimatorConfig
@@ -90,12 +94,20 @@ class PolicyLoss:
     temperature: float = 1.0
     chunk_size: int = 512
     remat: Remat = "none"
+    compute_dtype: str | None = None
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> PolicyLoss:
         """The loss a run's config asks for."""
         learner = cfg.learner
-        return cls(cfg.estimator, cfg.rl.distill_coef, cfg.sampling.temperature, learner.logprob_chunk, learner.remat)
+        return cls(
+            cfg.estimator,
+            cfg.rl.distill_coef,
+            cfg.sampling.temperature,
+            learner.logprob_chunk,
+            learner.remat,
+            learner.compute_dtype,
+        )
 
     @property
     def aggregation(self) -> Aggregation:
@@ -140,6 +152,7 @@ class SFTLoss:
     chunk_size: int = 512
     aggregation: Aggregation = "token-mean"
     check_inputs: bool = False
+    compute_dtype: str | None = None
 
     def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]:
         hidden, head = response_hidden(model, batch.rollout), model.lm_head_weight()
@@ -159,7 +172,22 @@ class LossFn(Protocol):
         """The loss makes checkify checks: the step runs them and raises on the host."""
         ...
 
+    @property
+    def compute_dtype(self) -> str | None:
+        """The dtype the model computes in (None: the parameters' own; :func:`loss_model`)."""
+        ...
+
     def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]: ...
+
+
+def loss_model(graphdef: nnx.GraphDef, params: nnx.State, compute_dtype: str | None) -> Decoder:
+    """The model a loss sees: ``params`` (the master weights) cast to ``compute_dtype``.
+
+    A decoder computes in its weights' dtype (:attr:`Decoder.compute_dtype`), so casting
+    the weights is all mixed precision takes: the matmuls, activations and FSDP weight
+    gathers run in bf16, and the gradient flows back through the cast to the fp32 master
+    weights, where the optimizer's moments live too."""
+    return nnx.merge(graphdef, cast_floating(params, compute_dtype))
 
 
 def _checkified(fn: Callable, loss_fn: LossFn) -> Callable:
@@ -198,7 +226,7 @@ def _micro_batch(
     ``total`` tokens, except the ``*_max`` ones."""
 
     def objective(p):
-        return loss_fn(nnx.merge(graphdef, p), mb, denominator)
+        return loss_fn(loss_model(graphdef, p, loss_fn.compute_dtype), mb, denominator)
 
     (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
     weight = jnp.sum(mb.rollout.response_mask) / jnp.maximum(total, 1.0)
@@ -311,10 +339,11 @@ def make_train_step(
     )
 
     def place(batch: LearnerBatch) -> LearnerBatch:
-        return batch if mesh is None else jax.device_put(batch, batch_shardings(batch, mesh))
+        return batch if mesh is None else put(batch, batch_shardings(batch, mesh))
 
     def train_step(state: TrainState, batch: LearnerBatch):
-        error, out = jitted(state, place(batch))
+        with mesh_context(mesh):  # traced under the mesh: activation constraints, Pallas kernels' shard_map
+            error, out = jitted(state, place(batch))
         _throw(error)
         return out
 
@@ -372,7 +401,8 @@ def make_packed_train_step(
             mb = take_micro_batch(batch, plan)
             if mesh is not None:
                 mb = jax.device_put(mb, batch_shardings(mb, mesh))
-            error, part = gradients(state.params, mb, total, denominator)
+            with mesh_context(mesh):
+                error, part = gradients(state.params, mb, total, denominator)
             _throw(error)
             acc = part if acc is None else add(acc, part)
         state, metrics = apply(state, acc, total)
@@ -410,12 +440,20 @@ def create_train_state(
     return graphdef, init(params)
 
 
-def make_proximal_fn(graphdef: nnx.GraphDef, loss: PolicyLoss) -> Callable[[nnx.State, LearnerBatch], StudentLogProbs]:
+def make_proximal_fn(
+    graphdef: nnx.GraphDef, loss: PolicyLoss, mesh: jax.sharding.Mesh | None = None
+) -> Callable[[nnx.State, LearnerBatch], StudentLogProbs]:
     """No-grad log-probs of the current weights on a batch's cached ids: π_prox of
-    decoupled PPO, computed once per rollout batch before its first optimizer step."""
+    decoupled PPO, computed once per rollout batch before its first optimizer step (on
+    ``mesh``, the learner's, where the weights are)."""
 
     @jax.jit
+    def jitted(params: nnx.State, batch: LearnerBatch) -> StudentLogProbs:
+        # in the loss's compute dtype: π_prox and π_θ must agree exactly before the first step
+        return jax.lax.stop_gradient(loss.student(loss_model(graphdef, params, loss.compute_dtype), batch))
+
     def proximal(params: nnx.State, batch: LearnerBatch) -> StudentLogProbs:
-        return jax.lax.stop_gradient(loss.student(nnx.merge(graphdef, params), batch))
+        with mesh_context(mesh):
+            return jitted(params, batch)
 
     return proximal

@@ -1,8 +1,14 @@
 """The Llama / Qwen2 / Qwen3 decoder in Flax NNX, with a functional KV cache.
 
-One forward serves training, prefill and decode: tokens are written into KV-cache slots
-``[write_slot, write_slot + S)`` and attend, causally by slot, to every valid slot at or
-before their own. A plain forward is a prefill into an empty cache of length S.
+Two paths share the layers' weights: :meth:`Decoder.forward` writes tokens into KV-cache
+slots ``[write_slot, write_slot + S)``, where they attend, causally by slot, to every valid
+slot at or before their own (the sampler's prefill and decode); :meth:`Decoder.hidden_states`
+runs a whole sequence with no cache (the learner, the teacher), its attention computed by an
+implementation of :mod:`asyncopd_jax.models.attention` that never holds a whole sequence's
+``[S, S]`` scores where the sequence is long.
+
+A decoder computes in its weights' dtype (:attr:`Decoder.compute_dtype`): bf16 weights
+cast from fp32 master weights give a bf16 forward (mixed precision).
 
 Shapes: B batch, S tokens in this call, C cache slots, H hidden, V vocabulary,
 ``N_q`` query heads, ``N_kv`` key/value heads, ``G = N_q / N_kv``, D head dim.
@@ -14,13 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from asyncopd_jax.models.attention import Implementation, causal_attention
 from asyncopd_jax.models.config import DecoderConfig, rope_inverse_frequencies
+from asyncopd_jax.models.partitioning import constrain
 
 Array = jax.Array
 
@@ -56,11 +64,12 @@ class KVCache:
 
 
 def _dense(cfg_in: int, cfg_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    # dtype=None: compute in the dtype of the weights given (see Decoder.compute_dtype)
     return nnx.Linear(
         cfg_in,
         cfg_out,
         use_bias=bias,
-        dtype=dtype,
+        dtype=None,
         param_dtype=dtype,
         kernel_init=nnx.initializers.normal(0.02),
         rngs=rngs,
@@ -108,6 +117,28 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
         self.qk_norm = c.qk_norm
 
+    def _qkv(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        """``x [B, S, H]`` → rotated ``q [B, S, N_q, D]``, ``k [B, S, N_kv, D]`` and ``v [B, S, N_kv, D]``."""
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return rope(q, cos, sin), rope(k, cos, sin), v
+
+    def over_sequence(
+        self, x: Array, cos: Array, sin: Array, segment_ids: Array, implementation: Implementation
+    ) -> Array:
+        """Causal attention over the whole sequence ``x [B, S, H]`` → ``[B, S, H]``, no cache:
+        tokens attend earlier tokens of their own segment (``segment_ids [B, S]``; padding is
+        its own segment), computed by ``implementation`` (:func:`causal_attention`: the
+        long-sequence ones never hold a whole ``[S, S]`` of fp32 scores)."""
+        b, s, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        out = causal_attention(q, k, v, segment_ids, implementation=implementation)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim).astype(x.dtype))
+
     def __call__(
         self, x: Array, cos: Array, sin: Array, keys: Array, values: Array, mask: Array, write_slot: Array
     ) -> tuple[Array, Array, Array]:
@@ -116,12 +147,7 @@ class Attention(nnx.Module):
         ``mask [B, S, C]`` says which cache slots each query may attend to.
         """
         b, s, _ = x.shape
-        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        q, k, v = self._qkv(x, cos, sin)
         keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), write_slot, axis=1)
         values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), write_slot, axis=1)
 
@@ -162,17 +188,23 @@ class DecoderLayer(nnx.Module):
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), keys, values
 
+    def over_sequence(self, x, cos, sin, segment_ids, implementation: Implementation):
+        """The block over a whole sequence, no cache (:meth:`Attention.over_sequence`)."""
+        x = x + self.self_attn.over_sequence(self.input_layernorm(x), cos, sin, segment_ids, implementation)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
-def _rematerialised(layer: DecoderLayer, remat: Remat):
-    """``layer``'s call, keeping for the backward pass what ``remat`` says (the layer's
-    weights are arguments of the checkpointed function, so their gradients flow)."""
+
+def _rematerialised(layer: DecoderLayer, remat: Remat, method: str = "__call__", **static):
+    """``layer``'s ``method`` with ``static`` keyword arguments bound, keeping for the
+    backward pass what ``remat`` says (the layer's weights are arguments of the
+    checkpointed function, so their gradients flow)."""
     if remat == "none":
-        return layer
+        return functools.partial(getattr(layer, method), **static)
     graphdef, state = nnx.split(layer)
 
     @functools.partial(jax.checkpoint, policy=REMAT_POLICIES[remat])
     def call(state, *args):
-        return nnx.merge(graphdef, state)(*args)
+        return getattr(nnx.merge(graphdef, state), method)(*args, **static)
 
     return functools.partial(call, state)
 
@@ -193,6 +225,11 @@ class Decoder(nnx.Module):
     """
 
     vocab_limit: int | None = None
+    # How whole-sequence attention is computed (hidden_states: the learner, the teacher):
+    # an implementation of asyncopd_jax.models.attention, which the stage that holds the
+    # model resolves for its devices' platform. The KV-cache path (forward) always uses
+    # the plain one: a decode step's scores are [S=1, C].
+    attention: Implementation = "xla"
 
     def __init__(self, config: DecoderConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
         self.config = config
@@ -200,7 +237,7 @@ class Decoder(nnx.Module):
         self.embed_tokens = nnx.Embed(
             config.vocab_size,
             config.hidden_size,
-            dtype=dtype,
+            dtype=None,
             param_dtype=dtype,
             embedding_init=nnx.initializers.normal(0.02),
             rngs=rngs,
@@ -209,6 +246,13 @@ class Decoder(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if not config.tie_word_embeddings:
             self.lm_head = _dense(config.hidden_size, config.vocab_size, False, dtype, rngs)
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        """The dtype the model computes in: its weights' (``dtype`` is the dtype it was built
+        with). Mixed precision casts fp32 master weights to bf16 before merging them into a
+        model, and the whole forward follows; logits and softmax statistics stay fp32."""
+        return self.embed_tokens.embedding[...].dtype
 
     # --- the KV-cache forward -------------------------------------------------------
 
@@ -219,7 +263,6 @@ class Decoder(nnx.Module):
         token_valid: Array,
         cache: KVCache,
         write_slot: Array | int,
-        remat: Remat = "none",
     ) -> tuple[Array, KVCache]:
         """Run ``tokens [B, S]`` written into cache slots ``[write_slot, write_slot + S)``.
 
@@ -229,7 +272,6 @@ class Decoder(nnx.Module):
           token_valid: ``[B, S]`` bool; False marks padding, which no query attends to.
           cache: the cache to write into (``C ≥ write_slot + S`` slots).
           write_slot: first slot written (scalar, may be traced).
-          remat: what each layer keeps for a backward pass (:data:`REMAT_POLICIES`).
 
         Returns:
           ``(hidden [B, S, H] after the final norm, updated cache)``.
@@ -241,15 +283,11 @@ class Decoder(nnx.Module):
         causal = jnp.arange(cache.slots)[None, :] <= query_slots[:, None]  # [S, C]
         mask = causal[None] & valid[:, None, :]  # [B, S, C]
 
-        inv_freq = jnp.asarray(rope_inverse_frequencies(self.config))
-        angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
-        angles = jnp.concatenate([angles, angles], axis=-1)
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
-
-        x = self.embed_tokens(tokens)
+        cos, sin = self._rope_tables(positions)
+        x = self._embed(tokens)
         keys, values = [], []
         for layer, k, v in zip(self.layers, cache.keys, cache.values):
-            x, k, v = _rematerialised(layer, remat)(x, cos, sin, k, v, mask, write_slot)
+            x, k, v = layer(x, cos, sin, k, v, mask, write_slot)
             keys.append(k)
             values.append(v)
         return self.norm(x), KVCache(tuple(keys), tuple(values), valid)
@@ -265,15 +303,35 @@ class Decoder(nnx.Module):
 
         ``attention_mask [B, S]`` (1 = real token) excludes padding from attention;
         ``positions`` default to ``cumsum(mask) − 1`` (left padding gets the positions a
-        single unpadded sequence would have); ``remat``: see :meth:`forward`.
+        single unpadded sequence would have); ``remat``: what each layer keeps for a
+        backward pass (:data:`REMAT_POLICIES`).
         """
         b, s = tokens.shape
         mask = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
         if positions is None:
             positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
-        cache = KVCache.empty(self.config, b, s, self.dtype)
-        hidden, _ = self.forward(tokens, positions, mask, cache, 0, remat)
-        return hidden
+        cos, sin = self._rope_tables(positions)
+        # padding is segment 0, real tokens segment 1: a real token never attends padding
+        # (and a padding query, whose output nothing reads, attends only padding)
+        segment_ids = mask.astype(jnp.int32)
+        x = self._embed(tokens)
+        for layer in self.layers:
+            # rows over (data, fsdp) between layers, whatever a layer's weights' layout
+            x = constrain(x, ("batch", None, None))
+            x = _rematerialised(layer, remat, "over_sequence", implementation=self.attention)(x, cos, sin, segment_ids)
+        return self.norm(x)
+
+    def _embed(self, tokens: Array) -> Array:
+        """``tokens [B, S]`` → ``[B, S, H]`` in the embedding's own dtype (``nnx.Embed`` would
+        cast to the dtype it was built with, undoing mixed precision's cast)."""
+        return jnp.take(self.embed_tokens.embedding[...], tokens, axis=0)
+
+    def _rope_tables(self, positions: Array) -> tuple[Array, Array]:
+        """``positions [B, S]`` → RoPE ``cos, sin [B, S, D]`` (fp32)."""
+        inv_freq = jnp.asarray(rope_inverse_frequencies(self.config))
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
+        angles = jnp.concatenate([angles, angles], axis=-1)
+        return jnp.cos(angles), jnp.sin(angles)
 
     def lm_head_weight(self) -> Array:
         """``[H, V]`` output projection (the embedding's transpose when tied), V =
@@ -290,11 +348,24 @@ class Decoder(nnx.Module):
         return self.logits(self.hidden_states(input_ids, positions, attention_mask))
 
 
+def cast_floating(state: Any, dtype: str | None) -> Any:
+    """``state``'s floating-point arrays in ``dtype`` (None: unchanged); a decoder merged
+    from them computes in that dtype (:attr:`Decoder.compute_dtype`): mixed precision."""
+    if dtype is None:
+        return state
+    to = jnp.dtype(dtype)
+    return jax.tree_util.tree_map(lambda x: x.astype(to) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+
+
 def abstract_decoder(
-    config: DecoderConfig, dtype: jnp.dtype | str, vocab_limit: int | None = None
+    config: DecoderConfig,
+    dtype: jnp.dtype | str,
+    vocab_limit: int | None = None,
+    attention: Implementation = "xla",
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """A decoder's graph and parameters as shapes and dtypes (nothing allocated): what a
     stage needs to receive weights into, or a plan to compile at."""
     model = nnx.eval_shape(lambda: Decoder(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
     model.vocab_limit = vocab_limit
+    model.attention = attention
     return nnx.split(model)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
 from asyncopd_jax.models.config import DecoderConfig, read_hf_config, read_json
 from asyncopd_jax.models.decoder import Decoder
+from asyncopd_jax.models.partitioning import parameter_spec
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -87,7 +88,7 @@ def _unused(names: set[str], config: DecoderConfig) -> list[str]:
 def from_pretrained(
     path: str | Path,
     dtype: jnp.dtype | str | None = None,
-    sharding: Callable[[tuple[int, ...]], jax.sharding.Sharding] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Decoder:
     """Load a Llama / Qwen2 / Qwen3 decoder from a local Hugging Face directory.
 
@@ -96,8 +97,9 @@ def from_pretrained(
         ``model.safetensors.index.json``). Nothing is downloaded.
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, …); default: the
         checkpoint's own ``torch_dtype``, else fp32.
-      sharding: where each parameter goes, from its shape (e.g. a stage's mesh); each
-        tensor is read on the host and placed there directly. Default: the default device.
+      mesh: the mesh to place the weights on, each as the partition rules lay it out
+        (:mod:`asyncopd_jax.models.partitioning`): each tensor is read on the host and put
+        straight into its shards, never whole on one device. Default: the default device.
 
     Returns:
       The model.
@@ -144,7 +146,11 @@ def from_pretrained(
                     f"{list(expected)}; weights and config.json belong to different models"
                 )
             value = np.asarray(tensor.T if transpose else tensor, dtype)
-            loaded[key] = jax.device_put(value, sharding(value.shape)) if sharding else jnp.asarray(value)
+            loaded[key] = (
+                jax.device_put(value, NamedSharding(mesh, parameter_spec(key, value.shape, mesh)))
+                if mesh is not None
+                else jnp.asarray(value)
+            )
             used.add(name)
     # A tensor nothing reads means config.json describes a different model (fewer layers,
     # no biases where the weights have them): loading would silently drop it.

@@ -15,7 +15,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from asyncopd_jax.config import RunConfig
 from asyncopd_jax.learner import (
@@ -29,14 +28,12 @@ from asyncopd_jax.learner import (
     make_packed_train_step,
     make_proximal_fn,
     make_train_step,
-    param_spec,
 )
 from asyncopd_jax.learner.optimizer import learning_rate_schedule
-from asyncopd_jax.models import from_pretrained
+from asyncopd_jax.learner.sharding import put
 from asyncopd_jax.pipeline.placement import Layout
-from asyncopd_jax.pipeline.stage import RunModels, stage_devices
+from asyncopd_jax.pipeline.stage import RunModels, load_model, stage_devices
 from asyncopd_jax.pipeline.staleness import RolloutGroup
-from asyncopd_jax.tasks.assets import resolve_model_path
 
 
 def _concat(items: list) -> Any:
@@ -58,13 +55,7 @@ class LearnerStage:
         self.mesh = make_mesh(learner.mesh, devices)
         self.optimizer = make_optimizer(cfg.optim, cfg.train.steps)
         self.lr = learning_rate_schedule(cfg.optim, cfg.train.steps)
-        fsdp = self.mesh.shape["fsdp"]
-        student = from_pretrained(
-            resolve_model_path(cfg.student.path),
-            dtype=cfg.student.dtype,
-            sharding=lambda shape: NamedSharding(self.mesh, param_spec(shape, fsdp)),
-        )
-        student.vocab_limit = models.vocab_limit
+        student = load_model(cfg.student, models.vocab_limit, self.mesh)
         self.graphdef, self.state = create_train_state(student, self.optimizer, self.mesh)
         self.loss = PolicyLoss.from_config(cfg)
         if learner.token_budget:  # dynamic batching (one learner process: RunConfig.check_learner_processes)
@@ -86,7 +77,7 @@ class LearnerStage:
                 mesh=self.mesh,
                 state_example=self.state,
             )
-        self.proximal = make_proximal_fn(self.graphdef, self.loss) if self.loss.needs_proximal else None
+        self.proximal = make_proximal_fn(self.graphdef, self.loss, self.mesh) if self.loss.needs_proximal else None
 
     @property
     def version(self) -> int:
@@ -109,7 +100,7 @@ class LearnerStage:
             share = distributed.process_rows(rows)
             minis = [distributed.global_batch(_rows(mini, share.start, share.stop), self.mesh) for mini in minis]
         else:  # from the devices that scored them (or the host) onto the learner's
-            minis = [jax.device_put(mini, batch_shardings(mini, self.mesh)) for mini in minis]
+            minis = [put(mini, batch_shardings(mini, self.mesh)) for mini in minis]
         if self.proximal is not None:
             minis = [dataclasses.replace(m, proximal=self.proximal(self.state.params, m)) for m in minis]
         return minis

@@ -63,7 +63,8 @@ class LocalStages:
         if channel.in_memory:  # handed to the rollout threads by a device-to-device copy onto their devices
             rollout = self.layout.of_role("rollout")[0]
             return InMemorySnapshotStore(
-                keep=channel.keep, shardings=rollout_shardings(self.layout, rollout, params, self.learner_devices)
+                keep=channel.keep,
+                shardings=rollout_shardings(self.cfg, self.layout, rollout, params, self.learner_devices),
             )
         # Versions left by an earlier incarnation of this run may be newer than the restored
         # policy; rollouts from them would be refused as "future". The learner is the only
@@ -79,7 +80,7 @@ class LocalStages:
         read from the snapshots on disk onto its own devices."""
         if not self.layout.snapshots.in_memory:
             params = self.learner.state.params
-            shardings = rollout_shardings(self.layout, plan, params, self.learner_devices)
+            shardings = rollout_shardings(self.cfg, self.layout, plan, params, self.learner_devices)
             snapshots = DiskSnapshotStore(
                 self.layout.snapshots.directory,
                 with_shardings(params, shardings),

@@ -13,8 +13,9 @@ process, or the ``fixed_lag`` schedule's learner thread:
   (from the snapshot channel), the task's prompts and reward, and the scoring stage that
   shares its process (if any).
 
-A stage's mesh is one axis, ``data``, over its devices; its models are replicated there
-(issue 26 shards them by the model's rules table).
+A stage's mesh has the axes ``data × fsdp × tensor`` over its devices
+(``stages.rollout_mesh``, ``stages.scoring_mesh``; default: all on ``data``, the models
+replicated); its models lie there as :mod:`asyncopd_jax.models.partitioning` says.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
-from asyncopd_jax.config import ModelSource, RunConfig
+from asyncopd_jax.config import MeshConfig, ModelSource, RunConfig
+from asyncopd_jax.learner.sharding import make_mesh, put
 from asyncopd_jax.models import (
     Decoder,
     DecoderConfig,
@@ -36,8 +38,10 @@ from asyncopd_jax.models import (
     load_tokenizer,
     shared_vocab_size,
 )
+from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.config import read_hf_config
 from asyncopd_jax.models.decoder import abstract_decoder
+from asyncopd_jax.models.partitioning import logical_spec, mesh_context, parameter_shardings
 from asyncopd_jax.pipeline.placement import Layout, StagePlan
 from asyncopd_jax.pipeline.reward_stage import RewardStage
 from asyncopd_jax.pipeline.rollout import GroupProducer, group_key
@@ -116,34 +120,30 @@ def stage_devices(layout: Layout, plan: StagePlan, default: list[jax.Device] | N
     return [local[i] for i in plan.devices]
 
 
-def stage_mesh(devices: list[jax.Device]) -> Mesh:
-    """A rollout or scoring stage's mesh: one ``data`` axis over its devices."""
-    return Mesh(np.asarray(devices), ("data",))
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
+def stage_mesh(devices: list[jax.Device], mesh: MeshConfig | None = None) -> Mesh:
+    """A stage's ``(data, fsdp, tensor)`` mesh over its devices, shaped as ``mesh`` says
+    (``stages.rollout_mesh``, ``stages.scoring_mesh``; default: every device on ``data``)."""
+    return make_mesh(mesh or MeshConfig(), devices)
 
 
 def load_model(source: ModelSource, vocab_limit: int | None, mesh: Mesh) -> Decoder:
-    """A model loaded straight onto ``mesh`` (replicated; no copy on another device first)."""
-    model = from_pretrained(
-        resolve_model_path(source.path), dtype=source.dtype, sharding=lambda shape: replicated(mesh)
-    )
+    """A model loaded straight into its shards on ``mesh`` (by the partition rules; no
+    whole copy on any device first)."""
+    model = from_pretrained(resolve_model_path(source.path), dtype=source.dtype, mesh=mesh)
     model.vocab_limit = vocab_limit
+    model.attention = resolve_implementation(source.attention, mesh.devices.flat[0].platform)
     return model
 
 
 def on_mesh(tree: Any, mesh: Mesh) -> Any:
-    """``tree``'s arrays on ``mesh``: rows split over ``data`` when they divide, else
-    replicated (a device-to-device copy when they live elsewhere)."""
-    n = mesh.shape["data"]
+    """``tree``'s arrays on ``mesh``: rows split over the mesh's batch axes where they
+    divide, else replicated (a device-to-device copy when they live elsewhere)."""
 
     def sharding(x: Any) -> NamedSharding:
-        rows = np.shape(x)[0] if np.ndim(x) else 0
-        return NamedSharding(mesh, PartitionSpec("data") if rows and rows % n == 0 else PartitionSpec())
+        axes = ("batch",) + (None,) * (np.ndim(x) - 1) if np.ndim(x) else ()
+        return NamedSharding(mesh, logical_spec(axes, np.shape(x), mesh))
 
-    return jax.device_put(tree, jax.tree_util.tree_map(sharding, tree))
+    return put(tree, jax.tree_util.tree_map(sharding, tree))
 
 
 # --- the stages ---------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ class ScoringStage:
 
     def score(self, group: RolloutGroup, seed: int, index: int, tracer: Tracer) -> RolloutGroup:
         """``group`` with its score cache (and reference log-probs) filled in."""
-        with tracer.span("score"):
+        with tracer.span("score"), mesh_context(self.mesh):
             batch = on_mesh(group.batch, self.mesh)
             batch, cache = jax.block_until_ready(
                 self.scorers.score(batch, jax.random.fold_in(group_key(seed, index), 1))
@@ -174,7 +174,7 @@ def build_scoring_stage(
     """Load what ``cfg`` scores onto ``plan``'s devices: the teacher where the run needs its
     scores, the reference policy (``reference.path``, else the student's starting weights)
     where the loss has a KL-to-reference term."""
-    mesh = stage_mesh(stage_devices(layout, plan, default_devices))
+    mesh = stage_mesh(stage_devices(layout, plan, default_devices), cfg.stages.scoring_mesh)
     teacher = load_model(cfg.teacher, models.vocab_limit, mesh) if cfg.needs_teacher_scores else None
     reference = None
     if cfg.estimator.needs_reference_logp:
@@ -220,7 +220,7 @@ def build_rollout_stage(
 ) -> RolloutStage:
     """The rollout stage ``plan``; ``snapshots`` delivers the policy's weights onto its mesh
     (:func:`rollout_shardings`)."""
-    mesh = stage_mesh(stage_devices(layout, plan, default_devices))
+    mesh = stage_mesh(stage_devices(layout, plan, default_devices), cfg.stages.rollout_mesh)
     producer = GroupProducer(
         sampler=Sampler(graphdef, models.sampling, pad_id=models.task.pad_id, mesh=mesh),
         snapshots=snapshots,
@@ -237,11 +237,15 @@ def build_rollout_stage(
 
 
 def rollout_shardings(
-    layout: Layout, plan: StagePlan, abstract_params: Any, default_devices: list[jax.Device] | None = None
+    cfg: RunConfig,
+    layout: Layout,
+    plan: StagePlan,
+    abstract_params: Any,
+    default_devices: list[jax.Device] | None = None,
 ) -> Any:
     """The shardings the rollout stage ``plan`` reads the policy's weights into."""
-    sharding = replicated(stage_mesh(stage_devices(layout, plan, default_devices)))
-    return jax.tree_util.tree_map(lambda _: sharding, abstract_params)
+    mesh = stage_mesh(stage_devices(layout, plan, default_devices), cfg.stages.rollout_mesh)
+    return parameter_shardings(abstract_params, mesh)
 
 
 def student_graph(cfg: RunConfig, models: RunModels) -> tuple[nnx.GraphDef, Any]:
@@ -266,5 +270,5 @@ def teacher_on(mesh: Mesh, cfg: RunConfig, models: RunModels, scoring: ScoringSt
     device to device when it shares this process, else read from disk."""
     if scoring is not None and scoring.teacher is not None:
         graphdef, weights = nnx.split(scoring.teacher)
-        return nnx.merge(graphdef, jax.device_put(weights, replicated(mesh)))
+        return nnx.merge(graphdef, jax.device_put(weights, parameter_shardings(weights, mesh)))
     return load_model(cfg.teacher, models.vocab_limit, mesh)

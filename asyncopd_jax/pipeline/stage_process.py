@@ -133,7 +133,7 @@ class _StageWork:
             graphdef, abstract = stage.student_graph(cfg, models)
             snapshots = DiskSnapshotStore(
                 layout.snapshots.directory,
-                stage.with_shardings(abstract, stage.rollout_shardings(layout, rollout_plan, abstract)),
+                stage.with_shardings(abstract, stage.rollout_shardings(cfg, layout, rollout_plan, abstract)),
                 read_only=True,
                 format=layout.snapshots.format,
             )

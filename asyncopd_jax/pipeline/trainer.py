@@ -44,7 +44,7 @@ from asyncopd_jax.pipeline.progress import ProgressBar, Throughput
 from asyncopd_jax.pipeline.rollout import Stages
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.snapshots import SnapshotStore
-from asyncopd_jax.pipeline.stage import build_scoring_stage, run_models, stage_mesh, teacher_on
+from asyncopd_jax.pipeline.stage import build_scoring_stage, run_models, teacher_on
 from asyncopd_jax.pipeline.staleness import RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 
@@ -121,7 +121,7 @@ class Trainer:
 
     def _teacher_on_learner(self) -> nnx.Module:
         """The teacher on the learner's devices, for a probe (see :func:`teacher_on`)."""
-        return teacher_on(stage_mesh(self.learner_devices), self.cfg, self.models, self.scoring)
+        return teacher_on(self.learner.mesh, self.cfg, self.models, self.scoring)
 
     def _snapshot_store(self) -> SnapshotStore:
         return self.local.snapshot_store()

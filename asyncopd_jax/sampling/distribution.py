@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,14 @@ class SamplingParams:
       chunk_steps: decode steps between checks for new weights (interruptible generation).
       allow_truncated_mc: permit MC candidates with top-p / top-k (the estimators then
         target the truncated distribution, which is rarely what you want).
+      compute_dtype: the dtype the sampler computes in, its weights cast to it inside the
+        compiled functions (None: the weights' own); "bfloat16" samples an fp32 student in
+        bf16 with a bf16 KV cache (half the cache's bytes). The recorded behaviour
+        log-probs (fp32) are then those of the bf16 model: of the distribution actually
+        sampled, which is what the estimators need.
+      recompute_chunk: cache slots per chunk of the prefill and of the KV cache's in-place
+        recompute after a weight swap: each chunk's attention holds ``[B, N_q, chunk, P + T]``
+        fp32 scores (per device: its rows), and each chunk reads all the weights once.
     """
 
     temperature: float = 1.0
@@ -36,6 +45,8 @@ class SamplingParams:
     student_topk: int = 0
     chunk_steps: int = 32
     allow_truncated_mc: bool = False
+    compute_dtype: Literal["float32", "bfloat16"] | None = None
+    recompute_chunk: int = 256
 
     def __post_init__(self) -> None:
         checks = [
@@ -46,6 +57,13 @@ class SamplingParams:
             (self.num_candidates >= 0, "num_candidates", self.num_candidates, ">= 0"),
             (self.student_topk >= 0, "student_topk", self.student_topk, ">= 0"),
             (self.chunk_steps >= 1, "chunk_steps", self.chunk_steps, ">= 1"),
+            (self.recompute_chunk >= 1, "recompute_chunk", self.recompute_chunk, ">= 1"),
+            (
+                self.compute_dtype in (None, "float32", "bfloat16"),
+                "compute_dtype",
+                self.compute_dtype,
+                "null, float32 or bfloat16",
+            ),
         ]
         for ok, field, value, allowed in checks:
             if not ok:

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.config import ModelSource, RunConfig
@@ -33,12 +34,17 @@ from asyncopd_jax.learner.step import (
     make_proximal_fn,
     train_step_function,
 )
+from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.config import DecoderConfig, read_hf_config
-from asyncopd_jax.models.decoder import abstract_decoder
-from asyncopd_jax.pipeline.placement import parse_id_list
-from asyncopd_jax.pipeline.stage import with_shardings
+from asyncopd_jax.models.decoder import Remat, abstract_decoder
+from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
+from asyncopd_jax.pipeline.placement import parse_id_list, rollout_group_size, rollout_stage_count, split_ids
+from asyncopd_jax.pipeline.stage import stage_mesh, with_shardings
+from asyncopd_jax.sampling import Sampler
 from asyncopd_jax.scale.chips import GIB, Chip, Topology
+from asyncopd_jax.scale.flops import matmul_flops, transformer_flops
 from asyncopd_jax.tasks.assets import resolve_model_path
+from asyncopd_jax.teacher.scorer import teacher_score_function
 
 ARCHITECTURES = Path(__file__).parent / "architectures"  # config.json of models a plan may name
 
@@ -68,9 +74,16 @@ class StageFigures:
     output_bytes: int = 0
     alias_bytes: int = 0
     temp_bytes: int = 0
-    flops: float = 0.0  # per chip
-    bytes_accessed: float = 0.0  # per chip
+    flops: float = 0.0  # per chip, as XLA's cost analysis counts them (a loop's body once)
+    bytes_accessed: float = 0.0  # per chip, likewise
     error: str | None = None
+    # Matmul FLOPs per chip counted from the jaxpr (asyncopd_jax.scale.flops): the work as
+    # configured (rematerialisation's recomputation included), the model's own (no
+    # recomputation: what MFU counts), and the textbook 2 (6 with a backward pass) ·
+    # weights · tokens + attention, which the model's count should match.
+    executed_flops: float = 0.0
+    model_flops: float = 0.0
+    textbook_flops: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -78,7 +91,15 @@ class StageFigures:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
     def roofline_seconds(self, chip: Chip) -> float:
-        return max(self.flops / chip.peak_flops, self.bytes_accessed / chip.hbm_bytes_per_s)
+        """``max(FLOPs / peak, bytes / bandwidth)``: the executed matmul FLOPs where counted
+        (the compiler's otherwise), the compiler's bytes (a lower bound: loops once)."""
+        flops = max(self.executed_flops, self.flops)
+        return max(flops / chip.peak_flops, self.bytes_accessed / chip.hbm_bytes_per_s)
+
+    def mfu(self, chip: Chip) -> float:
+        """Model-FLOPs utilisation if the call ran at its roofline time."""
+        seconds = self.roofline_seconds(chip)
+        return self.model_flops / (seconds * chip.peak_flops) if seconds else 0.0
 
 
 def architecture(source: ModelSource, layers: int | None = None) -> tuple[DecoderConfig, str]:
@@ -189,20 +210,107 @@ def compile_learner_step(
     """One optimizer step of ``learner.batch_size / learner.mini_batches`` rows, on the
     learner's mesh (``learner.mesh`` over ``devices``), as the run jits it."""
     mesh = make_mesh(cfg.learner.mesh, devices)
-    graphdef, params = abstract_decoder(config, cfg.student.dtype, vocab_limit)
+    attention = resolve_implementation(cfg.student.attention, devices[0].platform)
+    graphdef, params = abstract_decoder(config, cfg.student.dtype, vocab_limit, attention)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     state = jax.eval_shape(lambda p: TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)), params)
     rows = cfg.learner.batch_size // cfg.learner.mini_batches
     batch = abstract_learner_batch(cfg, rows, shapes, (graphdef, params))
-    step = train_step_function(
-        graphdef, optimizer, PolicyLoss.from_config(cfg), micro_batches=cfg.learner.micro_batches
-    )
+    loss = PolicyLoss.from_config(cfg)
+    step = train_step_function(graphdef, optimizer, loss, micro_batches=cfg.learner.micro_batches)
     jitted = jit_train_step(step, mesh, state_example=state)  # as make_train_step jits it for the run
-    lowered = jitted.lower(
-        with_shardings(state, state_shardings(state, mesh)), with_shardings(batch, batch_shardings(batch, mesh))
-    )
+    with mesh_context(mesh):
+        lowered = jitted.lower(
+            with_shardings(state, state_shardings(state, mesh)), with_shardings(batch, batch_shardings(batch, mesh))
+        )
     tokens = rows * (shapes.prompt_tokens + shapes.response_tokens)
-    return _figures("learner step", len(mesh.devices.flat), rows, tokens, lowered)
+    figures = _figures("learner step", len(mesh.devices.flat), rows, tokens, lowered)
+
+    # the work, counted on the plain attention (a Pallas kernel's dots are not in the jaxpr)
+    plain, _ = abstract_decoder(config, cfg.student.dtype, vocab_limit, "xla")
+
+    def counted(remat: Remat) -> float:
+        step = train_step_function(
+            plain, optimizer, dataclasses.replace(loss, remat=remat), micro_batches=cfg.learner.micro_batches
+        )
+        return matmul_flops(step, state, batch) / len(devices)
+
+    head = dataclasses.replace(config, vocab_size=vocab_limit or config.vocab_size)
+    textbook = transformer_flops(
+        head, rows, shapes.prompt_tokens + shapes.response_tokens, shapes.response_tokens, backward=True
+    )
+    return dataclasses.replace(
+        figures,
+        executed_flops=counted(loss.remat),
+        model_flops=counted("none"),
+        textbook_flops=textbook / len(devices),
+    )
+
+
+def compile_teacher_scoring(
+    cfg: RunConfig, config: DecoderConfig, devices: list, shapes: Shapes, rows: int, vocab_limit: int | None = None
+) -> StageFigures:
+    """The teacher's scoring of one rollout group of ``rows``, on the scoring stage's mesh
+    (``stages.scoring_mesh`` over ``devices``), as :class:`TeacherScorer` jits it."""
+    mesh = stage_mesh(devices, cfg.stages.scoring_mesh)
+    attention = resolve_implementation(cfg.teacher.attention, devices[0].platform)
+    graphdef, params = abstract_decoder(config, cfg.teacher.dtype, vocab_limit, attention)
+    batch = abstract_learner_batch(cfg, rows, shapes).rollout
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    score = jax.jit(teacher_score_function(graphdef, cfg.scoring))
+    with mesh_context(mesh):
+        lowered = score.lower(
+            with_shardings(params, parameter_shardings(params, mesh)),
+            with_shardings(batch, batch_shardings(batch, mesh)),
+            with_shardings(key, NamedSharding(mesh, PartitionSpec())),
+        )
+    tokens = rows * (shapes.prompt_tokens + shapes.response_tokens)
+    figures = _figures("teacher scoring", len(mesh.devices.flat), rows, tokens, lowered)
+    plain, _ = abstract_decoder(config, cfg.teacher.dtype, vocab_limit, "xla")
+    counted = matmul_flops(teacher_score_function(plain, cfg.scoring), params, batch, key) / len(devices)
+    head = dataclasses.replace(config, vocab_size=vocab_limit or config.vocab_size)
+    textbook = transformer_flops(
+        head, rows, shapes.prompt_tokens + shapes.response_tokens, shapes.response_tokens, backward=False
+    )
+    return dataclasses.replace(
+        figures, executed_flops=counted, model_flops=counted, textbook_flops=textbook / len(devices)
+    )
+
+
+def compile_sampler(
+    cfg: RunConfig, config: DecoderConfig, devices: list, shapes: Shapes, rows: int, vocab_limit: int | None = None
+) -> list[StageFigures]:
+    """The rollout stage's sampler on its mesh (``stages.rollout_mesh`` over ``devices``),
+    for one group of ``rows`` prompts: prefill, one decode step (a chunk of
+    ``sampling.chunk_steps`` steps compiled, its figures per step: the compiler counts a
+    loop's body once) and the KV cache's rewrite after a weight swap, each holding the
+    weights as the rollout stage receives them (``student.dtype``, by the partition rules)."""
+    mesh = stage_mesh(devices, cfg.stages.rollout_mesh)
+    graphdef, params = abstract_decoder(config, cfg.student.dtype, vocab_limit)
+    sampling = dataclasses.replace(cfg.sampling, max_new_tokens=shapes.response_tokens)
+    sampler = Sampler(graphdef, sampling, mesh=mesh)
+    weights = with_shardings(params, parameter_shardings(params, mesh))
+    lowered = sampler.lower(weights, rows, shapes.prompt_tokens)
+    n, p, t = len(mesh.devices.flat), shapes.prompt_tokens, shapes.response_tokens
+    head = dataclasses.replace(config, vocab_size=vocab_limit or config.vocab_size)
+    # The work per call, by the textbook (the sampler's loops hide it from both the compiler,
+    # which counts a loop's body once, and a count of its jaxpr): a forward over the tokens
+    # written, the LM head on each row's next token only; a decode step's attention reads
+    # all P + T slots of its row's cache.
+    q = config.num_attention_heads * config.head_dim
+    work = {
+        "prefill": transformer_flops(head, rows, p, 1, backward=False),
+        "decode": transformer_flops(head, rows, 1, 1, backward=False)
+        + rows * config.num_hidden_layers * 4 * (p + t) * q,
+        "recompute": transformer_flops(head, rows, p + t, 1, backward=False),
+    }
+    tokens = {"prefill": rows * p, "decode": rows, "recompute": rows * (p + t)}
+    figures = []
+    for name, low in lowered.items():
+        f = _figures(f"sampler {name}", n, rows, tokens[name], low)
+        flops = work[name] / n
+        figures.append(dataclasses.replace(f, executed_flops=flops, model_flops=flops, textbook_flops=flops))
+    return figures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +321,7 @@ class Plan:
     shapes: Shapes
     stages: list[StageFigures]
     sources: dict[str, str]  # model → the config.json it was read from
+    balance: dict[str, float] = dataclasses.field(default_factory=dict)  # stage → roofline s per rollout batch
 
 
 def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
@@ -225,13 +334,46 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
         if teacher.vocab_size != student.vocab_size:  # the ids both embed (a run asks the tokenizer)
             vocab_limit = min(teacher.vocab_size, student.vocab_size)
     count = len(topology.devices)
-    learner_ids = stage_device_ids(cfg.stages.learner_devices, count, range(count))
-    learner = compile_learner_step(cfg, student, [topology.devices[i] for i in learner_ids], shapes, vocab_limit)
-    return Plan(topology, shapes, [learner], sources)
+    chips = topology.chip
+
+    def devices_of(spec: str, processes: int) -> list:
+        """One stage's devices: its role's list, dealt out to its processes as the run does."""
+        ids = stage_device_ids(spec, count, range(count))
+        if cfg.schedule.placement == "processes" and processes > 1:
+            ids = list(split_ids(ids, processes)[0])
+        return [topology.devices[i] for i in ids]
+
+    learner = compile_learner_step(cfg, student, devices_of(cfg.stages.learner_devices, 1), shapes, vocab_limit)
+    rollouts = rollout_stage_count(cfg)
+    group = rollout_group_size(cfg)
+    groups = cfg.learner.batch_size // group  # rollout groups per batch
+    sampler = compile_sampler(
+        cfg, student, devices_of(cfg.stages.rollout_devices, rollouts), shapes, group, vocab_limit
+    )
+    prefill, decode = sampler[0].roofline_seconds(chips), sampler[1].roofline_seconds(chips)
+    balance = {  # a stage that does not compile has no time (NaN)
+        "rollout": -(-groups // rollouts) * (prefill + shapes.response_tokens * decode),
+        "learning": cfg.learner.mini_batches * learner.roofline_seconds(chips),
+    }
+    if any(s.error for s in sampler):
+        balance["rollout"] = float("nan")
+    if learner.error:
+        balance["learning"] = float("nan")
+    stages = [learner, *sampler]
+    if cfg.teacher.path and cfg.needs_teacher_scores:
+        scorers = cfg.stages.scoring_processes if cfg.schedule.placement == "processes" else 1
+        if scorers:
+            spec = cfg.stages.scoring_devices
+        else:  # each rollout process scores its own groups on its own devices
+            spec, scorers = cfg.stages.rollout_devices, rollouts
+        scoring = compile_teacher_scoring(cfg, teacher, devices_of(spec, scorers), shapes, group, vocab_limit)
+        stages.append(scoring)
+        balance["scoring"] = float("nan") if scoring.error else -(-groups // scorers) * scoring.roofline_seconds(chips)
+    return Plan(topology, shapes, stages, sources, balance)
 
 
 def format_plan(plan: Plan) -> str:
-    """The plan as a table, one row per stage, per chip."""
+    """The plan as a table, one row per stage, per chip; then the pipeline's balance."""
     chip = plan.topology.chip
     lines = [
         f"topology {plan.topology.name}: {len(plan.topology.devices)} × {chip.name} "
@@ -241,16 +383,35 @@ def format_plan(plan: Plan) -> str:
         + (f", {plan.shapes.layers} layers (reduced)" if plan.shapes.layers else ""),
         *(f"{name}: {source}" for name, source in plan.sources.items()),
         "",
+        "per chip and call; TFLOP: matmul FLOPs counted from the program (model: without",
+        "recomputation; run: as configured; /book: model over 2 (6 with a backward pass) ·",
+        "weights · tokens + attention; XLA: the compiler's own count, which takes a loop's body once)",
+        "",
         f"{'stage':<16}{'chips':>6}{'rows':>6}{'args GiB':>10}{'temp GiB':>10}{'peak GiB':>10}{'of HBM':>8}"
-        f"{'TFLOP':>9}{'roofline s':>12}",
+        f"{'model':>8}{'run':>8}{'/book':>7}{'XLA':>8}{'roofline s':>12}{'MFU':>6}",
     ]
     for s in plan.stages:
         if s.error:
             lines.append(f"{s.stage:<16}{s.devices:>6}{s.rows:>6}  does not compile: {s.error}")
             continue
+        book = f"{s.model_flops / s.textbook_flops:.2f}" if s.textbook_flops else "-"
         lines.append(
             f"{s.stage:<16}{s.devices:>6}{s.rows:>6}{s.argument_bytes / GIB:>10.2f}{s.temp_bytes / GIB:>10.2f}"
-            f"{s.peak_bytes / GIB:>10.2f}{s.peak_bytes / chip.hbm_bytes:>8.0%}{s.flops / 1e12:>9.1f}"
-            f"{s.roofline_seconds(chip):>12.3f}"
+            f"{s.peak_bytes / GIB:>10.2f}{s.peak_bytes / chip.hbm_bytes:>8.0%}{s.model_flops / 1e12:>8.1f}"
+            f"{s.executed_flops / 1e12:>8.1f}{book:>7}{s.flops / 1e12:>8.1f}{s.roofline_seconds(chip):>12.3f}"
+            f"{s.mfu(chip):>6.0%}"
         )
+    times = [t for t in plan.balance.values() if t == t]  # the stages that compile
+    if times:
+        slowest = max(times)
+        lines += [
+            "",
+            "per rollout batch, at the roofline (the sampler: prefill + T decode steps per group; weight",
+            "swaps add a recompute each): the slowest stage sets the pace, the others idle the rest",
+        ]
+        for name, seconds in plan.balance.items():
+            if seconds != seconds:
+                lines.append(f"  {name:<10}  (does not compile)")
+            else:
+                lines.append(f"  {name:<10}{seconds:>9.2f} s  busy {seconds / slowest:>4.0%}")
     return "\n".join(lines)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,19 @@ def score_hidden(
     return TeacherScoreCache(**{name: unchunk(value) for name, value in chunks.items()})
 
 
+def teacher_score_function(
+    graphdef: nnx.GraphDef, params: ScoringParams
+) -> Callable[[nnx.State, RolloutBatch, Array], TeacherScoreCache]:
+    """The teacher's scoring as a pure ``(weights, batch, key) → cache``: what
+    :class:`TeacherScorer` jits, and what ``asyncopd plan`` compiles at shapes only."""
+
+    def score(state: nnx.State, batch: RolloutBatch, key: Array) -> TeacherScoreCache:
+        model: Decoder = nnx.merge(graphdef, state)
+        return score_hidden(response_hidden(model, batch), model.lm_head_weight(), batch, key, params)
+
+    return score
+
+
 class TeacherScorer:
     """Runs a teacher :class:`Decoder` over rollouts and returns their score cache.
 
@@ -124,11 +138,7 @@ class TeacherScorer:
     def __init__(self, model: Decoder, params: ScoringParams):
         self.graphdef, self.state = nnx.split(model)
         self.params = params
-        self._score = jax.jit(self._score_fn)
-
-    def _score_fn(self, state, batch: RolloutBatch, key) -> TeacherScoreCache:
-        model: Decoder = nnx.merge(self.graphdef, state)
-        return score_hidden(response_hidden(model, batch), model.lm_head_weight(), batch, key, self.params)
+        self._score = jax.jit(teacher_score_function(self.graphdef, params))
 
     def score(self, batch: RolloutBatch, key: Array | None = None) -> TeacherScoreCache:
         """Score one rollout batch (``key`` seeds the teacher samples)."""

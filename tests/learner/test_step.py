@@ -8,7 +8,7 @@ import optax
 import pytest
 from flax import nnx
 
-from asyncopd_jax.config import EstimatorConfig, MeshConfig, OptimConfig, RunConfig, load_config
+from asyncopd_jax.config import ConfigError, EstimatorConfig, MeshConfig, OptimConfig, RunConfig, load_config
 from asyncopd_jax.estimator_registry import evaluate_estimator
 from asyncopd_jax.learner import (
     LearnerBatch,
@@ -101,11 +101,14 @@ def test_token_budget_micro_batches_do_not_change_the_step(learner_batch, estima
     assert m_packed[0]["micro_batches"] > (1 if data == 1 else 0) and 0 <= m_packed[0]["padding_fraction"] < 1
 
 
-def test_sharded_step_equals_single_device(learner_batch):
+@pytest.mark.parametrize("data, fsdp, tensor", [(4, 2, 1), (2, 1, 4)])
+def test_sharded_step_equals_single_device(learner_batch, data, fsdp, tensor):
+    """FSDP; and tensor parallelism: heads and MLP over 4 devices (the 61-id vocabulary
+    does not divide and stays whole), the 8 rows over only 2."""
     assert jax.device_count() == 8, "tests run with 8 virtual CPU devices (see tests/conftest.py)"
     loss = PolicyLoss(EstimatorConfig("reverse_kl_mc"))
     single, ms = _run(loss, learner_batch, steps=2, optimizer=optax.sgd(1.0))
-    mesh = make_mesh(MeshConfig(data=4, fsdp=2))
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
     sharded, mm = _run(loss, learner_batch, mesh=mesh, steps=2, optimizer=optax.sgd(1.0))
     _assert_params_close(single, sharded, rtol=1e-5, atol=1e-7)
     # And with the real optimizer (AdamW + clipping), loosely: its first steps are ≈ sign(g).
@@ -160,7 +163,12 @@ def test_decoupled_ppo_step_matches_the_numpy_oracle(learner_batch):
 def test_mesh_errors():
     with pytest.raises(ValueError, match="does not fit the 8 devices"):
         make_mesh(MeshConfig(data=3, fsdp=3))
+    with pytest.raises(ValueError, match="tensor=3 does not fit the 8 devices"):
+        make_mesh(MeshConfig(data=-1, fsdp=1, tensor=3))
     assert make_mesh(MeshConfig(data=1, fsdp=1)).devices.size == 1
+    assert dict(make_mesh(MeshConfig(data=-1, fsdp=1, tensor=4)).shape) == {"data": 2, "fsdp": 1, "tensor": 4}
+    with pytest.raises(ConfigError, match="tensor = 0 is invalid"):
+        MeshConfig(tensor=0)
 
 
 def test_parameters_and_moments_are_fsdp_sharded():
@@ -168,7 +176,7 @@ def test_parameters_and_moments_are_fsdp_sharded():
     optimizer = make_optimizer(OptimConfig(), 10)
     _, state = create_train_state(tiny_decoder(0), optimizer, mesh)
     specs = [leaf.sharding.spec for leaf in jax.tree_util.tree_leaves(state) if leaf.ndim == 2]
-    assert specs and all("fsdp" in tuple(spec) for spec in specs)
+    assert specs and all("fsdp" in tuple(spec) for spec in specs)  # the embed dimension (32)
     assert all(len(leaf.sharding.device_set) == 8 for leaf in jax.tree_util.tree_leaves(state))
 
 
@@ -241,9 +249,12 @@ def test_the_loss_is_built_from_the_run_config():
             "learner.logprob_chunk=64",
             "estimator.aggregation=seq-mean-token-mean",
             "estimator.check_inputs=true",
+            "learner.remat=layer",
+            "learner.compute_dtype=bfloat16",
         ],
     )
     loss = PolicyLoss.from_config(cfg)
+    assert (loss.remat, loss.compute_dtype) == ("layer", "bfloat16")
     assert loss.estimator is cfg.estimator
     assert (loss.distill_coef, loss.temperature, loss.chunk_size) == (0.3, 0.7, 64)
     assert loss.aggregation == "seq-mean-token-mean" and loss.check_inputs and loss.needs_proximal

@@ -173,3 +173,7 @@ def test_sampling_params_errors_name_the_field():
     SamplingParams(top_p=0.9, num_candidates=4, allow_truncated_mc=True)
     with pytest.raises(ValueError, match="greedy decoding has no distribution"):
         SamplingParams(temperature=0.0, num_candidates=4)
+    with pytest.raises(ValueError, match="sampling.recompute_chunk"):
+        SamplingParams(recompute_chunk=0)
+    with pytest.raises(ValueError, match="sampling.compute_dtype"):
+        SamplingParams(compute_dtype="float16")  # type: ignore[arg-type]

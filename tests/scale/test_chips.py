@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asyncopd_jax.scale.chips import CHIPS, get_topology, libtpu_available, parse_topology, proxy_devices_needed
+from tests.tpu_compiler import needs_libtpu
 
 
 @pytest.mark.parametrize(
@@ -34,10 +35,7 @@ def test_a_gpu_node_is_stood_in_for_by_cpu_devices_and_says_so():
         get_topology("h100-16")
 
 
-@pytest.mark.skipif(
-    not libtpu_available(),
-    reason="libtpu is not installed (pip install 'asyncopd-jax[tpu]'; CI installs it and runs tests/scale)",
-)
+@needs_libtpu
 @pytest.mark.parametrize(("name", "chips", "kind"), [("v5e-8", 8, "TPU v5 lite"), ("v5p-8", 4, "TPU v5")])
 def test_a_tpu_slice_is_libtpus_description_of_its_chips(name, chips, kind):
     topology = get_topology(name)

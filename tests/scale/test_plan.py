@@ -7,15 +7,21 @@ errors are one line.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import pytest
 
 from asyncopd_jax.cli import main
 from asyncopd_jax.config import load_config
+from asyncopd_jax.learner.optimizer import make_optimizer
+from asyncopd_jax.learner.step import PolicyLoss, TrainState, train_step_function
 from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.pipeline.learner_stage import LearnerStage
 from asyncopd_jax.pipeline.trainer import Trainer
 from asyncopd_jax.scale.chips import get_topology
+from asyncopd_jax.scale.flops import matmul_flops, transformer_flops
 from asyncopd_jax.scale.plan import (
     Shapes,
     abstract_learner_batch,
@@ -81,9 +87,17 @@ def test_the_plan_names_its_compiler_and_every_figure_per_chip():
     plan = make_plan(cfg, get_topology("h100-4"), Shapes(prompt_tokens=32, response_tokens=96, layers=1))
     text = format_plan(plan)
     assert "XLA:CPU (a proxy for the GPUs)" in text and "1 layers (reduced)" in text
-    (learner,) = plan.stages
+    learner, prefill, decode, recompute, scoring = plan.stages
     assert learner.stage == "learner step" and learner.tokens == 8 * 128
     assert learner.flops > 0 and learner.peak_bytes > learner.argument_bytes > 0
+    assert learner.executed_flops >= learner.model_flops >= learner.textbook_flops > 0
+    # the sampler and the teacher handle one rollout group (the whole batch: one rollout stage)
+    assert [s.stage for s in (prefill, decode, recompute)] == ["sampler prefill", "sampler decode", "sampler recompute"]
+    assert (decode.rows, decode.tokens, recompute.tokens) == (8, 8, 8 * 128)
+    assert scoring.stage == "teacher scoring" and (scoring.rows, scoring.devices) == (8, 4)
+    assert scoring.flops > 0 and scoring.peak_bytes > scoring.argument_bytes > 0
+    assert set(plan.balance) == {"rollout", "scoring", "learning"} and min(plan.balance.values()) > 0
+    assert "teacher scoring" in text and "busy" in text
 
 
 @pytest.mark.parametrize(
@@ -97,3 +111,26 @@ def test_plan_errors_are_one_line(capsys, argv, says):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and "\n" not in err
+
+
+def test_the_learner_steps_flops_are_the_textbooks_at_real_shapes():
+    """Qwen3-1.7B, 2 rows × (512 + 3,584) tokens (counted from the program, nothing
+    compiled): the model's matmul FLOPs are 6 · weights · tokens + attention to within
+    10 % — above it by the LM head's logits, which the fused gather recomputes in the
+    backward pass (4 passes over the head, not 3) — and rematerialising every layer adds
+    about one forward (8/6)."""
+    cfg = _qwen_width_config(**{"learner.batch_size": 2})
+    config, _ = architecture(cfg.student)
+    graphdef, params = abstract_decoder(config, "float32", None, "xla")
+    optimizer = make_optimizer(cfg.optim, 10)
+    state = jax.eval_shape(lambda p: TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)), params)
+    batch = abstract_learner_batch(cfg, 2, Shapes(512, 3584))
+
+    def counted(remat):
+        loss = dataclasses.replace(PolicyLoss.from_config(cfg), remat=remat)
+        return matmul_flops(train_step_function(graphdef, optimizer, loss), state, batch)
+
+    book = transformer_flops(config, 2, 4096, 3584, backward=True)
+    model, remat = counted("none"), counted("layer")
+    assert 1.0 < model / book < 1.1
+    assert 1.2 < remat / model < 4 / 3

@@ -18,10 +18,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from asyncopd_jax.models.decoder import Decoder
 from asyncopd_jax.scale.chips import get_topology, libtpu_available
 from tests.models.test_remat import CONFIG, _loss
+from tests.tpu_compiler import REASON
 
-pytestmark = pytest.mark.skipif(
-    not libtpu_available(), reason="XLA's TPU compiler needs libtpu (pip install 'asyncopd-jax[tpu]'; CI installs it)"
-)
+pytestmark = [pytest.mark.tpu_compiler, pytest.mark.skipif(not libtpu_available(), reason=REASON)]
 
 
 def _on_one_chip(tree):

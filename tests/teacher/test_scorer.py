@@ -120,3 +120,33 @@ def test_bf16_storage_error_is_within_bf16_rounding(world):
 def test_scoring_params_errors():
     with pytest.raises(ValueError, match="scoring.store_dtype = 'float16' is invalid; allowed: float32, bfloat16"):
         ScoringParams(store_dtype="float16")
+
+
+@pytest.mark.parametrize("data, fsdp, tensor", [(1, 1, 4), (2, 2, 2)])
+def test_a_sharded_teacher_scores_as_one_device_does(data, fsdp, tensor):
+    """The teacher's heads, MLP and vocabulary split over ``tensor`` (and its embed
+    dimension over ``fsdp``), rows over what divides them: the same cache (to fp32 rounding)."""
+    from asyncopd_jax.config import MeshConfig
+    from asyncopd_jax.learner import make_mesh
+    from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
+
+    teacher = tiny_decoder(1, vocab=64, scale=0.7)  # 64 ids: the vocabulary divides the tensor axis
+    graphdef, state = nnx.split(teacher)
+    params = SamplingParams(max_new_tokens=7, num_candidates=4, student_topk=3)
+    prompts = PROMPTS + [[3, 4]]  # 4 rows
+    student_graph, student_state = nnx.split(tiny_decoder(0, vocab=64, scale=0.7))
+    batch = Sampler(student_graph, params).generate(student_state, prompts, jax.random.key(2))
+    scoring = ScoringParams(topk=5, num_samples=3, chunk_size=4)
+    key = jax.random.key(3)
+    expected = TeacherScorer(teacher, scoring).score(batch, key)
+
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
+    sharded = nnx.merge(graphdef, jax.device_put(state, parameter_shardings(state, mesh)))
+    kernel = sharded.layers[0].mlp.up_proj.kernel[...]
+    assert "tensor" in tuple(kernel.sharding.spec) and kernel.addressable_shards[0].data.shape[1] == 64 // tensor
+    with mesh_context(mesh):
+        got = TeacherScorer(sharded, scoring).score(batch, key)
+    for name in ("token_logp", "candidate_logp", "student_topk_logp", "topk_logp", "sample_logp"):
+        np.testing.assert_allclose(getattr(got, name), getattr(expected, name), rtol=1e-5, atol=1e-5, err_msg=name)
+    for name in ("topk_ids", "sample_ids"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), err_msg=name)
