@@ -46,7 +46,11 @@ REMAT_POLICIES = {
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Per-layer keys and values ``[B, C, N_kv, D]`` and which slots hold a real token ``[B, C]``."""
+    """Per-layer keys and values ``[B, N_kv, C, D]`` and which slots hold a real token ``[B, C]``.
+
+    Heads-major, as attention reads them: stored ``[B, C, N_kv, D]``, XLA:TPU copies each
+    layer's keys and values into this layout inside the decode loop, a second cache's worth
+    of temporaries."""
 
     keys: tuple[Array, ...]
     values: tuple[Array, ...]
@@ -54,7 +58,7 @@ class KVCache:
 
     @classmethod
     def empty(cls, config: DecoderConfig, batch: int, slots: int, dtype: jnp.dtype) -> KVCache:
-        shape = (batch, slots, config.num_key_value_heads, config.head_dim)
+        shape = (batch, config.num_key_value_heads, slots, config.head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
         return cls(keys=zeros, values=zeros, valid=jnp.zeros((batch, slots), bool))
 
@@ -142,22 +146,23 @@ class Attention(nnx.Module):
     def __call__(
         self, x: Array, cos: Array, sin: Array, keys: Array, values: Array, mask: Array, write_slot: Array
     ) -> tuple[Array, Array, Array]:
-        """``x [B, S, H]`` → output ``[B, S, H]`` and the updated ``keys, values [B, C, N_kv, D]``.
+        """``x [B, S, H]`` → output ``[B, S, H]`` and the updated ``keys, values [B, N_kv, C, D]``.
 
         ``mask [B, S, C]`` says which cache slots each query may attend to.
         """
         b, s, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
-        keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), write_slot, axis=1)
-        values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), write_slot, axis=1)
+        heads_major = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # [B, S, N_kv, D] → [B, N_kv, S, D]
+        keys = jax.lax.dynamic_update_slice_in_dim(keys, heads_major(k).astype(keys.dtype), write_slot, axis=2)
+        values = jax.lax.dynamic_update_slice_in_dim(values, heads_major(v).astype(values.dtype), write_slot, axis=2)
 
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(b, s, self.num_kv_heads, groups, self.head_dim)
-        scores = jnp.einsum("bskgd,bckd->bkgsc", q, keys, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("bskgd,bkcd->bkgsc", q, keys, preferred_element_type=jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-        out = jnp.einsum("bkgsc,bckd->bskgd", probs, values).reshape(b, s, self.num_heads * self.head_dim)
+        out = jnp.einsum("bkgsc,bkcd->bskgd", probs, values).reshape(b, s, self.num_heads * self.head_dim)
         return self.o_proj(out.astype(x.dtype)), keys, values
 
 

@@ -16,7 +16,7 @@ so a response can span several policy versions, recorded per token.
 On a ``(data, fsdp, tensor)`` mesh (:mod:`asyncopd_jax.models.partitioning`) the rows lie
 over ``data`` and ``fsdp`` (where they divide, else replicated), the weights as they come
 (a rollout stage receives them laid out by ``parameter_shardings``: heads, MLP and
-vocabulary over ``tensor``), and the KV cache's keys and values ``[B, C, N_kv, D]`` with
+vocabulary over ``tensor``), and the KV cache's keys and values ``[B, N_kv, C, D]`` with
 rows over ``data`` and ``fsdp`` and key/value heads over ``tensor``.
 
 Per response token the sampler records: the token; its behaviour log-prob under the
@@ -50,8 +50,8 @@ Array = jax.Array
 # newer weights to swap in, or None to keep going.
 WeightSource = Callable[[int], "tuple[int, nnx.State] | None"]
 
-#: The KV cache's keys and values ``[B, C, N_kv, D]``: rows over (data, fsdp), heads over tensor.
-CACHE_AXES: Logical = ("batch", None, "act_heads", None)
+#: The KV cache's keys and values ``[B, N_kv, C, D]``: rows over (data, fsdp), heads over tensor.
+CACHE_AXES: Logical = ("batch", "act_heads", None, None)
 
 
 @jax.tree_util.register_dataclass

@@ -103,9 +103,9 @@ def test_a_sampler_on_a_mesh_samples_what_one_device_samples(mesh_cfg, rows_spli
     np.testing.assert_array_equal(carry.versions[0], [0] * 3 + [1] * 3 + [2] * 3 + [3])
 
     # the cache lies over the mesh: rows over (data, fsdp), KV heads over tensor
-    b, c, n_kv, d = carry.cache.keys[0].shape
+    b, n_kv, c, d = carry.cache.keys[0].shape
     for x in carry.cache.keys + carry.cache.values:
-        assert x.sharding.shard_shape(x.shape) == (b // rows_split, c, n_kv // heads_split, d), x.sharding
+        assert x.sharding.shard_shape(x.shape) == (b // rows_split, n_kv // heads_split, c, d), x.sharding
     assert carry.cache.valid.sharding.shard_shape((b, c)) == (b // rows_split, c)
     assert carry.tokens.sharding.shard_shape(carry.tokens.shape) == (b // rows_split, PARAMS.max_new_tokens)
 
