@@ -33,12 +33,11 @@ from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
 from asyncopd_jax.estimator_registry import EstimatorConfig, evaluate_estimator, required_ids, student_logprobs
 from asyncopd_jax.estimators import (
     Aggregation,
-    gather_logprobs_and_entropy_from_hidden,
-    gather_logprobs_from_hidden,
     loss_denominator,
     normalized_loss,
 )
 from asyncopd_jax.learner.faults import drop_nonfinite_rows
+from asyncopd_jax.learner.lm_head import gather_on_mesh
 from asyncopd_jax.learner.packing import plan_micro_batches, take_micro_batch
 from asyncopd_jax.learner.sharding import batch_shardings, put, state_shardings
 from asyncopd_jax.models.decoder import Decoder, Remat, cast_floating
@@ -130,7 +129,7 @@ class PolicyLoss:
         hidden, head = response_hidden(model, batch.rollout, self.remat), model.lm_head_weight()
         ids = required_ids(self.estimator.name, batch.rollout, batch.cache)
         return student_logprobs(  # the entropy comes from the same pass, almost free: a metric, or a bonus
-            ids, lambda i: gather_logprobs_and_entropy_from_hidden(hidden, head, i, self.chunk_size, self.temperature)
+            ids, lambda i: gather_on_mesh(hidden, head, i, self.chunk_size, self.temperature)
         )
 
     def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]:
@@ -156,7 +155,7 @@ class SFTLoss:
 
     def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]:
         hidden, head = response_hidden(model, batch.rollout), model.lm_head_weight()
-        logp = gather_logprobs_from_hidden(hidden, head, batch.rollout.response_tokens, self.chunk_size)
+        logp, _ = gather_on_mesh(hidden, head, batch.rollout.response_tokens, self.chunk_size)
         return normalized_loss(-logp, batch.rollout.response_mask, denominator, self.aggregation), {}
 
 

@@ -51,7 +51,8 @@ PARAMETER_AXES: dict[tuple[str, ...], Logical] = {
 
 #: Logical axis → the mesh axes it is split over (absent: replicated). Activations name
 #: their dimensions too: ``batch`` rows, ``act_heads`` (a head dimension of q, k, v and the
-#: KV cache).
+#: KV cache), ``positions`` (the sequence positions of the learner's LM-head gather, which
+#: splits them over ``tensor`` as well: :mod:`asyncopd_jax.learner.lm_head`).
 RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
     "embed": ("fsdp",),
@@ -60,6 +61,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "mlp": ("tensor",),
     "vocab": ("tensor",),
     "act_heads": ("tensor",),
+    "positions": ("tensor",),
 }
 
 

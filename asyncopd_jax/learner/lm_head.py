@@ -1,0 +1,63 @@
+"""The LM head's fused log-prob gather on the learner's mesh: each device its own rows.
+
+:func:`~asyncopd_jax.estimators.gather_logprobs_and_entropy_from_hidden` scans chunks of
+positions through ``hidden @ lm_head``; its backward accumulates the ``[H, V]`` weight
+gradient chunk by chunk. Left to XLA's partitioner on a sharded mesh, that accumulator is
+resharded inside the scan (the whole fp32 ``[H, V]`` gathered again for every column slice
+of every chunk, some 300 times a step for Qwen3-1.7B), and every device walks every chunk.
+
+Here the gather runs under :func:`jax.shard_map` instead, *row-parallel*: the ``[B, T]``
+positions are split over every mesh axis (rows over ``data`` and ``fsdp``, as the batch
+lies; positions over ``tensor``, the :data:`~asyncopd_jax.models.partitioning.RULES`
+``positions`` entry), the head is whole on every device (gathered once, in the compute
+dtype), each device scans only its own positions, and its ``[H, V]`` gradient is a local
+partial sum until the end of the gather's backward, where it is summed over the mesh
+once (one reduce-scatter into the head's own sharding). Memory: the head and one fp32
+``[H, V]`` accumulator per device, for one collective per micro-batch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import PartitionSpec
+
+from asyncopd_jax.estimators import gather_logprobs_and_entropy_from_hidden
+from asyncopd_jax.models.partitioning import logical_spec
+
+Array = jax.Array
+
+
+def gather_on_mesh(
+    hidden: Array, lm_head: Array, ids: Array, chunk_size: int, temperature: float = 1.0
+) -> tuple[Array, Array]:
+    """``(log-probs, entropy)`` of :func:`gather_logprobs_and_entropy_from_hidden` with its
+    positions split over the mesh being traced under (``jax.set_mesh``); on no mesh, or
+    one device, that function itself. Same values and gradients either way.
+
+    Args:
+      hidden: ``[B, T, H]`` final hidden states, target-aligned.
+      lm_head: ``[H, V]``.
+      ids: ``[B, T]`` or ``[B, T, K]``.
+      chunk_size: rows per chunk of each device's scan.
+      temperature: ``τ > 0``.
+
+    Returns:
+      ``[B, T]`` or ``[B, T, K]`` log-probs and ``[B, T]`` entropies, fp32, laid out as
+      ``hidden``'s rows and positions.
+    """
+    gather = functools.partial(
+        gather_logprobs_and_entropy_from_hidden, chunk_size=chunk_size, temperature=float(temperature)
+    )
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return gather(hidden, lm_head, ids)
+    rows = logical_spec(("batch", "positions"), hidden.shape[:2], mesh)
+    # check_vma=False: the gather's custom VJP returns the head's cotangent as a per-device
+    # partial sum (it varies over the mesh) for an input that is the same on every device;
+    # shard_map's transpose reduces it to the input's layout, over the devices that split the
+    # positions (tests/learner/test_lm_head.py checks the sum, split or not).
+    return jax.shard_map(gather, in_specs=(rows, PartitionSpec(), rows), out_specs=(rows, rows), check_vma=False)(
+        hidden, lm_head, ids
+    )
