@@ -50,7 +50,8 @@ class KVCache:
 
     Heads-major, as attention reads them: stored ``[B, C, N_kv, D]``, XLA:TPU copies each
     layer's keys and values into this layout inside the decode loop, a second cache's worth
-    of temporaries."""
+    of temporaries (the prefill's chunks have a limit of their own:
+    :attr:`~asyncopd_jax.sampling.SamplingParams.recompute_chunk`)."""
 
     keys: tuple[Array, ...]
     values: tuple[Array, ...]

@@ -238,25 +238,24 @@ class Sampler:
             topk_ids=jnp.zeros((b, t, k), jnp.int32),
             topk_logp=jnp.zeros((b, t, k), jnp.float32),
         )
-        return self._refill(model, constrain_layout(empty))
+        # chunks no longer than the prompt: a short prompt's prefill computes its P slots, not P + T
+        return self._refill(model, constrain_layout(empty), min(p.recompute_chunk, slots_p))
 
     def _recompute_fn(self, state, carry: DecodeState) -> DecodeState:
         """``carry`` (donated) under new weights ``state``: its cache rewritten in place."""
-        return self._refill(self._model(state), carry)
+        return self._refill(self._model(state), carry, self.params.recompute_chunk)
 
-    def _refill(self, model: Decoder, carry: DecodeState) -> DecodeState:
+    def _refill(self, model: Decoder, carry: DecodeState, chunk: int) -> DecodeState:
         """``carry`` with its cache rewritten under ``model`` from the tokens written so far
         (slots ``[0, P + step)``, :func:`chunked_prefill`) and the next logits from slot
-        ``P + step − 1``, which predicts response token ``step``. Slots from ``P + step`` on
-        stay invalid until the decode loop writes them.
+        ``P + step − 1``, which predicts response token ``step``, in chunks of ``chunk`` slots.
+        Slots from ``P + step`` on stay invalid until the decode loop writes them.
 
         A swap at step s costs a forward over ~P + s slots (rounded up to whole chunks), not
         P + T, in one compiled function whatever s (the trip count is dynamic)."""
         tokens, valid, positions = written_sequence(carry)
         end = carry.prompt_slots + carry.step
-        cache, next_logits = chunked_prefill(
-            model, carry.cache, tokens, valid, positions, end, self.params.recompute_chunk
-        )
+        cache, next_logits = chunked_prefill(model, carry.cache, tokens, valid, positions, end, chunk)
         return constrain_layout(dataclasses.replace(carry, cache=cache, next_logits=next_logits))
 
     def _decode_fn(self, state, carry: DecodeState, key, version, chunk_end) -> DecodeState:

@@ -14,6 +14,7 @@ Shapes: B rows per call, P prompt slots, T response slots, S = P + T, V vocabula
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,12 +197,19 @@ def _figures(stage: str, devices: int, rows: int, tokens: int, lowered: Any) -> 
     )
 
 
-def stage_device_ids(spec: str, count: int, default: range) -> list[int]:
+def stage_device_ids(spec: str, count: int, default: Sequence[int]) -> list[int]:
     """A stage's devices on the topology: ``stages.<role>_devices`` or ``default``."""
     ids = list(parse_id_list(spec)) if spec else list(default)
     if ids and max(ids) >= count:
         raise ValueError(f"stages devices {spec!r} name device {max(ids)}; the topology has {count} (0-{count - 1})")
     return ids
+
+
+def target_platform(devices: list) -> str:
+    """The platform a plan compiles for: the devices' own (TPU chips), or ``gpu`` where
+    XLA:CPU devices stand in for GPUs (``attention: auto`` then resolves as on the GPUs)."""
+    platform = devices[0].platform
+    return "gpu" if platform == "cpu" else platform
 
 
 def compile_learner_step(
@@ -210,7 +218,7 @@ def compile_learner_step(
     """One optimizer step of ``learner.batch_size / learner.mini_batches`` rows, on the
     learner's mesh (``learner.mesh`` over ``devices``), as the run jits it."""
     mesh = make_mesh(cfg.learner.mesh, devices)
-    attention = resolve_implementation(cfg.student.attention, devices[0].platform)
+    attention = resolve_implementation(cfg.student.attention, target_platform(devices))
     graphdef, params = abstract_decoder(config, cfg.student.dtype, vocab_limit, attention)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     state = jax.eval_shape(lambda p: TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)), params)
@@ -253,7 +261,7 @@ def compile_teacher_scoring(
     """The teacher's scoring of one rollout group of ``rows``, on the scoring stage's mesh
     (``stages.scoring_mesh`` over ``devices``), as :class:`TeacherScorer` jits it."""
     mesh = stage_mesh(devices, cfg.stages.scoring_mesh)
-    attention = resolve_implementation(cfg.teacher.attention, devices[0].platform)
+    attention = resolve_implementation(cfg.teacher.attention, target_platform(devices))
     graphdef, params = abstract_decoder(config, cfg.teacher.dtype, vocab_limit, attention)
     batch = abstract_learner_batch(cfg, rows, shapes).rollout
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -336,14 +344,21 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
     count = len(topology.devices)
     chips = topology.chip
 
-    def devices_of(spec: str, processes: int) -> list:
+    def devices_of(spec: str, processes: int, default: Sequence[int] = range(count)) -> list:
         """One stage's devices: its role's list, dealt out to its processes as the run does."""
-        ids = stage_device_ids(spec, count, range(count))
+        ids = stage_device_ids(spec, count, default)
         if cfg.schedule.placement == "processes" and processes > 1:
             ids = list(split_ids(ids, processes)[0])
         return [topology.devices[i] for i in ids]
 
-    learner = compile_learner_step(cfg, student, devices_of(cfg.stages.learner_devices, 1), shapes, vocab_limit)
+    # with no list of its own, the learner has the devices no stage process holds (as a
+    # learner started with only those visible, e.g. by launch/gpu_node.sh)
+    held = set()
+    if cfg.schedule.placement == "processes":
+        for spec in (cfg.stages.rollout_devices, cfg.stages.scoring_devices):
+            held |= set(stage_device_ids(spec, count, range(0)))
+    free = [i for i in range(count) if i not in held]
+    learner = compile_learner_step(cfg, student, devices_of(cfg.stages.learner_devices, 1, free), shapes, vocab_limit)
     rollouts = rollout_stage_count(cfg)
     group = rollout_group_size(cfg)
     groups = cfg.learner.batch_size // group  # rollout groups per batch
