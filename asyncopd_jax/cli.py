@@ -161,7 +161,10 @@ def _study(args: argparse.Namespace) -> None:
 
 
 def _stage(args: argparse.Namespace) -> int:
-    from asyncopd_jax.pipeline.placement import parse_id_list
+    from asyncopd_jax.pipeline.placement import TPU_BASE_PORT, device_env, parse_id_list
+
+    if args.devices:  # before JAX starts: the platform's own variables give this process its devices
+        os.environ.update(device_env(args.platform, parse_id_list(args.devices), TPU_BASE_PORT + 1 + args.index))
     from asyncopd_jax.pipeline.stage_process import run_stage
 
     return run_stage(args.exchange, args.role, args.index, parse_id_list(args.cores), args.parent_pid, args.niceness)
@@ -284,6 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     stage.add_argument("--cores", default="", help="CPU list to pin to before JAX starts, e.g. 2-3")
     stage.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer the parent")
     stage.add_argument("--niceness", type=int, default=0, help="lower this process's CPU priority by this much")
+    stage.add_argument(
+        "--devices",
+        default="",
+        help="this host's devices for this process, e.g. 0-3 (TPU chips, GPUs; with --platform)",
+    )
+    stage.add_argument(
+        "--platform", choices=["gpu", "tpu"], default="gpu", help="whose device variables --devices sets (default gpu)"
+    )
     stage.set_defaults(fn=_stage)
 
     args = parser.parse_args(argv)

@@ -270,6 +270,10 @@ class StagesConfig:
 
     rollout_processes: int = 1  # processes that sample (and score, when scoring_processes = 0)
     scoring_processes: int = 0  # teacher-scoring processes; 0: each rollout process scores its groups
+    # false: the learner starts none of them; they are started on other hosts
+    # (launch/stage_host.sh, launch/tpu_pod.sh stages: e.g. a learner that holds every chip
+    # of its TPU host) and the counts above only size the rollout groups
+    start_processes: bool = True
     learner_cores: str = "auto"
     rollout_cores: str = "auto"
     scoring_cores: str = "auto"

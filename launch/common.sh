@@ -78,30 +78,17 @@ give_back_claims() {
     done
 }
 
-# Environment that gives one stage process its device.
-#   $1: cuda | tpu | cpu     $2: the device (a CUDA device id or list, a TPU chip number,
-#   or nothing for cpu)
-# The TPU variables give a process a single chip of a TPU VM host (one process per
-# chip); they are the ones libtpu reads for sub-host processes, not tested by this
-# project.
-stage_device_env() {
+# The `asyncopd stage` options that give one stage process its devices; the process sets
+# the platform's variables itself before JAX starts (asyncopd_jax.pipeline.placement.device_env:
+# CUDA_VISIBLE_DEVICES; libtpu's TPU_VISIBLE_CHIPS family for 1, 2, 4 or 8 chips of a host).
+#   $1: cuda | tpu | cpu     $2: the devices (a CUDA device id or list, TPU chips such as
+#   "0-3" or "4,5", or nothing for cpu)
+stage_device_args() {
     local kind=$1 device=$2
     case $kind in
-        cuda)
-            export CUDA_VISIBLE_DEVICES=$device
-            ;;
-        tpu)
-            export TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1 TPU_PROCESS_BOUNDS=1,1,1
-            export TPU_VISIBLE_CHIPS=$device TPU_VISIBLE_DEVICES=$device
-            export TPU_PROCESS_PORT=$((8476 + device)) TPU_MESH_CONTROLLER_PORT=$((8476 + device))
-            export TPU_MESH_CONTROLLER_ADDRESS=localhost:$((8476 + device))
-            export TPU_PROCESS_ADDRESSES=localhost:$((8476 + device))
-            ;;
-        cpu)
-            export JAX_PLATFORMS=cpu
-            ;;
-        *)
-            die "device kind '$kind' is invalid; allowed: cuda, tpu, cpu"
-            ;;
+        cuda) [[ -z $device ]] || echo "--platform gpu --devices $device" ;;
+        tpu) echo "--platform tpu --devices $device" ;;
+        cpu) ;;
+        *) die "device kind '$kind' is invalid; allowed: cuda, tpu, cpu" ;;
     esac
 }

@@ -21,9 +21,10 @@ in the exchange directory name them).
 
 Environment (default in brackets):
   DEVICE_KIND      cuda | tpu | cpu                                        [cuda]
-  ROLLOUT_DEVICES  one rollout process per space-separated entry: a CUDA
-                   device id (cuda), a chip number (tpu) or a CPU list to
-                   pin to (cpu), e.g. "4 5"                                 [0]
+  ROLLOUT_DEVICES  one rollout process per space-separated entry: CUDA
+                   devices (cuda: "4" or "4,5"), TPU chips of this host
+                   (tpu: "0-3" gives one process 4 chips; 1, 2, 4 or 8) or
+                   a CPU list to pin to (cpu), e.g. "4 5"                   [0]
   SCORING_DEVICES  one scoring process per entry, same form; scoring
                    processes only get work if the learner started at least
                    one itself (stages.scoring_processes >= 1)               []
@@ -84,9 +85,10 @@ stage_loop() {
     while [[ ! -e $EXCHANGE/STOP ]]; do
         give_back_claims "$EXCHANGE" "$name"
         (
-            stage_device_env "$DEVICE_KIND" "$device"
+            if [[ $DEVICE_KIND == cpu ]]; then export JAX_PLATFORMS=cpu; fi
+            # shellcheck disable=SC2046  # the device options split into words on purpose
             exec asyncopd stage "$role" --exchange "$EXCHANGE" --index "$index" --cores "$cores" \
-                --niceness "$NICENESS"
+                --niceness "$NICENESS" $(stage_device_args "$DEVICE_KIND" "$device")
         ) >>"$EXCHANGE/logs/$name.log" 2>&1 &
         child=$!
         rc=0

@@ -149,3 +149,45 @@ def test_resume_refuses_changes_that_alter_the_computation(capsys, tmp_path):
     assert "--set instead of --config" in _error(capsys, ["train", "--resume", str(run), "--config", "demo"])
     saved = load_config(run / "config.yaml")
     check_resume_changes(saved, load_config(run / "config.yaml", ["train.steps=999", "train.eval_every=7"]))
+
+
+@pytest.mark.parametrize(
+    ("platform", "devices", "expected"),
+    [
+        (
+            "tpu",
+            "0-3",
+            {"TPU_VISIBLE_CHIPS": "0,1,2,3", "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,2,1", "TPU_PROCESS_PORT": "8480"},
+        ),
+        ("gpu", "4,5", {"CUDA_VISIBLE_DEVICES": "4,5"}),
+    ],
+)
+def test_a_stage_started_by_hand_takes_its_devices_before_jax_starts(
+    monkeypatch, tmp_path, platform, devices, expected
+):
+    """``asyncopd stage --devices`` (what launch/stage_host.sh passes): the platform's own
+    variables, set in this process before the stage imports JAX; one process, several chips."""
+    import os
+
+    from asyncopd_jax.pipeline import stage_process
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    seen = {}
+    monkeypatch.setattr(stage_process, "run_stage", lambda *args: seen.update(os.environ) or 0)
+    argv = ["stage", "rollout", "--exchange", str(tmp_path), "--index", "3", "--devices", devices]
+    assert main([*argv, "--platform", platform]) == 0
+    assert {k: seen.get(k) for k in expected} == expected
+
+
+def test_the_launch_scripts_pass_each_stage_process_its_devices():
+    """launch/common.sh turns a ROLLOUT_DEVICES entry into the options above: several chips
+    for one TPU process ("0-3"), nothing for a CPU one."""
+    import subprocess
+
+    def args(kind: str, device: str) -> str:
+        command = f"source launch/common.sh && stage_device_args {kind} '{device}'"
+        return subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=True).stdout.strip()
+
+    assert args("tpu", "0-3") == "--platform tpu --devices 0-3"
+    assert args("cuda", "4,5") == "--platform gpu --devices 4,5"
+    assert args("cpu", "0-7") == ""

@@ -11,6 +11,7 @@ threads placement uses (:mod:`asyncopd_jax.pipeline.stage`). The process stops w
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -109,10 +110,16 @@ class _StageWork:
         self.seed, self.tracer = layout.seed, tracer
         hosted = [s for s in layout.stages if s.process == name]
         if not hosted:
-            raise KeyError(
-                f"no stage runs in process {name!r}; processes: "
-                f"{', '.join(s.process for s in layout.stage_processes())}"
-            )
+            # A process started by hand (launch/stage_host.sh: rollout-100, ...) hosts what the
+            # role's first process hosts, on every device it sees (its launcher chose them).
+            role = name.rsplit("-", 1)[0]
+            first = [s for s in layout.stages if s.process == f"{role}-0"]
+            if not first:
+                raise KeyError(
+                    f"no stage runs in process {name!r}, and none in {role}-0; processes: "
+                    f"{', '.join(s.process for s in layout.stage_processes())}"
+                )
+            hosted = [dataclasses.replace(s, process=name, devices=()) for s in first]
         models = stage.run_models(cfg)
         scoring_plan = next((s for s in hosted if s.role == "scoring"), None)
         self.scoring = stage.build_scoring_stage(cfg, layout, scoring_plan, models) if scoring_plan else None

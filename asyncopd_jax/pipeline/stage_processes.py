@@ -68,7 +68,8 @@ class StageProcesses:
         stage_command: Sequence[str] | None = None,
     ):
         self.cfg, self.layout, self.exchange, self.buffer = cfg, layout, exchange, buffer
-        self.specs = layout.stage_processes()
+        # stages.start_processes false: every stage process is started by hand, elsewhere
+        self.specs = layout.stage_processes() if cfg.stages.start_processes else ()
         self.group_size, self.tracer = layout.group_size, tracer
         self.platform = detect_platform()
         self.restarts_left = cfg.stages.restarts

@@ -368,3 +368,47 @@ def test_a_snapshot_directory_removed_mid_run_stops_it_with_that_reason(models, 
     for pid in trainer.stages.pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_stage_processes_started_by_hand_elsewhere_serve_a_learner_that_starts_none(models, tmp_path):  # noqa: F811
+    """``stages.start_processes: false`` (a learner holding every chip of its host): the
+    learner starts no stage process; one started by hand as launch/stage_host.sh starts it
+    (``asyncopd stage rollout --index 100``, a name the layout does not list) hosts what
+    rollout-0 would, samples and scores every group, and stops with the run."""
+    cfg = _config(
+        models,
+        tmp_path,
+        **{
+            "schedule.placement": "processes",
+            "stages.start_processes": False,
+            "stages.rollout_processes": 1,
+            "stages.scoring_processes": 0,
+            "train.steps": 4,
+        },
+    )
+    trainer = Trainer(cfg, progress=False)
+    exchange = tmp_path / "t" / "exchange"
+    done: dict = {}
+    learner = threading.Thread(target=lambda: done.update(summary=trainer.run()), daemon=True)
+    learner.start()
+    deadline = time.monotonic() + 120
+    while not (exchange / "layout.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = open(tmp_path / "rollout-100.log", "wb")  # noqa: SIM115 - closed below
+    stage = subprocess.Popen(
+        [sys.executable, "-m", "asyncopd_jax.cli", "stage", "rollout", "--exchange", str(exchange), "--index", "100"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    try:
+        learner.join(timeout=240)
+        assert done.get("summary", {}).get("steps") == 4, (tmp_path / "rollout-100.log").read_text()[-3000:]
+        assert stage.wait(timeout=60) == 0  # it stops with the run
+    finally:
+        if stage.poll() is None:
+            stage.kill()
+        log.close()
+    assert trainer.stages.pids == {}  # the learner started none
+    assert f"rollout-100: pid {stage.pid}," in (tmp_path / "rollout-100.log").read_text()
+    assert [r["step"] for r in _records(tmp_path / "t")] == [1, 2, 3, 4]
