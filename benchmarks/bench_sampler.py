@@ -86,11 +86,7 @@ def main() -> None:
     sampler = Sampler(graphdef, plain)
     ids = jnp.asarray(prompts, jnp.int32)
     mask = jnp.ones_like(ids, bool)
-    positions = jnp.broadcast_to(jnp.arange(p), (b, p))
-    t_prefill = timed(
-        lambda: jax.block_until_ready(sampler._prefill(state, ids, mask, positions, jnp.int32(p - 1), slots=p + t)),
-        args.repeats,
-    )
+    t_prefill = timed(lambda: jax.block_until_ready(sampler._prefill(state, ids, mask).next_logits), args.repeats)
 
     batch = Sampler(graphdef, mc).generate(state, prompts, jax.random.key(0))
     scorer = TeacherScorer(model, ScoringParams(topk=16, num_samples=8, chunk_size=64))
