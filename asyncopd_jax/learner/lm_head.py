@@ -1,18 +1,18 @@
 """The LM head's fused log-prob gather on the learner's mesh: each device its own rows.
 
 :func:`~asyncopd_jax.estimators.gather_logprobs_and_entropy_from_hidden` scans chunks of
-positions through ``hidden @ lm_head``; its backward accumulates the ``[H, V]`` weight
-gradient chunk by chunk. Left to XLA's partitioner on a sharded mesh, that accumulator is
-resharded inside the scan (the whole fp32 ``[H, V]`` gathered again for every column slice
-of every chunk, some 300 times a step for Qwen3-1.7B), and every device walks every chunk.
+positions through ``hidden @ lm_head``. Left to XLA's partitioner on an FSDP mesh, every
+device walks every chunk of every row, and each chunk's ``[chunk, V]`` fp32 logits are
+all-reduced (the head being split along H): compiled for a v5e 2×2 at Qwen3-1.7B's width, two
+``all-reduce f32[512,151936]`` inside the scan bodies.
 
 Here the gather runs under :func:`jax.shard_map` instead, *row-parallel*: the ``[B, T]``
 positions are split over every mesh axis (rows over ``data`` and ``fsdp``, as the batch
 lies; positions over ``tensor``, the :data:`~asyncopd_jax.models.partitioning.RULES`
 ``positions`` entry), the head is whole on every device (gathered once, in the compute
 dtype), each device scans only its own positions, and its ``[H, V]`` gradient is a local
-partial sum until the end of the gather's backward, where it is summed over the mesh
-once (one reduce-scatter into the head's own sharding). Memory: the head and one fp32
+partial sum until the end of the gather's backward, where it is reduced over the mesh once
+(one ``all-reduce bf16[2048,151936]`` in the same compile). Memory: the head and one fp32
 ``[H, V]`` accumulator per device, for one collective per micro-batch.
 """
 

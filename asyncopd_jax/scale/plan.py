@@ -14,7 +14,6 @@ Shapes: B rows per call, P prompt slots, T response slots, S = P + T, V vocabula
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -197,7 +196,7 @@ def _figures(stage: str, devices: int, rows: int, tokens: int, lowered: Any) -> 
     )
 
 
-def stage_device_ids(spec: str, count: int, default: Sequence[int]) -> list[int]:
+def stage_device_ids(spec: str, count: int, default: range) -> list[int]:
     """A stage's devices on the topology: ``stages.<role>_devices`` or ``default``."""
     ids = list(parse_id_list(spec)) if spec else list(default)
     if ids and max(ids) >= count:
@@ -344,21 +343,14 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
     count = len(topology.devices)
     chips = topology.chip
 
-    def devices_of(spec: str, processes: int, default: Sequence[int] = range(count)) -> list:
+    def devices_of(spec: str, processes: int) -> list:
         """One stage's devices: its role's list, dealt out to its processes as the run does."""
-        ids = stage_device_ids(spec, count, default)
+        ids = stage_device_ids(spec, count, range(count))
         if cfg.schedule.placement == "processes" and processes > 1:
             ids = list(split_ids(ids, processes)[0])
         return [topology.devices[i] for i in ids]
 
-    # with no list of its own, the learner has the devices no stage process holds (as a
-    # learner started with only those visible, e.g. by launch/gpu_node.sh)
-    held = set()
-    if cfg.schedule.placement == "processes":
-        for spec in (cfg.stages.rollout_devices, cfg.stages.scoring_devices):
-            held |= set(stage_device_ids(spec, count, range(0)))
-    free = [i for i in range(count) if i not in held]
-    learner = compile_learner_step(cfg, student, devices_of(cfg.stages.learner_devices, 1, free), shapes, vocab_limit)
+    learner = compile_learner_step(cfg, student, devices_of(cfg.stages.learner_devices, 1), shapes, vocab_limit)
     rollouts = rollout_stage_count(cfg)
     group = rollout_group_size(cfg)
     groups = cfg.learner.batch_size // group  # rollout groups per batch
