@@ -28,6 +28,7 @@ from flax import nnx
 
 from asyncopd_jax.models.attention import Implementation, causal_attention
 from asyncopd_jax.models.config import DecoderConfig, rope_inverse_frequencies
+from asyncopd_jax.models.paged_attention import PagedImplementation, PagedKVCache, PagedWrite, paged_attention
 from asyncopd_jax.models.partitioning import constrain
 
 Array = jax.Array
@@ -166,6 +167,17 @@ class Attention(nnx.Module):
         out = jnp.einsum("bkgsc,bkcd->bskgd", probs, values).reshape(b, s, self.num_heads * self.head_dim)
         return self.o_proj(out.astype(x.dtype)), keys, values
 
+    def paged(
+        self, x: Array, cos: Array, sin: Array, pages: Array, where: PagedWrite, implementation: PagedImplementation
+    ) -> tuple[Array, Array]:
+        """``x [S, Q, H]`` → output ``[S, Q, H]`` and the layer's updated pages: the new
+        tokens' keys and values written into a paged cache, then attention over each
+        sequence's tokens (:func:`~asyncopd_jax.models.paged_attention.paged_attention`)."""
+        s, q_len, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        out, pages = paged_attention(q, k, v, pages, where, implementation=implementation)
+        return self.o_proj(out.reshape(s, q_len, self.num_heads * self.head_dim).astype(x.dtype)), pages
+
 
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) · up(x))``."""
@@ -193,6 +205,12 @@ class DecoderLayer(nnx.Module):
         attn, keys, values = self.self_attn(self.input_layernorm(x), cos, sin, keys, values, mask, write_slot)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), keys, values
+
+    def paged(self, x, cos, sin, pages, where: PagedWrite, implementation: PagedImplementation):
+        """The block over a paged KV cache (:meth:`Attention.paged`)."""
+        attn, pages = self.self_attn.paged(self.input_layernorm(x), cos, sin, pages, where, implementation)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), pages
 
     def over_sequence(self, x, cos, sin, segment_ids, implementation: Implementation):
         """The block over a whole sequence, no cache (:meth:`Attention.over_sequence`)."""
@@ -297,6 +315,26 @@ class Decoder(nnx.Module):
             keys.append(k)
             values.append(v)
         return self.norm(x), KVCache(tuple(keys), tuple(values), valid)
+
+    def forward_paged(
+        self, tokens: Array, cache: PagedKVCache, where: PagedWrite, implementation: PagedImplementation = "reference"
+    ) -> tuple[Array, PagedKVCache]:
+        """Run ``tokens [S, Q]`` of ``S`` sequences, written into a paged cache at token
+        positions ``where.start .. where.start + where.count − 1`` (rows past ``count`` are
+        padding); a sequence's token ``j`` has RoPE position ``j`` (a sequence starts at
+        position 0, no left padding).
+
+        Returns:
+          ``(hidden [S, Q, H] after the final norm, updated cache)``.
+        """
+        positions = where.start[:, None] + jnp.arange(tokens.shape[1])[None]
+        cos, sin = self._rope_tables(positions)
+        x = self._embed(tokens)
+        pages = []
+        for layer, layer_pages in zip(self.layers, cache.pages):
+            x, layer_pages = layer.paged(x, cos, sin, layer_pages, where, implementation)
+            pages.append(layer_pages)
+        return self.norm(x), PagedKVCache(tuple(pages))
 
     def hidden_states(
         self,

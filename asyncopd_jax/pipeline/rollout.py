@@ -25,7 +25,7 @@ from asyncopd_jax.pipeline.reward_stage import RewardStage
 from asyncopd_jax.pipeline.snapshots import SnapshotStore
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
-from asyncopd_jax.sampling import Sampler
+from asyncopd_jax.sampling import ContinuousSampler, Sampler
 
 if TYPE_CHECKING:
     from asyncopd_jax.pipeline.stage import RolloutStage
@@ -53,7 +53,7 @@ class GroupProducer:
     def __init__(
         self,
         *,
-        sampler: Sampler,
+        sampler: Sampler | ContinuousSampler,
         snapshots: SnapshotStore,
         prompts: PromptSource,
         reward: RewardStage,

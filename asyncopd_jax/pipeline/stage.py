@@ -48,7 +48,7 @@ from asyncopd_jax.pipeline.rollout import GroupProducer, group_key
 from asyncopd_jax.pipeline.snapshots import SnapshotStore
 from asyncopd_jax.pipeline.staleness import RolloutGroup
 from asyncopd_jax.pipeline.trace import Tracer
-from asyncopd_jax.sampling import Sampler, SamplingParams
+from asyncopd_jax.sampling import SamplingParams, make_sampler
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.tasks.prompt_task import PromptTask, make_task
 from asyncopd_jax.teacher import ReferenceScorer, Scorers, TeacherScorer
@@ -222,7 +222,7 @@ def build_rollout_stage(
     (:func:`rollout_shardings`)."""
     mesh = stage_mesh(stage_devices(layout, plan, default_devices), cfg.stages.rollout_mesh)
     producer = GroupProducer(
-        sampler=Sampler(graphdef, models.sampling, pad_id=models.task.pad_id, mesh=mesh),
+        sampler=make_sampler(graphdef, models.sampling, pad_id=models.task.pad_id, mesh=mesh),
         snapshots=snapshots,
         prompts=models.task.train_prompts,
         reward=RewardStage.from_config(cfg, models.task.rewards),

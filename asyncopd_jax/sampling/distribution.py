@@ -38,6 +38,17 @@ class SamplingParams:
         chunk's ``probs · values`` with the slots minor and copies every layer's values into
         that layout on entry, a half cache of temporaries (Qwen3-1.7B, 64 rows × 4,096 slots
         on 4 v5e chips: 16 → 1.77 GiB of temporaries, 256 → 8.28 GiB; ``asyncopd plan``).
+      engine: ``"static"`` decodes a batch of prompts in lockstep until its longest answer
+        ends (:class:`~asyncopd_jax.sampling.Sampler`); ``"continuous"`` keeps ``slots``
+        sequences in flight and refills a slot with the next prompt as soon as its answer
+        ends, over a paged KV cache (:class:`~asyncopd_jax.sampling.ContinuousSampler`).
+      slots: continuous engine: sequences decoded at once (0: one per prompt of a call).
+      page_size: continuous engine: tokens per page of the paged KV cache.
+      kv_pages: continuous engine: pages in the pool (0: enough for every slot's longest
+        sequence, never preempting). Fewer pages hold only the tokens written; a slot that
+        finds none free preempts the most recently admitted sequence, which is re-queued
+        and re-sampled from its start (with the same key: the same answer, unless the
+        weights changed meanwhile).
     """
 
     temperature: float = 1.0
@@ -51,6 +62,10 @@ class SamplingParams:
     allow_truncated_mc: bool = False
     compute_dtype: Literal["float32", "bfloat16"] | None = None
     recompute_chunk: int = 256
+    engine: Literal["static", "continuous"] = "static"
+    slots: int = 0
+    page_size: int = 16
+    kv_pages: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -62,6 +77,10 @@ class SamplingParams:
             (self.student_topk >= 0, "student_topk", self.student_topk, ">= 0"),
             (self.chunk_steps >= 1, "chunk_steps", self.chunk_steps, ">= 1"),
             (self.recompute_chunk >= 1, "recompute_chunk", self.recompute_chunk, ">= 1"),
+            (self.engine in ("static", "continuous"), "engine", self.engine, "static or continuous"),
+            (self.slots >= 0, "slots", self.slots, ">= 0 (0 = one per prompt)"),
+            (self.page_size >= 1, "page_size", self.page_size, ">= 1"),
+            (self.kv_pages >= 0, "kv_pages", self.kv_pages, ">= 0 (0 = every slot's longest sequence)"),
             (
                 self.compute_dtype in (None, "float32", "bfloat16"),
                 "compute_dtype",

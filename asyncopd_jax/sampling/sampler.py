@@ -172,8 +172,35 @@ def chunked_prefill(
     return cache, model.logits(last)
 
 
-class Sampler:
-    """Samples responses from a :class:`Decoder` given as ``(graphdef, state)``.
+class SamplerBase:
+    """What both engines keep: the model's graph, the sampling parameters, the pad id and
+    the mesh (:class:`Sampler`, :class:`~asyncopd_jax.sampling.ContinuousSampler`)."""
+
+    def __init__(
+        self, graphdef: nnx.GraphDef, params: SamplingParams, pad_id: int = 0, mesh: jax.sharding.Mesh | None = None
+    ):
+        self.graphdef = graphdef
+        self.mesh = mesh
+        self.params = params
+        self.pad_id = pad_id
+
+    def _sharding(self, axes: Logical, shape: Sequence[int]) -> NamedSharding | None:
+        """Where an array of ``shape`` laid out as ``axes`` lies on the mesh (None: no mesh)."""
+        return None if self.mesh is None else NamedSharding(self.mesh, logical_spec(axes, shape, self.mesh))
+
+    def _put(self, x: np.ndarray) -> Array:
+        """Host rows onto the mesh, split by rows where they divide."""
+        return jax.device_put(x, self._sharding(row_axes(x.ndim), x.shape))
+
+    def _model(self, state: nnx.State) -> Decoder:
+        """The decoder of ``state``, in ``params.compute_dtype`` when set (cast inside the
+        compiled functions: the caller's weights stay as they are)."""
+        return nnx.merge(self.graphdef, cast_floating(state, self.params.compute_dtype))
+
+
+class Sampler(SamplerBase):
+    """Samples responses from a :class:`Decoder` given as ``(graphdef, state)``, a static
+    batch decoded in lockstep until its longest answer ends.
 
     Args:
       graphdef: ``nnx.split(model)[0]``; the state comes with each call, so a new
@@ -189,28 +216,12 @@ class Sampler:
     def __init__(
         self, graphdef: nnx.GraphDef, params: SamplingParams, pad_id: int = 0, mesh: jax.sharding.Mesh | None = None
     ):
-        self.graphdef = graphdef
-        self.mesh = mesh
-        self.params = params
-        self.pad_id = pad_id
+        super().__init__(graphdef, params, pad_id, mesh)
         self._prefill = jax.jit(self._prefill_fn)
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
         # the carry is donated: its cache is rewritten in place, never two caches at once
         self._recompute = jax.jit(self._recompute_fn, donate_argnums=(1,))
         self.last_steps = 0  # decode steps the last generate() ran (early exit included)
-
-    def _sharding(self, axes: Logical, shape: Sequence[int]) -> NamedSharding | None:
-        """Where an array of ``shape`` laid out as ``axes`` lies on the mesh (None: no mesh)."""
-        return None if self.mesh is None else NamedSharding(self.mesh, logical_spec(axes, shape, self.mesh))
-
-    def _put(self, x: np.ndarray) -> Array:
-        """Host rows onto the mesh, split by rows where they divide."""
-        return jax.device_put(x, self._sharding(row_axes(x.ndim), x.shape))
-
-    def _model(self, state: nnx.State) -> Decoder:
-        """The decoder of ``state``, in ``params.compute_dtype`` when set (cast inside the
-        compiled functions: the caller's weights stay as they are)."""
-        return nnx.merge(self.graphdef, cast_floating(state, self.params.compute_dtype))
 
     # --- jitted pieces ----------------------------------------------------------------
 

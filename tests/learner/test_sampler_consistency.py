@@ -9,10 +9,12 @@ position off (the teacher untouched) must fail both checks: the last tests apply
 that bug and demand that the checks catch it.
 
 The rollouts come from every placement of the rollout stage (``PLACEMENTS``): sampled
-directly; through the pipeline's rollout pool (worker threads reading an Orbax
-snapshot, handing groups over through the staleness buffer); and through stage
-processes (a rollout process and a scoring process, each its own JAX runtime, joined to
-the learner's buffer by the snapshot directory and the spool of records).
+directly, by the static sampler and by the continuous-batching engine (3 slots for the 8
+prompts: most answers come from refilled slots); through the pipeline's rollout pool
+(worker threads reading an Orbax snapshot, handing groups over through the staleness
+buffer); and through stage processes (a rollout process and a scoring process, each its
+own JAX runtime, joined to the learner's buffer by the snapshot directory and the spool of
+records), configured with ``sampling.engine: continuous``.
 """
 
 from __future__ import annotations
@@ -44,14 +46,14 @@ from asyncopd_jax.pipeline.stage import RolloutStage, ScoringStage, stage_mesh
 from asyncopd_jax.pipeline.stage_processes import StageProcesses
 from asyncopd_jax.pipeline.staleness import StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
-from asyncopd_jax.sampling import Sampler, SamplingParams
+from asyncopd_jax.sampling import ContinuousSampler, Sampler, SamplingParams
 from asyncopd_jax.tasks.tokenizer import save_tokenizer
 from asyncopd_jax.teacher import Scorers, ScoringParams, TeacherScorer
 from tests.tiny_models import tiny_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15], [16, 17], [18, 19, 20, 21], [22], [23, 24]]
 PROMPT_SLOTS = 6
-PLACEMENTS = ["direct", "threads", "processes"]
+PLACEMENTS = ["direct", "continuous", "threads", "processes"]
 TEMPERATURES = [1.0, 0.7]
 STOP = 3  # a stop token the tiny student emits now and then: responses of uneven length
 
@@ -82,6 +84,18 @@ def _rollout_direct(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, T
     batch = Sampler(graphdef, _sampling(temperature)).generate(
         state, PROMPTS, jax.random.key(0), prompt_slots=PROMPT_SLOTS
     )
+    return batch, _scorer(temperature).score(batch, jax.random.key(1))
+
+
+def _rollout_continuous(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, TeacherScoreCache]:
+    graphdef, state = nnx.split(_student())
+    # keys per prompt draw other answers than the static sampler's: id 38 stops some of them early
+    params = dataclasses.replace(
+        _sampling(temperature), engine="continuous", slots=3, page_size=4, stop_token_ids=(STOP, 38)
+    )
+    engine = ContinuousSampler(graphdef, params)
+    batch = engine.generate(state, PROMPTS, jax.random.key(0), prompt_slots=PROMPT_SLOTS)
+    assert engine.last_stats.refills == len(PROMPTS) - 3
     return batch, _scorer(temperature).score(batch, jax.random.key(1))
 
 
@@ -149,6 +163,9 @@ def _rollout_processes(temperature: float, tmp_path: Path) -> tuple[RolloutBatch
         "sampling.student_topk": 3,
         "sampling.stop_token_ids": f"[{STOP}]",
         "sampling.chunk_steps": 3,
+        "sampling.engine": "continuous",
+        "sampling.slots": 2,  # groups of 4 prompts: refilled slots
+        "sampling.page_size": 4,
         "scoring.topk": 4,
         "scoring.num_samples": 3,
         "scoring.temperature": temperature,
@@ -188,7 +205,12 @@ def _rollout_processes(temperature: float, tmp_path: Path) -> tuple[RolloutBatch
     )
 
 
-ROLLOUT = {"direct": _rollout_direct, "threads": _rollout_threads, "processes": _rollout_processes}
+ROLLOUT = {
+    "direct": _rollout_direct,
+    "continuous": _rollout_continuous,
+    "threads": _rollout_threads,
+    "processes": _rollout_processes,
+}
 
 
 @functools.cache

@@ -1,6 +1,10 @@
-"""The KV-cache sampler: exactness of what it records, determinism, interruption."""
+"""Both engines (the static sampler and the continuous-batching one): exactness of what
+they record, determinism, interruption. The continuous engine runs with 2 slots for the 3
+prompts, so the third prompt enters a slot another answer left."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +14,7 @@ from flax import nnx
 from scipy import stats
 
 from asyncopd_jax.models import Decoder
-from asyncopd_jax.sampling import Sampler, SamplingParams, sampling_logprobs
+from asyncopd_jax.sampling import Sampler, SamplingParams, make_sampler, sampling_logprobs
 from tests.tiny_models import tiny_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12]]  # different lengths: left padding matters
@@ -25,14 +29,25 @@ def teacher_forced_logits(model: Decoder, batch) -> np.ndarray:
     return np.asarray(logits[:, p - 1 : -1])  # row t predicts response token t
 
 
-def _sample(model, params, prompts=PROMPTS, seed=0, **kwargs):
+ENGINES = ["static", "continuous"]
+
+
+def _engine(params: SamplingParams, engine: str) -> SamplingParams:
+    """``params`` for ``engine``: the continuous one with 2 slots and pages of 4 tokens."""
+    if engine == "static":
+        return params
+    return dataclasses.replace(params, engine="continuous", slots=2, page_size=4)
+
+
+def _sample(model, params, prompts=PROMPTS, seed=0, engine="static", **kwargs):
     graphdef, state = nnx.split(model)
-    return Sampler(graphdef, params).generate(state, prompts, jax.random.key(seed), **kwargs)
+    return make_sampler(graphdef, _engine(params, engine)).generate(state, prompts, jax.random.key(seed), **kwargs)
 
 
-def test_greedy_equals_argmax_teacher_forcing():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_greedy_equals_argmax_teacher_forcing(engine):
     model = tiny_decoder(0)
-    batch = _sample(model, SamplingParams(temperature=0.0, max_new_tokens=12, chunk_steps=5))
+    batch = _sample(model, SamplingParams(temperature=0.0, max_new_tokens=12, chunk_steps=5), engine=engine)
     forced = teacher_forced_logits(model, batch)
     mask = np.asarray(batch.response_mask)
     assert mask.all()
@@ -41,11 +56,12 @@ def test_greedy_equals_argmax_teacher_forcing():
     np.testing.assert_array_equal(batch.behavior_logp, 0.0)  # a point mass
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_behaviour_logprobs_are_those_of_the_sampling_distribution(temperature):
+def test_behaviour_logprobs_are_those_of_the_sampling_distribution(temperature, engine):
     model = tiny_decoder(1)
     params = SamplingParams(temperature=temperature, max_new_tokens=10, num_candidates=6, student_topk=4, chunk_steps=4)
-    batch = _sample(model, params, seed=3)
+    batch = _sample(model, params, seed=3, engine=engine)
     forced = teacher_forced_logits(model, batch)
     want = jax.nn.log_softmax(forced / temperature, axis=-1)
     mask = np.asarray(batch.response_mask)
@@ -60,12 +76,13 @@ def test_behaviour_logprobs_are_those_of_the_sampling_distribution(temperature):
     np.testing.assert_allclose(np.asarray(batch.student_topk_behavior_logp)[mask], want_topk_logp[mask], atol=2e-5)
 
 
-def test_candidate_frequencies_match_probabilities():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_candidate_frequencies_match_probabilities(engine):
     """Chi-square on 96 rows × 64 candidates drawn at the first response position."""
     model = tiny_decoder(2, scale=0.5)
     params = SamplingParams(temperature=1.0, max_new_tokens=1, num_candidates=64)
     prompts = [[5, 6, 7]] * 96
-    batch = _sample(model, params, prompts=prompts, seed=4)
+    batch = _sample(model, params, prompts=prompts, seed=4, engine=engine)
     logits = np.asarray(model(jnp.asarray([[5, 6, 7]]))[0, -1], np.float64)
     probs = np.exp(logits - logits.max())
     probs /= probs.sum()
@@ -101,22 +118,26 @@ def test_stop_tokens_end_responses_and_the_loop_exits_early():
     assert sampler.last_steps == first_stop  # no decode step after every row stopped
 
 
-def test_deterministic_under_a_seed():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_deterministic_under_a_seed(engine):
     model = tiny_decoder(3)
     params = SamplingParams(temperature=1.0, max_new_tokens=8, num_candidates=3, chunk_steps=3)
-    a, b, c = (_sample(model, params, seed=s) for s in (7, 7, 8))
+    a, b, c = (_sample(model, params, seed=s, engine=engine) for s in (7, 7, 8))
     for x, y in [(a.response_tokens, b.response_tokens), (a.candidate_ids, b.candidate_ids)]:
         np.testing.assert_array_equal(x, y)
     assert not np.array_equal(a.candidate_ids, c.candidate_ids)
     # Chunking does not change the draws either.
-    d = _sample(model, SamplingParams(temperature=1.0, max_new_tokens=8, num_candidates=3, chunk_steps=8), seed=7)
+    d = _sample(
+        model, SamplingParams(temperature=1.0, max_new_tokens=8, num_candidates=3, chunk_steps=8), seed=7, engine=engine
+    )
     np.testing.assert_array_equal(a.response_tokens, d.response_tokens)
 
 
-def test_swapping_in_identical_weights_changes_nothing_but_the_version():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_swapping_in_identical_weights_changes_nothing_but_the_version(engine):
     model = tiny_decoder(4)
     params = SamplingParams(temperature=1.0, max_new_tokens=12, num_candidates=2, chunk_steps=4)
-    plain = _sample(model, params, seed=5)
+    plain = _sample(model, params, seed=5, engine=engine)
     _, state = nnx.split(model)
     swaps = []
 
@@ -124,36 +145,43 @@ def test_swapping_in_identical_weights_changes_nothing_but_the_version():
         swaps.append(version)
         return (version + 1, state) if version < 2 else None
 
-    swapped = _sample(model, params, seed=5, weight_source=source)
-    assert swaps == [0, 1]
+    swapped = _sample(model, params, seed=5, weight_source=source, engine=engine)
+    # the continuous engine polls on while the third prompt decodes (on version 2)
+    assert swaps == [0, 1] if engine == "static" else swaps[:2] == [0, 1] and set(swaps[2:]) == {2}
     np.testing.assert_array_equal(swapped.response_tokens, plain.response_tokens)
     np.testing.assert_array_equal(swapped.candidate_ids, plain.candidate_ids)
     np.testing.assert_allclose(swapped.behavior_logp, plain.behavior_logp, atol=1e-5)
     np.testing.assert_array_equal(swapped.token_version[0], [0] * 4 + [1] * 4 + [2] * 4)
 
 
-def test_swapping_different_weights_records_versions_and_recomputes_the_cache():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_swapping_different_weights_records_versions_and_recomputes_the_cache(engine):
     old, new = tiny_decoder(5), tiny_decoder(6)
     # A swap after 3 steps: the recompute covers a 4-slot prefix whose last slot is unwritten.
     params = SamplingParams(temperature=0.0, max_new_tokens=10, chunk_steps=3)
     _, new_state = nnx.split(new)
-    batch = _sample(old, params, weight_source=lambda v: (7, new_state) if v == 0 else None)
+    batch = _sample(old, params, weight_source=lambda v: (7, new_state) if v == 0 else None, engine=engine)
     versions = np.asarray(batch.token_version)
-    np.testing.assert_array_equal(versions, np.where(np.arange(10) < 3, 0, 7)[None].repeat(3, 0))
+    swapped = np.where(np.arange(10) < 3, 0, 7)
+    # the continuous engine's third prompt enters a slot after the swap: all of it on version 7
+    want = [swapped, swapped, swapped if engine == "static" else np.full(10, 7)]
+    np.testing.assert_array_equal(versions, want)
     tokens = np.asarray(batch.response_tokens)
     # Each token is the argmax of the weights that sampled it, on the full prefix: after the
     # swap the cache must hold the new weights' keys and values for the old tokens too.
-    np.testing.assert_array_equal(tokens[:, :3], teacher_forced_logits(old, batch).argmax(-1)[:, :3])
-    np.testing.assert_array_equal(tokens[:, 3:], teacher_forced_logits(new, batch).argmax(-1)[:, 3:])
-    assert not np.array_equal(tokens[:, 3:], teacher_forced_logits(old, batch).argmax(-1)[:, 3:])
-    np.testing.assert_array_equal(batch.oldest_version, [0, 0, 0])
+    by_old, by_new = teacher_forced_logits(old, batch).argmax(-1), teacher_forced_logits(new, batch).argmax(-1)
+    np.testing.assert_array_equal(tokens[versions == 0], by_old[versions == 0])
+    np.testing.assert_array_equal(tokens[versions == 7], by_new[versions == 7])
+    assert not np.array_equal(tokens[versions == 7], by_old[versions == 7])
+    np.testing.assert_array_equal(batch.oldest_version, [0, 0, 0 if engine == "static" else 7])
     np.testing.assert_array_equal(batch.newest_version, [7, 7, 7])
 
 
-def test_top_k_top_p_truncation():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_top_k_top_p_truncation(engine):
     model = tiny_decoder(7, scale=0.5)
     params = SamplingParams(temperature=1.0, top_k=5, top_p=0.9, max_new_tokens=8)
-    batch = _sample(model, params, seed=1)
+    batch = _sample(model, params, seed=1, engine=engine)
     forced = teacher_forced_logits(model, batch)
     want = np.asarray(sampling_logprobs(jnp.asarray(forced), params))
     tokens = np.asarray(batch.response_tokens)
