@@ -9,6 +9,7 @@
     asyncopd stage rollout --exchange runs/demo/exchange --index 3   # one more stage process
     asyncopd sft --model teacher --steps 1000 --out asyncopd_jax/tasks/assets/teacher
     asyncopd eval --model builtin:student
+    asyncopd eval --model builtin:teacher_long --task lengths=long_tailed --task difficulty=2   # + by length
     asyncopd study cache_bias_variance --quick      # a study's report in docs/study/
     asyncopd plan --config qwen3_1.7b_from_8b_v5e16 --topology v5e-16   # does it fit? (compiled, not run)
 """
@@ -26,12 +27,17 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flax import nnx
 
 from asyncopd_jax import configs
 from asyncopd_jax.config import ConfigError, OptimConfig, TaskConfig, check_resume_changes, load_config
 from asyncopd_jax.studies.training_runs import default_jobs
+
+if TYPE_CHECKING:
+    from asyncopd_jax.models import Decoder
+    from asyncopd_jax.tasks.builtin import TaskData
 
 DEMO_CONFIG = configs.DEMO
 
@@ -123,11 +129,42 @@ def _sft(args: argparse.Namespace) -> None:
         if step % max(args.steps // 10, 1) == 0 or step == args.steps:
             print(f"step {step:5d}  nll {metrics['loss']:.4f}  {metrics['seconds']:.0f} s", flush=True)
 
-    model = train_sft(new_model(args.model, args.seed), batches, args.steps, optim, on_step=log)
+    model = new_model(args.model, args.seed)
+    if args.init:
+        _initialise_from(model, args.init)
+    model = train_sft(model, batches, args.steps, optim, on_step=log)
     accuracy = data.accuracy(*nnx.split(model))
     save_pretrained(model, args.out)
     tokenizer.save_pretrained(args.out)
     print(f"held-out accuracy (greedy, {task.eval_prompts} problems): {accuracy:.1%}; saved to {args.out}")
+    _print_accuracy_by_length(data, model)
+
+
+def _initialise_from(model: Decoder, path: str) -> None:
+    """Copy the weights of the model at ``path`` (``builtin:NAME`` or a directory) into
+    ``model``: the same architecture, the context (``max_position_embeddings``) aside."""
+    import dataclasses
+
+    from asyncopd_jax.models import DecoderConfig
+    from asyncopd_jax.pipeline.stage import load_model_and_tokenizer
+
+    source, _ = load_model_and_tokenizer(path, "float32")
+    config = getattr(source, "config", None)
+    if isinstance(config, DecoderConfig):  # the context aside
+        config = dataclasses.replace(config, max_position_embeddings=model.config.max_position_embeddings)
+    if config != model.config:
+        raise ValueError(f"--init {path}: its config.json is not the architecture of --model (context aside)")
+    nnx.update(model, nnx.state(source, nnx.Param))
+
+
+def _print_accuracy_by_length(data: TaskData, model: nnx.Module) -> None:
+    """For ``task.lengths = long_tailed``: the held-out accuracy per operand-count bucket."""
+    if data.task.lengths != "long_tailed":
+        return
+    per_bucket = 64
+    print(f"by operands (greedy, {per_bucket} held-out problems each):")
+    for low, high, accuracy in data.accuracy_by_length(*nnx.split(model), per_bucket=per_bucket):
+        print(f"  {low if low == high else f'{low}-{high}':>6}  {accuracy:6.1%}", flush=True)
 
 
 def _eval(args: argparse.Namespace) -> None:
@@ -136,10 +173,12 @@ def _eval(args: argparse.Namespace) -> None:
 
     task = load_config(None, [f"task.{kv}" for kv in args.task]).task if args.task else TaskConfig()
     model, tokenizer = load_model_and_tokenizer(args.model, "float32")
+    data = TaskData(task, tokenizer)
     print(
         f"held-out accuracy of {args.model} (greedy, {task.eval_prompts} problems): "
-        f"{TaskData(task, tokenizer).accuracy(*nnx.split(model)):.1%}"
+        f"{data.accuracy(*nnx.split(model)):.1%}"
     )
+    _print_accuracy_by_length(data, model)
 
 
 def _study(args: argparse.Namespace) -> None:
@@ -225,11 +264,19 @@ def main(argv: list[str] | None = None) -> int:
     sft = sub.add_parser(
         "sft", parents=[common], help="train a built-in model on the built-in task by supervised fine-tuning"
     )
-    sft.add_argument("--model", choices=["teacher", "student"], required=True)
+    sft.add_argument(
+        "--model",
+        choices=["teacher", "student", "teacher_long", "student_long"],
+        required=True,
+        help="a built-in size (the _long ones: a context of 1024 positions, for task.lengths=long_tailed)",
+    )
     sft.add_argument("--steps", type=int, default=1000)
     sft.add_argument("--batch-size", type=int, default=64)
     sft.add_argument("--lr", type=float, default=3e-3)
     sft.add_argument("--seed", type=int, default=0)
+    sft.add_argument(
+        "--init", default="", help="start from this model's weights (builtin:NAME or a directory; same architecture)"
+    )
     sft.add_argument("--task", action="append", default=[], metavar="FIELD=VALUE", help="task config field")
     sft.add_argument("--out", type=Path, required=True, help="output directory (Hugging Face layout)")
     sft.set_defaults(fn=_sft)

@@ -34,8 +34,14 @@ class TaskConfig:
     (``dataset``: :mod:`asyncopd_jax.tasks.dataset_task`)."""
 
     name: Literal["arith", "dataset"] = "arith"
-    difficulty: int = 3  # arith: operands per problem
+    difficulty: int = 3  # arith: operands per problem (lengths = long_tailed: the fewest)
     max_value: int = 99  # arith: operands are drawn from [0, max_value]
+    # arith: "fixed" gives every problem `difficulty` operands; "long_tailed" draws each problem's
+    # count k from difficulty to max_operands with P(k) ∝ (k − difficulty + 1) ** −tail_exponent
+    # (asyncopd_jax.tasks.arith: answers of 10 to 494 tokens, median 16, at the defaults and difficulty 2)
+    lengths: Literal["fixed", "long_tailed"] = "fixed"
+    max_operands: int = 40  # arith, lengths = long_tailed: the most operands a problem has
+    tail_exponent: float = 2.0  # arith, lengths = long_tailed: the Zipf exponent (0: uniform counts)
     path: str = ""  # dataset: a .jsonl or .parquet file, one example per line / row
     prompt_field: str = "prompt"  # dataset: the field holding the prompt (dots reach into nested objects)
     answer_field: str = "answer"  # dataset: the reference answer ("" for none: distillation needs none)
@@ -44,10 +50,20 @@ class TaskConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        long_tailed = self.name == "arith" and self.lengths == "long_tailed"
         check_fields(
             "task",
             [
                 ("eval_fraction", self.eval_fraction, 0 <= self.eval_fraction < 1, "0 <= fraction < 1"),
+                ("difficulty", self.difficulty, not long_tailed or self.difficulty >= 2, ">= 2 (the fewest operands)"),
+                (
+                    "max_operands",
+                    self.max_operands,
+                    not long_tailed or self.difficulty <= self.max_operands <= self.max_value + 1,
+                    f"task.difficulty ({self.difficulty}) to task.max_value + 1 ({self.max_value + 1}: operands are "
+                    "distinct)",
+                ),
+                ("tail_exponent", self.tail_exponent, self.tail_exponent >= 0, ">= 0 (0: uniform counts)"),
             ],
         )
         if self.name == "dataset" and not self.path:

@@ -24,6 +24,11 @@ batching (refilling finished rows) would remove.
     python benchmarks/bench_interruptible.py            # B=32, T=256, V=64, 3 rounds of 4 groups, 4 updates/group
     python benchmarks/bench_interruptible.py --updates 1
     python benchmarks/bench_interruptible.py --small    # a quick smoke run
+    python benchmarks/bench_interruptible.py --engine continuous --group 128   # 128 prompts a group through 32 slots
+
+``--engine continuous`` samples each group with the continuous-batching engine, ``--batch``
+slots for the group's ``--group`` prompts (default: as many as slots): its slot utilisation
+is the engine's own count (answer tokens / slot-steps decoded).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from asyncopd_jax.pipeline.reward_stage import RewardStage
 from asyncopd_jax.pipeline.rollout import GroupProducer
 from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore
 from asyncopd_jax.pipeline.trace import Tracer
-from asyncopd_jax.sampling import Sampler, SamplingParams
+from asyncopd_jax.sampling import SamplingParams, make_sampler
 
 
 def fresh_student(vocab: int, positions: int) -> Decoder:
@@ -106,7 +111,9 @@ def run_mode(
             lengths = mask.sum(axis=1)
             tokens += int(lengths.sum())
             staleness.append(float(np.mean(store.latest_version() - versions)))
-            utilisation.append(float(lengths.sum() / (lengths.size * max(int(lengths.max()), 1))))
+            stats = getattr(producer.sampler, "last_stats", None)  # the continuous engine counts its own
+            lockstep = float(lengths.sum() / (lengths.size * max(int(lengths.max()), 1)))
+            utilisation.append(stats.utilisation if stats is not None else lockstep)
         seconds = time.perf_counter() - start
     swaps = sum(1 for e in producer.tracer.events()[tracer_before:] if e["name"] == "swap_weights")
     return {
@@ -134,6 +141,8 @@ def main() -> None:
         help="weight updates published per group-sampling time (measured without swaps)",
     )
     parser.add_argument("--small", action="store_true", help="B=8, T=64, V=16, 2 groups, 1 round")
+    parser.add_argument("--engine", choices=["static", "continuous"], default="static")
+    parser.add_argument("--group", type=int, default=0, help="prompts per group (default: --batch)")
     args = parser.parse_args()
     if args.small:
         args.batch, args.new, args.vocab, args.groups, args.rounds = 8, 64, 16, 2, 1
@@ -143,8 +152,17 @@ def main() -> None:
     graphdef, params = nnx.split(model)
     store = InMemorySnapshotStore(keep=64)
     store.publish(0, params)
-    sampler = Sampler(
-        graphdef, SamplingParams(temperature=1.0, max_new_tokens=args.new, chunk_steps=args.chunk, stop_token_ids=(2,))
+    continuous = args.engine == "continuous"
+    sampler = make_sampler(
+        graphdef,
+        SamplingParams(
+            temperature=1.0,
+            max_new_tokens=args.new,
+            chunk_steps=args.chunk,
+            stop_token_ids=(2,),
+            engine=args.engine,
+            slots=args.batch if continuous else 0,
+        ),
     )
 
     def prompts(rng: np.random.Generator, n: int):
@@ -158,7 +176,7 @@ def main() -> None:
         snapshots=store,
         prompts=prompts,
         reward=RewardStage(no_reward),
-        group_size=args.batch,
+        group_size=args.group or args.batch,
         seed=0,
         prompt_slots=prompt_len,
         tracer=Tracer(),
@@ -195,7 +213,8 @@ def main() -> None:
         return statistics.median(r[key] for r in results[mode])
 
     print(
-        f"workload: fresh Qwen3 student H=128 L=2 V={args.vocab}, batch {args.batch}, up to {args.new} new tokens "
+        f"workload: fresh Qwen3 student H=128 L=2 V={args.vocab}, {args.engine} engine, {args.batch} slots, groups "
+        f"of {args.group or args.batch} prompts, up to {args.new} new tokens "
         f"(mean {median(False, 'mean_length'):.0f}), chunks of {args.chunk} steps; a new version every "
         f"{period:.2f} s ({args.updates:g} per group); medians over {args.rounds} rounds of {args.groups} groups"
     )

@@ -7,13 +7,27 @@ cache, also after a warm-up. Both use this machine's threads. Also reported: our
 tokens/s, the extra cost of recording N Monte-Carlo candidates and the student top-K,
 and teacher-scoring tokens/s (prompt + response through the teacher, cache filled).
 
+Second workload (``--long-tailed``, issue 27): the long-tailed built-in task
+(``configs/long_tailed.yaml``: answers of 16 tokens at the median, 280 at p99, up to 494)
+answered by its shipped student (``builtin:student_long``, loaded by all three engines from
+the same safetensors) at temperature 1, each answer ending at its EOS. ``--prompts`` prompts
+go through ``--slots`` sequences at a time (`transformers`: the first ``--hf-prompts``): our
+static sampler in batches of ``--slots`` (each batch decodes until its longest answer ends),
+our continuous engine with ``--slots``
+slots over a paged cache of ``--kv-fraction`` of the dense cache's pages, and `transformers`
+`generate` in batches of ``--slots`` (left-padded, stopping rows at EOS). Reported: answer
+tokens/s (prefill included: the time to answer every prompt), slot utilisation (answer tokens
+/ slot-steps decoded), the ratios, and the KV cache's bytes per sequence, paged against dense.
+
     python benchmarks/bench_sampler.py
     python benchmarks/bench_sampler.py --batch 4 --new 32    # quicker
+    python benchmarks/bench_sampler.py --long-tailed          # 512 prompts, 32 slots
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -24,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from asyncopd_jax.models import Decoder, DecoderConfig, save_pretrained
-from asyncopd_jax.sampling import Sampler, SamplingParams
+from asyncopd_jax.sampling import ContinuousSampler, Sampler, SamplingParams, left_pad
 from asyncopd_jax.teacher import ScoringParams, TeacherScorer
 
 
@@ -56,6 +70,117 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def long_tailed(args: argparse.Namespace) -> None:
+    """The long-tailed task: continuous batching against the static sampler and `transformers`."""
+    import torch
+    import transformers
+
+    from asyncopd_jax.config import load_config
+    from asyncopd_jax.pipeline.stage import load_model_and_tokenizer, resolve_model_path
+    from asyncopd_jax.tasks.builtin import TaskData
+
+    cfg = load_config("long_tailed")
+    model, tokenizer = load_model_and_tokenizer(args.model, "float32")
+    task = TaskData(cfg.task, tokenizer)
+    prompts, _ = task.train_prompts(np.random.default_rng(args.seed), args.prompts)
+    graphdef, state = nnx.split(model)
+    s, t, p_slots = args.slots, task.max_new_tokens, task.prompt_slots
+    base = SamplingParams(temperature=1.0, max_new_tokens=t, stop_token_ids=(task.eos_id,), chunk_steps=args.chunk)
+    # the static sampler at its fastest: one chunk (no weight source to poll between chunks)
+    static = Sampler(graphdef, dataclasses.replace(base, chunk_steps=t), pad_id=task.pad_id)
+    dense_pages = s * -(-(p_slots + t) // args.page_size)
+    kv_pages = int(args.kv_fraction * dense_pages)
+    continuous = ContinuousSampler(
+        graphdef,
+        SamplingParams(
+            **{**base.__dict__, "engine": "continuous", "slots": s, "page_size": args.page_size, "kv_pages": kv_pages}
+        ),
+        pad_id=task.pad_id,
+    )
+
+    def run_static() -> tuple[int, int]:
+        tokens = steps = 0
+        for i in range(0, len(prompts), s):
+            batch = static.generate(state, prompts[i : i + s], jax.random.key(i), prompt_slots=p_slots)
+            tokens += int(np.asarray(batch.response_mask).sum())
+            steps += static.last_steps * s
+        return tokens, steps
+
+    def run_continuous() -> tuple[int, int]:
+        batch = continuous.generate(state, prompts, jax.random.key(0), prompt_slots=p_slots)
+        stats = continuous.last_stats
+        assert stats.tokens == int(np.asarray(batch.response_mask).sum())
+        return stats.tokens, stats.decode_steps * s
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), local_files_only=True).eval()
+    torch.manual_seed(0)
+
+    def run_hf() -> tuple[int, int]:
+        tokens = steps = 0
+        for i in range(0, args.hf_prompts, s):
+            ids, mask = left_pad(prompts[i : i + s], task.pad_id, p_slots)
+            with torch.no_grad():
+                out = hf.generate(
+                    torch.as_tensor(ids, dtype=torch.long),
+                    attention_mask=torch.as_tensor(mask, dtype=torch.long),
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=t,
+                    eos_token_id=task.eos_id,
+                    pad_token_id=task.pad_id,
+                )
+            answers = out[:, p_slots:].numpy()
+            ended = answers == task.eos_id
+            lengths = np.where(ended.any(1), ended.argmax(1) + 1, answers.shape[1])
+            tokens += int(lengths.sum())
+            steps += answers.shape[1] * len(answers)
+        return tokens, steps
+
+    results = {}
+    engines = [("static", run_static), ("continuous", run_continuous), ("transformers", run_hf)]
+    for _, fn in engines:
+        fn()  # warm-up: compiles every shape the timed run meets (same prompts, same keys)
+    for _ in range(args.repeats):  # interleaved: the machine's drift hits every engine alike
+        for name, fn in engines:
+            start = time.perf_counter()
+            tokens, slot_steps = fn()
+            results.setdefault(name, []).append((time.perf_counter() - start, tokens, slot_steps))
+    stats = continuous.last_stats
+
+    def rate(name: str) -> float:
+        return statistics.median(tokens / seconds for seconds, tokens, _ in results[name])
+
+    print(
+        f"workload: long-tailed task ({args.model}, H={model.config.hidden_size} L={model.config.num_hidden_layers}), "
+        f"{len(prompts)} prompts through {s} slots, up to {t} new tokens after up to {p_slots} prompt tokens, "
+        f"temperature 1, stop at EOS | jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads) | medians of {args.repeats} interleaved runs"
+    )
+    for name, _ in engines:
+        seconds, tokens, slot_steps = results[name][-1]
+        steady = f", {stats.steady_utilisation:.2f} while prompts waited" if name == "continuous" else ""
+        print(
+            f"{name:14} {statistics.median(r[0] for r in results[name]):7.2f} s {rate(name):8.0f} answer tokens/s | "
+            f"{tokens} tokens, slot utilisation {tokens / slot_steps:.2f}{steady}"
+        )
+    print(
+        f"continuous / static: {rate('continuous') / rate('static'):.2f}x (target >= 2.5) | continuous / "
+        f"transformers: {rate('continuous') / rate('transformers'):.2f}x (target >= 3)"
+    )
+    c = model.config
+    token_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4  # keys + values, fp32
+    dense = (p_slots + t) * token_bytes
+    pool = stats.pool_pages * args.page_size * token_bytes
+    print(
+        f"KV cache per sequence: dense {dense / 1024:.1f} KiB ({p_slots + t} slots); paged pool {pool / s / 1024:.1f} "
+        f"KiB ({stats.pool_pages} pages of {args.page_size} for {s} slots) = {pool / s / dense:.2f}x dense "
+        f"(target <= 0.5); {stats.preemptions} preemptions; most pages in use at once {stats.peak_pages} "
+        f"({stats.peak_pages * args.page_size * token_bytes / s / dense:.2f}x dense per sequence)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=16)
@@ -63,7 +188,21 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=32_000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--long-tailed", action="store_true", help="the long-tailed task workload instead")
+    parser.add_argument("--model", default="builtin:student_long", help="--long-tailed: the model answering")
+    parser.add_argument("--prompts", type=int, default=2048, help="--long-tailed: prompts answered")
+    parser.add_argument(
+        "--hf-prompts", type=int, default=128, help="--long-tailed: the first prompts `transformers` answers (slow)"
+    )
+    parser.add_argument("--slots", type=int, default=32, help="--long-tailed: sequences decoded at once")
+    parser.add_argument("--chunk", type=int, default=16, help="--long-tailed: decode steps per chunk at most")
+    parser.add_argument("--page-size", type=int, default=16, help="--long-tailed: tokens per page")
+    parser.add_argument("--kv-fraction", type=float, default=0.4, help="--long-tailed: pool pages / dense pages")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.long_tailed:
+        long_tailed(args)
+        return
 
     config = small_qwen3(args.vocab)
     model = Decoder(config, rngs=nnx.Rngs(0))

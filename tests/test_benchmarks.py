@@ -1,4 +1,4 @@
-"""The sampler benchmark still runs against today's sampler (it reaches into the prefill, a
+"""The sampler benchmark (both workloads) still runs against today's samplers (it reaches into the prefill, a
 private method: the benchmark broke unnoticed once when the sampler was rewritten)."""
 
 from __future__ import annotations
@@ -10,13 +10,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_sampler_runs_at_a_tiny_size():
-    args = ["--batch", "2", "--prompt", "4", "--new", "4", "--vocab", "64", "--repeats", "1"]
+def _bench_sampler(*args: str) -> str:
+    """``benchmarks/bench_sampler.py`` run with ``args``: its output (it must succeed)."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_sampler.py"), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "ours: prefill only" in done.stdout and "decode throughput ratio" in done.stdout
+    return done.stdout
+
+
+def test_bench_sampler_runs_at_a_tiny_size():
+    out = _bench_sampler("--batch", "2", "--prompt", "4", "--new", "4", "--vocab", "64", "--repeats", "1")
+    assert "ours: prefill only" in out and "decode throughput ratio" in out
+
+
+def test_bench_sampler_long_tailed_runs_at_a_tiny_size():
+    """The continuous engine against the static one and `transformers` on the long-tailed task."""
+    out = _bench_sampler("--long-tailed", "--prompts", "8", "--hf-prompts", "4", "--slots", "4", "--repeats", "1")
+    assert "continuous / static" in out and "KV cache per sequence" in out

@@ -40,7 +40,7 @@ from asyncopd_jax.models.decoder import Remat, abstract_decoder
 from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
 from asyncopd_jax.pipeline.placement import parse_id_list, rollout_group_size, rollout_stage_count, split_ids
 from asyncopd_jax.pipeline.stage import stage_mesh, with_shardings
-from asyncopd_jax.sampling import Sampler
+from asyncopd_jax.sampling import ContinuousSampler, Sampler
 from asyncopd_jax.scale.chips import GIB, Chip, Topology
 from asyncopd_jax.scale.flops import matmul_flops, transformer_flops
 from asyncopd_jax.tasks.assets import resolve_model_path
@@ -295,9 +295,17 @@ def compile_sampler(
     mesh = stage_mesh(devices, cfg.stages.rollout_mesh)
     graphdef, params = abstract_decoder(config, cfg.student.dtype, vocab_limit)
     sampling = dataclasses.replace(cfg.sampling, max_new_tokens=shapes.response_tokens)
-    sampler = Sampler(graphdef, sampling, mesh=mesh)
     weights = with_shardings(params, parameter_shardings(params, mesh))
-    lowered = sampler.lower(weights, rows, shapes.prompt_tokens)
+    if sampling.engine == "continuous":
+        # ``sampling.slots`` sequences (default: the group's rows) over the paged pool; its
+        # prefill admits a whole set of slots at once (the worst case), its decode reads every
+        # page of the longest sequence (the page table at full width)
+        rows = sampling.slots or rows
+        engine = ContinuousSampler(graphdef, sampling, mesh=mesh)
+        lowered = engine.lower(weights, rows, shapes.prompt_tokens)
+        lowered["prefill"] = lowered.pop("admit")
+    else:
+        lowered = Sampler(graphdef, sampling, mesh=mesh).lower(weights, rows, shapes.prompt_tokens)
     n, p, t = len(mesh.devices.flat), shapes.prompt_tokens, shapes.response_tokens
     head = dataclasses.replace(config, vocab_size=vocab_limit or config.vocab_size)
     # The work per call, by the textbook (the sampler's loops hide it from both the compiler,

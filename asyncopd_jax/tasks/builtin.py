@@ -9,6 +9,8 @@ tokenizer or with a Hugging Face model's own.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -18,19 +20,39 @@ from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.config import TaskConfig
 from asyncopd_jax.models import Decoder, DecoderConfig
 from asyncopd_jax.sampling import left_pad
-from asyncopd_jax.tasks.arith import Problem, random_solution, sample_problems, verify
+from asyncopd_jax.tasks.arith import (
+    Problem,
+    long_tailed_probabilities,
+    operand_counts,
+    problems_with_counts,
+    random_solution,
+    sample_problems,
+    verify,
+)
 from asyncopd_jax.tasks.prompt_task import PromptTask
 from asyncopd_jax.tasks.tokenizer import EOS_ID, PAD_ID
 
 VOCAB_SIZE = 32  # the character tokenizer's 19 tokens, padded
+SFT_SLOTS_PER_ROW = 128  # task.lengths = long_tailed: an SFT batch's budget, per row of --batch-size
+
+
+# (hidden, layers, MLP width, head dim, context): the ``_long`` sizes are the same models with a
+# context for ``task.lengths = long_tailed`` (the longest prompt + answer at 40 operands: 122 + 494 tokens)
+MODEL_SIZES = {
+    "teacher": (128, 4, 384, 32, 128),
+    "student": (64, 2, 192, 16, 128),
+    "teacher_long": (128, 4, 384, 32, 1024),
+    "student_long": (64, 2, 192, 16, 1024),
+}
 
 
 def model_config(size: str) -> DecoderConfig:
-    """``"teacher"`` or ``"student"``: small Qwen3-style decoders for the built-in task."""
-    dims = {"teacher": (128, 4, 384, 32), "student": (64, 2, 192, 16)}
-    if size not in dims:
-        raise ValueError(f"built-in model {size!r} is invalid; allowed: {', '.join(dims)}")
-    hidden, layers, mlp, head_dim = dims[size]
+    """A key of :data:`MODEL_SIZES`: small Qwen3-style decoders for the built-in task. The
+    context (``max_position_embeddings``) is what the pipeline checks prompt + answer against;
+    RoPE itself has no length limit."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"built-in model {size!r} is invalid; allowed: {', '.join(MODEL_SIZES)}")
+    hidden, layers, mlp, head_dim, context = MODEL_SIZES[size]
     return DecoderConfig(
         model_type="qwen3",
         vocab_size=VOCAB_SIZE,
@@ -41,7 +63,7 @@ def model_config(size: str) -> DecoderConfig:
         num_key_value_heads=2,
         head_dim=head_dim,
         tie_word_embeddings=True,
-        max_position_embeddings=128,
+        max_position_embeddings=context,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
         rope_theta=10_000.0,
@@ -53,16 +75,36 @@ def new_model(size: str, seed: int) -> Decoder:
 
 
 class TaskData(PromptTask):
-    """The built-in task seen through one tokenizer; items are :class:`Problem` s."""
+    """The built-in task seen through one tokenizer; items are :class:`Problem` s.
+
+    ``prompt_slots`` and ``max_new_tokens`` hold the worst case (an upper bound when the
+    operands are distinct): every operand ``max_value``, as many operands as a problem can
+    have (``difficulty``, or ``max_operands`` when ``task.lengths = long_tailed``).
+    """
 
     def __init__(self, task: TaskConfig, tokenizer: PreTrainedTokenizerBase):
         super().__init__(tokenizer)
         self.task = task
-        worst = Problem((task.max_value,) * task.difficulty)
-        self.prompt_slots = len(self.encode([worst])[0])
-        self.max_new_tokens = len(tokenizer.encode(worst.solution(tuple(range(task.difficulty))))) + 1
-        self.eval_items = sample_problems(
-            np.random.default_rng(task.seed + 12345), task.eval_prompts, task.difficulty, task.max_value, held_out=True
+        self.most_operands = task.max_operands if task.lengths == "long_tailed" else task.difficulty
+        self.prompt_slots, self.max_new_tokens = self._widths(self.most_operands)
+        self.eval_items = self._problems(np.random.default_rng(task.seed + 12345), task.eval_prompts, held_out=True)
+
+    def _widths(self, operands: int) -> tuple[int, int]:
+        """(prompt tokens, answer tokens with the EOS) of the longest problem of ``operands`` operands."""
+        worst = Problem((self.task.max_value,) * operands)
+        return len(self.encode([worst])[0]), len(self.tokenizer.encode(worst.solution(tuple(range(operands))))) + 1
+
+    def _problems(self, rng: np.random.Generator, n: int, *, held_out: bool) -> list[Problem]:
+        t = self.task
+        return sample_problems(
+            rng,
+            n,
+            t.difficulty,
+            t.max_value,
+            held_out=held_out,
+            lengths=t.lengths,
+            max_operands=t.max_operands,
+            tail_exponent=t.tail_exponent,
         )
 
     def prompt_text(self, problem: Problem) -> str:
@@ -72,17 +114,70 @@ class TaskData(PromptTask):
         return float(verify(problem, response))
 
     def train_prompts(self, rng: np.random.Generator, n: int) -> tuple[list[list[int]], list[Problem]]:
-        problems = sample_problems(rng, n, self.task.difficulty, self.task.max_value, held_out=False)
+        problems = self._problems(rng, n, held_out=False)
         return self.encode(problems), problems
 
+    def _sft_problems(self, rng: np.random.Generator, batch_size: int) -> tuple[list[Problem], int, int]:
+        """A batch of training problems and its (prompt, answer) widths.
+
+        Long-tailed: the problems of a batch all come from one :func:`length_buckets` bucket
+        (the bucket drawn with its probability under the law, the counts from the law within
+        it) and are padded to that bucket's worst case, so that short answers are not padded
+        to the longest (one compiled shape per bucket). A batch holds at most
+        ``batch_size × SFT_SLOTS_PER_ROW`` prompt + answer slots: ``batch_size`` rows of short
+        problems, fewer (at least one) of long ones, so a step costs about the same whatever
+        its bucket; rows of the long buckets are therefore rarer than the law says.
+        """
+        t = self.task
+        if t.lengths != "long_tailed":
+            return self._problems(rng, batch_size, held_out=False), self.prompt_slots, self.max_new_tokens
+        first = operand_counts(rng, 1, t.difficulty, t.max_operands, t.tail_exponent)[0]
+        low, high = next(b for b in length_buckets(t.difficulty, t.max_operands) if b[0] <= first <= b[1])
+        prompt_slots, answer_slots = self._widths(high)
+        rows = max(1, min(batch_size, batch_size * SFT_SLOTS_PER_ROW // (prompt_slots + answer_slots)))
+        return self._problems_in(rng, rows, low, high, held_out=False), prompt_slots, answer_slots
+
+    def _problems_in(self, rng: np.random.Generator, n: int, low: int, high: int, *, held_out: bool) -> list[Problem]:
+        """``n`` problems of ``low … high`` operands, the counts from the long-tailed law within that range."""
+        t = self.task
+        within = long_tailed_probabilities(t.difficulty, t.max_operands, t.tail_exponent)[
+            low - t.difficulty : high - t.difficulty + 1
+        ]
+        counts = low + rng.choice(len(within), size=n, p=within / within.sum())
+        return problems_with_counts(rng, counts, t.max_value, held_out=held_out, distinct=True)
+
+    def accuracy_by_length(
+        self, graphdef: nnx.GraphDef, params: nnx.State, per_bucket: int = 64
+    ) -> list[tuple[int, int, float]]:
+        """``(low, high, greedy accuracy)`` for each of :func:`length_buckets`, on ``per_bucket``
+        held-out problems of ``low … high`` operands each (a fixed draw: counts from the
+        long-tailed law within the bucket), so that the rare long answers are measured too."""
+        t = self.task
+        if t.lengths != "long_tailed":
+            raise ValueError(f"accuracy by length needs task.lengths = long_tailed, not {t.lengths}")
+        rng = np.random.default_rng(t.seed + 54321)
+        out = []
+        for low, high in length_buckets(t.difficulty, self.most_operands):
+            items = self._problems_in(rng, per_bucket, low, high, held_out=True)
+            out.append((low, high, self.accuracy(graphdef, params, items=items)))
+        return out
+
     def sft_batch(self, rng: np.random.Generator, batch_size: int) -> RolloutBatch:
-        """Training problems with uniformly random solution orders (teacher SFT data)."""
-        problems = sample_problems(rng, batch_size, self.task.difficulty, self.task.max_value, held_out=False)
-        prompts, mask = left_pad(self.encode(problems), self.pad_id, self.prompt_slots)
-        responses = np.full((batch_size, self.max_new_tokens), self.pad_id, np.int32)
+        """Training problems with uniformly random solution orders (teacher SFT data).
+
+        Long-tailed: the operands added left to right instead. The built-in teacher's width
+        did not learn to keep track of which of many operands a random order had used within
+        minutes of CPU SFT (at 6 operands it re-used or skipped one in most answers, 3 %
+        correct against 36 % left to right after the same 200 steps; docs/results.md). Any
+        order still passes the verifier."""
+        problems, prompt_slots, answer_slots = self._sft_problems(rng, batch_size)
+        prompts, mask = left_pad(self.encode(problems), self.pad_id, prompt_slots)
+        responses = np.full((len(problems), answer_slots), self.pad_id, np.int32)
         response_mask = np.zeros(responses.shape, bool)
+        in_order = self.task.lengths == "long_tailed"
         for row, p in enumerate(problems):
-            ids = self.tokenizer.encode(random_solution(rng, p)) + [self.eos_id]
+            text = p.solution(tuple(range(len(p.operands)))) if in_order else random_solution(rng, p)
+            ids = self.tokenizer.encode(text) + [self.eos_id]
             responses[row, : len(ids)] = ids
             response_mask[row, : len(ids)] = True
         return RolloutBatch(
@@ -95,4 +190,16 @@ class TaskData(PromptTask):
         )
 
 
-__all__ = ["TaskData", "VOCAB_SIZE", "model_config", "new_model"]
+def length_buckets(minimum: int, maximum: int) -> list[tuple[int, int]]:
+    """Operand-count ranges ``(low, high)`` covering ``minimum … maximum``, each starting at
+    about 1.5 times the start of the one before (from 2 to 40: 2, 3–4, 5–7, 8–11, 12–17, 18–26,
+    27–40): the long-tailed SFT batches and the by-length accuracy in the docs use them."""
+    out, low = [], minimum
+    while low <= maximum:
+        high = min(max(low, math.ceil(low * 1.5) - 1), maximum)
+        out.append((low, high))
+        low = high + 1
+    return out
+
+
+__all__ = ["MODEL_SIZES", "TaskData", "VOCAB_SIZE", "length_buckets", "model_config", "new_model"]
