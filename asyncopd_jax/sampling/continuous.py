@@ -49,7 +49,7 @@ from asyncopd_jax.models.decoder import Decoder
 from asyncopd_jax.models.paged_attention import PagedImplementation, PagedKVCache, PagedWrite
 from asyncopd_jax.models.partitioning import Logical, constrain, mesh_context
 from asyncopd_jax.sampling.distribution import SamplingParams, sampling_logprobs
-from asyncopd_jax.sampling.sampler import SamplerBase, WeightSource, left_pad
+from asyncopd_jax.sampling.sampler import SamplerBase, WeightSource, left_pad, side_records
 
 Array = jax.Array
 
@@ -341,14 +341,8 @@ class ContinuousSampler(SamplerBase):
                 logp=put(c.logp, jnp.take_along_axis(logp_all, token[:, None], axis=-1)[:, 0]),
                 versions=put(c.versions, jnp.full_like(token, version)),
             )
-            if p.num_candidates:
-                cand = draws[:, 1:]
-                fields["candidate_ids"] = put(c.candidate_ids, cand)
-                fields["candidate_logp"] = put(c.candidate_logp, jnp.take_along_axis(logp_all, cand, axis=-1))
-            if p.student_topk:
-                topk = jax.lax.top_k(c.next_logits, p.student_topk)[1].astype(jnp.int32)
-                fields["topk_ids"] = put(c.topk_ids, topk)
-                fields["topk_logp"] = put(c.topk_logp, jnp.take_along_axis(logp_all, topk, axis=-1))
+            for name, value in side_records(p, c.next_logits, logp_all, draws).items():
+                fields[name] = put(getattr(c, name), value)
             finished = active & (jnp.isin(token, stop_ids) | (c.step + 1 >= t_max))
             going = active & ~finished  # only a token that is fed back needs its keys and values
             hidden, cache = model.forward_paged(

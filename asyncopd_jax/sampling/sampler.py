@@ -136,6 +136,29 @@ def written_sequence(carry: DecodeState) -> tuple[Array, Array, Array]:
     return tokens, valid, positions
 
 
+def side_records(params: SamplingParams, logits: Array, logp_all: Array, draws: Array) -> dict[str, Array]:
+    """What a decode step records per row beside its token, by the fields' names (of
+    :class:`DecodeState` and the continuous engine's slots): the N Monte-Carlo candidates
+    (``draws[:, 1:]``, drawn with the token) and the student's top-K ids, each with its
+    behaviour log-prob under ``logp_all [B, V]``, as configured.
+
+    Args:
+      logits: ``[B, V]`` the step's raw logits (the top-K is of the model, not the sampling
+        distribution); logp_all: ``[B, V]`` the sampling distribution's log-probs;
+      draws: ``[B, 1 + N]`` the token and its candidates.
+    """
+    records = {}
+    if params.num_candidates:
+        candidates = draws[:, 1:]
+        records["candidate_ids"] = candidates
+        records["candidate_logp"] = jnp.take_along_axis(logp_all, candidates, axis=-1)
+    if params.student_topk:
+        topk = jax.lax.top_k(logits, params.student_topk)[1].astype(jnp.int32)
+        records["topk_ids"] = topk
+        records["topk_logp"] = jnp.take_along_axis(logp_all, topk, axis=-1)
+    return records
+
+
 def chunked_prefill(
     model: Decoder, cache: KVCache, tokens: Array, valid: Array, positions: Array, end: Array, chunk: int
 ) -> tuple[KVCache, Array]:
@@ -299,14 +322,8 @@ class Sampler(SamplerBase):
                 versions=upd(c.versions, jnp.full_like(token, version)),
                 mask=upd(c.mask, active),
             )
-            if p.num_candidates:
-                cand = draws[:, 1:]
-                fields["candidate_ids"] = upd(c.candidate_ids, cand)
-                fields["candidate_logp"] = upd(c.candidate_logp, jnp.take_along_axis(logp_all, cand, axis=-1))
-            if p.student_topk:
-                topk = jax.lax.top_k(c.next_logits, p.student_topk)[1].astype(jnp.int32)
-                fields["topk_ids"] = upd(c.topk_ids, topk)
-                fields["topk_logp"] = upd(c.topk_logp, jnp.take_along_axis(logp_all, topk, axis=-1))
+            for name, value in side_records(p, c.next_logits, logp_all, draws).items():
+                fields[name] = upd(getattr(c, name), value)
             finished = active & (jnp.isin(token, stop_ids) | (t + 1 >= p.max_new_tokens))
             hidden, cache = model.forward(
                 token[:, None], (c.prompt_lengths + t)[:, None], active[:, None], c.cache, prompt_slots + t
