@@ -27,7 +27,9 @@ Two implementations, tested equal:
   ``[S, M·page_size]`` view and masks the softmax, the cost of a dense cache of
   ``M·page_size`` slots per sequence (what the CPU demo and tests run).
 * ``"ragged"``: the Pallas TPU kernel, which reads only the pages a sequence's length covers;
-  on other backends it runs in Pallas's TPU interpret mode (slow: tests only).
+  TPU only (Pallas's interpret modes fail inside this kernel on JAX 0.10.2), so the tests
+  hold the reference to the kernel's own pure-JAX reference and compile the kernel for TPU
+  chips with XLA's TPU compiler.
 """
 
 from __future__ import annotations
