@@ -445,14 +445,13 @@ class ContinuousSampler(SamplerBase):
         """
         p = self.params
         count = len(prompts)
-        ids, mask = left_pad(prompts, self.pad_id, prompt_slots)
-        width = ids.shape[1]
+        ids, mask = left_pad(prompts, self.pad_id, prompt_slots)  # checks the prompts; the batch's layout
         lengths = mask.sum(axis=1).astype(np.int32)
         right = np.full_like(ids, self.pad_id)  # each prompt from position 0
-        for row, n in enumerate(lengths):
-            right[row, :n] = ids[row, width - n :]
+        for row, prompt in enumerate(prompts):
+            right[row, : len(prompt)] = prompt
         keys = prompt_keys(key, count) if keys is None else keys
-        run = _Run(self, state, right, lengths, keys, version, width)
+        run = _Run(self, state, right, lengths, keys, version, ids.shape[1])
         records = run.loop(weight_source)
         self.last_stats = run.stats
         t = p.max_new_tokens
