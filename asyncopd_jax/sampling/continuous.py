@@ -10,17 +10,11 @@ decode in one compiled loop, and each slot is its own sequence:
 
 Its keys and values live in pages of one shared pool (:mod:`asyncopd_jax.models.paged_attention`),
 which the host hands out as the sequence grows, so the cache holds the tokens written, not
-``S × (P + T)`` slots. The host loop, per chunk of at most ``chunk_steps`` decode steps:
-
-1. takes the answers of the slots that finished, frees their pages;
-2. gives every decoding slot the pages its next chunk may write (preempting the most
-   recently admitted sequence if the pool runs short: it is re-queued, and re-sampled from
-   its start);
-3. admits queued prompts into free slots (one batched prefill into their pages);
-4. decodes; the loop leaves early once an eighth of the slots more are free and prompts
-   wait, so a finished slot idles only until the next refill;
-5. between chunks, swaps in newer weights when the weight source has them and rewrites the
-   pages of every slot in flight under them (the written tokens only).
+``S × (P + T)`` slots. This module holds the compiled pieces (prefill into pages, a chunk of
+decode steps, the rewrite of the pages in flight after a weight swap); the host loop that
+hands out slots and pages, refills finished slots and keeps going across groups of prompts
+is :class:`~asyncopd_jax.sampling.stream.RolloutStream`. :meth:`ContinuousSampler.generate`
+runs one group through a fresh stream.
 
 Randomness is per prompt: prompt ``i``'s response token ``t`` is drawn with
 ``fold_in(key_i, t)``, whichever slot it runs in, whenever it was admitted, so an answer
@@ -33,14 +27,12 @@ Shapes: S slots, P prompt slots, T = max_new_tokens, M pages per sequence
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from asyncopd_jax.cache import RolloutBatch
@@ -96,6 +88,10 @@ class Slots:
     sampled: Array  # scalar int32: tokens the last chunk sampled (every slot's, kept or not)
 
 
+# the fields of Slots with a row per slot (the pool and the counters are shared)
+PER_SLOT = tuple(f.name for f in dataclasses.fields(Slots) if f.name not in ("cache", "steps_run", "sampled"))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Admission:
@@ -110,10 +106,12 @@ class Admission:
 
 @dataclasses.dataclass
 class EngineStats:
-    """What the last :meth:`ContinuousSampler.generate` did."""
+    """What a :class:`~asyncopd_jax.sampling.stream.RolloutStream` did (the last
+    :meth:`ContinuousSampler.generate`'s: ``last_stats``)."""
 
     slots: int = 0
-    decode_steps: int = 0  # decode steps run (each advances every slot)
+    decode_steps: int = 0  # decode steps run
+    row_steps: int = 0  # rows decoded, summed over steps (a step decodes the slots in flight, bucketed)
     tokens: int = 0  # response tokens sampled (kept answers only)
     prefill_tokens: int = 0
     refills: int = 0  # prompts that entered a slot an earlier answer had left
@@ -122,21 +120,21 @@ class EngineStats:
     peak_pages: int = 0  # most pages in use at once
     pool_pages: int = 0
     # the chunks that started with prompts waiting (the steady state of a stream, before the
-    # last answers drain): their decode steps and the tokens they sampled
-    waiting_steps: int = 0
+    # last answers drain): their decoded rows and the tokens they sampled
+    waiting_row_steps: int = 0
     waiting_tokens: int = 0
 
     @property
     def utilisation(self) -> float:
-        """Answer tokens kept per slot-step decoded, over the whole call (the last answers'
-        drain included): 1.0 when no slot ever idles."""
-        return self.tokens / max(self.slots * self.decode_steps, 1)
+        """Answer tokens kept per row decoded, over the whole stream (the last answers'
+        drain included): 1.0 when no decoded row is an idle slot."""
+        return self.tokens / max(self.row_steps, 1)
 
     @property
     def steady_utilisation(self) -> float:
-        """Tokens sampled per slot-step while prompts were waiting for a slot: what a stream
-        that never runs dry (a rollout stage under the capacity rule) keeps busy."""
-        return self.waiting_tokens / max(self.slots * self.waiting_steps, 1)
+        """Tokens sampled per row decoded while prompts were waiting for a slot: what a
+        stream that never runs dry (a rollout stage under the capacity rule) keeps busy."""
+        return self.waiting_tokens / max(self.waiting_row_steps, 1)
 
 
 def fill_pages(
@@ -180,7 +178,7 @@ def fill_pages(
     return cache, model.logits(last)
 
 
-def _bucket(n: int, limit: int) -> int:
+def bucket(n: int, limit: int) -> int:
     """The smallest power of two ≥ ``n``, at most ``limit``: few compiled shapes."""
     return min(1 << max(n - 1, 0).bit_length(), limit)
 
@@ -312,13 +310,19 @@ class ContinuousSampler(SamplerBase):
         )
         return constrain_slots(dataclasses.replace(slots, cache=cache, next_logits=logits))
 
-    def _decode_fn(self, state, slots: Slots, page_table: Array, version, max_steps, refill_at) -> Slots:
-        """Decode until ``max_steps`` steps ran, no slot decodes, or ``refill_at`` slots are free."""
+    def _decode_fn(self, state, slots: Slots, page_table: Array, rows: Array, version, max_steps, refill_at) -> Slots:
+        """Decode slots ``rows [W]`` (their pages: ``page_table [W, C]``) until ``max_steps``
+        steps ran, none of them decodes, or ``refill_at`` of them are free. ``W < S``: the
+        rows are gathered, decoded and scattered back (the pool is shared, not copied)."""
         model = self._model(state)
         p = self.params
         t_max = p.max_new_tokens
         stop_ids = jnp.asarray(p.stop_token_ids or (-1,), jnp.int32)
-        rows = jnp.arange(slots.active.shape[0])
+        whole = slots
+        narrow = rows.shape[0] < slots.active.shape[0]
+        if narrow:
+            slots = dataclasses.replace(slots, **{f: getattr(slots, f)[rows] for f in PER_SLOT})
+        row = jnp.arange(rows.shape[0])
         implementation = self.implementation
 
         def cond(c: Slots):
@@ -335,7 +339,7 @@ class ContinuousSampler(SamplerBase):
             active = c.active
             token = jnp.where(active, draws[:, 0], self.pad_id)
             column = jnp.where(active, c.step, t_max)  # an idle slot's writes land past T: dropped
-            put = lambda field, value: field.at[rows, column].set(value, mode="drop")  # noqa: E731
+            put = lambda field, value: field.at[row, column].set(value, mode="drop")  # noqa: E731
             fields = dict(
                 tokens=put(c.tokens, token),
                 logp=put(c.logp, jnp.take_along_axis(logp_all, token[:, None], axis=-1)[:, 0]),
@@ -362,7 +366,10 @@ class ContinuousSampler(SamplerBase):
                 )
             )
 
-        return jax.lax.while_loop(cond, body, dataclasses.replace(slots, steps_run=jnp.int32(0), sampled=jnp.int32(0)))
+        done = jax.lax.while_loop(cond, body, dataclasses.replace(slots, steps_run=jnp.int32(0), sampled=jnp.int32(0)))
+        if narrow:
+            done = dataclasses.replace(done, **{f: getattr(whole, f).at[rows].set(getattr(done, f)) for f in PER_SLOT})
+        return constrain_slots(done)
 
     def lower(
         self, abstract_state: Any, slots: int, prompt_slots: int, columns: int | None = None
@@ -408,9 +415,10 @@ class ContinuousSampler(SamplerBase):
                 )
             )
             scalar = placed(jax.ShapeDtypeStruct((), jnp.int32))
+            rows = placed(jax.ShapeDtypeStruct((slots,), jnp.int32))  # every slot: the widest decode
             return {
                 "admit": self._admit.lower(abstract_state, carry, new),
-                "decode": self._decode.lower(abstract_state, carry, table, scalar, scalar, scalar),
+                "decode": self._decode.lower(abstract_state, carry, table, rows, scalar, scalar, scalar),
                 "recompute": self._recompute.lower(abstract_state, carry, table),
             }
 
@@ -443,224 +451,13 @@ class ContinuousSampler(SamplerBase):
           A :class:`RolloutBatch` in the prompts' order (prompts left-padded to
           ``prompt_slots``, as the static sampler gives them).
         """
-        p = self.params
-        count = len(prompts)
-        ids, mask = left_pad(prompts, self.pad_id, prompt_slots)  # checks the prompts; the batch's layout
-        lengths = mask.sum(axis=1).astype(np.int32)
-        right = np.full_like(ids, self.pad_id)  # each prompt from position 0
-        for row, prompt in enumerate(prompts):
-            right[row, : len(prompt)] = prompt
-        keys = prompt_keys(key, count) if keys is None else keys
-        run = _Run(self, state, right, lengths, keys, version, ids.shape[1])
-        records = run.loop(weight_source)
-        self.last_stats = run.stats
-        t = p.max_new_tokens
-        steps = np.asarray([r["step"] for r in records])
-        response_mask = np.arange(t)[None] < steps[:, None]
+        from asyncopd_jax.sampling.stream import RolloutStream  # the host side, which builds on this module
 
-        def stacked(name: str, fill: int | float = 0) -> jax.Array:
-            """A field of every answer, ``fill`` past each answer's end (a slot's earlier
-            occupant may have left records there)."""
-            values = np.stack([r[name] for r in records])
-            keep = response_mask.reshape(response_mask.shape + (1,) * (values.ndim - 2))
-            return jnp.asarray(np.where(keep, values, np.asarray(fill, values.dtype)))
-
-        return RolloutBatch(
-            prompt_tokens=jnp.asarray(ids),
-            prompt_mask=jnp.asarray(mask),
-            response_tokens=stacked("tokens", self.pad_id),
-            response_mask=jnp.asarray(response_mask),
-            behavior_logp=stacked("logp"),
-            token_version=stacked("versions"),
-            candidate_ids=stacked("candidate_ids") if p.num_candidates else None,
-            candidate_behavior_logp=stacked("candidate_logp") if p.num_candidates else None,
-            student_topk_ids=stacked("topk_ids") if p.student_topk else None,
-            student_topk_behavior_logp=stacked("topk_logp") if p.student_topk else None,
+        ids, _ = left_pad(prompts, self.pad_id, prompt_slots)  # checks the prompts; the batch's layout
+        stream = RolloutStream(
+            self, state, version=version, prompt_slots=ids.shape[1], slots=self.params.slots or len(prompts)
         )
-
-
-def live_row(row: int | None) -> int:
-    """The prompt a slot holds (only asked of slots that hold one)."""
-    assert row is not None, "an idle slot holds no prompt"
-    return row
-
-
-class _Run:
-    """One :meth:`ContinuousSampler.generate`: the host's bookkeeping of slots and pages."""
-
-    def __init__(
-        self,
-        engine: ContinuousSampler,
-        state: nnx.State,
-        prompts: np.ndarray,
-        lengths: np.ndarray,
-        keys: Array,
-        version: int,
-        prompt_slots: int,
-    ):
-        p = engine.params
-        self.engine, self.state, self.version = engine, state, version
-        self.prompts, self.lengths, self.keys = prompts, lengths, keys
-        self.slots = p.slots or len(prompts)
-        self.per_sequence = engine.pages_per_sequence(prompt_slots)
-        pool = engine.pool_pages(self.slots, prompt_slots)
-        self.trash = pool - 1  # table entries past a sequence's pages point here
-        self.free = list(range(pool - 2, -1, -1))  # a stack: page 0 is handed out first
-        self.table = np.full((self.slots, self.per_sequence), self.trash, np.int32)
-        self.owned: list[list[int]] = [[] for _ in range(self.slots)]
-        self.prompt_of: list[int | None] = [None] * self.slots
-        self.admitted_at = [0] * self.slots
-        self.written = np.zeros(self.slots, np.int64)
-        self.queue = collections.deque(range(len(prompts)))
-        self.records: list[dict[str, np.ndarray] | None] = [None] * len(prompts)
-        self.stats = EngineStats(slots=self.slots, pool_pages=pool - 1)
-        self.admissions = 0
-        self.carry = engine._empty(state, self.slots, prompt_slots, pool)
-
-    def pages_for(self, tokens: int, row: int) -> int:
-        """Pages that hold ``tokens`` tokens of prompt ``row``'s sequence (its last answer
-        token is never written: at most ``len + T − 1``)."""
-        cap = int(self.lengths[row]) + self.engine.params.max_new_tokens - 1
-        return -(-min(tokens, cap) // self.engine.params.page_size)
-
-    def columns(self) -> int:
-        """Page-table columns a call needs: the most pages a slot holds, rounded up to a power
-        of two (few compiled shapes). Attention reads ``columns × page_size`` tokens per
-        slot, so its work follows the longest sequence in flight, not ``P + T``."""
-        return _bucket(max(max(len(pages) for pages in self.owned), 1), self.per_sequence)
-
-    def table_now(self) -> Array:
-        """The page table, cut to :meth:`columns` (the columns past it hold no page)."""
-        return jnp.asarray(self.table[:, : self.columns()])
-
-    def grow(self, slot: int, pages: int) -> None:
-        while len(self.owned[slot]) < pages:
-            page = self.free.pop()
-            self.table[slot, len(self.owned[slot])] = page
-            self.owned[slot].append(page)
-
-    def release(self, slot: int) -> None:
-        self.free.extend(reversed(self.owned[slot]))
-        self.owned[slot] = []
-        self.table[slot] = self.trash
-        self.prompt_of[slot] = None
-
-    def collect(self, active: np.ndarray) -> None:
-        """Take the records of slots that finished; free their slots and pages."""
-        done = [s for s in range(self.slots) if self.prompt_of[s] is not None and not active[s]]
-        if not done:
-            return
-        size = _bucket(len(done), self.slots)
-        index = np.asarray(done + [done[0]] * (size - len(done)), np.int32)
-        rows = jax.device_get(self.engine._rows(self.carry, index))
-        for i, slot in enumerate(done):
-            record = {name: value[i] for name, value in rows.items()}
-            self.records[self.prompt_of[slot]] = record  # type: ignore[index]
-            self.stats.tokens += int(record["step"])
-            self.release(slot)
-
-    def shortfall(self, slot: int, steps: int) -> int:
-        """Pages decoding slot ``slot`` lacks for its next ``steps`` tokens."""
-        row = live_row(self.prompt_of[slot])
-        return max(self.pages_for(int(self.written[slot]) + steps, row) - len(self.owned[slot]), 0)
-
-    def make_room(self, steps: int) -> None:
-        """Every decoding slot gets the pages its next ``steps`` tokens need; when the pool
-        runs short, the most recently admitted sequence is preempted (re-queued in front)."""
-        while True:
-            live = [s for s in range(self.slots) if self.prompt_of[s] is not None]
-            if sum(self.shortfall(s, steps) for s in live) <= len(self.free):
-                break
-            victim = max(live, key=lambda s: self.admitted_at[s])
-            self.queue.appendleft(live_row(self.prompt_of[victim]))
-            gone = np.zeros(self.slots, bool)
-            gone[victim] = True
-            self.carry = self.engine._evict(self.carry, jnp.asarray(gone))
-            self.release(victim)
-            self.stats.preemptions += 1
-        for s in range(self.slots):
-            if self.prompt_of[s] is not None:
-                self.grow(s, len(self.owned[s]) + self.shortfall(s, steps))
-
-    def admit(self, steps: int) -> None:
-        """Queued prompts into free slots, while the pool has their pages."""
-        chosen: list[tuple[int, int]] = []
-        for slot in range(self.slots):
-            if not self.queue:
-                break
-            if self.prompt_of[slot] is not None:
-                continue
-            row = self.queue[0]
-            need = self.pages_for(int(self.lengths[row]) + steps, row)
-            if need > len(self.free):
-                break
-            self.queue.popleft()
-            self.stats.refills += self.admitted_at[slot] > 0
-            self.prompt_of[slot] = row
-            self.admissions += 1
-            self.admitted_at[slot] = self.admissions
-            self.written[slot] = self.lengths[row]
-            self.grow(slot, need)
-            chosen.append((slot, row))
-        if not chosen:
-            return
-        size = _bucket(len(chosen), self.slots)
-        slot_ids = np.full(size, self.slots, np.int32)  # padding rows: slot S, dropped
-        rows = np.zeros(size, np.int32)
-        lengths = np.zeros(size, np.int32)
-        table = np.full((size, self.columns()), self.trash, np.int32)
-        for i, (slot, row) in enumerate(chosen):
-            slot_ids[i], rows[i], lengths[i], table[i] = (
-                slot,
-                row,
-                self.lengths[row],
-                self.table[slot, : table.shape[1]],
-            )
-        new = Admission(
-            slot=jnp.asarray(slot_ids),
-            prompts=jnp.asarray(self.prompts[rows]),
-            prompt_len=jnp.asarray(lengths),
-            keys=self.keys[jnp.asarray(rows)],
-            page_table=jnp.asarray(table),
-        )
-        self.carry = self.engine._admit(self.state, self.carry, new)
-        self.stats.prefill_tokens += int(lengths.sum())
-
-    def loop(self, weight_source: WeightSource | None) -> list[dict[str, np.ndarray]]:
-        engine, p = self.engine, self.engine.params
-        active = np.zeros(self.slots, bool)
-        refill = max(1, self.slots // 8)
-        with mesh_context(engine.mesh):
-            while True:
-                self.collect(active)
-                if not self.queue and all(owner is None for owner in self.prompt_of):
-                    return self.records  # type: ignore[return-value]
-                self.make_room(p.chunk_steps)
-                self.admit(p.chunk_steps)
-                self.stats.peak_pages = max(self.stats.peak_pages, self.stats.pool_pages - len(self.free))
-                self.carry = engine._decode(
-                    self.state,
-                    self.carry,
-                    self.table_now(),
-                    jnp.int32(self.version),
-                    jnp.int32(p.chunk_steps),
-                    # leave once `refill` more slots are free than now (slots the pool cannot
-                    # fill yet stay free: counting them would end the chunk at once)
-                    jnp.int32(self.prompt_of.count(None) + refill if self.queue else self.slots + 1),
-                )
-                waiting = bool(self.queue)
-                active, written, steps, sampled = jax.device_get(
-                    (self.carry.active, self.carry.written, self.carry.steps_run, self.carry.sampled)
-                )
-                self.written = np.asarray(written, np.int64)
-                self.stats.decode_steps += int(steps)
-                self.stats.waiting_steps += int(steps) * waiting
-                self.stats.waiting_tokens += int(sampled) * waiting
-                self.stats.chunks += 1
-                if weight_source is None or not (active.any() or self.queue):
-                    continue
-                update = weight_source(self.version)
-                if update is not None and update[0] != self.version:
-                    self.version, self.state = update
-                    if active.any():  # the pages in flight, rewritten under the new weights
-                        self.carry = engine._recompute(self.state, self.carry, self.table_now())
+        stream.submit(None, prompts, prompt_keys(key, len(prompts)) if keys is None else keys)
+        ((_, batch),) = stream.run(weight_source)
+        self.last_stats = stream.stats
+        return batch
