@@ -14,18 +14,22 @@ scoring and learning overlap, each on its own devices (see ``pipeline/placement.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import jax
 import numpy as np
 
+from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.pipeline.reward_stage import RewardStage
 from asyncopd_jax.pipeline.snapshots import SnapshotStore
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
-from asyncopd_jax.sampling import ContinuousSampler, Sampler
+from asyncopd_jax.sampling import ContinuousSampler, Sampler, prompt_keys
+from asyncopd_jax.sampling.stream import RolloutStream
 
 if TYPE_CHECKING:
     from asyncopd_jax.pipeline.stage import RolloutStage
@@ -69,12 +73,20 @@ class GroupProducer:
         self.tracer, self.interruptible = tracer, interruptible
         self.version_timeout = version_timeout  # how long a group waits for the version it must start from
 
-    def _newer_snapshot(self, version: int):
+    def newer_snapshot(self, version: int):
+        """The newest snapshot as ``(version, weights)`` when it is newer than ``version``."""
         latest = self.snapshots.latest_version()
         if latest is not None and latest > version:
             with self.tracer.span("swap_weights", version=latest):
                 return self.snapshots.load()
         return None
+
+    def prompts_of(self, index: int) -> tuple[list[list[int]], list]:
+        """Group ``index``'s prompts (each repeated ``samples_per_prompt`` times) and the
+        problems the reward checks them against."""
+        rng = np.random.default_rng([self.seed, index])
+        prompts, problems = self.prompts(rng, self.reward.prompts_per_group(self.group_size))
+        return self.reward.repeat(prompts), self.reward.repeat(problems)
 
     def sample(self, index: int, version: int | None = None, min_version: int = 0) -> RolloutGroup:
         """Sample group ``index`` from snapshot ``version`` (default: the newest, once it is
@@ -82,9 +94,7 @@ class GroupProducer:
         if version is None and min_version:
             with self.tracer.span("wait_for_version", version=min_version):
                 self.snapshots.wait_for(min_version, timeout=self.version_timeout)
-        rng = np.random.default_rng([self.seed, index])
-        prompts, problems = self.prompts(rng, self.reward.prompts_per_group(self.group_size))
-        prompts, problems = self.reward.repeat(prompts), self.reward.repeat(problems)
+        prompts, problems = self.prompts_of(index)
         version, params = self.snapshots.load(version)
         with self.tracer.span("rollout", version=version) as info:
             batch = self.sampler.generate(
@@ -93,18 +103,109 @@ class GroupProducer:
                 group_key(self.seed, index),
                 version=version,
                 prompt_slots=self.prompt_slots,
-                weight_source=self._newer_snapshot if self.interruptible else None,
+                weight_source=self.newer_snapshot if self.interruptible else None,
             )
             jax.block_until_ready(batch.response_tokens)
-            lengths = np.asarray(batch.response_mask).sum(axis=1)
-            # decoding runs until the longest row is done: its cost follows ``longest``
-            info.update(rows=int(lengths.size), tokens=int(lengths.sum()), longest=int(lengths.max(initial=0)))
+            info.update(answer_lengths(batch))
+        return self.finish(batch, problems, version)
+
+    def finish(self, batch: RolloutBatch, problems: list, version: int) -> RolloutGroup:
+        """A sampled group's rewards and version span (``version``: where it started, the
+        span of a group with no answer token)."""
         versions = np.asarray(batch.token_version)[np.asarray(batch.response_mask)]
         oldest = int(versions.min()) if versions.size else version
         newest = int(versions.max()) if versions.size else version
         with self.tracer.span("reward"):
             batch, rewards = self.reward(problems, batch)
         return RolloutGroup(batch, None, oldest, newest, {"rewards": rewards})
+
+
+def answer_lengths(batch: RolloutBatch) -> dict[str, int]:
+    """What a ``rollout`` span records of a group: its rows, answer tokens and longest
+    answer (a lockstep batch decodes until the longest ends: its cost follows ``longest``)."""
+    lengths = np.asarray(batch.response_mask).sum(axis=1)
+    return dict(rows=int(lengths.size), tokens=int(lengths.sum()), longest=int(lengths.max(initial=0)))
+
+
+# (block) → the next group to start as (index, the oldest version it may start from), or
+# None when none may start yet (only when ``block`` is false)
+NextGroup = Callable[[bool], "tuple[int, int] | None"]
+
+
+class GroupStreamer:
+    """A rollout stage's continuous engine kept running across groups (``sampling.engine:
+    continuous``; :class:`~asyncopd_jax.sampling.stream.RolloutStream`).
+
+    The loop, per chunk of decode steps:
+
+    1. start groups while fewer prompts wait for a slot than there are slots: each one
+       granted by ``next_group`` (the capacity rule), its prompts queued behind the others';
+       it blocks only when the stream has nothing else to do;
+    2. decode one chunk; hand every group whose last answer ended to ``deliver`` (scoring
+       runs there, beside the next chunks);
+    3. swap in a newer snapshot, if one was published (interruptible generation).
+
+    A group granted with a minimum version newer than the stream's weights waits for that
+    snapshot and swaps it in before its prompts are queued: a ``sync`` schedule's groups
+    start from the policy just trained. Token versions are recorded per token, so a group
+    whose prompts entered slots under several policies reports each.
+    """
+
+    def __init__(self, producer: GroupProducer):
+        if not isinstance(producer.sampler, ContinuousSampler):
+            raise TypeError("a GroupStreamer needs the continuous engine (sampling.engine: continuous)")
+        self.producer = producer
+        self.engine: ContinuousSampler = producer.sampler
+        self.stream: RolloutStream | None = None
+
+    def _swap_to(self, min_version: int) -> None:
+        """Weights at ``min_version`` or newer (waited for)."""
+        p = self.producer
+        if self.stream is None or self.stream.version < min_version:
+            with p.tracer.span("wait_for_version", version=min_version):
+                p.snapshots.wait_for(min_version, timeout=p.version_timeout)
+            with p.tracer.span("swap_weights", version=p.snapshots.latest_version()):
+                version, state = p.snapshots.load()
+            if self.stream is None:
+                slots = self.engine.params.slots or p.group_size
+                self.stream = RolloutStream(
+                    self.engine, state, version=version, prompt_slots=p.prompt_slots, slots=slots
+                )
+            else:
+                self.stream.swap(version, state)
+
+    def _start(self, index: int, min_version: int) -> None:
+        p = self.producer
+        self._swap_to(min_version)
+        assert self.stream is not None
+        prompts, problems = p.prompts_of(index)
+        keys = prompt_keys(group_key(p.seed, index), len(prompts))
+        self.stream.submit((index, problems, time.time(), self.stream.version), prompts, keys)
+
+    def run(
+        self,
+        next_group: NextGroup,
+        deliver: Callable[[int, RolloutGroup], None],
+        between_chunks: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Stream groups until ``next_group``, ``deliver`` or ``between_chunks`` (called
+        before every chunk) raises (a stopped run: :class:`PipelineStopped`)."""
+        p = self.producer
+        while True:
+            between_chunks()
+            while self.stream is None or self.stream.queued < self.stream.slots:
+                granted = next_group(self.stream is None or self.stream.idle)
+                if granted is None:
+                    break
+                self._start(*granted)
+            assert self.stream is not None
+            for (index, problems, start, version), batch in self.stream.step():
+                p.tracer.record("rollout", start, time.time(), version=version, streamed=True, **answer_lengths(batch))
+                deliver(index, p.finish(batch, problems, version))
+            if p.interruptible and not self.stream.idle:
+                update = p.newer_snapshot(self.stream.version)
+                if update is not None:
+                    self.stream.swap(*update)
 
 
 class Stages(Protocol):
@@ -180,6 +281,8 @@ class RolloutPool:
         return []
 
     def _run(self, stage: RolloutStage) -> None:
+        if stage.streams:
+            return self._stream(stage)
         size = stage.producer.group_size
         try:
             while True:
@@ -195,3 +298,33 @@ class RolloutPool:
             return
         except BaseException as err:  # noqa: BLE001 - forwarded to the learner
             self.buffer.fail(err)
+
+    def _stream(self, stage: RolloutStage) -> None:
+        """``stage``'s engine kept running across groups (:class:`GroupStreamer`); a group
+        is scored on a thread of its own while the next chunks decode."""
+        size = stage.producer.group_size
+
+        def next_group(block: bool) -> tuple[int, int] | None:
+            min_version = self.buffer.acquire(size) if block else self.buffer.try_acquire(size)
+            return None if min_version is None else (self._next_index(), min_version)
+
+        def score_and_put(index: int, group: RolloutGroup) -> None:
+            try:
+                self.buffer.put(stage.scored(group, index))
+            except PipelineStopped:
+                return
+            except BaseException as err:  # noqa: BLE001 - forwarded to the learner
+                self.buffer.fail(err)
+
+        scoring = ThreadPoolExecutor(1, thread_name_prefix=f"{stage.plan.name}-scoring")
+
+        def deliver(index: int, group: RolloutGroup) -> None:
+            scoring.submit(score_and_put, index, group)
+
+        with scoring:
+            try:
+                GroupStreamer(stage.producer).run(next_group, deliver, self.buffer.check)
+            except PipelineStopped:
+                return
+            except BaseException as err:  # noqa: BLE001 - forwarded to the learner
+                self.buffer.fail(err)

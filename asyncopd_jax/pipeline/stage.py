@@ -48,7 +48,7 @@ from asyncopd_jax.pipeline.rollout import GroupProducer, group_key
 from asyncopd_jax.pipeline.snapshots import SnapshotStore
 from asyncopd_jax.pipeline.staleness import RolloutGroup
 from asyncopd_jax.pipeline.trace import Tracer
-from asyncopd_jax.sampling import SamplingParams, make_sampler
+from asyncopd_jax.sampling import ContinuousSampler, SamplingParams, make_sampler
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.tasks.prompt_task import PromptTask, make_task
 from asyncopd_jax.teacher import ReferenceScorer, Scorers, TeacherScorer
@@ -196,10 +196,20 @@ class RolloutStage:
     producer: GroupProducer
     scoring: ScoringStage | None
 
+    @property
+    def streams(self) -> bool:
+        """Whether the stage keeps its engine running across groups
+        (:class:`~asyncopd_jax.pipeline.rollout.GroupStreamer`: the continuous engine, where
+        weights may change mid-group) rather than sampling one group per call."""
+        return isinstance(self.producer.sampler, ContinuousSampler) and self.producer.interruptible
+
     def group(self, index: int, version: int | None = None, min_version: int = 0) -> RolloutGroup:
         """Group ``index`` from policy ``version`` (default: the newest, ``min_version`` or
         newer), scored when a scoring stage shares this process."""
-        group = self.producer.sample(index, version, min_version)
+        return self.scored(self.producer.sample(index, version, min_version), index)
+
+    def scored(self, group: RolloutGroup, index: int) -> RolloutGroup:
+        """Sampled group ``index``, scored when a scoring stage shares this process."""
         if self.scoring is None:
             return group
         return self.scoring.score(group, self.producer.seed, index, self.producer.tracer)

@@ -17,14 +17,19 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from asyncopd_jax.pipeline.heap import HeapTrimmer
 from asyncopd_jax.pipeline.placement import pin_this_process
 from asyncopd_jax.pipeline.trace import Tracer
+
+if TYPE_CHECKING:
+    from asyncopd_jax.pipeline.spool import Claim, Spool
 
 POLL_SECONDS = 0.002  # how often an idle stage looks for work
 
@@ -70,6 +75,9 @@ def run_stage(
 
         inbox = exchange.tickets if role == "rollout" else exchange.sampled
         outbox = exchange.scored if work.scores else exchange.sampled
+        if work.rollout is not None and work.rollout.streams:
+            _stream(work, name, inbox, outbox, should_stop, lambda: tracer.dump(exchange.trace_dir / f"{name}.json"))
+            return 0
         last_dump = time.monotonic()
         trim_heap = HeapTrimmer()
         while not should_stop():
@@ -98,6 +106,71 @@ def run_stage(
     finally:
         if tracer is not None:
             tracer.dump(exchange.trace_dir / f"{name}.json")
+
+
+def _stream(
+    work: _StageWork, name: str, inbox: Spool, outbox: Spool, should_stop: Callable[[], bool], dump: Callable[[], None]
+) -> None:
+    """A rollout process's continuous engine kept running across tickets
+    (:class:`~asyncopd_jax.pipeline.rollout.GroupStreamer`): a ticket is claimed whenever the
+    stream has room for more prompts, and each group is scored (when a scoring stage shares
+    this process) and committed on a thread of its own while the next chunks decode. A
+    claim stays open until its group is committed; on an error every open claim is given
+    back, so a restarted stage takes those groups again."""
+    from asyncopd_jax.pipeline.rollout import GroupStreamer
+    from asyncopd_jax.pipeline.spool import group_to_record
+    from asyncopd_jax.pipeline.staleness import PipelineStopped
+
+    assert work.rollout is not None
+    rollout = work.rollout
+    claims: dict[int, Claim] = {}
+    failed: list[BaseException] = []
+    last_dump = [time.monotonic()]
+    trim_heap = HeapTrimmer()
+
+    def between_chunks() -> None:
+        if failed:
+            raise failed[0]
+        if should_stop():
+            raise PipelineStopped("the run stopped")
+        if time.monotonic() - last_dump[0] > 2.0:
+            dump()
+            last_dump[0] = time.monotonic()
+        trim_heap()
+
+    def next_group(block: bool) -> tuple[int, int] | None:
+        while True:
+            between_chunks()
+            claim = inbox.claim(name)
+            if claim is not None:
+                record = claim.read()
+                claims[int(record["index"])] = claim
+                return int(record["index"]), int(record.get("min_version", 0))
+            if not block:
+                return None
+            time.sleep(POLL_SECONDS)
+
+    def commit(index: int, group) -> None:
+        try:
+            outbox.put(claims[index].name, group_to_record(rollout.scored(group, index), index))
+            claims.pop(index).done()
+        except BaseException as err:  # noqa: BLE001 - raised by the stream's loop
+            failed.append(err)
+
+    scoring = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-scoring")
+
+    def deliver(index: int, group) -> None:
+        scoring.submit(commit, index, group)
+
+    with scoring:
+        try:
+            GroupStreamer(rollout.producer).run(next_group, deliver, between_chunks)
+        except PipelineStopped:
+            return
+        finally:
+            scoring.shutdown(wait=True)
+            for claim in claims.values():
+                claim.give_back()
 
 
 class _StageWork:

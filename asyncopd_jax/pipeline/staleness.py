@@ -81,8 +81,18 @@ class StalenessBuffer:
             self._raise_if_stopped()
             if not ok:
                 raise TimeoutError("no rollout capacity within the timeout")
-            self._started += n
-            return max(0, self.first_version + self._consumed_batches * self.mini_batches - self.eta)
+            return self._start(n)
+
+    def try_acquire(self, n: int) -> int | None:
+        """:meth:`acquire` without waiting: None when ``n`` more samples may not start now."""
+        with self._cond:
+            self._raise_if_stopped()
+            return self._start(n) if self.capacity() >= n else None
+
+    def _start(self, n: int) -> int:
+        """Count ``n`` samples as running; the oldest version they may start from."""
+        self._started += n
+        return max(0, self.first_version + self._consumed_batches * self.mini_batches - self.eta)
 
     def put(self, group: RolloutGroup) -> None:
         with self._cond:
@@ -147,6 +157,11 @@ class StalenessBuffer:
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
+
+    def check(self) -> None:
+        """Raise :class:`PipelineStopped` once the run stopped."""
+        with self._cond:
+            self._raise_if_stopped()
 
     def _raise_if_stopped(self) -> None:
         if self._error is not None:

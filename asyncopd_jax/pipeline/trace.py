@@ -50,20 +50,24 @@ class Tracer:
         try:
             yield args
         finally:
-            end = time.time()
-            event = {
-                "name": name,
-                "ph": "X",
-                "pid": self.process,
-                "tid": threading.current_thread().name,
-                "ts": (start - self.origin) * 1e6,
-                "dur": (end - start) * 1e6,
-                "args": args,
-            }
-            with self._lock:
-                self.dropped += len(self._events) == self._events.maxlen
-                self._events.append(event)
-                self._seconds[name] = self._seconds.get(name, 0.0) + end - start
+            self.record(name, start, time.time(), **args)
+
+    def record(self, name: str, start: float, end: float, **args) -> None:
+        """Record a complete event from ``start`` to ``end`` (``time.time()``) on this thread:
+        for work that is not one ``with`` body (a group decoding across a stream's chunks)."""
+        event = {
+            "name": name,
+            "ph": "X",
+            "pid": self.process,
+            "tid": threading.current_thread().name,
+            "ts": (start - self.origin) * 1e6,
+            "dur": (end - start) * 1e6,
+            "args": args,
+        }
+        with self._lock:
+            self.dropped += len(self._events) == self._events.maxlen
+            self._events.append(event)
+            self._seconds[name] = self._seconds.get(name, 0.0) + end - start
 
     def totals(self, prefix: str = "") -> dict[str, float]:
         """Seconds spent per span name (names starting with ``prefix``), over every span

@@ -186,7 +186,43 @@ class Scorers:
 
     def score(self, batch: RolloutBatch, key: Array) -> tuple[RolloutBatch, TeacherScoreCache | None]:
         """``(batch with its reference log-probs, the teacher's cache)``; each part only where
-        its scorer is set (``key`` seeds the teacher samples)."""
+        its scorer is set (``key`` seeds the teacher samples).
+
+        Only the response columns up to the longest answer are scored (:func:`scored_columns`:
+        on long-tailed answers most of the ``T`` columns are padding); the columns past them
+        repeat the last scored one, so every value stays a finite log-prob under the mask."""
+        t = batch.response_tokens.shape[1]
+        chunk = self.teacher.params.chunk_size if self.teacher is not None else t
+        kept = scored_columns(int(jnp.max(jnp.sum(batch.response_mask, axis=1))), t, chunk)
+        short = response_columns(batch, kept)
+        widen = functools.partial(repeat_last_column, width=t)
         if self.reference is not None:
-            batch = dataclasses.replace(batch, reference_logp=self.reference.score(batch))
-        return batch, None if self.teacher is None else self.teacher.score(batch, key)
+            batch = dataclasses.replace(batch, reference_logp=widen(self.reference.score(short)))
+        cache = None if self.teacher is None else jax.tree_util.tree_map(widen, self.teacher.score(short, key))
+        return batch, cache
+
+
+def scored_columns(longest: int, t: int, chunk: int) -> int:
+    """Response columns to score for answers of at most ``longest`` tokens out of ``t``: a
+    power of two (few compiled shapes), a whole number of ``chunk`` s when ``t`` holds one
+    (the chunks, and so the teacher's samples, stay those of the whole batch), at most ``t``."""
+    columns = 1 << max(longest - 1, 0).bit_length()
+    if t >= chunk:
+        columns = -(-columns // chunk) * chunk
+    return min(columns, t)
+
+
+def response_columns(batch: RolloutBatch, t: int) -> RolloutBatch:
+    """``batch`` with its per-response-position fields cut to their first ``t`` columns."""
+    return RolloutBatch(
+        **{
+            f.name: value if value is None or f.name.startswith("prompt_") else value[:, :t]
+            for f in dataclasses.fields(batch)
+            for value in [getattr(batch, f.name)]
+        }
+    )
+
+
+def repeat_last_column(x: Array, width: int) -> Array:
+    """``[B, t, ...]`` → ``[B, width, ...]``, the columns past ``t`` copies of the last."""
+    return jnp.take(x, jnp.minimum(jnp.arange(width), x.shape[1] - 1), axis=1)

@@ -12,7 +12,8 @@ The rollouts come from every placement of the rollout stage (``PLACEMENTS``): sa
 directly, by the static sampler and by the continuous-batching engine (3 slots for the 8
 prompts: most answers come from refilled slots); through the pipeline's rollout pool
 (worker threads reading an Orbax snapshot, handing groups over through the staleness
-buffer); and through stage processes (a rollout process and a scoring process, each its
+buffer), with the static sampler and with the continuous engine streaming across groups;
+and through stage processes (a rollout process and a scoring process, each its
 own JAX runtime, joined to the learner's buffer by the snapshot directory and the spool of
 records), configured with ``sampling.engine: continuous``.
 """
@@ -46,14 +47,14 @@ from asyncopd_jax.pipeline.stage import RolloutStage, ScoringStage, stage_mesh
 from asyncopd_jax.pipeline.stage_processes import StageProcesses
 from asyncopd_jax.pipeline.staleness import StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
-from asyncopd_jax.sampling import ContinuousSampler, Sampler, SamplingParams
+from asyncopd_jax.sampling import ContinuousSampler, Sampler, SamplingParams, make_sampler
 from asyncopd_jax.tasks.tokenizer import save_tokenizer
 from asyncopd_jax.teacher import Scorers, ScoringParams, TeacherScorer
 from tests.tiny_models import tiny_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15], [16, 17], [18, 19, 20, 21], [22], [23, 24]]
 PROMPT_SLOTS = 6
-PLACEMENTS = ["direct", "continuous", "threads", "processes"]
+PLACEMENTS = ["direct", "continuous", "threads", "threads-continuous", "processes"]
 TEMPERATURES = [1.0, 0.7]
 STOP = 3  # a stop token the tiny student emits now and then: responses of uneven length
 
@@ -99,9 +100,16 @@ def _rollout_continuous(temperature: float, tmp_path: Path) -> tuple[RolloutBatc
     return batch, _scorer(temperature).score(batch, jax.random.key(1))
 
 
-def _rollout_threads(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, TeacherScoreCache]:
-    """Two rollout worker threads read the published (Orbax) snapshot; the learner takes a batch."""
+def _rollout_threads(
+    temperature: float, tmp_path: Path, engine: str = "static"
+) -> tuple[RolloutBatch, TeacherScoreCache]:
+    """Two rollout worker threads read the published (Orbax) snapshot; the learner takes a
+    batch. ``engine="continuous"``: each thread keeps a continuous engine streaming across
+    its groups (3 slots for groups of 4), scoring on a thread of its own."""
     graphdef, state = nnx.split(_student())
+    params = _sampling(temperature)
+    if engine == "continuous":
+        params = dataclasses.replace(params, engine="continuous", slots=3, page_size=4, stop_token_ids=(STOP, 38))
     snapshots = DiskSnapshotStore(tmp_path / "snapshots", state, keep=2)
     snapshots.publish(0, state)
     snapshots.wait_for(0)
@@ -113,7 +121,7 @@ def _rollout_threads(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, 
         return picked, [None] * n
 
     producer = GroupProducer(
-        sampler=Sampler(graphdef, _sampling(temperature)),
+        sampler=make_sampler(graphdef, params),
         snapshots=snapshots,
         prompts=prompts,
         reward=RewardStage(lambda problems, batch: [0.0] * len(problems)),
@@ -209,6 +217,7 @@ ROLLOUT = {
     "direct": _rollout_direct,
     "continuous": _rollout_continuous,
     "threads": _rollout_threads,
+    "threads-continuous": functools.partial(_rollout_threads, engine="continuous"),
     "processes": _rollout_processes,
 }
 
@@ -245,12 +254,15 @@ def assert_learner_matches_sampler(temperature: float, batch: RolloutBatch, cach
         )
 
 
-# CI time: the processes placement at temperature 0.7 runs with -m slow (the other
-# placements cover the temperature, processes at 1.0 the placement).
+# CI time: the processes and threads-continuous placements at temperature 0.7 run with -m
+# slow (the other placements cover the temperature, these at 1.0 the placement).
+SLOW_AT = {("processes", 0.7), ("threads-continuous", 0.7)}
+
+
 @pytest.mark.parametrize(
     "placement,temperature",
     [
-        pytest.param(p, t, marks=pytest.mark.slow) if (p, t) == ("processes", 0.7) else (p, t)
+        pytest.param(p, t, marks=pytest.mark.slow) if (p, t) in SLOW_AT else (p, t)
         for p in PLACEMENTS
         for t in TEMPERATURES
     ],
@@ -323,7 +335,9 @@ def _learner_one_position_off(monkeypatch) -> None:
     monkeypatch.setattr(learner_step, "response_hidden", shifted)
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize(
+    "placement", [pytest.param(p, marks=pytest.mark.slow) if p == "threads-continuous" else p for p in PLACEMENTS]
+)
 def test_a_learner_one_position_off_fails_both_checks(placement, monkeypatch):
     temperature, batch, cache = rollout(placement, 0.7)
     _learner_one_position_off(monkeypatch)

@@ -14,7 +14,8 @@ from asyncopd_jax.alignment import response_aligned
 from asyncopd_jax.estimator_registry import EstimatorConfig, evaluate_estimator, required_ids, student_logprobs
 from asyncopd_jax.estimators import gather_logprobs_from_hidden
 from asyncopd_jax.sampling import Sampler, SamplingParams
-from asyncopd_jax.teacher import ScoringParams, TeacherScorer, score_hidden
+from asyncopd_jax.teacher import ReferenceScorer, Scorers, ScoringParams, TeacherScorer, score_hidden
+from asyncopd_jax.teacher.scorer import scored_columns
 from tests.tiny_models import tiny_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
@@ -150,3 +151,43 @@ def test_a_sharded_teacher_scores_as_one_device_does(data, fsdp, tensor):
         np.testing.assert_allclose(getattr(got, name), getattr(expected, name), rtol=1e-5, atol=1e-5, err_msg=name)
     for name in ("topk_ids", "sample_ids"):
         np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), err_msg=name)
+
+
+def _pad_responses(batch, t: int):
+    """``batch`` with its responses padded (mask off) to ``t`` columns."""
+    fields = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if value is not None and not f.name.startswith("prompt_"):
+            width = [(0, 0), (0, t - value.shape[1])] + [(0, 0)] * (value.ndim - 2)
+            value = jnp.pad(value, width)
+        fields[f.name] = value
+    return type(batch)(**fields)
+
+
+def test_the_scoring_stage_scores_only_the_columns_answers_reach():
+    """Answers of at most 9 tokens in 64 columns: the stage scores 16 (a power of two, whole
+    chunks of 4), and every answer token's scores (teacher samples included) and reference
+    log-prob equal scoring all 64; the columns past hold finite copies."""
+    model = tiny_decoder(0, scale=0.7)
+    graphdef, state = nnx.split(model)
+    params = SamplingParams(temperature=1.0, max_new_tokens=9, num_candidates=4, student_topk=3)
+    batch = _pad_responses(Sampler(graphdef, params).generate(state, PROMPTS, jax.random.key(1)), 64)
+    teacher = TeacherScorer(tiny_decoder(1, scale=0.7), ScoringParams(topk=3, num_samples=2, chunk_size=4))
+    reference = ReferenceScorer(tiny_decoder(2, scale=0.7))
+    key = jax.random.key(5)
+    whole = teacher.score(batch, key), reference.score(batch)
+    widths = []
+    score = teacher.score
+    teacher.score = lambda b, k: widths.append(b.response_tokens.shape[1]) or score(b, k)  # type: ignore[method-assign]
+    scored, cache = Scorers(teacher, reference).score(batch, key)
+    assert widths == [16]
+    assert [scored_columns(9, 64, 4), scored_columns(3, 64, 8), scored_columns(9, 12, 16)] == [16, 8, 12]
+    mask = np.asarray(batch.response_mask)
+    for field in dataclasses.fields(cache):
+        got, want = getattr(cache, field.name), getattr(whole[0], field.name)
+        if got is None:
+            continue
+        assert got.shape == want.shape and np.isfinite(np.asarray(got, np.float32)).all(), field.name
+        np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], atol=1e-5, err_msg=field.name)
+    np.testing.assert_allclose(np.asarray(scored.reference_logp)[mask], np.asarray(whole[1])[mask], atol=1e-5)

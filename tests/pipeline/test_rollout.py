@@ -1,0 +1,111 @@
+"""A rollout stage's continuous engine kept running across groups (``GroupStreamer``): each
+group is the one its index gives when sampled alone, groups are handed on while others
+still decode, and a group granted a minimum version starts from it."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from asyncopd_jax.pipeline.reward_stage import RewardStage
+from asyncopd_jax.pipeline.rollout import GroupProducer, GroupStreamer
+from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore
+from asyncopd_jax.pipeline.staleness import PipelineStopped
+from asyncopd_jax.pipeline.trace import Tracer
+from asyncopd_jax.sampling import SamplingParams, make_sampler
+from tests.tiny_models import tiny_decoder
+
+PROMPT_SLOTS = 5
+
+
+def _prompts(rng: np.random.Generator, n: int):
+    """Prompts of 1–5 tokens drawn from ``rng`` (the group's own: ``[seed, index]``)."""
+    prompts = [rng.integers(3, 60, size=rng.integers(1, PROMPT_SLOTS + 1)).tolist() for _ in range(n)]
+    return prompts, [None] * n
+
+
+def _producer(interruptible: bool = True) -> tuple[GroupProducer, InMemorySnapshotStore]:
+    graphdef, state = nnx.split(tiny_decoder(0, scale=0.7))
+    params = SamplingParams(
+        temperature=0.8,
+        max_new_tokens=12,
+        num_candidates=2,
+        stop_token_ids=(51, 54),
+        chunk_steps=2,
+        engine="continuous",
+        slots=3,
+        page_size=4,
+    )
+    snapshots = InMemorySnapshotStore()
+    snapshots.publish(0, state)
+    producer = GroupProducer(
+        sampler=make_sampler(graphdef, params),
+        snapshots=snapshots,
+        prompts=_prompts,
+        reward=RewardStage(lambda problems, batch: [0.0] * len(problems)),
+        group_size=4,
+        seed=7,
+        prompt_slots=PROMPT_SLOTS,
+        tracer=Tracer(),
+        interruptible=interruptible,
+    )
+    return producer, snapshots
+
+
+def _stream(producer: GroupProducer, grants: list[tuple[int, int]], before_grant=None):
+    """Run a GroupStreamer over ``grants`` (index, min_version); returns the delivered groups
+    and, per delivery, how many groups were still in the stream."""
+    streamer = GroupStreamer(producer)
+    pending = list(grants)
+    delivered, still_in_stream = {}, []
+
+    def next_group(block: bool):
+        if not pending:
+            if len(delivered) == len(grants):
+                raise PipelineStopped("done")
+            return None
+        if before_grant is not None:
+            before_grant(pending[0])
+        return pending.pop(0)
+
+    def deliver(index, group):
+        delivered[index] = group
+        still_in_stream.append(streamer.stream.pending_groups)
+
+    with pytest.raises(PipelineStopped):
+        streamer.run(next_group, deliver)
+    return delivered, still_in_stream
+
+
+def test_streamed_groups_are_the_groups_their_indices_give_alone():
+    producer, _ = _producer()
+    delivered, still_in_stream = _stream(producer, [(i, 0) for i in range(4)])
+    assert sorted(delivered) == [0, 1, 2, 3]
+    assert max(still_in_stream) > 0  # handed on while other groups were still decoding
+    for index, group in delivered.items():
+        alone = producer.sample(index)
+        for field in ("response_tokens", "response_mask", "candidate_ids", "token_version"):
+            np.testing.assert_array_equal(getattr(group.batch, field), getattr(alone.batch, field), err_msg=field)
+        np.testing.assert_allclose(group.batch.behavior_logp, alone.batch.behavior_logp, atol=1e-5)
+
+
+def test_a_group_granted_a_newer_minimum_version_starts_from_it():
+    """Group 2 may start only from version 1: the stream waits for it and swaps it in; the
+    groups in flight then go on under version 1 (their recorded token versions say so). Not
+    interruptible: only the minimum version can bring version 1 in."""
+    producer, snapshots = _producer(interruptible=False)
+    _, state = snapshots.load()
+    newer = jax.tree_util.tree_map(lambda x: x * 1.01, state)
+
+    def publish_before_group_2(grant):
+        if grant[0] == 2 and snapshots.latest_version() == 0:
+            snapshots.publish(1, newer)
+
+    delivered, _ = _stream(producer, [(0, 0), (1, 0), (2, 1), (3, 1)], publish_before_group_2)
+    for index in (2, 3):
+        batch = delivered[index].batch
+        versions = np.asarray(batch.token_version)[np.asarray(batch.response_mask)]
+        assert (versions == 1).all() and delivered[index].oldest_version == 1
+    assert {delivered[i].newest_version for i in (0, 1)} <= {0, 1}
