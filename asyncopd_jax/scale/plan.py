@@ -366,8 +366,14 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
         cfg, student, devices_of(cfg.stages.rollout_devices, rollouts), shapes, group, vocab_limit
     )
     prefill, decode = sampler[0].roofline_seconds(chips), sampler[1].roofline_seconds(chips)
+    # calls of prefill + T decode steps per batch, each stage's in parallel: a group each
+    # (static), or a wave of `slots` prompts through a stream (continuous; at answers of
+    # T tokens: shorter ones take their share of the steps)
+    waves = -(-groups // rollouts)
+    if cfg.sampling.engine == "continuous":
+        waves = -(-cfg.learner.batch_size // (sampler[1].rows * rollouts))
     balance = {  # a stage that does not compile has no time (NaN)
-        "rollout": -(-groups // rollouts) * (prefill + shapes.response_tokens * decode),
+        "rollout": waves * (prefill + shapes.response_tokens * decode),
         "learning": cfg.learner.mini_batches * learner.roofline_seconds(chips),
     }
     if any(s.error for s in sampler):
@@ -421,8 +427,9 @@ def format_plan(plan: Plan) -> str:
         slowest = max(times)
         lines += [
             "",
-            "per rollout batch, at the roofline (the sampler: prefill + T decode steps per group; weight",
-            "swaps add a recompute each): the slowest stage sets the pace, the others idle the rest",
+            "per rollout batch, at the roofline (the sampler: prefill + T decode steps per group, or per",
+            "wave of slots on the continuous engine; weight swaps add a recompute each): the slowest",
+            "stage sets the pace, the others idle the rest",
         ]
         for name, seconds in plan.balance.items():
             if seconds != seconds:

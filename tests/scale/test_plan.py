@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from asyncopd_jax import configs
 from asyncopd_jax.cli import main
 from asyncopd_jax.config import load_config
 from asyncopd_jax.learner.optimizer import make_optimizer
@@ -134,3 +135,16 @@ def test_the_learner_steps_flops_are_the_textbooks_at_real_shapes():
     model, remat = counted("none"), counted("layer")
     assert 1.0 < model / book < 1.1
     assert 1.2 < remat / model < 4 / 3
+
+
+def test_the_continuous_engine_balance_counts_waves_of_slots_not_groups():
+    """64 prompts a batch through a stream of 16 slots: 4 waves of prefill + T decode steps
+    (the static sampler: one group of 64 rows)."""
+    cfg = load_config(configs.DEMO, ["sampling.engine=continuous", "sampling.slots=16", "learner.batch_size=64"])
+    shapes = Shapes(prompt_tokens=16, response_tokens=24)
+    plan = make_plan(cfg, get_topology("h100-4"), shapes)
+    prefill, decode = plan.stages[1], plan.stages[2]
+    assert (prefill.rows, decode.rows) == (16, 16)
+    chip = plan.topology.chip
+    want = 4 * (prefill.roofline_seconds(chip) + 24 * decode.roofline_seconds(chip))
+    assert plan.balance["rollout"] == pytest.approx(want)

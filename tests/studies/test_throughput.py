@@ -3,6 +3,9 @@ and the quick study end to end."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import numpy as np
 import pytest
 
@@ -130,6 +133,7 @@ def _measured(rates: dict[str, list[float]], balance="small batch (B = 16)"):
             "rates": rates[mode],
             "sets": [f"schedule.mode={mode}"],
             "costs": [_costs(decode=0.01 * (r + 1)) for r in range(len(rates[mode]))] if mode == "sync" else [],
+            "date": "2026-11-24",
         }
         for mode, placement in QUICK.modes
     }
@@ -174,6 +178,33 @@ def test_saved_measurements_read_back_only_for_the_same_settings(tmp_path):
     assert load_measurements(path, FULL) is None and load_measurements(tmp_path / "none.json", QUICK) is None
 
 
+def test_a_balance_measured_before_with_the_same_overrides_is_not_run_again(tmp_path, monkeypatch):
+    """Another balance added to the settings: the saved one is taken (with its date), only
+    the new one is trained."""
+    balance = "small batch (B = 16)"
+    measured = _measured({"sync": [100.0], "fully_async": [150.0]})
+    for (b, mode, placement), entry in measured.items():
+        entry["sets"] = throughput._sets(mode, placement, b, QUICK)
+    path = tmp_path / "measured.json"
+    save_measurements(path, measured, QUICK)
+    more = dataclasses.replace(QUICK, balances=(balance, "demo (B = 64)"))
+    trained = []
+
+    def fake_training(work, name, sets, base):
+        trained.append((name, base.name))
+        records = [{"trace_s": float(i), "time": float(i), "samples_per_s": 16.0} for i in range(1, 9)]
+        return {"error": None, "records": records, "sets": sets}
+
+    monkeypatch.setattr(throughput, "run_training", fake_training)
+    monkeypatch.setattr(throughput, "stage_costs", lambda trace, window: _costs())
+    earlier = throughput.earlier_measurements(path, more)
+    got = throughput._measure(tmp_path / "work", more, earlier=earlier)
+    assert {name.split("-")[0] for name, _ in trained} == {"demo"} and len(trained) == 2
+    assert {key: got[key] for key in measured} == measured
+    assert got["demo (B = 64)", "sync", "threads"]["date"] == time.strftime("%Y-%m-%d")
+    assert throughput.earlier_measurements(path, dataclasses.replace(more, steps=9)) == {}
+
+
 @pytest.mark.slow
 def test_the_quick_study_writes_its_report(tmp_path):
     path = throughput.run(tmp_path / "docs", tmp_path / "work", quick=True, command="asyncopd study x")
@@ -183,3 +214,13 @@ def test_the_quick_study_writes_its_report(tmp_path):
     # the measurements are saved: the report is rebuilt from them without measuring again
     again = throughput.run(tmp_path / "docs", tmp_path / "nowhere", quick=True, command="asyncopd study x")
     assert again.read_text() == text and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("async_rate,tail,says", [(250.0, 2.3, "reaches it (within"), (130.0, 2.3, "does not reach")])
+def test_the_long_tailed_task_is_set_against_the_simulated_long_tail(async_rate, tail, says):
+    measured = _measured({"sync": [100.0], "fully_async": [async_rate]}, balance=throughput.LONG_TAILED)
+    s = dataclasses.replace(QUICK, balances=(throughput.LONG_TAILED,))
+    simulated = {(shape, d): (1.0, 1.0, tail) for d in QUICK.devices for shape in ("builtin", "long_tail")}
+    text = _verdict(measured, simulated, s)
+    assert f"schedule is {async_rate / 100:.3g}× sync; the simulation predicts {tail:.2f}×" in text
+    assert f"D = 2 separate devices: the measurement {says}" in text
