@@ -224,3 +224,9 @@ def test_the_long_tailed_task_is_set_against_the_simulated_long_tail(async_rate,
     text = _verdict(measured, simulated, s)
     assert f"schedule is {async_rate / 100:.3g}× sync; the simulation predicts {tail:.2f}×" in text
     assert f"D = 2 separate devices: the measurement {says}" in text
+    sampling, scoring, learning = measured[throughput.LONG_TAILED, "sync", "threads"]["costs"][0].batch_seconds()
+    best = (sampling + scoring + learning) / max(sampling + scoring, learning)
+    assert (
+        f"{learning:.2f} s learning (the stage spans): overlapped on separate hardware that is at best {best:.2f}×"
+        in text
+    )
