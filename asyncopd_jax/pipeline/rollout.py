@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -142,7 +142,7 @@ class GroupStreamer:
        granted by ``next_group`` (the capacity rule), its prompts queued behind the others';
        it blocks only when the stream has nothing else to do;
     2. decode one chunk; hand every group whose last answer ended to ``deliver`` (scoring
-       runs there, beside the next chunks);
+       runs there, on a thread of its own, beside the next chunks);
     3. swap in a newer snapshot, if one was published (interruptible generation).
 
     A group granted with a minimum version newer than the stream's weights waits for that
@@ -187,25 +187,37 @@ class GroupStreamer:
         next_group: NextGroup,
         deliver: Callable[[int, RolloutGroup], None],
         between_chunks: Callable[[], None] = lambda: None,
+        name: str = "rollout",
     ) -> None:
         """Stream groups until ``next_group``, ``deliver`` or ``between_chunks`` (called
-        before every chunk) raises (a stopped run: :class:`PipelineStopped`)."""
+        before every chunk) raises (a stopped run: :class:`PipelineStopped`).
+
+        ``deliver`` (scoring, hand-over) runs on a thread of its own, ``{name}-scoring``, one
+        group after another, while the next chunks decode; an error it raises is raised here
+        before the next chunk, and the deliveries started finish before this returns."""
         p = self.producer
-        while True:
-            between_chunks()
-            while self.stream is None or self.stream.queued < self.stream.slots:
-                granted = next_group(self.stream is None or self.stream.idle)
-                if granted is None:
-                    break
-                self._start(*granted)
-            assert self.stream is not None
-            for (index, problems, start, version), batch in self.stream.step():
-                p.tracer.record("rollout", start, time.time(), version=version, streamed=True, **answer_lengths(batch))
-                deliver(index, p.finish(batch, problems, version))
-            if p.interruptible and not self.stream.idle:
-                update = p.newer_snapshot(self.stream.version)
-                if update is not None:
-                    self.stream.swap(*update)
+        with ThreadPoolExecutor(1, thread_name_prefix=f"{name}-scoring") as handoff:
+            deliveries: list[Future[None]] = []
+            while True:
+                between_chunks()
+                for done in [d for d in deliveries if d.done()]:
+                    deliveries.remove(done)
+                    done.result()  # a delivery's error, raised in this loop
+                while self.stream is None or self.stream.queued < self.stream.slots:
+                    granted = next_group(self.stream is None or self.stream.idle)
+                    if granted is None:
+                        break
+                    self._start(*granted)
+                assert self.stream is not None
+                for (index, problems, start, version), batch in self.stream.step():
+                    p.tracer.record(
+                        "rollout", start, time.time(), version=version, streamed=True, **answer_lengths(batch)
+                    )
+                    deliveries.append(handoff.submit(deliver, index, p.finish(batch, problems, version)))
+                if p.interruptible and not self.stream.idle:
+                    update = p.newer_snapshot(self.stream.version)
+                    if update is not None:
+                        self.stream.swap(*update)
 
 
 class Stages(Protocol):
@@ -309,22 +321,11 @@ class RolloutPool:
             return None if min_version is None else (self._next_index(), min_version)
 
         def score_and_put(index: int, group: RolloutGroup) -> None:
-            try:
-                self.buffer.put(stage.scored(group, index))
-            except PipelineStopped:
-                return
-            except BaseException as err:  # noqa: BLE001 - forwarded to the learner
-                self.buffer.fail(err)
+            self.buffer.put(stage.scored(group, index))
 
-        scoring = ThreadPoolExecutor(1, thread_name_prefix=f"{stage.plan.name}-scoring")
-
-        def deliver(index: int, group: RolloutGroup) -> None:
-            scoring.submit(score_and_put, index, group)
-
-        with scoring:
-            try:
-                GroupStreamer(stage.producer).run(next_group, deliver, self.buffer.check)
-            except PipelineStopped:
-                return
-            except BaseException as err:  # noqa: BLE001 - forwarded to the learner
-                self.buffer.fail(err)
+        try:
+            GroupStreamer(stage.producer).run(next_group, score_and_put, self.buffer.check, stage.plan.name)
+        except PipelineStopped:
+            return
+        except BaseException as err:  # noqa: BLE001 - forwarded to the learner
+            self.buffer.fail(err)

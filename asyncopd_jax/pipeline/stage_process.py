@@ -18,7 +18,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -124,13 +123,10 @@ def _stream(
     assert work.rollout is not None
     rollout = work.rollout
     claims: dict[int, Claim] = {}
-    failed: list[BaseException] = []
     last_dump = [time.monotonic()]
     trim_heap = HeapTrimmer()
 
     def between_chunks() -> None:
-        if failed:
-            raise failed[0]
         if should_stop():
             raise PipelineStopped("the run stopped")
         if time.monotonic() - last_dump[0] > 2.0:
@@ -151,26 +147,16 @@ def _stream(
             time.sleep(POLL_SECONDS)
 
     def commit(index: int, group) -> None:
-        try:
-            outbox.put(claims[index].name, group_to_record(rollout.scored(group, index), index))
-            claims.pop(index).done()
-        except BaseException as err:  # noqa: BLE001 - raised by the stream's loop
-            failed.append(err)
+        outbox.put(claims[index].name, group_to_record(rollout.scored(group, index), index))
+        claims.pop(index).done()
 
-    scoring = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-scoring")
-
-    def deliver(index: int, group) -> None:
-        scoring.submit(commit, index, group)
-
-    with scoring:
-        try:
-            GroupStreamer(rollout.producer).run(next_group, deliver, between_chunks)
-        except PipelineStopped:
-            return
-        finally:
-            scoring.shutdown(wait=True)
-            for claim in claims.values():
-                claim.give_back()
+    try:
+        GroupStreamer(rollout.producer).run(next_group, commit, between_chunks, name)
+    except PipelineStopped:
+        return
+    finally:
+        for claim in claims.values():
+            claim.give_back()
 
 
 class _StageWork:
