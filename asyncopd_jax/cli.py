@@ -4,7 +4,7 @@
     asyncopd train                                  # the bundled demo (asyncopd_jax/configs/demo.yaml)
     asyncopd train --config rl                      # a bundled config by name: demo, rl, …
     asyncopd train --config my.yaml --set learner.batch_size=64 --set schedule.mode=sync
-    asyncopd train --set schedule.placement=processes   # stages in their own processes
+    asyncopd train --set stages.placement=processes   # stages in their own processes
     asyncopd train --resume runs/demo               # continue a stopped or killed run
     asyncopd stage rollout --exchange runs/demo/exchange --index 3   # one more stage process
     asyncopd sft --model teacher --steps 1000 --out asyncopd_jax/tasks/assets/teacher
@@ -93,7 +93,9 @@ def _train(args: argparse.Namespace) -> None:
         from asyncopd_jax.learner import distributed
 
         distributed.initialize(cfg.distributed)  # before anything else starts JAX here
-        cfg.check_learner_processes(jax.process_count())  # the count the environment gave, when the config did not
+        placement.check_learner_processes(
+            cfg, jax.process_count()
+        )  # the count the environment gave, when the config did not
     # planned before this process pinned itself (a plan made after would see only the learner's cores)
     summary = Trainer(cfg, resume=bool(args.resume), progress=not args.no_progress, layout=layout).run()
     teacher = summary.get("teacher_accuracy")  # absent: reward-driven RL without a teacher
@@ -200,7 +202,8 @@ def _study(args: argparse.Namespace) -> None:
 
 
 def _stage(args: argparse.Namespace) -> int:
-    from asyncopd_jax.pipeline.placement import TPU_BASE_PORT, device_env, parse_id_list
+    from asyncopd_jax.config_checks import parse_id_list
+    from asyncopd_jax.pipeline.placement import TPU_BASE_PORT, device_env
 
     if args.devices:  # before JAX starts: the platform's own variables give this process its devices
         os.environ.update(device_env(args.platform, parse_id_list(args.devices), TPU_BASE_PORT + 1 + args.index))
@@ -324,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "stage",
         parents=[common],
         help="run one rollout or scoring process of a run started with "
-        "schedule.placement=processes (started for you; by hand on other hosts)",
+        "stages.placement=processes (started for you; by hand on other hosts)",
     )
     stage.add_argument("role", choices=["rollout", "scoring"])
     stage.add_argument(

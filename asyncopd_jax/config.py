@@ -21,7 +21,7 @@ import yaml
 
 from asyncopd_jax import configs
 from asyncopd_jax.atomic_files import write_text_atomically
-from asyncopd_jax.config_checks import ConfigError, check_fields
+from asyncopd_jax.config_checks import ConfigError, IdList, check_fields, parse_id_list
 from asyncopd_jax.estimator_registry import ID_SOURCES, RL_ESTIMATORS, EstimatorConfig
 from asyncopd_jax.pipeline import placement
 from asyncopd_jax.sampling.distribution import SamplingParams
@@ -235,9 +235,6 @@ class ScheduleConfig:
     max_staleness: int = 2  # η, in optimizer steps
     n_step: int = 1  # for n_step_off: rollouts run at most n batches ahead
     lag: int = 0  # for fixed_lag: step t trains on rollouts of policy version max(0, t − lag)
-    rollout_workers: int = 1  # rollout threads (placement = threads)
-    snapshot_in_memory: bool = True  # threads: hand weights over in-process instead of through Orbax
-    placement: Literal["threads", "processes"] = "threads"  # where the stages run: see StagesConfig
 
     def __post_init__(self) -> None:
         check_fields(
@@ -246,14 +243,8 @@ class ScheduleConfig:
                 ("max_staleness", self.max_staleness, self.max_staleness >= 0, ">= 0"),
                 ("n_step", self.n_step, self.n_step >= 1, ">= 1"),
                 ("lag", self.lag, self.lag >= 0, ">= 0"),
-                ("rollout_workers", self.rollout_workers, self.rollout_workers >= 1, ">= 1"),
             ],
         )
-        if self.mode == "fixed_lag" and self.placement != "threads":
-            raise ConfigError(
-                f"schedule.placement = {self.placement!r} is invalid with schedule.mode = fixed_lag; "
-                "allowed: threads (fixed_lag samples in the learner's own thread)"
-            )
 
     def eta(self, mini_batches: int) -> int:
         """The staleness bound in optimizer steps: 0 for ``sync``; for ``n_step_off``
@@ -284,8 +275,12 @@ class StagesConfig:
     ``""`` leaves a stage unpinned.
     """
 
-    rollout_processes: int = 1  # processes that sample (and score, when scoring_processes = 0)
-    scoring_processes: int = 0  # teacher-scoring processes; 0: each rollout process scores its groups
+    # threads: every stage in the learner's process; processes: each rollout / scoring stage
+    # in a process of its own (asyncopd_jax.pipeline.placement)
+    placement: Literal["threads", "processes"] = "threads"
+    rollouts: int = 1  # rollout stages: threads or processes (each samples, and scores when scoring_processes = 0)
+    scoring_processes: int = 0  # processes: teacher-scoring processes; 0: each rollout process scores its groups
+    snapshot_in_memory: bool = True  # threads: hand weights over in-process instead of through snapshot files
     # false: the learner starts none of them; they are started on other hosts
     # (launch/stage_host.sh, launch/tpu_pod.sh stages: e.g. a learner that holds every chip
     # of its TPU host) and the counts above only size the rollout groups
@@ -314,7 +309,7 @@ class StagesConfig:
         check_fields(
             "stages",
             [
-                ("rollout_processes", self.rollout_processes, self.rollout_processes >= 1, ">= 1"),
+                ("rollouts", self.rollouts, self.rollouts >= 1, ">= 1"),
                 ("scoring_processes", self.scoring_processes, self.scoring_processes >= 0, ">= 0"),
                 ("restarts", self.restarts, self.restarts >= 0, ">= 0"),
                 ("rollout_niceness", self.rollout_niceness, 0 <= self.rollout_niceness <= 19, "0 to 19"),
@@ -329,11 +324,20 @@ class StagesConfig:
                 if kind == "cores" and value == "auto":
                     continue
                 try:
-                    placement.parse_id_list(value)
+                    parse_id_list(value)
                 except ValueError as err:
                     raise ConfigError(
                         f"stages.{role}_{kind} = {value!r} is invalid; allowed: {allowed} ({err})"
                     ) from None
+
+    def devices(self, role: str) -> IdList:
+        """``stages.<role>_devices`` as ids (``()``: the default, see above)."""
+        return parse_id_list(getattr(self, f"{role}_devices"))
+
+    def cores(self, role: str) -> IdList | None:
+        """``stages.<role>_cores`` as ids (None: ``auto``; ``()``: unpinned)."""
+        spec = getattr(self, f"{role}_cores")
+        return None if spec == "auto" else parse_id_list(spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,34 +450,18 @@ class RunConfig:
         """Answers sampled per prompt: G in RL, 1 in distillation."""
         return self.rl.samples_per_prompt if self.algorithm == "rl" else 1
 
-    def rollout_group_size(self) -> int:
-        """Samples per rollout group (see :func:`asyncopd_jax.pipeline.placement.rollout_group_size`)."""
-        return placement.rollout_group_size(self)
+    @property
+    def rollout_stages(self) -> int:
+        """Rollout stages (``stages.rollouts``); one for ``fixed_lag``, which samples in the
+        learner's own thread."""
+        return 1 if self.schedule.mode == "fixed_lag" else self.stages.rollouts
 
-    def check_learner_processes(self, processes: int) -> None:
-        """A :class:`ConfigError` for a setting a learner over ``processes`` processes
-        cannot run with. Validation checks the count the config fixes
-        (:attr:`DistributedConfig.learner_processes`); ``asyncopd train`` checks again,
-        after ``jax.distributed.initialize``, the count the environment gave."""
-        if processes <= 1:
-            return
-        where = f"for a learner over {processes} processes"
-        if self.schedule.placement != "processes":
-            raise ConfigError(
-                f"schedule.placement = {self.schedule.placement!r} is invalid {where}; allowed: "
-                "processes (each learner process reads its rows of a batch from the run's spool)"
-            )
-        if self.learner.token_budget:
-            raise ConfigError(
-                f"learner.token_budget = {self.learner.token_budget} is invalid {where}; allowed: 0 "
-                "(each process feeds its own rows)"
-            )
-        if self.stages.snapshot_format == "safetensors":
-            raise ConfigError(f"stages.snapshot_format = 'safetensors' is invalid {where}; allowed: auto, orbax")
-        if self.train.diagnostics_every:
-            raise ConfigError(
-                f"train.diagnostics_every = {self.train.diagnostics_every} is invalid {where}; allowed: 0"
-            )
+    @property
+    def group_size(self) -> int:
+        """Samples per rollout group: the batch split over the rollout stages (the whole
+        batch per group when it does not split evenly)."""
+        batch, stages = self.learner.batch_size, self.rollout_stages
+        return batch // stages if batch % stages == 0 else batch
 
 
 def _setting(cfg: RunConfig, path: str) -> Any:
@@ -519,11 +507,7 @@ def _validate(cfg: RunConfig) -> None:
             f"learner.mini_batches = {cfg.learner.mini_batches} is invalid with schedule.mode = "
             "fixed_lag; allowed: 1 (every step then trains on exactly schedule.lag-stale rollouts)"
         )
-    for message in placement.validate(cfg):
-        raise ConfigError(message)
-    processes = cfg.distributed.learner_processes
-    if processes is not None:  # else known at start only: asyncopd train checks it then
-        cfg.check_learner_processes(processes)
+    placement.validate(cfg)
 
 
 def _validate_algorithm(cfg: RunConfig) -> None:
@@ -536,7 +520,7 @@ def _validate_algorithm(cfg: RunConfig) -> None:
             f"estimator.name = {cfg.estimator.name!r} is invalid with algorithm = rl; allowed: "
             f"{', '.join(RL_ESTIMATORS)}"
         )
-    group = cfg.rollout_group_size()
+    group = cfg.group_size
     if group % rl.samples_per_prompt:
         raise ConfigError(
             f"rl.samples_per_prompt = {rl.samples_per_prompt} is invalid; allowed: a divisor of the "
@@ -562,6 +546,15 @@ def _validate_algorithm(cfg: RunConfig) -> None:
 # --- dict / YAML ⇄ dataclasses -----------------------------------------------------
 
 
+# Fields that moved to another name: a config that still uses the old one is told the new.
+MOVED = {
+    "schedule.placement": "stages.placement",
+    "schedule.rollout_workers": "stages.rollouts",
+    "stages.rollout_processes": "stages.rollouts",
+    "schedule.snapshot_in_memory": "stages.snapshot_in_memory",
+}
+
+
 def _from_dict(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'} must be a mapping, got {data!r}")
@@ -570,6 +563,8 @@ def _from_dict(cls: type, data: Any, prefix: str) -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{prefix}." if prefix else ""
+        if f"{where}{unknown[0]}" in MOVED:
+            raise ConfigError(f"config field {where}{unknown[0]} is now {MOVED[where + unknown[0]]} (same values)")
         raise ConfigError(
             f"unknown config field {where}{unknown[0]}; allowed in {prefix or 'the top level'}: {', '.join(fields)}"
         )

@@ -3,7 +3,7 @@
 Runs the demo workload (``asyncopd_jax/configs/demo.yaml`` with a shorter run) as separate
 ``asyncopd train`` processes, as a user would: ``sync`` (η = 0) and ``fully_async``
 (η = 2), each with the stages as threads of one process and as separate processes
-(``schedule.placement``). Reports samples/s of each (after the first ``--skip`` steps,
+(``stages.placement``). Reports samples/s of each (after the first ``--skip`` steps,
 which include compilation), the speed-up of the best async over the best sync
 placement, and for each async run the fraction of its placement's own bound that it
 reaches: the bound is ``B / max(t_rollout+score, t_learn+publish)`` with the per-batch
@@ -42,7 +42,7 @@ def run(mode: str, placement: str, args, out: Path) -> dict:
         f"output_dir={out}",
         f"schedule.mode={mode}",
         "schedule.max_staleness=2",
-        f"schedule.placement={placement}",
+        f"stages.placement={placement}",
         f"learner.batch_size={args.batch}",
         f"train.steps={args.steps}",
         f"train.eval_every={10**6}",

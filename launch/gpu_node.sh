@@ -7,7 +7,7 @@ usage() {
     cat <<'EOF'
 usage: launch/gpu_node.sh [CONFIG.yaml] [asyncopd train arguments ...]
 
-Runs `asyncopd train --config CONFIG.yaml` with schedule.placement = processes and
+Runs `asyncopd train --config CONFIG.yaml` with stages.placement = processes and
 splits this node's GPUs three ways (the defaults are for 8 GPUs):
 
   learner   CUDA_VISIBLE_DEVICES=$LEARNER_GPUS for the learner process; its mesh
@@ -17,11 +17,11 @@ splits this node's GPUs three ways (the defaults are for 8 GPUs):
   scoring   one teacher-scoring process per GPU in $SCORING_GPUS
 
 The learner starts the first rollout and the first scoring process itself
-(stages.rollout_processes = 1 on the first rollout GPU, stages.scoring_processes = 1
+(stages.rollouts = 1 on the first rollout GPU, stages.scoring_processes = 1
 on the first scoring GPU: it watches and restarts those); this script starts the
 others with launch/stage_host.sh once the learner is up, and stops them when the
 learner exits. Every rollout group is learner.batch_size sequences (the batch divided
-by stages.rollout_processes = 1): size the KV cache for that (docs/scaling.md).
+by stages.rollouts = 1): size the KV cache for that (docs/scaling.md).
 
 On node NODE_RANK > 0 of a multi-node run (launch/slurm_gpu.sbatch) the learner
 process is a follower of the one on node 0 and starts no stage processes; this
@@ -41,7 +41,7 @@ Environment (default in brackets):
   PYTHON           the Python asyncopd is installed in                     [python]
 
 Arguments after the config go to `asyncopd train` unchanged and come after the
-script's own --set options, so they win (do not override stages.rollout_processes,
+script's own --set options, so they win (do not override stages.rollouts,
 stages.scoring_processes or their devices: the script derives them).
 
 Example (8 GPUs: learner 0-3, rollout 4-5, scoring 6-7):
@@ -78,8 +78,8 @@ read -r -a scoring <<<"$SCORING_GPUS"
 ((${#rollout[@]} > 0)) || die "ROLLOUT_GPUS is empty: at least one rollout GPU is needed"
 [[ -n $LEARNER_GPUS ]] || die "LEARNER_GPUS is empty"
 
-stage_set=(--set schedule.placement=processes
-    --set stages.rollout_processes=1 --set "stages.rollout_devices=$(yaml_str "${rollout[0]}")")
+stage_set=(--set stages.placement=processes
+    --set stages.rollouts=1 --set "stages.rollout_devices=$(yaml_str "${rollout[0]}")")
 if ((${#scoring[@]})); then
     stage_set+=(--set stages.scoring_processes=1 --set "stages.scoring_devices=$(yaml_str "${scoring[0]}")")
 else

@@ -7,7 +7,7 @@ usage() {
     cat <<'EOF'
 usage: launch/single_host.sh [CONFIG.yaml] [asyncopd train arguments ...]
 
-Runs `asyncopd train --config CONFIG.yaml --set schedule.placement=processes` with
+Runs `asyncopd train --config CONFIG.yaml --set stages.placement=processes` with
 the core and device split below (no config: the built-in demo). The learner starts
 the rollout and scoring processes itself, pins them, watches them and restarts them
 (stages.restarts); policy snapshots go through RAM (/dev/shm) unless SNAPSHOT_DIR
@@ -19,7 +19,7 @@ value; set, even to "", it is passed on as the --set override named beside it.
   LEARNER_CORES      stages.learner_cores    "auto", "" (unpinned) or a CPU list
   ROLLOUT_CORES      stages.rollout_cores    e.g. "2-5": dealt out to the processes
   SCORING_CORES      stages.scoring_cores
-  ROLLOUT_PROCESSES  stages.rollout_processes   (the batch is split into this many groups)
+  ROLLOUT_PROCESSES  stages.rollouts   (the batch is split into this many groups)
   SCORING_PROCESSES  stages.scoring_processes   (0: rollout processes score their groups)
   ROLLOUT_DEVICES    stages.rollout_devices     CUDA_VISIBLE_DEVICES of every rollout process
   SCORING_DEVICES    stages.scoring_devices     CUDA_VISIBLE_DEVICES of every scoring process
@@ -59,7 +59,7 @@ if [[ $# -gt 0 && $1 != -* ]]; then
     shift
 fi
 
-sets=(--set schedule.placement=processes)
+sets=(--set stages.placement=processes)
 add_set() {  # $1: environment variable, $2: config field, $3: str | int; only when the variable is set
     if [[ -n ${!1+x} ]]; then
         if [[ $3 == str ]]; then
@@ -72,7 +72,7 @@ add_set() {  # $1: environment variable, $2: config field, $3: str | int; only w
 add_set LEARNER_CORES stages.learner_cores str
 add_set ROLLOUT_CORES stages.rollout_cores str
 add_set SCORING_CORES stages.scoring_cores str
-add_set ROLLOUT_PROCESSES stages.rollout_processes int
+add_set ROLLOUT_PROCESSES stages.rollouts int
 add_set SCORING_PROCESSES stages.scoring_processes int
 add_set ROLLOUT_DEVICES stages.rollout_devices str
 add_set SCORING_DEVICES stages.scoring_devices str

@@ -8,7 +8,7 @@ usage() {
 usage: launch/stage_host.sh EXCHANGE_DIR
 
 Starts `asyncopd stage rollout|scoring` processes that join a running
-`asyncopd train` (schedule.placement = processes) through its exchange directory
+`asyncopd train` (stages.placement = processes) through its exchange directory
 EXCHANGE_DIR = <output_dir>/<name>/exchange. Each process takes tickets (rollout)
 or sampled groups (scoring) from the shared spools, like the stage processes the
 learner starts itself. Waits until the learner has set the directory up, restarts a
@@ -30,7 +30,7 @@ Environment (default in brackets):
                    one itself (stages.scoring_processes >= 1)               []
   INDEX_BASE       processes are named rollout-N / scoring-N from N =
                    INDEX_BASE; keep them apart from the learner's own
-                   (0 .. stages.rollout_processes - 1) and other hosts'     [100]
+                   (0 .. stages.rollouts - 1) and other hosts'     [100]
   STAGE_CORES      "" leaves processes unpinned; "auto" deals this host's
                    cores out evenly (ignored for DEVICE_KIND=cpu)          []
   NICENESS         lower the stage processes' CPU priority by this much    [0]

@@ -7,6 +7,7 @@ import pytest
 from asyncopd_jax.cli import DEMO_CONFIG
 from asyncopd_jax.config import ConfigError, load_config
 from asyncopd_jax.estimator_registry import ESTIMATORS, ID_SOURCES, RL_ESTIMATORS
+from asyncopd_jax.pipeline import placement
 
 
 def test_demo_config_loads_and_overrides_apply():
@@ -117,7 +118,7 @@ def test_rl_config_and_what_it_needs():
             r"rl.samples_per_prompt = 6 is invalid; allowed: a divisor of the 64 samples",
         ),
         (
-            [*RL, "schedule.rollout_workers=2", "rl.samples_per_prompt=64"],
+            [*RL, "stages.rollouts=2", "rl.samples_per_prompt=64"],
             r"rl.samples_per_prompt = 64 is invalid; allowed: a divisor of the 32 samples",
         ),
         ([*RL, "rl.distill_coef=-1"], r"rl.distill_coef = -1.0 is invalid; allowed: >= 0"),
@@ -227,8 +228,8 @@ SECTION_CHECKS = [
     ("schedule.max_staleness=-1", r"schedule.max_staleness = -1 is invalid; allowed: >= 0"),
     ("schedule.n_step=0", r"schedule.n_step = 0 is invalid; allowed: >= 1"),
     ("schedule.lag=-1", r"schedule.lag = -1 is invalid; allowed: >= 0"),
-    ("schedule.rollout_workers=0", r"schedule.rollout_workers = 0 is invalid; allowed: >= 1"),
-    ("stages.rollout_processes=0", r"stages.rollout_processes = 0 is invalid; allowed: >= 1"),
+    ("stages.rollouts=0", r"stages.rollouts = 0 is invalid; allowed: >= 1"),
+    ("stages.rollouts=0", r"stages.rollouts = 0 is invalid; allowed: >= 1"),
     ("stages.scoring_processes=-1", r"stages.scoring_processes = -1 is invalid; allowed: >= 0"),
     ("stages.restarts=-1", r"stages.restarts = -1 is invalid; allowed: >= 0"),
     ("stages.rollout_niceness=20", r"stages.rollout_niceness = 20 is invalid; allowed: 0 to 19"),
@@ -269,12 +270,8 @@ def test_a_section_built_in_python_checks_its_fields_too():
 
     with pytest.raises(ConfigError, match=r"^learner.mini_batches = 3 is invalid"):
         LearnerConfig(batch_size=8, mini_batches=3)
-    with pytest.raises(
-        ConfigError,
-        match=r"^schedule.placement = 'processes' is invalid with schedule.mode = "
-        r"fixed_lag; allowed: threads",
-    ):
-        ScheduleConfig(mode="fixed_lag", placement="processes")
+    with pytest.raises(ConfigError, match=r"^schedule.lag = -1 is invalid; allowed: >= 0"):
+        ScheduleConfig(mode="fixed_lag", lag=-1)
     with pytest.raises(ConfigError, match=r"^estimator.name = 'kl' is invalid; allowed: decoupled_ppo"):
         EstimatorConfig("kl")
     assert EstimatorConfig("ppo_clip", ppo_clip_eps=(0.2, 0.28)).ppo_clip_eps == (0.2, 0.28)  # DAPO's clip-higher
@@ -286,7 +283,7 @@ TWO_LEARNERS = [
     "distributed.initialize=true",
     "distributed.num_processes=2",
     "distributed.process_id=0",
-    "schedule.placement=processes",
+    "stages.placement=processes",
 ]
 
 
@@ -298,8 +295,8 @@ TWO_LEARNERS = [
             r"^train.diagnostics_every = 5 needs a teacher \(teacher.path\); allowed without one: 0$",
         ),
         (
-            [*TWO_LEARNERS, "schedule.placement=threads"],
-            r"^schedule.placement = 'threads' is invalid for a learner over 2 processes; allowed: processes",
+            [*TWO_LEARNERS, "stages.placement=threads"],
+            r"^stages.placement = 'threads' is invalid for a learner over 2 processes; allowed: processes",
         ),
         (
             [*TWO_LEARNERS, "learner.token_budget=512"],
@@ -329,10 +326,34 @@ def test_the_learner_process_count_is_checked_where_the_config_fixes_it():
     assert load_config(DEMO_CONFIG, [*one, "distributed.num_processes=2"]).distributed.learner_processes == 1
     cfg = load_config(DEMO_CONFIG, [*one, "distributed.initialize=true"])
     assert cfg.distributed.learner_processes is None
-    cfg.check_learner_processes(1)
-    with pytest.raises(ConfigError, match=r"^schedule.placement = 'threads' is invalid for a learner over 3 "):
-        cfg.check_learner_processes(3)
+    placement.check_learner_processes(cfg, 1)
+    with pytest.raises(ConfigError, match=r"^stages.placement = 'threads' is invalid for a learner over 3 "):
+        placement.check_learner_processes(cfg, 3)
     assert load_config(DEMO_CONFIG, TWO_LEARNERS).distributed.learner_processes == 2
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("schedule.placement=processes", "stages.placement"),
+        ("schedule.rollout_workers=2", "stages.rollouts"),
+        ("stages.rollout_processes=2", "stages.rollouts"),
+        ("schedule.snapshot_in_memory=false", "stages.snapshot_in_memory"),
+    ],
+)
+def test_a_moved_field_is_named_with_its_new_place(old, new):
+    with pytest.raises(ConfigError, match=rf"^config field {old.split('=')[0]} is now {new} \(same values\)$"):
+        load_config(DEMO_CONFIG, [old])
+
+
+def test_where_the_stages_run_is_one_section():
+    cfg = load_config(DEMO_CONFIG, ["stages.placement=processes", "stages.rollouts=4", "learner.batch_size=64"])
+    assert (cfg.rollout_stages, cfg.group_size) == (4, 16)
+    assert load_config(DEMO_CONFIG, ["stages.rollouts=3"]).group_size == 64  # does not split: one group a batch
+    fixed = load_config(DEMO_CONFIG, ["schedule.mode=fixed_lag", "stages.rollouts=4"])
+    assert (fixed.rollout_stages, fixed.group_size) == (1, 64)  # fixed_lag samples in the learner's thread
+    with pytest.raises(ConfigError, match=r"^stages.placement = 'processes' is invalid with schedule.mode = fixed_lag"):
+        load_config(DEMO_CONFIG, ["schedule.mode=fixed_lag", "stages.placement=processes"])
 
 
 def test_dead_fields_are_gone():

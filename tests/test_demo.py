@@ -14,7 +14,7 @@ from asyncopd_jax.pipeline.trainer import Trainer
 @pytest.mark.slow
 @pytest.mark.parametrize("placement", ["threads", "processes"])
 def test_demo_distils_the_student_to_ninety_percent_of_the_teacher(tmp_path, placement):
-    cfg = load_config(DEMO_CONFIG, [f"output_dir={tmp_path}", f"schedule.placement={placement}"])
+    cfg = load_config(DEMO_CONFIG, [f"output_dir={tmp_path}", f"stages.placement={placement}"])
     summary = Trainer(cfg, progress=False).run()
     assert summary["student_before"] < 0.5 * summary["teacher_accuracy"]
     assert summary["student_after"] >= 0.9 * summary["teacher_accuracy"], summary

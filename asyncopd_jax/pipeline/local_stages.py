@@ -108,7 +108,7 @@ class LocalStages:
         stages: Stages
         if not self.leader:
             if exchange is None:  # not reached: the config puts a learner over processes with stage processes
-                raise RuntimeError("a follower learner process needs stage processes (schedule.placement = processes)")
+                raise RuntimeError("a follower learner process needs stage processes (stages.placement = processes)")
             return FollowerStages(exchange, groups_per_batch)
         if exchange is not None:
             stages = StageProcesses(

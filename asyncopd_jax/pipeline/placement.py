@@ -5,7 +5,7 @@ reward is computed there), *scoring* stages (the teacher's score cache, the refe
 log-probs). :func:`plan_layout` turns the config into a :class:`Layout`: every stage with
 its devices, its CPU cores and the process that hosts it, plus the weights channel
 (in memory, or snapshots on disk). Everything else asks the layout; nothing else reads
-``schedule.placement``.
+``stages.placement``.
 
     threads    every stage in the learner's process, each on its own devices when
                ``stages.<role>_devices`` say so (e.g. the learner on chips 0-3, rollout and
@@ -17,8 +17,8 @@ its devices, its CPU cores and the process that hosts it, plus the weights chann
 Device lists count this host's accelerators (or its CPU devices, e.g. the 8 virtual ones
 of ``--xla_force_host_platform_device_count=8``) in ``jax.local_devices()`` order.
 
-This module imports no JAX: the config validates through it, and the ``asyncopd``
-command sets a learner process's device variables from it before JAX starts.
+This module starts no JAX: the config validates through it (:func:`validate`), and the
+``asyncopd`` command sets a learner process's device variables from it before JAX starts.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from asyncopd_jax.config_checks import ConfigError
+
 if TYPE_CHECKING:
-    from asyncopd_jax.config import RunConfig, StagesConfig
+    from asyncopd_jax.config import IdList, RunConfig, StagesConfig
 
 Role = Literal["learner", "rollout", "scoring"]
 Placement = Literal["threads", "processes"]
@@ -160,56 +162,47 @@ class Layout:
 # --- what the config decides ----------------------------------------------------------------
 
 
-def parse_id_list(spec: str) -> tuple[int, ...]:
-    """``"0-2,5"`` → ``(0, 1, 2, 5)`` (a Linux CPU list; devices are written the same way);
-    ``""`` → ``()``."""
-    ids: list[int] = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        first, _, last = part.partition("-")
-        if not first.isdigit() or (last and not last.isdigit()):
-            raise ValueError(f"{part!r} is not a number or range")
-        lo, hi = int(first), int(last or first)
-        if hi < lo:
-            raise ValueError(f"range {part!r} runs backwards")
-        ids.extend(range(lo, hi + 1))
-    return tuple(dict.fromkeys(ids))
-
-
-def rollout_stage_count(cfg: RunConfig) -> int:
-    """Rollout stages: threads (``schedule.rollout_workers``) or processes
-    (``stages.rollout_processes``); one for ``fixed_lag`` (it samples in the learner's thread)."""
-    if cfg.schedule.mode == "fixed_lag":
-        return 1
-    return cfg.stages.rollout_processes if cfg.schedule.placement == "processes" else cfg.schedule.rollout_workers
-
-
-def rollout_group_size(cfg: RunConfig) -> int:
-    """Samples per rollout group: the batch split over the rollout stages (the whole batch
-    per group when it does not split evenly)."""
-    batch, stages = cfg.learner.batch_size, rollout_stage_count(cfg)
-    return batch // stages if batch % stages == 0 else batch
-
-
-def validate(cfg: RunConfig) -> list[str]:
-    """The placement's constraints across config sections (each list was checked by
-    ``StagesConfig`` itself): one message naming the field for each one broken."""
-    errors: list[str] = []
-    shared = set(parse_id_list(cfg.stages.learner_devices)) & set(
-        _devices(cfg.stages, "rollout") + _devices(cfg.stages, "scoring")
-    )
-    if cfg.schedule.placement == "processes" and shared:
-        errors.append(
+def validate(cfg: RunConfig) -> None:
+    """The placement's rules across config sections (each section has checked its own
+    fields): a :class:`ConfigError` naming the fields of the first one broken."""
+    processes = cfg.stages.placement == "processes"
+    if cfg.schedule.mode == "fixed_lag" and processes:
+        raise ConfigError(
+            "stages.placement = 'processes' is invalid with schedule.mode = fixed_lag; "
+            "allowed: threads (fixed_lag samples in the learner's own thread)"
+        )
+    shared = set(cfg.stages.devices("learner")) & set(cfg.stages.devices("rollout") + cfg.stages.devices("scoring"))
+    if processes and shared:
+        raise ConfigError(
             f"stages.learner_devices = {cfg.stages.learner_devices!r} is invalid; allowed: devices no "
             "rollout or scoring process holds (processes cannot share a TPU chip)"
         )
-    return errors
+    if cfg.distributed.learner_processes is not None:  # else known at start only: asyncopd train checks it then
+        check_learner_processes(cfg, cfg.distributed.learner_processes)
 
 
-def _devices(stages: StagesConfig, role: str) -> tuple[int, ...]:
-    try:
-        return parse_id_list(getattr(stages, f"{role}_devices"))
-    except ValueError:
-        return ()
+def check_learner_processes(cfg: RunConfig, processes: int) -> None:
+    """A :class:`ConfigError` for a setting a learner over ``processes`` processes cannot
+    run with. Validation checks the count the config fixes
+    (``distributed.learner_processes``); ``asyncopd train`` checks again, after
+    ``jax.distributed.initialize``, the count the environment gave."""
+    if processes <= 1:
+        return
+    where = f"for a learner over {processes} processes"
+    if cfg.stages.placement != "processes":
+        raise ConfigError(
+            f"stages.placement = {cfg.stages.placement!r} is invalid {where}; allowed: "
+            "processes (each learner process reads its rows of a batch from the run's spool)"
+        )
+    if cfg.learner.token_budget:
+        raise ConfigError(
+            f"learner.token_budget = {cfg.learner.token_budget} is invalid {where}; allowed: 0 "
+            "(each process feeds its own rows)"
+        )
+    if cfg.stages.snapshot_format == "safetensors":
+        raise ConfigError(f"stages.snapshot_format = 'safetensors' is invalid {where}; allowed: auto, orbax")
+    if cfg.train.diagnostics_every:
+        raise ConfigError(f"train.diagnostics_every = {cfg.train.diagnostics_every} is invalid {where}; allowed: 0")
 
 
 def split_ids(ids: Sequence[int], parts: int) -> list[tuple[int, ...]]:
@@ -240,15 +233,11 @@ def plan_cores(stages: StagesConfig, available: Sequence[int]) -> dict[str, tupl
         "rollout": rest[: len(rest) - scoring_n] if scoring_n else rest,
         "scoring": rest[len(rest) - scoring_n :] if scoring_n else rest,
     }
-    processes = {"learner": 1, "rollout": stages.rollout_processes, "scoring": stages.scoring_processes}
+    processes = {"learner": 1, "rollout": stages.rollouts, "scoring": stages.scoring_processes}
     if any(len(auto[role]) < MIN_CORES_TO_PIN * count for role, count in processes.items() if count):
         auto = {role: () for role in auto}  # too few cores to split: every "auto" stage unpinned
 
-    def cores(role: str) -> tuple[int, ...]:
-        spec = getattr(stages, f"{role}_cores")
-        return auto[role] if spec == "auto" else parse_id_list(spec)
-
-    return {role: cores(role) for role in ("learner", "rollout", "scoring")}
+    return {role: auto[role] if stages.cores(role) is None else stages.cores(role) for role in auto}
 
 
 def default_snapshot_dir(run_path: Path) -> Path:
@@ -266,8 +255,8 @@ def snapshot_channel(cfg: RunConfig, run_path: Path, multi_process: bool) -> Sna
     steps), so the versions a rollout may still start from span ⌈η / M⌉ + 1; one more is in
     flight."""
     keep = -(-cfg.schedule.eta(cfg.learner.mini_batches) // cfg.learner.mini_batches) + 2
-    in_process = cfg.schedule.placement == "threads"
-    if in_process and cfg.schedule.snapshot_in_memory and not multi_process:
+    in_process = cfg.stages.placement == "threads"
+    if in_process and cfg.stages.snapshot_in_memory and not multi_process:
         return SnapshotChannel(in_memory=True, directory="", format="", keep=keep, temporary=False)
     configured = cfg.stages.snapshot_dir
     temporary = configured == "auto" and not in_process and not multi_process
@@ -294,10 +283,10 @@ def plan_layout(
     ``available_cores``: the cores this process may use (``os.sched_getaffinity(0)``, read
     before the learner pins itself); ``multi_process``: the learner spans several processes."""
     stages_cfg = cfg.stages
-    n_rollout = rollout_stage_count(cfg)
-    learner_devices = parse_id_list(stages_cfg.learner_devices)
-    rollout_devices, scoring_devices = _devices(stages_cfg, "rollout"), _devices(stages_cfg, "scoring")
-    if cfg.schedule.placement == "threads":
+    n_rollout = cfg.rollout_stages
+    learner_devices = stages_cfg.devices("learner")
+    rollout_devices, scoring_devices = stages_cfg.devices("rollout"), stages_cfg.devices("scoring")
+    if cfg.stages.placement == "threads":
         # One process: every stage in it, each on its own devices ("": the learner's).
         plans = [StagePlan("learner", 0, LEARNER_PROCESS, learner_devices)]
         plans += [StagePlan("rollout", i, LEARNER_PROCESS, rollout_devices) for i in range(n_rollout)]
@@ -324,13 +313,29 @@ def plan_layout(
         elif cfg.needs_scoring:  # each rollout process scores its own groups, on its own devices
             plans += [StagePlan("scoring", r.index, r.process, r.devices, r.cores) for r in rollouts]
     return Layout(
-        placement=cfg.schedule.placement,
+        placement=cfg.stages.placement,
         stages=tuple(plans),
         snapshots=snapshot_channel(cfg, run_path, multi_process),
-        group_size=rollout_group_size(cfg),
+        group_size=cfg.group_size,
         seed=cfg.seed * 1_000_003,
         trace_origin=time.time() if trace_origin is None else trace_origin,
     )
+
+
+def device_ids(layout: Layout, stage: StagePlan, count: int) -> IdList:
+    """The devices ``stage`` computes on, of a host's ``count``: its own list; ``()`` is the
+    learner's devices for a stage in the learner's process, and every device for the
+    learner or a process of its own (what the platform makes visible to it)."""
+    ids = stage.devices
+    if not ids and stage.process == LEARNER_PROCESS and stage.role != "learner":
+        ids = layout.learner.devices
+    ids = ids or tuple(range(count))
+    if max(ids) >= count:
+        raise ValueError(
+            f"stages.{stage.role}_devices = {','.join(map(str, ids))} names device {max(ids)}; "
+            f"there are {count} (0-{count - 1})"
+        )
+    return ids
 
 
 # --- a process's devices and cores ------------------------------------------------------------

@@ -49,8 +49,8 @@ from asyncopd_jax.pipeline.snapshots import SnapshotStore
 from asyncopd_jax.pipeline.staleness import RolloutGroup
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import ContinuousSampler, SamplingParams, make_sampler
+from asyncopd_jax.tasks import PromptTask, make_task
 from asyncopd_jax.tasks.assets import resolve_model_path
-from asyncopd_jax.tasks.prompt_task import PromptTask, make_task
 from asyncopd_jax.teacher import ReferenceScorer, Scorers, TeacherScorer
 
 

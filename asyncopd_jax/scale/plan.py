@@ -38,7 +38,7 @@ from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.config import DecoderConfig, read_hf_config
 from asyncopd_jax.models.decoder import Remat, abstract_decoder
 from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
-from asyncopd_jax.pipeline.placement import parse_id_list, rollout_group_size, rollout_stage_count, split_ids
+from asyncopd_jax.pipeline.placement import Role, device_ids, plan_layout
 from asyncopd_jax.pipeline.stage import stage_mesh, with_shardings
 from asyncopd_jax.sampling import ContinuousSampler, Sampler
 from asyncopd_jax.scale.chips import GIB, Chip, Topology
@@ -196,14 +196,6 @@ def _figures(stage: str, devices: int, rows: int, tokens: int, lowered: Any) -> 
     )
 
 
-def stage_device_ids(spec: str, count: int, default: range) -> list[int]:
-    """A stage's devices on the topology: ``stages.<role>_devices`` or ``default``."""
-    ids = list(parse_id_list(spec)) if spec else list(default)
-    if ids and max(ids) >= count:
-        raise ValueError(f"stages devices {spec!r} name device {max(ids)}; the topology has {count} (0-{count - 1})")
-    return ids
-
-
 def target_platform(devices: list) -> str:
     """The platform a plan compiles for: the devices' own (TPU chips), or ``gpu`` where
     XLA:CPU devices stand in for GPUs (``attention: auto`` then resolves as on the GPUs)."""
@@ -351,20 +343,18 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
     count = len(topology.devices)
     chips = topology.chip
 
-    def devices_of(spec: str, processes: int) -> list:
-        """One stage's devices: its role's list, dealt out to its processes as the run does."""
-        ids = stage_device_ids(spec, count, range(count))
-        if cfg.schedule.placement == "processes" and processes > 1:
-            ids = list(split_ids(ids, processes)[0])
-        return [topology.devices[i] for i in ids]
+    # where each stage runs on the topology's chips, as the run itself would place it
+    layout = plan_layout(cfg, run_path=Path(cfg.output_dir) / cfg.name, available_cores=())
 
-    learner = compile_learner_step(cfg, student, devices_of(cfg.stages.learner_devices, 1), shapes, vocab_limit)
-    rollouts = rollout_stage_count(cfg)
-    group = rollout_group_size(cfg)
+    def devices_of(role: Role) -> list:
+        """The first ``role`` stage's chips (each of the role's stages holds as many)."""
+        return [topology.devices[i] for i in device_ids(layout, layout.of_role(role)[0], count)]
+
+    learner = compile_learner_step(cfg, student, devices_of("learner"), shapes, vocab_limit)
+    rollouts = len(layout.of_role("rollout"))
+    group = layout.group_size
     groups = cfg.learner.batch_size // group  # rollout groups per batch
-    sampler = compile_sampler(
-        cfg, student, devices_of(cfg.stages.rollout_devices, rollouts), shapes, group, vocab_limit
-    )
+    sampler = compile_sampler(cfg, student, devices_of("rollout"), shapes, group, vocab_limit)
     prefill, decode = sampler[0].roofline_seconds(chips), sampler[1].roofline_seconds(chips)
     # calls of prefill + T decode steps per batch, each stage's in parallel: a group each
     # (static), or a wave of `slots` prompts through a stream (continuous; at answers of
@@ -382,12 +372,8 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
         balance["learning"] = float("nan")
     stages = [learner, *sampler]
     if cfg.teacher.path and cfg.needs_teacher_scores:
-        scorers = cfg.stages.scoring_processes if cfg.schedule.placement == "processes" else 1
-        if scorers:
-            spec = cfg.stages.scoring_devices
-        else:  # each rollout process scores its own groups on its own devices
-            spec, scorers = cfg.stages.rollout_devices, rollouts
-        scoring = compile_teacher_scoring(cfg, teacher, devices_of(spec, scorers), shapes, group, vocab_limit)
+        scorers = len(layout.of_role("scoring"))  # one per scoring process, or per rollout process that scores
+        scoring = compile_teacher_scoring(cfg, teacher, devices_of("scoring"), shapes, group, vocab_limit)
         stages.append(scoring)
         balance["scoring"] = float("nan") if scoring.error else -(-groups // scorers) * scoring.roofline_seconds(chips)
     return Plan(topology, shapes, stages, sources, balance)

@@ -92,7 +92,7 @@ QUICK = Settings(
 def _sets(mode: str, placement: str, balance: str, s: Settings) -> list[str]:
     return [
         f"schedule.mode={mode}",
-        f"schedule.placement={placement}",
+        f"stages.placement={placement}",
         "schedule.max_staleness=2",
         "schedule.n_step=1",
         f"train.steps={s.steps}",

@@ -6,7 +6,7 @@ tokenizer's chat template when it has one, responses are decoded and scored by t
 task's ``score`` (1 correct, 0 wrong, NaN where the task has no reference to check).
 :class:`asyncopd_jax.tasks.builtin.TaskData` (the built-in arithmetic task) and
 :class:`asyncopd_jax.tasks.dataset_task.DatasetTask` (a user's JSONL/Parquet file) are
-the two kinds; :func:`make_task` picks by ``task.name``.
+the two kinds; :func:`asyncopd_jax.tasks.make_task` picks by ``task.name``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from flax import nnx
 from transformers import PreTrainedTokenizerBase
 
 from asyncopd_jax.cache import RolloutBatch
-from asyncopd_jax.config import TaskConfig
 from asyncopd_jax.models import encode_prompts
 from asyncopd_jax.sampling import Sampler, SamplingParams
 from asyncopd_jax.tasks.tokenizer import EOS_ID, PAD_ID
@@ -105,35 +104,4 @@ def _cached_sampler(graphdef, params: SamplingParams, pad_id: int) -> Sampler:
     return _SAMPLERS[key]
 
 
-def make_task(
-    task: TaskConfig, tokenizer: PreTrainedTokenizerBase, *, max_new_tokens: int, max_positions: int | None = None
-) -> PromptTask:
-    """The task ``task.name`` names: the built-in ``arith`` task or a user's ``dataset``.
-
-    ``max_new_tokens`` (``sampling.max_new_tokens``) bounds the rollouts' answers (and a
-    dataset task's evaluation answers; the built-in task evaluates with its own longest
-    solution). ``max_positions``, the models' context (the smaller of the student's and the
-    teacher's), must hold the longest prompt plus
-    the answer: a ``ValueError`` (a ``DatasetError`` naming the rows for a dataset) if not,
-    since positions past the context the model was trained on give silently degraded answers.
-    """
-    if task.name == "dataset":
-        from asyncopd_jax.tasks.dataset_task import DatasetTask
-
-        return DatasetTask(task, tokenizer, max_new_tokens=max_new_tokens, max_positions=max_positions)
-    from asyncopd_jax.tasks.builtin import TaskData
-
-    data = TaskData(task, tokenizer)
-    answer = max(max_new_tokens, data.max_new_tokens)  # rollouts: sampling.max_new_tokens; evaluation: the task's
-    if max_positions is not None and data.prompt_slots + answer > max_positions:
-        raise ValueError(
-            f"task.name = {task.name}: the longest prompt ({data.prompt_slots} tokens at task.difficulty = "
-            f"{task.difficulty}, task.max_value = {task.max_value}) + the answer ({answer} tokens: "
-            f"sampling.max_new_tokens = {max_new_tokens}, longest solution {data.max_new_tokens}) is longer than the "
-            f"models' context ({max_positions} positions, the smaller max_position_embeddings of the student's and "
-            "the teacher's config.json); lower sampling.max_new_tokens, task.difficulty or task.max_value"
-        )
-    return data
-
-
-__all__ = ["PromptTask", "make_task"]
+__all__ = ["PromptTask"]

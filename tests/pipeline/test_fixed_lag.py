@@ -51,8 +51,8 @@ def test_lag_zero_is_the_sync_schedule_step_for_step(models, tmp_path):  # noqa:
             r"learner.mini_batches = 2 is invalid with schedule.mode = fixed_lag; allowed: 1",
         ),
         (
-            {"schedule.placement": "processes"},
-            r"schedule.placement = 'processes' is invalid with schedule.mode = fixed_lag",
+            {"stages.placement": "processes"},
+            r"stages.placement = 'processes' is invalid with schedule.mode = fixed_lag",
         ),
         ({"schedule.lag": -1}, r"schedule.lag = -1 is invalid; allowed: >= 0"),
     ],

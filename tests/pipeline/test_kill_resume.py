@@ -125,7 +125,7 @@ def test_sigkill_of_the_learner_with_stage_processes_leaves_no_orphan_and_resume
         tmp_path,
         name="killed",
         **{
-            "schedule.placement": "processes",
+            "stages.placement": "processes",
             "schedule.mode": "fully_async",
             "schedule.max_staleness": 2,
             "train.steps": 14,

@@ -25,13 +25,13 @@ def test_a_learner_over_two_processes_runs_the_pipeline(models, tmp_path):  # no
         models,
         tmp_path,
         **{
-            "schedule.placement": "processes",
+            "stages.placement": "processes",
             "schedule.mode": "fully_async",
             "schedule.max_staleness": 2,
             "learner.mesh": "{data: -1, fsdp: 2}",
             "train.steps": 8,
             "train.checkpoint_every": 4,
-            "stages.rollout_processes": 2,  # two groups per batch: their order matters
+            "stages.rollouts": 2,  # two groups per batch: their order matters
         },
     )
     config_file = tmp_path / "config.yaml"

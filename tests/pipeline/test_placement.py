@@ -34,7 +34,7 @@ def test_threads_puts_every_stage_in_the_learner_process_on_its_own_devices(mode
         models,
         tmp_path,
         **{
-            "schedule.rollout_workers": 2,
+            "stages.rollouts": 2,
             "stages.learner_devices": "0-3",
             "stages.rollout_devices": "4-5",
             "stages.scoring_devices": "6,7",
@@ -54,8 +54,8 @@ def test_processes_deal_devices_to_the_processes_and_rollouts_score_without_scor
         models,
         tmp_path,
         **{
-            "schedule.placement": "processes",
-            "stages.rollout_processes": 2,
+            "stages.placement": "processes",
+            "stages.rollouts": 2,
             "stages.rollout_devices": "2-5",
             "stages.learner_devices": "0,1",
         },
@@ -76,7 +76,7 @@ def test_the_layout_round_trips_through_json_and_refuses_another_version(models,
     layout = _layout(
         models,
         tmp_path,
-        **{"schedule.placement": "processes", "stages.scoring_processes": 1, "stages.scoring_devices": "'3'"},
+        **{"stages.placement": "processes", "stages.scoring_processes": 1, "stages.scoring_devices": "'3'"},
     )
     assert Layout.from_json(layout.to_json()) == layout
     data = json.loads(layout.to_json())
@@ -90,7 +90,7 @@ def test_the_layout_round_trips_through_json_and_refuses_another_version(models,
 def test_the_exchange_writes_the_layout_atomically(models, tmp_path, monkeypatch):  # noqa: F811
     """A stage reading layout.json while it is rewritten sees the old file or the new one:
     a write that dies half-way leaves the old one whole."""
-    cfg = _config(models, tmp_path, **{"schedule.placement": "processes"})
+    cfg = _config(models, tmp_path, **{"stages.placement": "processes"})
     layout = plan_layout(cfg, run_path=tmp_path / "t", available_cores=[])
     exchange = Exchange(tmp_path / "exchange")
     exchange.write(cfg, layout)
@@ -166,8 +166,8 @@ def test_each_stage_process_gets_its_own_tpu_port(models, tmp_path):  # noqa: F8
         models,
         tmp_path,
         **{
-            "schedule.placement": "processes",
-            "stages.rollout_processes": 2,
+            "stages.placement": "processes",
+            "stages.rollouts": 2,
             "stages.scoring_processes": 2,
             "stages.rollout_devices": "0,1",
             "stages.scoring_devices": "2,3",
@@ -187,7 +187,7 @@ def test_each_stage_process_gets_its_own_tpu_port(models, tmp_path):  # noqa: F8
             r"stages.learner_cores = '3-1' is invalid; allowed: 'auto', '' or a CPU list",
         ),
         (
-            {"schedule.placement": "processes", "stages.learner_devices": "0,1", "stages.rollout_devices": "1,2"},
+            {"stages.placement": "processes", "stages.learner_devices": "0,1", "stages.rollout_devices": "1,2"},
             r"stages.learner_devices = '0,1' is invalid; allowed: devices no rollout or scoring process holds",
         ),
     ],

@@ -29,7 +29,7 @@ def _cores(
     stages: StagesConfig, available
 ) -> tuple[tuple[int, ...], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
     """(the learner's cores, [(stage process, cores, devices)]) of the processes placement."""
-    cfg = load_config(None, ["schedule.placement=processes"])
+    cfg = load_config(None, ["stages.placement=processes"])
     layout = plan_layout(dataclasses.replace(cfg, stages=stages), run_path=Path("/tmp/run"), available_cores=available)
     return layout.learner.cores, [(s.name, s.cores, s.devices) for s in layout.stage_processes()]
 
@@ -37,7 +37,7 @@ def _cores(
 def test_auto_split_gives_the_learner_its_share_and_the_rest_to_rollouts():
     learner, specs = _cores(StagesConfig(), range(4))
     assert learner == (0, 1) and [(name, cores) for name, cores, _ in specs] == [("rollout-0", (2, 3))]
-    learner, specs = _cores(StagesConfig(rollout_processes=2, scoring_processes=2), range(16))
+    learner, specs = _cores(StagesConfig(rollouts=2, scoring_processes=2), range(16))
     assert learner == tuple(range(6))  # ⌈0.37 · 16⌉
     # Of the 10 left, ⌈0.55 · 10⌉ = 6 score and 4 sample, dealt evenly.
     assert [(name, cores) for name, cores, _ in specs] == [
@@ -52,7 +52,7 @@ def test_auto_leaves_processes_unpinned_when_a_process_would_get_fewer_than_two_
     learner, specs = _cores(StagesConfig(), [0, 1, 2])  # 2 processes need 4 cores
     assert learner == () and [cores for _, cores, _ in specs] == [()]
     # 10 cores would be 2 per process on average, but the split leaves each rollout one.
-    learner, specs = _cores(StagesConfig(rollout_processes=2, scoring_processes=2), range(10))
+    learner, specs = _cores(StagesConfig(rollouts=2, scoring_processes=2), range(10))
     assert learner == () and [cores for _, cores, _ in specs] == [()] * 4
     # Explicit lists are taken as given.
     learner, specs = _cores(StagesConfig(learner_cores="0", rollout_cores="1"), [0, 1])
@@ -61,7 +61,7 @@ def test_auto_leaves_processes_unpinned_when_a_process_would_get_fewer_than_two_
 
 def test_explicit_cores_and_devices_are_dealt_to_the_processes():
     stages = StagesConfig(
-        rollout_processes=3,
+        rollouts=3,
         learner_cores="0-1",
         rollout_cores="2,3",
         scoring_processes=1,
@@ -88,10 +88,10 @@ def test_the_stages_run_in_their_own_processes_and_the_run_learns(models, tmp_pa
         models,
         tmp_path,
         **{
-            "schedule.placement": "processes",
+            "stages.placement": "processes",
             "schedule.mode": "fully_async",
             "schedule.max_staleness": 2,
-            "stages.rollout_processes": 2,
+            "stages.rollouts": 2,
             "stages.scoring_processes": 1,
             "train.steps": 12,
             "stages.rollout_niceness": 7,
@@ -187,7 +187,7 @@ def test_a_killed_stage_process_stops_the_run_in_seconds_and_resume_loses_nothin
         models,
         tmp_path,
         **{
-            "schedule.placement": "processes",
+            "stages.placement": "processes",
             "schedule.mode": "fully_async",
             "schedule.max_staleness": 2,
             "train.steps": 16,
@@ -237,7 +237,7 @@ def test_a_killed_stage_process_is_restarted_when_configured(models, tmp_path, r
         models,
         tmp_path,
         **{
-            "schedule.placement": "processes",
+            "stages.placement": "processes",
             "schedule.mode": "fully_async",
             "stages.restarts": 1,
             "train.steps": 10,
@@ -278,7 +278,7 @@ def test_ctrl_c_checkpoints_and_stops_every_process(models, tmp_path):  # noqa: 
         models,
         tmp_path,
         **{
-            "schedule.placement": "processes",
+            "stages.placement": "processes",
             "schedule.mode": "fully_async",
             "schedule.max_staleness": 2,
             "stages.scoring_processes": 1,
@@ -342,7 +342,7 @@ def test_a_snapshot_directory_removed_mid_run_stops_it_with_that_reason(models, 
         models,
         tmp_path,
         **{
-            "schedule.placement": "processes",
+            "stages.placement": "processes",
             "schedule.mode": "fully_async",
             "train.steps": 200,
             "train.checkpoint_every": 4,
@@ -379,9 +379,9 @@ def test_stage_processes_started_by_hand_elsewhere_serve_a_learner_that_starts_n
         models,
         tmp_path,
         **{
-            "schedule.placement": "processes",
+            "stages.placement": "processes",
             "stages.start_processes": False,
-            "stages.rollout_processes": 1,
+            "stages.rollouts": 1,
             "stages.scoring_processes": 0,
             "train.steps": 4,
         },

@@ -89,9 +89,9 @@ def test_the_reference_is_scored_in_a_scoring_process(tmp_path):
     records = _rl_records(
         tmp_path,
         "p",
-        "schedule.placement=processes",
+        "stages.placement=processes",
         "schedule.mode=fully_async",
-        "stages.rollout_processes=1",
+        "stages.rollouts=1",
         "stages.scoring_processes=1",
         "train.steps=6",
         "optim.learning_rate=0.003",

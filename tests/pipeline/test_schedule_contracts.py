@@ -20,7 +20,7 @@ from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.teacher import ScoringParams, TeacherScorer
 from tests.pipeline.test_trainer import _config, models  # noqa: F401 - fixture
 
-PLACEMENTS = {"threads": {}, "processes": {"schedule.placement": "processes"}}
+PLACEMENTS = {"threads": {}, "processes": {"stages.placement": "processes"}}
 
 
 def _records(run):

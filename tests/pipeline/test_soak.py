@@ -48,10 +48,10 @@ def test_soak(models, tmp_path, monkeypatch):  # noqa: F811
         models,
         tmp_path,
         **{
-            "schedule.placement": "processes",
+            "stages.placement": "processes",
             "schedule.mode": "fully_async",
             "schedule.max_staleness": eta,
-            "stages.rollout_processes": 2,
+            "stages.rollouts": 2,
             "stages.restarts": 10_000,
             "train.steps": STEPS,
             "train.checkpoint_every": max(STEPS // 20, 10),

@@ -63,7 +63,7 @@ def _kl_start_end(records, k=4):
     [
         ("sync", {}),
         ("n_step_off", {"schedule.n_step": 1}),
-        ("fully_async", {"schedule.max_staleness": 2, "schedule.rollout_workers": 2}),
+        ("fully_async", {"schedule.max_staleness": 2, "stages.rollouts": 2}),
     ],
 )
 def test_every_schedule_reduces_the_kl_to_the_teacher(models, tmp_path, mode, extra):
@@ -140,7 +140,7 @@ def test_resume_after_a_crash_continues_without_loss_or_repetition(models, tmp_p
 
 
 def test_a_crashing_worker_stops_the_run_cleanly(models, tmp_path):
-    cfg = _config(models, tmp_path, **{"schedule.mode": "fully_async", "schedule.rollout_workers": 2})
+    cfg = _config(models, tmp_path, **{"schedule.mode": "fully_async", "stages.rollouts": 2})
     trainer = Trainer(cfg, progress=False)
 
     def broken_prompts(rng, n):

@@ -85,11 +85,11 @@ def test_models_padded_differently_are_compared_over_the_ids_they_share(models, 
         "learner.mesh": "{data: 1, fsdp: 1}",
         "estimator.name": "reverse_kl_mc",
         "schedule.mode": "sync",
-        "schedule.placement": placement,
+        "stages.placement": placement,
         "optim.warmup_steps": 0,
         "train.steps": 1,
         "train.eval_every": 100,
-        "stages.rollout_processes": 1,
+        "stages.rollouts": 1,
         "stages.scoring_processes": 1 if placement == "processes" else 0,
     }
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])

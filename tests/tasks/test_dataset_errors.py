@@ -8,8 +8,8 @@ import json
 import pytest
 
 from asyncopd_jax.config import TaskConfig
+from asyncopd_jax.tasks import make_task
 from asyncopd_jax.tasks.dataset import DatasetError, Example, read_examples
-from asyncopd_jax.tasks.prompt_task import make_task
 from asyncopd_jax.tasks.tokenizer import build_tokenizer
 
 
