@@ -585,9 +585,10 @@ _LOGPROB_FIELDS: dict[str, tuple[tuple[str, bool], ...]] = {
 }
 
 
-def _check_logprobs(name: str, inputs: Mapping[str, object]) -> None:
-    """``checkify`` checks that every log-prob field of the estimator's inputs (label → a
-    RolloutBatch, TeacherScoreCache or StudentLogProbs, or None) holds log-probs."""
+def _check_logprobs(name: str, inputs: Mapping[str, object], valid: Array) -> None:
+    """Value checks (:mod:`asyncopd_jax.estimators.checks`) that every log-prob field of the
+    estimator's inputs (label → a RolloutBatch, TeacherScoreCache or StudentLogProbs, or
+    None) holds log-probs, on the valid positions ``valid`` ``[B, T]`` (bool)."""
     for label, obj in inputs.items():
         if obj is None:
             continue
@@ -596,7 +597,25 @@ def _check_logprobs(name: str, inputs: Mapping[str, object]) -> None:
             name,
             {f"{label}.{f}": getattr(obj, f) for f, _ in fields},
             supports=tuple(f"{label}.{f}" for f, support in fields if support),
+            mask=valid,
         )
+
+
+def _finite_padding(tree: _T, valid: Array) -> _T:
+    """Every float field ``[B, T, ...]`` of ``tree`` (a RolloutBatch, TeacherScoreCache or
+    StudentLogProbs, or None) with its non-finite values at the padded positions (``valid``
+    ``[B, T]`` False) replaced by 0, before any arithmetic: a NaN a cache holds there then
+    reaches neither the values nor the gradients (``0 · ∂f(NaN)`` would be NaN). Finite
+    values are kept, padded or not, so the per-token values are those of the pure
+    functions, padding included."""
+
+    def fix(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating) or tuple(x.shape[: valid.ndim]) != tuple(valid.shape):
+            return x
+        keep = valid.reshape(valid.shape + (1,) * (x.ndim - valid.ndim)) | jnp.isfinite(x)
+        return jnp.where(keep, x, jnp.zeros((), x.dtype))
+
+    return jax.tree_util.tree_map(fix, tree)
 
 
 def _require_inputs(
@@ -650,7 +669,9 @@ def evaluate_estimator(
 
     The losses include the optional regularisers of ``config`` (entropy bonus, KL to a
     reference). Reduce them with ``aggregate(values, batch.response_mask, mode)``
-    (or the numerator/denominator forms across micro-batches). Metrics are token means
+    (or the numerator/denominator forms across micro-batches). Non-finite inputs at
+    padded positions (``batch.response_mask`` 0) are replaced by 0 first, so that they
+    reach neither the loss nor its gradient; finite ones are left as they are. Metrics are token means
     over the response mask: the loss, the 1-sample reverse-KL signal ``log π_θ − log q``
     on the sampled tokens, the importance ratio ``π_θ / μ`` of the sampled tokens (mean
     and max), ``zero_grad_fraction``, the share of tokens the estimator gives no gradient
@@ -673,8 +694,10 @@ def evaluate_estimator(
     """
     spec = config.spec
     _require_inputs(config, batch, cache, student, proximal, distill_coef)
+    valid = est.checks.as_mask(batch.response_mask)
     if config.check_inputs:
-        _check_logprobs(config.name, {"batch": batch, "cache": cache, "student": student, "proximal": proximal})
+        _check_logprobs(config.name, {"batch": batch, "cache": cache, "student": student, "proximal": proximal}, valid)
+    batch, cache, student, proximal = (_finite_padding(x, valid) for x in (batch, cache, student, proximal))
     adv = None
     if spec.needs_advantage:  # detached: computed once, outside the gradient below
         adv = _advantage(batch, cache, jax.lax.stop_gradient(student.token), config.stabiliser_signal, distill_coef)

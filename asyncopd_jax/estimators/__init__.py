@@ -11,6 +11,11 @@ verl's sequence-level modes) or, across micro-batches and devices, with
 
 Names state the KL direction: ``forward_kl_*`` is KL(teacher ‖ student) and
 ``reverse_kl_*`` is KL(student ‖ teacher).
+
+Give every estimator the ``mask`` you give the reduction: it keeps the positions the mask
+leaves out (padding) out of its arithmetic, so that NaN there reaches neither the loss nor
+the gradients. ``check_inputs=True`` checks the values of the inputs, eagerly, under
+``jax.jit`` and under ``checkify`` (:mod:`asyncopd_jax.estimators.checks`).
 """
 
 from asyncopd_jax.estimators.advantages import group_advantages, with_distillation

@@ -9,20 +9,31 @@ The weights q depend on neither θ nor the behaviour policy μ, so staleness onl
 which prefixes are visited. All inputs are response-local and target-aligned: index t
 describes the distribution of response token t given the tokens before it. Everything is
 computed in fp32 whatever the input dtype, and the teacher never receives a gradient.
+
+``mask`` (``[B, T]``, optional, any array-like of bool or weights): the positions to
+compute. Pass the mask you give the reduction: positions it leaves out are replaced by 0
+*before* any arithmetic and return 0, so that whatever they hold (NaN, ±inf padding)
+reaches neither the values nor the gradients. Without it, the reduction still drops their
+values but a NaN input there makes every gradient NaN (``0 · ∂f(NaN) = NaN`` in the
+backward pass). An optional argument rather than something the reduction can fix: the
+NaN arises in the estimator's own backward pass, which only the estimator can keep
+clean (the "double where" of the JAX FAQ; optax's losses take ``where`` for the same
+reason).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
-from asyncopd_jax.estimators.checks import check_logprobs, check_shapes
+from asyncopd_jax.estimators.checks import as_mask, check_logprobs, check_shapes, keep
 from asyncopd_jax.estimators.logspace import dense_logprobs, expectation, importance_ratio, with_tail
 
 Array = jax.Array
 
 
-def forward_kl_dense(student_logits: Array, teacher_logits: Array) -> Array:
+def forward_kl_dense(student_logits: Array, teacher_logits: Array, *, mask: ArrayLike | None = None) -> Array:
     """Exact per-token forward KL from full-vocabulary logits.
 
     ``KL(q ‖ π_θ) = Σ_v q(v) [log q(v) − log π_θ(v)]``, with ``q = softmax(teacher_logits)``
@@ -31,19 +42,31 @@ def forward_kl_dense(student_logits: Array, teacher_logits: Array) -> Array:
     Args:
       student_logits: ``[B, T, V]``.
       teacher_logits: ``[B, T, V]`` (stop-gradient).
+      mask: ``[B, T]`` positions to compute, or None (see the module).
 
     Returns:
-      ``[B, T]`` fp32, ≥ 0.
+      ``[B, T]`` fp32, ≥ 0 (0 where ``mask`` is 0).
     """
+    mask = as_mask(mask)
     check_shapes(
-        "forward_kl_dense", {"student_logits": (student_logits, "B T V"), "teacher_logits": (teacher_logits, "B T V")}
+        "forward_kl_dense",
+        {
+            "student_logits": (student_logits, "B T V"),
+            "teacher_logits": (teacher_logits, "B T V"),
+            "mask": (mask, "B T"),
+        },
     )
-    student_logp, teacher_logp = dense_logprobs(student_logits, teacher_logits)
-    return expectation(teacher_logp, teacher_logp - student_logp)
+    student_logp, teacher_logp = dense_logprobs(keep(student_logits, mask), keep(teacher_logits, mask))
+    return keep(expectation(teacher_logp, teacher_logp - student_logp), mask)
 
 
 def forward_kl_topk(
-    student_logp: Array, teacher_logp: Array, *, tail: bool = True, check_inputs: bool = False
+    student_logp: Array,
+    teacher_logp: Array,
+    *,
+    tail: bool = True,
+    mask: ArrayLike | None = None,
+    check_inputs: bool = False,
 ) -> Array:
     """Forward KL on the teacher's top-K support ``S_q`` (plus, by default, one tail bucket).
 
@@ -66,27 +89,33 @@ def forward_kl_topk(
         teacher's top-K ids (distinct).
       teacher_logp: ``[B, T, K]`` teacher log-probs on the same ids (stop-gradient).
       tail: add the tail bucket.
-      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
-        (:mod:`asyncopd_jax.estimators.checks`).
+      mask: ``[B, T]`` positions to compute, or None (see the module).
+      check_inputs: check that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`: eagerly, under ``jit`` and under ``checkify``).
 
     Returns:
-      ``[B, T]`` fp32.
+      ``[B, T]`` fp32 (0 where ``mask`` is 0).
     """
-    check_shapes("forward_kl_topk", {"student_logp": (student_logp, "B T K"), "teacher_logp": (teacher_logp, "B T K")})
+    mask = as_mask(mask)
+    check_shapes(
+        "forward_kl_topk",
+        {"student_logp": (student_logp, "B T K"), "teacher_logp": (teacher_logp, "B T K"), "mask": (mask, "B T")},
+    )
     if check_inputs:
         check_logprobs(
             "forward_kl_topk",
             {"student_logp": student_logp, "teacher_logp": teacher_logp},
             supports=("student_logp", "teacher_logp"),
+            mask=mask,
         )
-    teacher_logp = jax.lax.stop_gradient(teacher_logp).astype(jnp.float32)
-    student_logp = student_logp.astype(jnp.float32)
+    teacher_logp = jax.lax.stop_gradient(keep(teacher_logp, mask)).astype(jnp.float32)
+    student_logp = keep(student_logp, mask).astype(jnp.float32)
     if tail:
         teacher_logp, student_logp = with_tail(teacher_logp), with_tail(student_logp)
-    return expectation(teacher_logp, teacher_logp - student_logp)
+    return keep(expectation(teacher_logp, teacher_logp - student_logp), mask)
 
 
-def forward_kl_topk_renormalized(student_logp: Array, teacher_logp: Array) -> Array:
+def forward_kl_topk_renormalized(student_logp: Array, teacher_logp: Array, *, mask: ArrayLike | None = None) -> Array:
     """Forward KL between teacher and student both renormalised over the teacher's top-K.
 
     With ``q_K = q / q(S_q)`` and ``π_K = π_θ / π_θ(S_q)`` on the support:
@@ -104,21 +133,28 @@ def forward_kl_topk_renormalized(student_logp: Array, teacher_logp: Array) -> Ar
     Args:
       student_logp: ``[B, T, K]`` student log-probs (or logits) on the teacher's top-K ids.
       teacher_logp: ``[B, T, K]`` teacher log-probs (or logits) on the same ids (stop-gradient).
+      mask: ``[B, T]`` positions to compute, or None (see the module).
 
     Returns:
-      ``[B, T]`` fp32, ≥ 0.
+      ``[B, T]`` fp32, ≥ 0 (0 where ``mask`` is 0).
     """
+    mask = as_mask(mask)
     check_shapes(
         "forward_kl_topk_renormalized",
-        {"student_logp": (student_logp, "B T K"), "teacher_logp": (teacher_logp, "B T K")},
+        {"student_logp": (student_logp, "B T K"), "teacher_logp": (teacher_logp, "B T K"), "mask": (mask, "B T")},
     )
-    teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logp).astype(jnp.float32), axis=-1)
-    student_logp = jax.nn.log_softmax(student_logp.astype(jnp.float32), axis=-1)
-    return expectation(teacher_logp, teacher_logp - student_logp)
+    teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(keep(teacher_logp, mask)).astype(jnp.float32), axis=-1)
+    student_logp = jax.nn.log_softmax(keep(student_logp, mask).astype(jnp.float32), axis=-1)
+    return keep(expectation(teacher_logp, teacher_logp - student_logp), mask)
 
 
 def forward_kl_mc(
-    student_logp: Array, teacher_logp: Array, *, control_variate: bool = False, check_inputs: bool = False
+    student_logp: Array,
+    teacher_logp: Array,
+    *,
+    control_variate: bool = False,
+    mask: ArrayLike | None = None,
+    check_inputs: bool = False,
 ) -> Array:
     """Monte-Carlo forward KL over N samples drawn from the teacher.
 
@@ -141,18 +177,24 @@ def forward_kl_mc(
       student_logp: ``[B, T, N]`` student log-probs on the teacher's samples.
       teacher_logp: ``[B, T, N]`` teacher log-probs on the same samples (stop-gradient).
       control_variate: use the k3 form.
-      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
-        (:mod:`asyncopd_jax.estimators.checks`).
+      mask: ``[B, T]`` positions to compute, or None (see the module).
+      check_inputs: check that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`: eagerly, under ``jit`` and under ``checkify``).
 
     Returns:
-      ``[B, T]`` fp32 (averaged over the sample axis).
+      ``[B, T]`` fp32 (averaged over the sample axis; 0 where ``mask`` is 0).
     """
-    check_shapes("forward_kl_mc", {"student_logp": (student_logp, "B T N"), "teacher_logp": (teacher_logp, "B T N")})
+    mask = as_mask(mask)
+    check_shapes(
+        "forward_kl_mc",
+        {"student_logp": (student_logp, "B T N"), "teacher_logp": (teacher_logp, "B T N"), "mask": (mask, "B T")},
+    )
     if check_inputs:
-        check_logprobs("forward_kl_mc", {"student_logp": student_logp, "teacher_logp": teacher_logp})
-    teacher_logp = jax.lax.stop_gradient(teacher_logp).astype(jnp.float32)
-    log_ratio = student_logp.astype(jnp.float32) - teacher_logp
+        check_logprobs("forward_kl_mc", {"student_logp": student_logp, "teacher_logp": teacher_logp}, mask=mask)
+    teacher_logp = jax.lax.stop_gradient(keep(teacher_logp, mask)).astype(jnp.float32)
+    student_logp = keep(student_logp, mask).astype(jnp.float32)
+    log_ratio = student_logp - teacher_logp
     per_sample = -log_ratio
     if control_variate:
         per_sample = per_sample + importance_ratio(student_logp, teacher_logp) - 1.0
-    return jnp.mean(per_sample, axis=-1)
+    return keep(jnp.mean(per_sample, axis=-1), mask)

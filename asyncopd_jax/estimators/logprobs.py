@@ -11,6 +11,16 @@ log-normaliser serve both), differentiable too, for an entropy metric or bonus.
 
 The custom VJP gives reverse-mode derivatives (``jax.grad``, ``jax.vjp``) only:
 forward mode (``jax.jvp``, ``jax.jacfwd``) raises, as for any ``jax.custom_vjp``.
+
+Ids outside ``[0, V)``: the log-prob there is NaN, with no gradient, in every function here
+(a negative id is not wrapped to ``V − 1`` as NumPy indexing would, nor is any id clamped:
+either would hand the loss a finite, wrong log-prob that nothing downstream can detect,
+while a NaN shows in the loss). The ids are traced values, so the range is checked on
+request: ``check_inputs=True`` fails with one line naming ``ids`` and the vocabulary size
+(:mod:`asyncopd_jax.estimators.checks`: eagerly, under ``jit`` and under ``checkify``).
+``mask`` (``[B, T]``): the positions to gather; the others (padding, whose ids may be out of
+range) give log-prob 0 with no gradient, are not checked, and their logits or hidden
+states are kept out of the arithmetic, so that NaN there does not reach the gradients.
 """
 
 from __future__ import annotations
@@ -19,6 +29,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from asyncopd_jax.estimators.checks import as_mask, check_ids, keep
 
 Array = jax.Array
 
@@ -35,7 +48,34 @@ def _with_support_axis(ids: Array, batch_ndim: int) -> tuple[Array, bool]:
     )
 
 
-def gather_logprobs(logits: Array, ids: Array, temperature: float = 1.0) -> Array:
+def _positions_mask(fn: str, mask: ArrayLike | None, name: str, positions: tuple[int, ...]) -> Array | None:
+    """``mask`` as a bool array of the ``positions`` shape (``[B, T]``) of ``name``, or None."""
+    mask = as_mask(mask)
+    if mask is not None and mask.shape != tuple(positions):
+        raise ValueError(f"{fn}: mask has shape {list(mask.shape)}; expected {list(positions)} like {name}'s positions")
+    return mask
+
+
+def _valid_ids(
+    fn: str, ids: Array, vocab: int, source: str, mask: Array | None, check_inputs: bool
+) -> tuple[Array, Array]:
+    """``[B, T, K]`` ids → (ids safe to gather: 0 where out of range or masked, in-range
+    flags), after the range check ``check_inputs`` asks for."""
+    if check_inputs:
+        check_ids(fn, "ids", ids, vocab, source, mask)
+    ids = keep(ids, mask, 0)
+    valid = (ids >= 0) & (ids < vocab)
+    return jnp.where(valid, ids, 0), valid
+
+
+def gather_logprobs(
+    logits: Array,
+    ids: Array,
+    temperature: float = 1.0,
+    *,
+    mask: ArrayLike | None = None,
+    check_inputs: bool = False,
+) -> Array:
     """``log softmax(logits / τ)[ids]`` in fp32.
 
     ``log p(v) = z_v / τ − logsumexp_u(z_u / τ)``, computed without materialising the
@@ -43,17 +83,23 @@ def gather_logprobs(logits: Array, ids: Array, temperature: float = 1.0) -> Arra
 
     Args:
       logits: ``[B, T, V]`` (any float dtype).
-      ids: ``[B, T]`` or ``[B, T, K]`` integer ids in ``[0, V)``.
+      ids: ``[B, T]`` or ``[B, T, K]`` integer ids in ``[0, V)`` (NaN outside it: see the module).
       temperature: ``τ > 0``; use the sampler's temperature for the student so that
         ratios against behaviour log-probs compare the same distribution.
+      mask: ``[B, T]`` positions to gather, or None (see the module).
+      check_inputs: check that ``ids`` lie in ``[0, V)``.
 
     Returns:
-      ``[B, T]`` or ``[B, T, K]`` fp32, matching ``ids``.
+      ``[B, T]`` or ``[B, T, K]`` fp32, matching ``ids`` (0 where ``mask`` is 0).
     """
-    scaled = logits.astype(jnp.float32) / temperature
+    mask = _positions_mask("gather_logprobs", mask, "logits", logits.shape[:-1])
     support, squeeze = _with_support_axis(ids, logits.ndim - 1)
+    support, valid = _valid_ids(
+        "gather_logprobs", support, logits.shape[-1], "the logits' last axis", mask, check_inputs
+    )
+    scaled = keep(logits, mask).astype(jnp.float32) / temperature
     picked = jnp.take_along_axis(scaled, support, axis=-1)
-    logp = picked - jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+    logp = keep(jnp.where(valid, picked - jax.nn.logsumexp(scaled, axis=-1, keepdims=True), jnp.nan), mask)
     return logp[..., 0] if squeeze else logp
 
 
@@ -155,6 +201,9 @@ def gather_logprobs_and_entropy_from_hidden(
     ids: Array,
     chunk_size: int = 512,
     temperature: float = 1.0,
+    *,
+    mask: ArrayLike | None = None,
+    check_inputs: bool = False,
 ) -> tuple[Array, Array]:
     """:func:`gather_logprobs_from_hidden` and each position's entropy, from one pass.
 
@@ -167,13 +216,31 @@ def gather_logprobs_and_entropy_from_hidden(
     Args:
       hidden: ``[B, T, H]`` final hidden states, target-aligned.
       lm_head: ``[H, V]`` output projection.
-      ids: ``[B, T]`` or ``[B, T, K]`` integer ids.
+      ids: ``[B, T]`` or ``[B, T, K]`` integer ids in ``[0, V)`` (NaN outside it: see the module).
       chunk_size: rows per chunk (static).
       temperature: ``τ > 0`` (static).
+      mask: ``[B, T]`` positions to gather, or None (see the module).
+      check_inputs: check that ``ids`` lie in ``[0, V)``.
 
     Returns:
-      ``(log-probs [B, T] or [B, T, K], entropy [B, T])``, fp32.
+      ``(log-probs [B, T] or [B, T, K], entropy [B, T])``, fp32 (both 0 where ``mask`` is 0).
     """
+    return _gather_from_hidden(
+        "gather_logprobs_and_entropy_from_hidden", hidden, lm_head, ids, chunk_size, temperature, mask, check_inputs
+    )
+
+
+def _gather_from_hidden(
+    fn: str,
+    hidden: Array,
+    lm_head: Array,
+    ids: Array,
+    chunk_size: int,
+    temperature: float,
+    mask: ArrayLike | None,
+    check_inputs: bool,
+) -> tuple[Array, Array]:
+    """:func:`gather_logprobs_and_entropy_from_hidden`, as called by ``fn`` (for messages)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if hidden.shape[-1] != lm_head.shape[0]:
@@ -182,7 +249,12 @@ def gather_logprobs_and_entropy_from_hidden(
             f"{lm_head.shape} (expected [H, V])"
         )
     batch_shape = hidden.shape[:-1]
+    mask = _positions_mask(fn, mask, "hidden", batch_shape)
     support, squeeze = _with_support_axis(ids, len(batch_shape))
+    support, valid = _valid_ids(
+        fn, support.astype(jnp.int32), lm_head.shape[1], "lm_head's last axis", mask, check_inputs
+    )
+    hidden = keep(hidden, mask)
     rows = 1
     for d in batch_shape:
         rows *= d
@@ -199,7 +271,8 @@ def gather_logprobs_and_entropy_from_hidden(
         float(temperature),
     )
     logp = logp.reshape(n_chunks * chunk, -1)[:rows].reshape(*batch_shape, support.shape[-1])
-    entropy = entropy.reshape(n_chunks * chunk)[:rows].reshape(batch_shape)
+    logp = keep(jnp.where(valid, logp, jnp.nan), mask)  # the where: no cotangent reaches an invalid id
+    entropy = keep(entropy.reshape(n_chunks * chunk)[:rows].reshape(batch_shape), mask)
     return (logp[..., 0] if squeeze else logp), entropy
 
 
@@ -209,6 +282,9 @@ def gather_logprobs_from_hidden(
     ids: Array,
     chunk_size: int = 512,
     temperature: float = 1.0,
+    *,
+    mask: ArrayLike | None = None,
+    check_inputs: bool = False,
 ) -> Array:
     """``log softmax(hidden @ lm_head / τ)[ids]`` without ever holding ``[B, T, V]``.
 
@@ -224,11 +300,15 @@ def gather_logprobs_from_hidden(
     Args:
       hidden: ``[B, T, H]`` final hidden states, target-aligned (row t predicts token t).
       lm_head: ``[H, V]`` output projection (transpose of a tied embedding if tied).
-      ids: ``[B, T]`` or ``[B, T, K]`` integer ids.
+      ids: ``[B, T]`` or ``[B, T, K]`` integer ids in ``[0, V)`` (NaN outside it: see the module).
       chunk_size: rows per chunk (static); positions are padded up to a multiple.
       temperature: ``τ > 0`` (static).
+      mask: ``[B, T]`` positions to gather, or None (see the module).
+      check_inputs: check that ``ids`` lie in ``[0, V)``.
 
     Returns:
-      ``[B, T]`` or ``[B, T, K]`` fp32, matching ``ids``.
+      ``[B, T]`` or ``[B, T, K]`` fp32, matching ``ids`` (0 where ``mask`` is 0).
     """
-    return gather_logprobs_and_entropy_from_hidden(hidden, lm_head, ids, chunk_size, temperature)[0]
+    return _gather_from_hidden(
+        "gather_logprobs_from_hidden", hidden, lm_head, ids, chunk_size, temperature, mask, check_inputs
+    )[0]

@@ -25,6 +25,14 @@ generation budget) instead of its own length, so that a response's length does n
 rescale its tokens' gradients. ``H`` defaults to the response length ``T`` of the arrays;
 pass a fixed ``horizon`` where parts are trimmed to different lengths. (verl's older
 ``agg_loss`` divided by ``H`` alone, not by the number of sequences.)
+
+Masked positions: a reduction selects ``values`` with ``where`` before multiplying, so NaN
+or ±inf that ``values`` holds at a position the mask leaves out reaches neither the loss
+nor the gradient of ``values``. It cannot stop a NaN *input* of an estimator from reaching
+the gradient through the estimator's own backward pass (``0 · ∂f(NaN) = NaN``): give the
+estimator the same ``mask`` as the reduction (every estimator takes one), and it keeps
+masked inputs out of its arithmetic too. Masks and values may be any array-like (a
+Python list too); a mask is bool, 0/1 or float weights of the values' shape.
 :func:`loss_numerator` and :func:`loss_denominator` give one part's pair,
 :func:`normalized_loss` one part's share of the whole batch's loss, and
 :func:`aggregate` the loss of a batch (over devices with ``axis_name``).
@@ -36,6 +44,7 @@ from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from asyncopd_jax.estimators.checks import check_shapes
 
@@ -45,41 +54,55 @@ Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 
-def token_sum(values: Array, mask: Array) -> tuple[Array, Array]:
+def _masked_sum(fn: str, values: ArrayLike, mask: ArrayLike) -> tuple[Array, Array]:
+    """:func:`token_sum` for ``fn``, whose name a shape mismatch reports."""
+    values, weights = jnp.asarray(values), jnp.asarray(mask)
+    if values.shape != weights.shape:
+        raise ValueError(
+            f"{fn}: mask has shape {list(weights.shape)}; expected {list(values.shape)} like values "
+            "(one weight per value)"
+        )
+    weights = weights.astype(jnp.float32)
+    # `where` before the product, so that NaN/inf the values hold at masked positions
+    # reaches neither the sum nor the gradient of `values`.
+    masked = jnp.where(weights != 0, values.astype(jnp.float32), 0.0) * weights
+    return jnp.sum(masked), jnp.sum(weights)
+
+
+def token_sum(values: ArrayLike, mask: ArrayLike) -> tuple[Array, Array]:
     """Masked sum and token count, in fp32.
 
     Math: ``S = Σ_{b,t} m[b,t] · x[b,t]``, ``C = Σ_{b,t} m[b,t]``.
 
     Args:
       values: ``[B, T]`` (any shape) per-token values.
-      mask: same shape as ``values``; bool or float weights. Masked positions
-        contribute 0 even when ``values`` holds NaN or ±inf there.
+      mask: same shape as ``values`` (else a ValueError naming both shapes); bool or
+        float weights. Masked positions contribute 0, in value and in the gradient of
+        ``values``, even when ``values`` holds NaN or ±inf there (see the module for NaN
+        in an estimator's inputs).
 
     Returns:
       ``(S, C)``, two fp32 scalars. Sums and counts of disjoint parts add up to those
       of the whole, so ``Σ_i S_i / Σ_i C_i`` is the exact token mean of the union.
     """
-    weights = mask.astype(jnp.float32)
-    # `where` (not a bare product) so that NaN/inf in padded positions cannot leak.
-    masked = jnp.where(weights != 0, values.astype(jnp.float32), 0.0) * weights
-    return jnp.sum(masked), jnp.sum(weights)
+    return _masked_sum("token_sum", values, mask)
 
 
-def token_mean(values: Array, mask: Array) -> Array:
+def token_mean(values: ArrayLike, mask: ArrayLike) -> Array:
     """Masked token mean ``Σ m·x / max(Σ m, 1)``; 0 (not NaN) for an all-zero mask.
 
     Args:
       values: ``[B, T]`` per-token values.
-      mask: ``[B, T]`` bool or float weights.
+      mask: ``[B, T]`` bool or float weights, the shape of ``values``.
 
     Returns:
       fp32 scalar.
     """
-    total, count = token_sum(values, mask)
+    total, count = _masked_sum("token_mean", values, mask)
     return total / jnp.maximum(count, 1.0)
 
 
-def normalized_token_sum(values: Array, mask: Array, total_count: Array | float) -> Array:
+def normalized_token_sum(values: ArrayLike, mask: ArrayLike, total_count: ArrayLike) -> Array:
     """One part's share of a token mean over a larger batch: ``Σ m·x / max(N, 1)``.
 
     Use it as the loss of a micro-batch (or of one device's shard) with ``N`` the token
@@ -89,13 +112,13 @@ def normalized_token_sum(values: Array, mask: Array, total_count: Array | float)
 
     Args:
       values: ``[B, T]`` per-token values of this part.
-      mask: ``[B, T]`` bool or float weights of this part.
+      mask: ``[B, T]`` bool or float weights of this part, the shape of ``values``.
       total_count: the token count ``N = Σ m`` of the whole batch (scalar).
 
     Returns:
       fp32 scalar.
     """
-    total, _ = token_sum(values, mask)
+    total, _ = _masked_sum("normalized_token_sum", values, mask)
     return total / jnp.maximum(jnp.asarray(total_count, jnp.float32), 1.0)
 
 
@@ -104,7 +127,7 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"aggregation = {mode!r} is invalid; allowed: {', '.join(AGGREGATIONS)}")
 
 
-def loss_numerator(values: Array, mask: Array, mode: Aggregation = "token-mean") -> Array:
+def loss_numerator(values: ArrayLike, mask: ArrayLike, mode: Aggregation = "token-mean") -> Array:
     """One part's numerator of the aggregated loss (see the module's table).
 
     Args:
@@ -117,16 +140,17 @@ def loss_numerator(values: Array, mask: Array, mode: Aggregation = "token-mean")
       fp32 scalar.
     """
     _check_mode(mode)
+    values, mask = jnp.asarray(values), jnp.asarray(mask)
     check_shapes(f"loss_numerator ({mode})", {"values": (values, "B T"), "mask": (mask, "B T")})
     if mode != "seq-mean-token-mean":
-        return token_sum(values, mask)[0]
+        return _masked_sum(f"loss_numerator ({mode})", values, mask)[0]
     weights = mask.astype(jnp.float32)
     row_sums = jnp.sum(jnp.where(weights != 0, values.astype(jnp.float32), 0.0) * weights, axis=-1)
     row_counts = jnp.sum(weights, axis=-1)
     return jnp.sum(jnp.where(row_counts > 0, row_sums / jnp.where(row_counts > 0, row_counts, 1.0), 0.0))
 
 
-def loss_denominator(mask: Array, mode: Aggregation = "token-mean", *, horizon: int | None = None) -> Array:
+def loss_denominator(mask: ArrayLike, mode: Aggregation = "token-mean", *, horizon: int | None = None) -> Array:
     """One part's denominator of the aggregated loss (see the module's table).
 
     Args:
@@ -138,6 +162,7 @@ def loss_denominator(mask: Array, mode: Aggregation = "token-mean", *, horizon: 
       fp32 scalar; the denominators of disjoint parts add up to the whole batch's.
     """
     _check_mode(mode)
+    mask = jnp.asarray(mask)
     weights = mask.astype(jnp.float32)
     if mode == "token-mean":
         return jnp.sum(weights)
@@ -147,7 +172,9 @@ def loss_denominator(mask: Array, mode: Aggregation = "token-mean", *, horizon: 
     return sequences
 
 
-def normalized_loss(values: Array, mask: Array, denominator: Array | float, mode: Aggregation = "token-mean") -> Array:
+def normalized_loss(
+    values: ArrayLike, mask: ArrayLike, denominator: ArrayLike, mode: Aggregation = "token-mean"
+) -> Array:
     """One part's share of the aggregated loss of a larger batch: ``numerator / max(D, 1)``.
 
     ``D`` is the whole batch's denominator (:func:`loss_denominator` of the whole mask).
@@ -167,8 +194,8 @@ def normalized_loss(values: Array, mask: Array, denominator: Array | float, mode
 
 
 def aggregate(
-    values: Array,
-    mask: Array,
+    values: ArrayLike,
+    mask: ArrayLike,
     mode: Aggregation = "token-mean",
     *,
     horizon: int | None = None,

@@ -9,14 +9,22 @@ student snapshot that sampled the rollout):
 
 i.e. REINFORCE with per-token reward ``log q − log π_θ``. All inputs are response-local
 and target-aligned, computed in fp32, and the teacher never receives a gradient.
+
+``mask`` (``[B, T]``, optional, any array-like of bool or weights): the positions to
+compute. Pass the mask you give the reduction: positions it leaves out are replaced by 0
+*before* any arithmetic and return 0, so that whatever they hold (NaN, ±inf padding)
+reaches neither the values nor the gradients (without it a NaN input at a padded position
+makes every gradient NaN, though the reduction drops its value: see
+:mod:`asyncopd_jax.estimators.forward_kl`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
-from asyncopd_jax.estimators.checks import check_logprobs, check_shapes
+from asyncopd_jax.estimators.checks import as_mask, check_logprobs, check_shapes, keep
 from asyncopd_jax.estimators.logspace import LOG_RATIO_CLIP, dense_logprobs, expectation, importance_ratio, with_tail
 from asyncopd_jax.estimators.stabilisers import ClipEps, clip_bounds, clipped_surrogate
 
@@ -24,16 +32,17 @@ Array = jax.Array
 
 
 def _check_candidates(
-    fn: str, student_logp: Array, behavior_logp: Array, teacher_logp: Array, check_inputs: bool
+    fn: str, student_logp: Array, behavior_logp: Array, teacher_logp: Array, mask: Array | None, check_inputs: bool
 ) -> None:
-    """The three ``[B, T, N]`` candidate arrays of the Monte-Carlo estimators (see :mod:`.checks`)."""
+    """The three ``[B, T, N]`` candidate arrays of the Monte-Carlo estimators and their
+    ``[B, T]`` mask (see :mod:`.checks`)."""
     arrays = {"student_logp": student_logp, "behavior_logp": behavior_logp, "teacher_logp": teacher_logp}
-    check_shapes(fn, {name: (array, "B T N") for name, array in arrays.items()})
+    check_shapes(fn, {**{name: (array, "B T N") for name, array in arrays.items()}, "mask": (mask, "B T")})
     if check_inputs:
-        check_logprobs(fn, arrays)
+        check_logprobs(fn, arrays, mask=mask)
 
 
-def reverse_kl_dense(student_logits: Array, teacher_logits: Array) -> Array:
+def reverse_kl_dense(student_logits: Array, teacher_logits: Array, *, mask: ArrayLike | None = None) -> Array:
     """Exact per-token reverse KL from full-vocabulary logits.
 
     ``KL(π_θ ‖ q) = Σ_v π_θ(v) [log π_θ(v) − log q(v)]``, with ``π_θ = softmax(student_logits)``
@@ -42,19 +51,31 @@ def reverse_kl_dense(student_logits: Array, teacher_logits: Array) -> Array:
     Args:
       student_logits: ``[B, T, V]``.
       teacher_logits: ``[B, T, V]`` (stop-gradient).
+      mask: ``[B, T]`` positions to compute, or None (see the module).
 
     Returns:
-      ``[B, T]`` fp32, ≥ 0.
+      ``[B, T]`` fp32, ≥ 0 (0 where ``mask`` is 0).
     """
+    mask = as_mask(mask)
     check_shapes(
-        "reverse_kl_dense", {"student_logits": (student_logits, "B T V"), "teacher_logits": (teacher_logits, "B T V")}
+        "reverse_kl_dense",
+        {
+            "student_logits": (student_logits, "B T V"),
+            "teacher_logits": (teacher_logits, "B T V"),
+            "mask": (mask, "B T"),
+        },
     )
-    student_logp, teacher_logp = dense_logprobs(student_logits, teacher_logits)
-    return expectation(student_logp, student_logp - teacher_logp)
+    student_logp, teacher_logp = dense_logprobs(keep(student_logits, mask), keep(teacher_logits, mask))
+    return keep(expectation(student_logp, student_logp - teacher_logp), mask)
 
 
 def reverse_kl_topk(
-    student_logp: Array, teacher_logp: Array, *, tail: bool = True, check_inputs: bool = False
+    student_logp: Array,
+    teacher_logp: Array,
+    *,
+    tail: bool = True,
+    mask: ArrayLike | None = None,
+    check_inputs: bool = False,
 ) -> Array:
     """Reverse KL on a student support ``S`` (the rollout student's top-K), plus a tail bucket.
 
@@ -75,24 +96,30 @@ def reverse_kl_topk(
         on the support ids (distinct).
       teacher_logp: ``[B, T, K]`` teacher log-probs on the same ids (stop-gradient).
       tail: add the tail bucket.
-      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
-        (:mod:`asyncopd_jax.estimators.checks`).
+      mask: ``[B, T]`` positions to compute, or None (see the module).
+      check_inputs: check that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`: eagerly, under ``jit`` and under ``checkify``).
 
     Returns:
-      ``[B, T]`` fp32.
+      ``[B, T]`` fp32 (0 where ``mask`` is 0).
     """
-    check_shapes("reverse_kl_topk", {"student_logp": (student_logp, "B T K"), "teacher_logp": (teacher_logp, "B T K")})
+    mask = as_mask(mask)
+    check_shapes(
+        "reverse_kl_topk",
+        {"student_logp": (student_logp, "B T K"), "teacher_logp": (teacher_logp, "B T K"), "mask": (mask, "B T")},
+    )
     if check_inputs:
         check_logprobs(
             "reverse_kl_topk",
             {"student_logp": student_logp, "teacher_logp": teacher_logp},
             supports=("student_logp", "teacher_logp"),
+            mask=mask,
         )
-    student_logp = student_logp.astype(jnp.float32)
-    teacher_logp = jax.lax.stop_gradient(teacher_logp).astype(jnp.float32)
+    student_logp = keep(student_logp, mask).astype(jnp.float32)
+    teacher_logp = jax.lax.stop_gradient(keep(teacher_logp, mask)).astype(jnp.float32)
     if tail:
         student_logp, teacher_logp = with_tail(student_logp), with_tail(teacher_logp)
-    return expectation(student_logp, student_logp - teacher_logp)
+    return keep(expectation(student_logp, student_logp - teacher_logp), mask)
 
 
 def reverse_kl_mc(
@@ -103,6 +130,7 @@ def reverse_kl_mc(
     recompute: bool = True,
     importance_sampling: bool = True,
     clip_eps: ClipEps | None = None,
+    mask: ArrayLike | None = None,
     check_inputs: bool = False,
 ) -> Array:
     """Multi-sample Monte-Carlo reverse-KL surrogate over candidates drawn from μ.
@@ -137,16 +165,19 @@ def reverse_kl_mc(
       recompute: use the learner-time signal (True) or the stale one (False).
       importance_sampling: weight by ``π_θ / μ``.
       clip_eps: ``None``, ``ε`` or ``(ε_low, ε_high)``.
-      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
-        (:mod:`asyncopd_jax.estimators.checks`).
+      mask: ``[B, T]`` positions to compute, or None (see the module).
+      check_inputs: check that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`: eagerly, under ``jit`` and under ``checkify``).
 
     Returns:
-      ``[B, T]`` fp32: the surrogate, averaged over the candidate axis first.
+      ``[B, T]`` fp32: the surrogate, averaged over the candidate axis first (0 where
+      ``mask`` is 0).
     """
-    _check_candidates("reverse_kl_mc", student_logp, behavior_logp, teacher_logp, check_inputs)
-    student_logp = student_logp.astype(jnp.float32)
-    behavior_logp = jax.lax.stop_gradient(behavior_logp).astype(jnp.float32)
-    teacher_logp = jax.lax.stop_gradient(teacher_logp).astype(jnp.float32)
+    mask = as_mask(mask)
+    _check_candidates("reverse_kl_mc", student_logp, behavior_logp, teacher_logp, mask, check_inputs)
+    student_logp = keep(student_logp, mask).astype(jnp.float32)
+    behavior_logp = jax.lax.stop_gradient(keep(behavior_logp, mask)).astype(jnp.float32)
+    teacher_logp = jax.lax.stop_gradient(keep(teacher_logp, mask)).astype(jnp.float32)
     signal_logp = jax.lax.stop_gradient(student_logp) if recompute else behavior_logp
     advantage = teacher_logp - signal_logp  # per-candidate reward, detached
     base_logp = behavior_logp if importance_sampling else jax.lax.stop_gradient(student_logp)
@@ -155,11 +186,16 @@ def reverse_kl_mc(
         per_candidate = -advantage * ratio
     else:
         per_candidate = clipped_surrogate(ratio, advantage, *clip_bounds(clip_eps))
-    return jnp.mean(per_candidate, axis=-1)
+    return keep(jnp.mean(per_candidate, axis=-1), mask)
 
 
 def reverse_kl_mc_loo(
-    student_logp: Array, behavior_logp: Array, teacher_logp: Array, *, check_inputs: bool = False
+    student_logp: Array,
+    behavior_logp: Array,
+    teacher_logp: Array,
+    *,
+    mask: ArrayLike | None = None,
+    check_inputs: bool = False,
 ) -> Array:
     """:func:`reverse_kl_mc` (recompute + IS) with a leave-one-out baseline: the same value,
     the same mean gradient, and a lower variance when the per-token KL is large.
@@ -188,16 +224,18 @@ def reverse_kl_mc_loo(
       student_logp: ``[B, T, N]`` current student log-probs on the candidates.
       behavior_logp: ``[B, T, N]`` log μ of the candidates, recorded at sampling time.
       teacher_logp: ``[B, T, N]`` teacher log-probs on the candidates (stop-gradient).
-      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
-        (:mod:`asyncopd_jax.estimators.checks`).
+      mask: ``[B, T]`` positions to compute, or None (see the module).
+      check_inputs: check that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`: eagerly, under ``jit`` and under ``checkify``).
 
     Returns:
-      ``[B, T]`` fp32.
+      ``[B, T]`` fp32 (0 where ``mask`` is 0).
     """
-    _check_candidates("reverse_kl_mc_loo", student_logp, behavior_logp, teacher_logp, check_inputs)
-    student_logp = student_logp.astype(jnp.float32)
-    behavior_logp = jax.lax.stop_gradient(behavior_logp).astype(jnp.float32)
-    teacher_logp = jax.lax.stop_gradient(teacher_logp).astype(jnp.float32)
+    mask = as_mask(mask)
+    _check_candidates("reverse_kl_mc_loo", student_logp, behavior_logp, teacher_logp, mask, check_inputs)
+    student_logp = keep(student_logp, mask).astype(jnp.float32)
+    behavior_logp = jax.lax.stop_gradient(keep(behavior_logp, mask)).astype(jnp.float32)
+    teacher_logp = jax.lax.stop_gradient(keep(teacher_logp, mask)).astype(jnp.float32)
     ratio = importance_ratio(student_logp, behavior_logp, LOG_RATIO_CLIP)
     signal = jax.lax.stop_gradient(student_logp) - teacher_logp  # d_n
     if student_logp.shape[-1] == 1:
@@ -209,7 +247,7 @@ def reverse_kl_mc_loo(
         baseline = others_signal / jnp.maximum(others, jnp.finfo(jnp.float32).tiny)
     # Value ρ_n d_n (the second term is 0 in value); gradient ρ_n ∇log π_θ(v_n) (d_n − b_n).
     per_candidate = ratio * signal - (ratio - jax.lax.stop_gradient(ratio)) * baseline
-    return jnp.mean(per_candidate, axis=-1)
+    return keep(jnp.mean(per_candidate, axis=-1), mask)
 
 
 def reverse_kl_hybrid(
@@ -221,6 +259,7 @@ def reverse_kl_hybrid(
     candidate_teacher_logp: Array,
     candidate_ids: Array,
     *,
+    mask: ArrayLike | None = None,
     check_inputs: bool = False,
 ) -> Array:
     """Exact reverse KL on a support ``S`` plus an importance-sampled estimate of the rest.
@@ -250,12 +289,14 @@ def reverse_kl_hybrid(
       candidate_behavior_logp: ``[B, T, N]`` log μ of the candidates.
       candidate_teacher_logp: ``[B, T, N]`` teacher log-probs on the candidates.
       candidate_ids: ``[B, T, N]`` the candidate ids.
-      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
-        (:mod:`asyncopd_jax.estimators.checks`).
+      mask: ``[B, T]`` positions to compute, or None (see the module).
+      check_inputs: check that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`: eagerly, under ``jit`` and under ``checkify``).
 
     Returns:
-      ``[B, T]`` fp32.
+      ``[B, T]`` fp32 (0 where ``mask`` is 0).
     """
+    mask = as_mask(mask)
     check_shapes(
         "reverse_kl_hybrid",
         {
@@ -266,6 +307,7 @@ def reverse_kl_hybrid(
             "candidate_behavior_logp": (candidate_behavior_logp, "B T N"),
             "candidate_teacher_logp": (candidate_teacher_logp, "B T N"),
             "candidate_ids": (candidate_ids, "B T N"),
+            "mask": (mask, "B T"),
         },
     )
     if check_inputs:
@@ -279,17 +321,18 @@ def reverse_kl_hybrid(
                 "candidate_teacher_logp": candidate_teacher_logp,
             },
             supports=("support_student_logp", "support_teacher_logp"),
+            mask=mask,
         )
-    support_student_logp = support_student_logp.astype(jnp.float32)
-    support_teacher_logp = jax.lax.stop_gradient(support_teacher_logp).astype(jnp.float32)
+    support_student_logp = keep(support_student_logp, mask).astype(jnp.float32)
+    support_teacher_logp = jax.lax.stop_gradient(keep(support_teacher_logp, mask)).astype(jnp.float32)
     head = jnp.sum(
         jnp.exp(support_student_logp) * jax.lax.stop_gradient(support_student_logp - support_teacher_logp), axis=-1
     )
-    candidate_student_logp = candidate_student_logp.astype(jnp.float32)
-    behavior_logp = jax.lax.stop_gradient(candidate_behavior_logp).astype(jnp.float32)
-    teacher_logp = jax.lax.stop_gradient(candidate_teacher_logp).astype(jnp.float32)
+    candidate_student_logp = keep(candidate_student_logp, mask).astype(jnp.float32)
+    behavior_logp = jax.lax.stop_gradient(keep(candidate_behavior_logp, mask)).astype(jnp.float32)
+    teacher_logp = jax.lax.stop_gradient(keep(candidate_teacher_logp, mask)).astype(jnp.float32)
     ratio = importance_ratio(candidate_student_logp, behavior_logp, LOG_RATIO_CLIP)
     signal = jax.lax.stop_gradient(candidate_student_logp) - teacher_logp
     in_support = jnp.any(candidate_ids[..., :, None] == support_ids[..., None, :], axis=-1)  # [B, T, N]
     tail = jnp.mean(jnp.where(in_support, 0.0, ratio * signal), axis=-1)
-    return head + tail
+    return keep(head + tail, mask)

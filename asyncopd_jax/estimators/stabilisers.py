@@ -12,6 +12,17 @@ distillation the per-token advantage is the reward ``log q − log μ`` (stale s
 ``log q − log π_θ`` (recomputed); see :mod:`asyncopd_jax.estimators.reverse_kl`.
 Every importance ratio is ``exp`` of a log-ratio clamped to ±20
 (:data:`~asyncopd_jax.estimators.LOG_RATIO_CLIP`: finite in fp32; no gradient past it).
+
+Masks: every loss takes the valid tokens as ``mask`` (required where a statistic pools
+tokens: GSPO, M2PO, the second-moment clip; optional, keyword, for the elementwise ones).
+Positions it leaves out are replaced by 0 in every input *before* any arithmetic and
+return loss 0, so that whatever they hold (NaN, ±inf padding) reaches neither the values
+nor the gradients (without a mask a NaN input at a padded position makes every gradient
+NaN, though the reduction drops its value: see :mod:`asyncopd_jax.estimators.forward_kl`).
+The second-moment clip's loss is defined on every token (its mask only chooses the tokens
+of τ): there only non-finite inputs outside the mask are replaced by 0.
+A mask is any array-like of bool or weights; for the elementwise losses it has the shape
+of ``logp`` or, for a ``[B, T, N]`` one, ``[B, T]`` (broadcast over ``N``).
 """
 
 from __future__ import annotations
@@ -20,8 +31,9 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
-from asyncopd_jax.estimators.checks import check_logprobs, check_same_shape, check_shapes
+from asyncopd_jax.estimators.checks import as_mask, check_logprobs, check_mask, check_same_shape, check_shapes, keep
 from asyncopd_jax.estimators.logspace import LOG_RATIO_CLIP, importance_ratio
 
 Array = jax.Array
@@ -74,6 +86,7 @@ def ppo_clip_loss(
     *,
     clip_eps: ClipEps = 0.2,
     dual_clip: float | None = None,
+    mask: ArrayLike | None = None,
     check_inputs: bool = False,
 ) -> Array:
     """PPO clipped surrogate with the behaviour policy as base.
@@ -87,17 +100,22 @@ def ppo_clip_loss(
       advantages: same shape (stop-gradient).
       clip_eps: ``ε`` or ``(ε_low, ε_high)``.
       dual_clip: ``c > 1`` or ``None``.
-      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
-        (:mod:`asyncopd_jax.estimators.checks`).
+      mask: the valid tokens (``logp``'s shape, or ``[B, T]`` for a ``[B, T, N]`` one), or
+        None; see the module.
+      check_inputs: check that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`: eagerly, under ``jit`` and under ``checkify``).
 
     Returns:
-      Per-element loss, fp32, same shape as ``logp``.
+      Per-element loss, fp32, same shape as ``logp`` (0 where ``mask`` is 0).
     """
+    mask = as_mask(mask)
     check_same_shape("ppo_clip_loss", {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages})
+    check_mask("ppo_clip_loss", mask, "logp", jnp.shape(logp))
     if check_inputs:
-        check_logprobs("ppo_clip_loss", {"logp": logp, "behavior_logp": behavior_logp})
+        check_logprobs("ppo_clip_loss", {"logp": logp, "behavior_logp": behavior_logp}, mask=mask)
+    logp, behavior_logp, advantages = (keep(x, mask) for x in (logp, behavior_logp, advantages))
     ratio = importance_ratio(logp, jax.lax.stop_gradient(behavior_logp))
-    return clipped_surrogate(ratio, advantages, *clip_bounds(clip_eps), dual_clip)
+    return keep(clipped_surrogate(ratio, advantages, *clip_bounds(clip_eps), dual_clip), mask)
 
 
 def decoupled_ppo_loss(
@@ -111,6 +129,7 @@ def decoupled_ppo_loss(
     behavior_weight_cap: float | None = 5.0,
     behavior_weight_mode: Literal["mask", "truncate"] = "mask",
     behavior_weight_floor: float | None = None,
+    mask: ArrayLike | None = None,
     check_inputs: bool = False,
 ) -> Array:
     """AReaL's decoupled PPO: trust region around π_prox, off-policy weight π_prox / μ.
@@ -139,19 +158,25 @@ def decoupled_ppo_loss(
       behavior_weight_cap: the cap ``c`` on ``w``; ``None``: no cap.
       behavior_weight_mode: what the cap does: ``"mask"`` or ``"truncate"``.
       behavior_weight_floor: mask out tokens with ``w`` below it; ``None``: no floor.
-      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
-        (:mod:`asyncopd_jax.estimators.checks`).
+      mask: the valid tokens (``logp``'s shape, or ``[B, T]`` for a ``[B, T, N]`` one), or
+        None; see the module.
+      check_inputs: check that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`: eagerly, under ``jit`` and under ``checkify``).
 
     Returns:
-      Per-element loss, fp32, same shape as ``logp``.
+      Per-element loss, fp32, same shape as ``logp`` (0 where ``mask`` is 0).
     """
+    mask = as_mask(mask)
     check_same_shape(
         "decoupled_ppo_loss",
         {"logp": logp, "proximal_logp": proximal_logp, "behavior_logp": behavior_logp, "advantages": advantages},
     )
+    check_mask("decoupled_ppo_loss", mask, "logp", jnp.shape(logp))
     if check_inputs:
         check_logprobs(
-            "decoupled_ppo_loss", {"logp": logp, "proximal_logp": proximal_logp, "behavior_logp": behavior_logp}
+            "decoupled_ppo_loss",
+            {"logp": logp, "proximal_logp": proximal_logp, "behavior_logp": behavior_logp},
+            mask=mask,
         )
     if behavior_weight_mode not in ("mask", "truncate"):
         raise ValueError(f"behavior_weight_mode = {behavior_weight_mode!r} is invalid; allowed: mask, truncate")
@@ -164,19 +189,22 @@ def decoupled_ppo_loss(
             f"behavior_weight_floor = {behavior_weight_floor} is invalid; allowed: "
             f"0 <= floor < behavior_weight_cap = {behavior_weight_cap}"
         )
+    logp, proximal_logp, behavior_logp, advantages = (
+        keep(x, mask) for x in (logp, proximal_logp, behavior_logp, advantages)
+    )
     proximal_logp = jax.lax.stop_gradient(proximal_logp)
     ratio = importance_ratio(logp, proximal_logp)
     loss = clipped_surrogate(ratio, advantages, *clip_bounds(clip_eps), dual_clip)
     weight = importance_ratio(proximal_logp, jax.lax.stop_gradient(behavior_logp))
-    keep = jnp.ones(weight.shape, bool)
+    kept = jnp.ones(weight.shape, bool)
     if behavior_weight_cap is not None:
         if behavior_weight_mode == "truncate":
             weight = jnp.minimum(weight, behavior_weight_cap)
         else:
-            keep = weight <= behavior_weight_cap
+            kept = weight <= behavior_weight_cap
     if behavior_weight_floor is not None:
-        keep = keep & (weight >= behavior_weight_floor)
-    return jnp.where(keep, weight * loss, 0.0)
+        kept = kept & (weight >= behavior_weight_floor)
+    return keep(jnp.where(kept, weight * loss, 0.0), mask)
 
 
 def gspo_loss(
@@ -212,11 +240,11 @@ def gspo_loss(
       logp: ``[B, T]`` log π_θ of the response tokens (differentiated).
       behavior_logp: ``[B, T]`` log μ (stop-gradient).
       advantages: ``[B, T]`` (stop-gradient); GSPO's is the response's, on all its tokens.
-      mask: ``[B, T]`` valid tokens.
+      mask: ``[B, T]`` valid tokens (bool or weights; see the module).
       clip_eps: ``ε`` or ``(ε_low, ε_high)``.
       level: ``"sequence"`` or ``"token"``.
-      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
-        (:mod:`asyncopd_jax.estimators.checks`).
+      check_inputs: check that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`: eagerly, under ``jit`` and under ``checkify``).
 
     Returns:
       ``[B, T]`` fp32 per-token loss (0 where ``mask`` is 0).
@@ -231,11 +259,13 @@ def gspo_loss(
         },
     )
     if check_inputs:
-        check_logprobs("gspo_loss", {"logp": logp, "behavior_logp": behavior_logp})
+        check_logprobs("gspo_loss", {"logp": logp, "behavior_logp": behavior_logp}, mask=as_mask(mask))
     if level not in ("sequence", "token"):
         raise ValueError(f"gspo_loss: level = {level!r} is invalid; allowed: sequence, token")
+    valid = as_mask(mask)
+    logp, behavior_logp, advantages = (keep(x, valid) for x in (logp, behavior_logp, advantages))
     logp = logp.astype(jnp.float32)
-    weights = mask.astype(jnp.float32)
+    weights = jnp.asarray(mask).astype(jnp.float32)
     log_ratio = jnp.where(weights != 0, logp - jax.lax.stop_gradient(behavior_logp).astype(jnp.float32), 0.0)
     sequence = jnp.sum(log_ratio * weights, axis=-1, keepdims=True) / jnp.maximum(
         jnp.sum(weights, axis=-1, keepdims=True), 1.0
@@ -253,6 +283,7 @@ def truncated_is_loss(
     advantages: Array,
     *,
     cap: float = 2.0,
+    mask: ArrayLike | None = None,
     check_inputs: bool = False,
 ) -> Array:
     """Policy gradient with a truncated importance weight ``min(π_θ / μ, c)``.
@@ -266,22 +297,27 @@ def truncated_is_loss(
       behavior_logp: same shape, log μ (stop-gradient).
       advantages: same shape (stop-gradient).
       cap: ``c > 0``.
-      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
-        (:mod:`asyncopd_jax.estimators.checks`).
+      mask: the valid tokens (``logp``'s shape, or ``[B, T]`` for a ``[B, T, N]`` one), or
+        None; see the module.
+      check_inputs: check that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`: eagerly, under ``jit`` and under ``checkify``).
 
     Returns:
-      Per-element loss, fp32, same shape as ``logp``.
+      Per-element loss, fp32, same shape as ``logp`` (0 where ``mask`` is 0).
     """
+    mask = as_mask(mask)
     check_same_shape("truncated_is_loss", {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages})
+    check_mask("truncated_is_loss", mask, "logp", jnp.shape(logp))
     if check_inputs:
-        check_logprobs("truncated_is_loss", {"logp": logp, "behavior_logp": behavior_logp})
+        check_logprobs("truncated_is_loss", {"logp": logp, "behavior_logp": behavior_logp}, mask=mask)
     if cap <= 0:
         raise ValueError(f"truncated_is_loss: cap must be > 0, got {cap}")
+    logp, behavior_logp, advantages = (keep(x, mask) for x in (logp, behavior_logp, advantages))
     logp = logp.astype(jnp.float32)
     detached = jax.lax.stop_gradient(logp)
     weight = jnp.minimum(importance_ratio(detached, jax.lax.stop_gradient(behavior_logp)), cap)
     score = importance_ratio(logp, detached)  # value 1, gradient ∇log π_θ
-    return -jax.lax.stop_gradient(advantages).astype(jnp.float32) * weight * score
+    return keep(-jax.lax.stop_gradient(advantages).astype(jnp.float32) * weight * score, mask)
 
 
 def m2po_mask(
@@ -325,19 +361,21 @@ def m2po_mask(
       mask: same shape; valid tokens (the others are never kept and do not count).
       second_moment_budget: ``τ_M2 ≥ 0``.
       axis_name: the mesh axis the batch is split over, or None.
-      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
-        (:mod:`asyncopd_jax.estimators.checks`).
+      check_inputs: check that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`: eagerly, under ``jit`` and under ``checkify``).
 
     Returns:
       bool, the shape of ``logp``: True on the tokens kept.
     """
     check_same_shape("m2po_mask", {"logp": logp, "behavior_logp": behavior_logp, "mask": mask})
+    mask = as_mask(mask)
     if check_inputs:
-        check_logprobs("m2po_mask", {"logp": logp, "behavior_logp": behavior_logp})
+        check_logprobs("m2po_mask", {"logp": logp, "behavior_logp": behavior_logp}, mask=mask)
     if isinstance(second_moment_budget, (int, float)) and second_moment_budget < 0:
         raise ValueError(f"m2po_mask: second_moment_budget must be >= 0, got {second_moment_budget}")
+    logp, behavior_logp = jnp.where(mask, logp, 0.0), jnp.where(mask, behavior_logp, 0.0)  # [B, T(, N)], like mask
     delta = jax.lax.stop_gradient(logp).astype(jnp.float32) - jax.lax.stop_gradient(behavior_logp).astype(jnp.float32)
-    square = jnp.where(mask.astype(bool), delta * delta, jnp.inf).ravel()  # invalid tokens sort last
+    square = jnp.where(mask, delta * delta, jnp.inf).ravel()  # invalid tokens sort last
     local = square.shape[0]
     if axis_name is not None:
         square = jax.lax.all_gather(square, axis_name, tiled=True)
@@ -377,16 +415,16 @@ def m2po_loss(
       mask: same shape; the valid tokens.
       second_moment_budget: ``τ_M2``, see :func:`m2po_mask`.
       axis_name: the data-parallel mesh axis, see :func:`m2po_mask`.
-      check_inputs: add ``checkify`` checks that the log-prob arguments are log-probs
-        (:mod:`asyncopd_jax.estimators.checks`).
+      check_inputs: check that the log-prob arguments are log-probs
+        (:mod:`asyncopd_jax.estimators.checks`: eagerly, under ``jit`` and under ``checkify``).
 
     Returns:
-      Per-element loss, fp32, same shape as ``logp``.
+      Per-element loss, fp32, same shape as ``logp`` (0 where ``mask`` is 0).
     """
     check_same_shape(
         "m2po_loss", {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask}
     )
-    keep = m2po_mask(
+    kept = m2po_mask(
         logp,
         behavior_logp,
         mask,
@@ -394,8 +432,10 @@ def m2po_loss(
         axis_name=axis_name,
         check_inputs=check_inputs,
     )
+    valid = as_mask(mask)
+    logp, behavior_logp, advantages = (keep(x, valid) for x in (logp, behavior_logp, advantages))
     ratio = importance_ratio(logp, jax.lax.stop_gradient(behavior_logp))
-    return jnp.where(keep, -jax.lax.stop_gradient(advantages).astype(jnp.float32) * ratio, 0.0)
+    return jnp.where(kept, -jax.lax.stop_gradient(advantages).astype(jnp.float32) * ratio, 0.0)
 
 
 def second_moment_clip_range(
@@ -437,10 +477,12 @@ def second_moment_clip_range(
         "second_moment_clip_range",
         {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask},
     )
+    mask = as_mask(mask)
+    logp, behavior_logp, advantages = (keep(x, mask) for x in (logp, behavior_logp, advantages))
     logp = jax.lax.stop_gradient(logp).astype(jnp.float32)
     delta = jax.lax.stop_gradient(behavior_logp).astype(jnp.float32) - logp
     adv = jax.lax.stop_gradient(advantages).astype(jnp.float32)
-    selected = mask.astype(bool) & (adv * delta > 0)
+    selected = mask & (adv * delta > 0)
     count = jnp.sum(selected).astype(jnp.float32)
     sq = jnp.where(selected, delta * delta, jnp.inf).ravel()
     if axis_name is not None:  # batch-global: the selected tokens of every device on the axis
@@ -497,7 +539,8 @@ def second_moment_clip_loss(
       axis_name: see :func:`second_moment_clip_range`.
 
     Returns:
-      Per-element loss, fp32, same shape as ``logp``.
+      Per-element loss, fp32, same shape as ``logp``, on every token (the mask only
+      chooses τ's); outside the mask non-finite inputs count as 0.
     """
     check_same_shape(
         "second_moment_clip_loss",
@@ -509,5 +552,12 @@ def second_moment_clip_loss(
     )
     low = jnp.minimum(jnp.exp(-tau), ratio_floor)
     high = jnp.maximum(jnp.exp(tau), ratio_ceiling)
+    # The loss is defined on every token (the mask only chooses τ's tokens), so finite
+    # inputs outside the mask are kept as they are; only non-finite ones there are replaced
+    # by 0, before the arithmetic (see the module).
+    valid = as_mask(mask)
+    logp, behavior_logp, advantages = (
+        jnp.where(valid | jnp.isfinite(x), x, 0.0) for x in (logp, behavior_logp, advantages)
+    )
     ratio = importance_ratio(logp, jax.lax.stop_gradient(behavior_logp))
     return clipped_surrogate(ratio, advantages, low, high, dual_clip)

@@ -117,26 +117,26 @@ def test_a_wrong_shape_names_the_argument_and_the_expected_shape(call, message):
 LOGITS = jnp.asarray(np.random.default_rng(1).normal(scale=3.0, size=(B, T, K)) + 4.0, jnp.float32)
 
 
-@pytest.mark.parametrize(
-    "call,argument",
-    [
-        (lambda lp, bad: est.forward_kl_topk(lp, bad, check_inputs=True), "teacher_logp"),
-        (lambda lp, bad: est.reverse_kl_topk(bad, lp, check_inputs=True), "student_logp"),
-        (lambda lp, bad: est.forward_kl_mc(lp, bad, check_inputs=True), "teacher_logp"),
-        (lambda lp, bad: est.reverse_kl_mc(lp, bad, lp, check_inputs=True), "behavior_logp"),
-        (lambda lp, bad: est.reverse_kl_mc_loo(lp, lp, bad, check_inputs=True), "teacher_logp"),
-        (lambda lp, bad: est.ppo_clip_loss(bad, lp, lp, check_inputs=True), "logp"),
-        (lambda lp, bad: est.decoupled_ppo_loss(lp, bad, lp, lp, check_inputs=True), "proximal_logp"),
-        (lambda lp, bad: est.truncated_is_loss(lp, bad, lp, check_inputs=True), "behavior_logp"),
-        (lambda lp, bad: est.m2po_loss(lp, bad, lp, jnp.ones(lp.shape, bool), check_inputs=True), "behavior_logp"),
-        (
-            lambda lp, bad: est.gspo_loss(
-                lp[..., 0], bad[..., 0], lp[..., 0], jnp.ones((B, T), bool), check_inputs=True
-            ),
-            "behavior_logp",
-        ),
-    ],
-)
+CHECKED_CALLS = [
+    (lambda lp, bad: est.forward_kl_topk(lp, bad, check_inputs=True), "teacher_logp"),
+    (lambda lp, bad: est.reverse_kl_topk(bad, lp, check_inputs=True), "student_logp"),
+    (lambda lp, bad: est.forward_kl_mc(lp, bad, check_inputs=True), "teacher_logp"),
+    (lambda lp, bad: est.reverse_kl_mc(lp, bad, lp, check_inputs=True), "behavior_logp"),
+    (lambda lp, bad: est.reverse_kl_mc_loo(lp, lp, bad, check_inputs=True), "teacher_logp"),
+    (lambda lp, bad: est.ppo_clip_loss(bad, lp, lp, check_inputs=True), "logp"),
+    (lambda lp, bad: est.decoupled_ppo_loss(lp, bad, lp, lp, check_inputs=True), "proximal_logp"),
+    (lambda lp, bad: est.truncated_is_loss(lp, bad, lp, check_inputs=True), "behavior_logp"),
+    (lambda lp, bad: est.m2po_loss(lp, bad, lp, jnp.ones(lp.shape, bool), check_inputs=True), "behavior_logp"),
+    (
+        lambda lp, bad: est.gspo_loss(lp[..., 0], bad[..., 0], lp[..., 0], jnp.ones((B, T), bool), check_inputs=True),
+        "behavior_logp",
+    ),
+    (lambda lp, bad: est.reference_kl(lp, bad, check_inputs=True), "reference_logp"),
+    (lambda lp, bad: est.reference_kl(bad, lp, "k2", check_inputs=True), "logp"),
+]
+
+
+@pytest.mark.parametrize("call,argument", CHECKED_CALLS)
 def test_check_inputs_catches_raw_logits(call, argument):
     good = _logp(B, T, K)
     with pytest.raises(Exception, match=rf": {argument} holds values up to .*; expected log-probabilities"):
@@ -165,3 +165,51 @@ def test_without_check_inputs_nothing_is_checked():
     """The default: no checkify check is staged (so plain jit works) and logits go through."""
     good = _logp(B, T, K)
     assert jax.jit(lambda a, b: est.forward_kl_topk(a, b))(good, LOGITS).shape == (B, T)
+
+
+@pytest.mark.parametrize("call,argument", CHECKED_CALLS)
+def test_check_inputs_works_under_a_plain_jit(call, argument):
+    """The way most train steps call a loss: ``jax.jit`` without ``checkify``. It used to fail
+    with checkify's own "not functionalized" error, on good inputs too; now good inputs pass
+    and bad ones raise the same one-line message from the step (a host callback)."""
+    good = _logp(B, T, K)
+    step = jax.jit(lambda a, b: call(a, b))  # a fresh function: no trace made under checkify
+    assert np.all(np.isfinite(step(good, good)))
+    with pytest.raises(Exception, match=rf": {argument} holds values up to .*; expected log-probabilities"):
+        jax.block_until_ready(step(good, LOGITS))
+
+
+def test_check_inputs_under_jit_of_grad_and_vmap():
+    good = _logp(B, T, K)
+
+    def loss(a, b):
+        return jnp.sum(est.forward_kl_topk(a, b, check_inputs=True))
+
+    grad = jax.jit(jax.grad(loss))
+    assert np.all(np.isfinite(grad(good, good)))
+    with pytest.raises(Exception, match=r"forward_kl_topk: teacher_logp holds values up to"):
+        jax.block_until_ready(grad(good, LOGITS))
+    batched = jax.jit(jax.vmap(loss))
+    stack = jnp.stack([good, good])
+    assert np.all(np.isfinite(batched(stack, stack)))
+    with pytest.raises(Exception, match=r"forward_kl_topk: teacher_logp holds values up to"):
+        jax.block_until_ready(batched(stack, jnp.stack([good, LOGITS])))  # only the second is bad
+
+
+def test_check_inputs_skips_the_positions_the_mask_leaves_out():
+    """Padding may hold anything (NaN, logits): with the mask it is not checked; without the
+    mask the NaN fails, named as such."""
+    mask = np.ones((B, T), bool)
+    mask[1, 2:] = False
+    padded = jnp.where(mask[..., None], _logp(B, T, K), jnp.nan)
+    padded = padded.at[1, 3].set(LOGITS[1, 3])
+    est.forward_kl_topk(_logp(B, T, K), padded, mask=mask, check_inputs=True)
+    jax.block_until_ready(
+        jax.jit(lambda a, b: est.forward_kl_topk(a, b, mask=mask, check_inputs=True))(_logp(B, T, K), padded)
+    )
+    error, _ = checkify.checkify(jax.jit(lambda a, b: est.reverse_kl_mc(a, b, b, mask=mask, check_inputs=True)))(
+        _logp(B, T, K), padded
+    )
+    assert error.get() is None
+    with pytest.raises(ValueError, match=r"forward_kl_topk: teacher_logp holds values up to nan"):
+        est.forward_kl_topk(_logp(B, T, K), padded, check_inputs=True)  # no mask: the padding is checked

@@ -170,3 +170,84 @@ def test_entropy_from_the_fused_pass_matches_the_oracle_in_value_and_gradient(ch
         jax.jit(jax.grad(fused, argnums=(0, 1)))(hidden, head), jax.grad(dense, argnums=(0, 1))(hidden, head)
     ):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+GATHERS = {
+    "gather_logprobs": lambda hidden, head, ids, **kw: gather_logprobs(hidden @ head, ids, **kw),
+    "gather_logprobs_from_hidden": lambda hidden, head, ids, **kw: gather_logprobs_from_hidden(
+        hidden, head, ids, 4, **kw
+    ),
+    "gather_logprobs_and_entropy_from_hidden": lambda hidden, head, ids, **kw: gather_logprobs_and_entropy_from_hidden(
+        hidden, head, ids, 4, **kw
+    )[0],
+}
+
+
+@pytest.mark.parametrize("name", sorted(GATHERS))
+def test_out_of_range_ids_give_nan_with_no_gradient_never_a_wrapped_id(name):
+    """An id outside [0, V) (−1, V) gives NaN there, not the log-prob of V − 1 (NumPy's
+    wrapping of −1) nor of a clamped id; the other positions and the gradient through them
+    are those of in-range ids."""
+    hidden, head, ids = _problem(k=3)
+    bad = ids.copy()
+    bad[0, 1, 0], bad[1, 4, 2] = -1, V
+    gather = GATHERS[name]
+    got = np.asarray(gather(hidden, head, bad))
+    want = np.asarray(gather(hidden, head, ids))
+    wrong = bad != ids
+    assert np.all(np.isnan(got[wrong]))
+    np.testing.assert_array_equal(got[~wrong], want[~wrong])
+
+    def loss(h, w, i):  # the estimator's mask would drop the NaN positions
+        return jnp.sum(jnp.where(jnp.asarray(~wrong), gather(h, w, i), 0.0))
+
+    got_grads = jax.grad(loss, argnums=(0, 1))(hidden, head, bad)
+    want_grads = jax.grad(loss, argnums=(0, 1))(hidden, head, ids)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(GATHERS))
+def test_check_inputs_names_the_ids_and_the_vocabulary_size(name):
+    hidden, head, ids = _problem(k=3)
+    bad = ids.copy()
+    bad[1, 2, 1] = V + 2
+    gather = GATHERS[name]
+    message = rf"{name}: ids holds ids from 0 to 13; expected ids in \[0, V\) with the vocabulary size V = 11"
+    with pytest.raises(ValueError, match=message):  # eagerly: at once, one line
+        gather(hidden, head, bad, check_inputs=True)
+    step = jax.jit(lambda h, w, i: gather(h, w, i, check_inputs=True))
+    with pytest.raises(Exception, match=message):  # under a plain jit: from the step
+        jax.block_until_ready(step(hidden, head, bad))
+    assert np.all(np.isfinite(step(hidden, head, ids)))
+    from jax.experimental import checkify
+
+    error, _ = checkify.checkify(jax.jit(lambda h, w, i: gather(h, w, i, check_inputs=True)))(hidden, head, bad)
+    with pytest.raises(Exception, match=message):
+        error.throw()
+
+
+@pytest.mark.parametrize("name", sorted(GATHERS))
+def test_masked_positions_are_not_checked_and_give_zero(name):
+    """Padding ids may be anything (here −1 and V): with the mask they are neither checked
+    nor gathered, and NaN hidden states or logits there do not reach the gradient."""
+    hidden, head, ids = _problem(k=3)
+    mask = np.ones((B, T), bool)
+    mask[0, 3:] = False
+    padded_ids = np.where(mask[..., None], ids, -1)
+    padded_ids[0, 4] = V
+    gather = GATHERS[name]
+    padded_hidden = np.where(mask[..., None], hidden, np.nan).astype(np.float32)
+    if name == "gather_logprobs":  # NaN in the logits it is given, not in the caller's matmul
+        padded_hidden = hidden
+
+        def gather(h, w, i, **kw):
+            return gather_logprobs(jnp.where(mask[..., None], h @ w, jnp.nan), i, **kw)
+
+    got = gather(padded_hidden, head, padded_ids, mask=mask, check_inputs=True)
+    want = gather(hidden, head, ids)
+    np.testing.assert_array_equal(np.asarray(got)[~mask], 0.0)
+    np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], rtol=1e-6, atol=1e-6)
+    grad = jax.grad(lambda w: jnp.sum(gather(padded_hidden, w, padded_ids, mask=mask)))(head)
+    want_grad = jax.grad(lambda w: jnp.sum(jnp.where(mask[..., None], gather(hidden, w, ids), 0.0)))(head)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)

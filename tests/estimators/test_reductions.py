@@ -157,3 +157,67 @@ def test_aggregate_over_devices_with_axis_name(mode):
     np.testing.assert_allclose(got, np.full(3, oracle.aggregate(values, mask, mode)), rtol=1e-5)
     alone = jax.vmap(lambda v, m: aggregate(v, m, mode))(*split)
     assert not np.allclose(alone, oracle.aggregate(values, mask, mode))
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda v, m: token_sum(v, m), r"token_sum: mask has shape \[2, 1\]; expected \[2, 4\] like values"),
+        (lambda v, m: token_mean(v, m), r"token_mean: mask has shape \[2, 1\]; expected \[2, 4\] like values"),
+        (
+            lambda v, m: normalized_token_sum(v, m, 7),
+            r"normalized_token_sum: mask has shape \[2, 1\]; expected \[2, 4\] like values",
+        ),
+    ],
+)
+def test_mismatched_shapes_name_the_arguments_and_their_shapes(call, message):
+    """[2, 1] broadcasts against [2, 4]: it used to give a sum over broadcast weights and a
+    count of 2 (a wrong mean, silently); [2, 3] fell through to JAX's "Incompatible shapes"."""
+    values = np.ones((2, 4), np.float32)
+    for mask in (np.ones((2, 1), bool), np.ones((2, 3), bool)):
+        shape = r"\[2, 1\]" if mask.shape == (2, 1) else r"\[2, 3\]"
+        for run in (call, jax.jit(call)):
+            with pytest.raises(ValueError, match=message.replace(r"\[2, 1\]", shape)) as err:
+                run(values, mask)
+            assert "\n" not in str(err.value)
+
+
+def test_python_lists_are_accepted_wherever_a_mask_is():
+    """A mask (or values) as nested lists: it used to fail with ``AttributeError: 'list'
+    object has no attribute 'astype'``."""
+    values = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+    mask = [[1, 1, 0], [1, 0, 0]]
+    arrays = np.asarray(values, np.float32), np.asarray(mask, bool)
+    assert float(token_mean(values, mask)) == pytest.approx(7.0 / 3.0)
+    assert [float(x) for x in token_sum(values, mask)] == [7.0, 3.0]
+    assert float(normalized_token_sum(values, mask, 7)) == pytest.approx(1.0)
+    for mode in AGGREGATIONS:
+        assert float(aggregate(values, mask, mode)) == pytest.approx(float(aggregate(*arrays, mode)))
+        assert float(loss_denominator(mask, mode)) == float(loss_denominator(arrays[1], mode))
+        assert float(normalized_loss(values, mask, 3.0, mode)) == pytest.approx(
+            float(normalized_loss(*arrays, 3.0, mode))
+        )
+
+
+def test_python_list_masks_in_the_estimators_that_take_one():
+    import asyncopd_jax.estimators as est
+
+    rng = np.random.default_rng(3)
+    logp, behavior, adv = (jnp.asarray(rng.normal(size=(2, 3)) - 2.0, jnp.float32) for _ in range(3))
+    teacher = jnp.asarray(np.log(rng.dirichlet(np.ones(5), size=(2, 3))), jnp.float32)
+    mask = [[True, True, False], [True, False, False]]
+    array = np.asarray(mask)
+    calls = [
+        lambda m: est.gspo_loss(logp, behavior, adv, m),
+        lambda m: est.m2po_loss(logp, behavior, adv, m),
+        lambda m: est.m2po_mask(logp, behavior, m),
+        lambda m: est.second_moment_clip_loss(logp, behavior, adv, m),
+        lambda m: est.ppo_clip_loss(logp, behavior, adv, mask=m),
+        lambda m: est.truncated_is_loss(logp, behavior, adv, mask=m),
+        lambda m: est.decoupled_ppo_loss(logp, behavior, behavior, adv, mask=m),
+        lambda m: est.reference_kl(logp, behavior, mask=m),
+        lambda m: est.forward_kl_topk(teacher, teacher, mask=m),
+        lambda m: est.reverse_kl_mc(teacher, teacher, teacher, mask=m),
+    ]
+    for call in calls:
+        np.testing.assert_array_equal(call(mask), call(array))
