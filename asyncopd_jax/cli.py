@@ -205,7 +205,7 @@ def _stage(args: argparse.Namespace) -> int:
     from asyncopd_jax.config_checks import parse_id_list
     from asyncopd_jax.pipeline.placement import TPU_BASE_PORT, device_env
 
-    if args.devices:  # before JAX starts: the platform's own variables give this process its devices
+    if args.devices:  # before JAX's runtime starts: the platform's own variables give this process its devices
         os.environ.update(device_env(args.platform, parse_id_list(args.devices), TPU_BASE_PORT + 1 + args.index))
     from asyncopd_jax.pipeline.stage_process import run_stage
 

@@ -697,7 +697,8 @@ def evaluate_estimator(
     valid = est.checks.as_mask(batch.response_mask)
     if config.check_inputs:
         _check_logprobs(config.name, {"batch": batch, "cache": cache, "student": student, "proximal": proximal}, valid)
-    batch, cache, student, proximal = (_finite_padding(x, valid) for x in (batch, cache, student, proximal))
+    batch, cache = _finite_padding(batch, valid), _finite_padding(cache, valid)
+    student, proximal = _finite_padding(student, valid), _finite_padding(proximal, valid)
     adv = None
     if spec.needs_advantage:  # detached: computed once, outside the gradient below
         adv = _advantage(batch, cache, jax.lax.stop_gradient(student.token), config.stabiliser_signal, distill_coef)

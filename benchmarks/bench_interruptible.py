@@ -42,8 +42,8 @@ import numpy as np
 from flax import nnx
 
 from asyncopd_jax.models import Decoder, DecoderConfig
+from asyncopd_jax.pipeline.producer import GroupProducer
 from asyncopd_jax.pipeline.reward_stage import RewardStage
-from asyncopd_jax.pipeline.rollout import GroupProducer
 from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import SamplingParams, make_sampler

@@ -4,8 +4,9 @@ Workload (issue default): a small Qwen3 configuration, batch 16, prompt 32 token
 128 new tokens, sampled at temperature 1 with no truncation, no early stop. Our sampler
 runs jitted (compile excluded: a warm-up call first); PyTorch runs eagerly with its KV
 cache, also after a warm-up. Both use this machine's threads. Also reported: our prefill
-tokens/s, the extra cost of recording N Monte-Carlo candidates and the student top-K,
-and teacher-scoring tokens/s (prompt + response through the teacher, cache filled).
+tokens/s, the extra cost of recording N Monte-Carlo candidates and the student top-K, the
+continuous engine on the same batch (one slot per prompt: no refills, a paged cache), and
+teacher-scoring tokens/s (prompt + response through the teacher, cache filled).
 
 Second workload (``--long-tailed``, issue 27): the long-tailed built-in task
 (``configs/long_tailed.yaml``: answers of 16 tokens at the median, 280 at p99, up to 494)
@@ -23,7 +24,8 @@ sequence, paged against dense.
 
     python benchmarks/bench_sampler.py
     python benchmarks/bench_sampler.py --batch 4 --new 32    # quicker
-    python benchmarks/bench_sampler.py --long-tailed          # 512 prompts, 32 slots
+    python benchmarks/bench_sampler.py --long-tailed          # 2048 prompts, 32 slots
+    python benchmarks/bench_sampler.py --skip-transformers    # our engines only (minutes faster)
 """
 
 from __future__ import annotations
@@ -114,10 +116,14 @@ def long_tailed(args: argparse.Namespace) -> None:
         assert stats.tokens == int(np.asarray(batch.response_mask).sum())
         return stats.tokens, stats.row_steps
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), local_files_only=True).eval()
+    hf = None
+    if not args.skip_transformers:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), local_files_only=True)
+        hf = hf.eval()
     torch.manual_seed(0)
 
     def run_hf() -> tuple[int, int]:
+        assert hf is not None
         tokens = steps = 0
         for i in range(0, args.hf_prompts, s):
             ids, mask = left_pad(prompts[i : i + s], task.pad_id, p_slots)
@@ -141,7 +147,9 @@ def long_tailed(args: argparse.Namespace) -> None:
         return tokens, steps
 
     results = {}
-    engines = [("static", run_static), ("continuous", run_continuous), ("transformers", run_hf)]
+    engines = [("static", run_static), ("continuous", run_continuous)]
+    if hf is not None:
+        engines.append(("transformers", run_hf))
     for _, fn in engines:
         fn()  # warm-up: compiles every shape the timed run meets (same prompts, same keys)
     for _ in range(args.repeats):  # interleaved: the machine's drift hits every engine alike
@@ -172,9 +180,10 @@ def long_tailed(args: argparse.Namespace) -> None:
             f"{name:14} {statistics.median(r[0] for r in results[name]):7.2f} s {rate(name):8.0f} answer tokens/s | "
             f"{tokens} tokens, slot utilisation {tokens / slot_steps:.2f}{steady}"
         )
+    versus_hf = f"{rate('continuous') / rate('transformers'):.2f}x" if hf is not None else "(not run)"
     print(
         f"continuous / static: {rate('continuous') / rate('static'):.2f}x (target >= 2.5) | continuous / "
-        f"transformers: {rate('continuous') / rate('transformers'):.2f}x (target >= 3)"
+        f"transformers: {versus_hf} (target >= 3)"
     )
     c = model.config
     token_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4  # keys + values, fp32
@@ -196,6 +205,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--long-tailed", action="store_true", help="the long-tailed task workload instead")
+    parser.add_argument("--skip-transformers", action="store_true", help="time our engines only")
     parser.add_argument("--model", default="builtin:student_long", help="--long-tailed: the model answering")
     parser.add_argument("--prompts", type=int, default=2048, help="--long-tailed: prompts answered")
     parser.add_argument(
@@ -218,8 +228,8 @@ def main() -> None:
     prompts = rng.integers(3, args.vocab, size=(args.batch, args.prompt)).tolist()
     b, p, t = args.batch, args.prompt, args.new
 
-    def ours(params: SamplingParams):
-        sampler = Sampler(graphdef, params)
+    def ours(params: SamplingParams, engine=Sampler):
+        sampler = engine(graphdef, params)
         return lambda: jax.block_until_ready(sampler.generate(state, prompts, jax.random.key(0)).response_tokens)
 
     plain = SamplingParams(temperature=1.0, max_new_tokens=t, chunk_steps=t)
@@ -228,11 +238,17 @@ def main() -> None:
     t_ours_mc = timed(ours(mc), args.repeats)
     chunked = SamplingParams(temperature=1.0, max_new_tokens=t, chunk_steps=16)
     t_ours_chunked = timed(ours(chunked), args.repeats)
+    # the continuous engine on the same batch: a slot per prompt, so no refills (the static
+    # engine's lockstep batch over a paged cache), in one chunk and in 16-step chunks
+    paged = dict(engine="continuous", slots=b, page_size=16)
+    t_paged = timed(ours(dataclasses.replace(plain, **paged), ContinuousSampler), args.repeats)
+    t_paged_chunked = timed(ours(dataclasses.replace(chunked, **paged), ContinuousSampler), args.repeats)
 
     sampler = Sampler(graphdef, plain)
     ids = jnp.asarray(prompts, jnp.int32)
     mask = jnp.ones_like(ids, bool)
-    t_prefill = timed(lambda: jax.block_until_ready(sampler._prefill(state, ids, mask).next_logits), args.repeats)
+    keys = jax.random.split(jax.random.key(0), b)
+    t_prefill = timed(lambda: jax.block_until_ready(sampler.prefill(state, ids, mask, keys).next_logits), args.repeats)
 
     batch = Sampler(graphdef, mc).generate(state, prompts, jax.random.key(0))
     scorer = TeacherScorer(model, ScoringParams(topk=16, num_samples=8, chunk_size=64))
@@ -261,7 +277,7 @@ def main() -> None:
                 pad_token_id=0,
             )
 
-    t_hf = timed(hf_generate, args.repeats)
+    t_hf = float("nan") if args.skip_transformers else timed(hf_generate, args.repeats)
 
     new_tokens = b * t
     print(
@@ -273,6 +289,8 @@ def main() -> None:
         ("ours: prefill + decode", t_ours, new_tokens),
         ("ours: + 8 MC candidates, top-8 ids", t_ours_mc, new_tokens),
         ("ours: interruptible, 16-step chunks", t_ours_chunked, new_tokens),
+        ("ours, continuous engine (no refills)", t_paged, new_tokens),
+        ("  interruptible, 16-step chunks", t_paged_chunked, new_tokens),
         ("transformers generate (PyTorch)", t_hf, new_tokens),
     ]
     for name, seconds, tokens in rows:

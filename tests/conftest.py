@@ -1,8 +1,11 @@
-"""Shared pytest set-up: a CPU run, and small random problems for the estimator tests."""
+"""Shared pytest set-up: a CPU run, a time limit for the slow tests, and small random
+problems for the estimator tests."""
 
 from __future__ import annotations
 
 import os
+
+import pytest
 
 # Tests run on the CPU; the mesh tests ask for 8 virtual devices before JAX starts.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -40,3 +43,17 @@ if os.environ.get("MUTANT_UNDER_TEST"):
     )
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# Every test has a time limit (pyproject.toml: `timeout`, sized for the fast suite). The tests
+# marked slow run for minutes by design: unless one sets its own (@pytest.mark.timeout), each
+# gets an hour, so that a hang in `-m slow` fails too instead of stalling the run.
+SLOW_TIMEOUT_S = 3600
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("timeout"):  # pytest-timeout not installed
+        return
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))

@@ -9,12 +9,13 @@ from asyncopd_jax.cli import DEMO_CONFIG
 from asyncopd_jax.config import load_config
 from asyncopd_jax.pipeline.trace import load_spans
 from asyncopd_jax.pipeline.trainer import Trainer
+from tests.waits import SHORT_WAIT_SETS
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("placement", ["threads", "processes"])
 def test_demo_distils_the_student_to_ninety_percent_of_the_teacher(tmp_path, placement):
-    cfg = load_config(DEMO_CONFIG, [f"output_dir={tmp_path}", f"stages.placement={placement}"])
+    cfg = load_config(DEMO_CONFIG, [f"output_dir={tmp_path}", f"stages.placement={placement}", *SHORT_WAIT_SETS])
     summary = Trainer(cfg, progress=False).run()
     assert summary["student_before"] < 0.5 * summary["teacher_accuracy"]
     assert summary["student_after"] >= 0.9 * summary["teacher_accuracy"], summary

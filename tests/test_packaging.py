@@ -11,6 +11,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from tests.waits import WAIT_S
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -48,12 +50,13 @@ def test_the_wheel_ships_the_configs_and_runs_the_main_job(tmp_path):
         "import sys, asyncopd_jax; assert asyncopd_jax.__file__.startswith(sys.argv[1]), asyncopd_jax.__file__\n"
         "from asyncopd_jax.cli import main\n"
         "sys.exit(main(['train', '--no-progress', '--set', 'output_dir=runs', '--set', 'train.steps=2', "
-        "'--set', 'schedule.mode=sync', '--set', 'learner.batch_size=8', '--set', 'task.eval_prompts=8']))"
+        "'--set', 'schedule.mode=sync', '--set', 'learner.batch_size=8', '--set', 'task.eval_prompts=8', "
+        f"'--set', 'stages.startup_timeout={WAIT_S}']))"
     )
     env = {**os.environ, "PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
-        [sys.executable, "-c", script, str(site)], cwd=work, env=env, capture_output=True, text=True, timeout=600
-    )
+        [sys.executable, "-c", script, str(site)], cwd=work, env=env, capture_output=True, text=True, timeout=240
+    )  # healthy ~30 s; under the per-test limit (pyproject.toml), so the failure says what the run printed
     assert done.returncode == 0, done.stderr[-3000:]
     assert "student after" in done.stdout
     assert (work / "runs" / "demo" / "metrics.jsonl").is_file()

@@ -37,6 +37,8 @@ trip per step.
 from __future__ import annotations
 
 import sys
+import types
+from typing import Any, overload
 from collections.abc import Mapping
 
 import jax
@@ -54,7 +56,7 @@ def under_checkify() -> bool:
     """Whether ``checkify.checkify`` is tracing the caller (a frame of JAX's checkify module
     is on the Python stack: its transform traces the function it wraps synchronously, with
     or without a ``jit`` in between)."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_globals.get("__name__") == "jax._src.checkify":
             return True
@@ -77,7 +79,8 @@ def require(ok: Array, message: str, **values: Array) -> None:
     the scalar ``ok`` is False: at once eagerly, as a ``checkify.check`` under ``checkify``,
     or from a ``jax.debug.callback`` under a plain ``jit`` (see the module)."""
     if under_checkify():
-        checkify.check(ok, message, **values)
+        check: Any = checkify.check  # its stub types the keyword arguments as `debug: bool`
+        check(ok, message, **values)
         return
     try:
         concrete = bool(ok)
@@ -89,14 +92,20 @@ def require(ok: Array, message: str, **values: Array) -> None:
         raise ValueError(message.format(**{n: str(np.asarray(v)) for n, v in values.items()}))
 
 
-def _pad(mask: Array | None, ndim: int) -> Array | None:
+def _pad(mask: Array, ndim: int) -> Array:
     """A ``[B, T]`` (or full-shape) mask with trailing axes added up to ``ndim``."""
-    if mask is None:
-        return None
     return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
 
 
-def as_mask(mask) -> Array | None:
+@overload
+def as_mask(mask: None) -> None: ...
+
+
+@overload
+def as_mask(mask: Any) -> Array: ...
+
+
+def as_mask(mask: Any) -> Array | None:
     """A mask as the estimators take it (bool, 0/1 or float weights; any array-like, a
     Python list too) → a bool array, True on the positions kept; ``None`` stays ``None``."""
     if mask is None:

@@ -125,7 +125,9 @@ def batch_stats(groups: list[RolloutGroup], version: int) -> dict[str, Any]:
         "staleness_max": int(ages.max()) if ages.size else 0,
         "staleness_hist": np.bincount(np.maximum(ages, 0)).tolist() if ages.size else [],
     }
-    rewards = np.concatenate([g.info["rewards"] for g in groups])
+    rewards = np.concatenate(
+        [np.zeros(0, np.float32)] + [np.asarray(g.rewards, np.float32) for g in groups if g.rewards is not None]
+    )
     if np.isfinite(rewards).any():  # NaN: a response the task cannot check (no reference answers)
         stats["rollout_accuracy"] = float(np.nanmean(rewards))
     return stats

@@ -16,8 +16,8 @@ import numpy as np
 
 from asyncopd_jax.learner import distributed
 from asyncopd_jax.pipeline.exchange import Exchange
-from asyncopd_jax.pipeline.rollout import Stages
 from asyncopd_jax.pipeline.spool import group_from_record, read_record
+from asyncopd_jax.pipeline.stages import Stages
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup
 
 
@@ -41,7 +41,11 @@ class LeaderStages:
         except PipelineStopped:
             distributed.from_leader(np.full((self.groups_per_batch, 2), -1, np.int64))  # the others stop too
             raise
-        distributed.from_leader(np.asarray([(int(g.info["record"]), fingerprint(g)) for g in groups], np.int64))
+        # every group of a learner over processes was read from a spool record (stage processes)
+        records = [int(g.record) for g in groups if g.record is not None]
+        if len(records) != len(groups):  # not reached: the config puts such a learner with stage processes
+            raise RuntimeError("a learner over several processes takes its groups from the spool's records")
+        distributed.from_leader(np.asarray([(r, fingerprint(g)) for r, g in zip(records, groups)], np.int64))
         return groups
 
     @property

@@ -132,11 +132,21 @@ class Layout:
         """The stages that run as processes of their own (started by the learner)."""
         return tuple(s for s in self.stages if s.process == s.name)
 
-    def scorer_of(self, rollout: StagePlan) -> StagePlan | None:
-        """The scoring stage in ``rollout``'s process (None: its groups go to a scoring
-        process, or nothing scores)."""
-        here = [s for s in self.of_role("scoring") if s.process == rollout.process]
-        return here[0] if here else None
+    def hosted_by(self, process: str) -> tuple[StagePlan, ...]:
+        """The stages process ``process`` runs. A stage process started by hand on another
+        host (``launch/stage_host.sh``: ``rollout-100``, …) runs what its role's first process
+        runs, on every device it sees (its launcher chose them)."""
+        hosted = tuple(s for s in self.stages if s.process == process)
+        if hosted or process == LEARNER_PROCESS:
+            return hosted
+        role = process.rsplit("-", 1)[0]
+        first = [s for s in self.stages if s.process == f"{role}-0"]
+        if not first:
+            raise KeyError(
+                f"no stage runs in process {process!r}, and none in {role}-0; processes: "
+                f"{', '.join(s.process for s in self.stage_processes())}"
+            )
+        return tuple(dataclasses.replace(s, process=process, devices=()) for s in first)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -237,7 +247,8 @@ def plan_cores(stages: StagesConfig, available: Sequence[int]) -> dict[str, tupl
     if any(len(auto[role]) < MIN_CORES_TO_PIN * count for role, count in processes.items() if count):
         auto = {role: () for role in auto}  # too few cores to split: every "auto" stage unpinned
 
-    return {role: auto[role] if stages.cores(role) is None else stages.cores(role) for role in auto}
+    configured = {role: stages.cores(role) for role in auto}  # None: auto
+    return {role: auto[role] if ids is None else ids for role, ids in configured.items()}
 
 
 def default_snapshot_dir(run_path: Path) -> Path:

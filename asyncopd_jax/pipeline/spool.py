@@ -33,6 +33,7 @@ from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.pipeline.staleness import RolloutGroup
 
 SUFFIX = ".npz"
+POLL_SECONDS = 0.002  # how often a consumer with nothing to claim looks again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +132,7 @@ def read_record(path: str | Path) -> dict[str, np.ndarray]:
 
 def group_to_record(group: RolloutGroup, index: int) -> dict[str, np.ndarray]:
     """``batch.<field>``, ``cache.<field>`` (absent fields left out), the versions, the
-    group's index and its per-sample rewards (``info["rewards"]``, if present)."""
+    group's index and its per-sample rewards (if computed)."""
     out: dict[str, np.ndarray] = {
         "index": np.asarray(index),
         "oldest_version": np.asarray(group.oldest_version),
@@ -144,8 +145,8 @@ def group_to_record(group: RolloutGroup, index: int) -> dict[str, np.ndarray]:
             value = getattr(obj, field.name)
             if value is not None:
                 out[f"{prefix}.{field.name}"] = np.asarray(value)
-    if "rewards" in group.info:
-        out["rewards"] = np.asarray(group.info["rewards"], dtype=np.float32)
+    if group.rewards is not None:
+        out["rewards"] = np.asarray(group.rewards, dtype=np.float32)
     return out
 
 
@@ -158,12 +159,11 @@ def group_from_record(arrays: dict[str, np.ndarray]) -> tuple[RolloutGroup, int]
             return None
         return cls(**{k: None if v is None else jnp.asarray(v) for k, v in fields.items()})
 
-    info = {"rewards": arrays["rewards"]} if "rewards" in arrays else {}
     group = RolloutGroup(
         build(RolloutBatch, "batch"),
         build(TeacherScoreCache, "cache"),
         int(arrays["oldest_version"]),
         int(arrays["newest_version"]),
-        info,
+        rewards=arrays.get("rewards"),
     )
     return group, int(arrays["index"])

@@ -43,12 +43,12 @@ from asyncopd_jax.models.config import read_hf_config
 from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.models.partitioning import logical_spec, mesh_context, parameter_shardings
 from asyncopd_jax.pipeline.placement import Layout, StagePlan
+from asyncopd_jax.pipeline.producer import GroupProducer, group_key
 from asyncopd_jax.pipeline.reward_stage import RewardStage
-from asyncopd_jax.pipeline.rollout import GroupProducer, group_key
 from asyncopd_jax.pipeline.snapshots import SnapshotStore
 from asyncopd_jax.pipeline.staleness import RolloutGroup
 from asyncopd_jax.pipeline.trace import Tracer
-from asyncopd_jax.sampling import ContinuousSampler, SamplingParams, make_sampler
+from asyncopd_jax.sampling import SamplingParams, make_sampler
 from asyncopd_jax.tasks import PromptTask, make_task
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.teacher import ReferenceScorer, Scorers, TeacherScorer
@@ -195,13 +195,6 @@ class RolloutStage:
     mesh: Mesh
     producer: GroupProducer
     scoring: ScoringStage | None
-
-    @property
-    def streams(self) -> bool:
-        """Whether the stage keeps its engine running across groups
-        (:class:`~asyncopd_jax.pipeline.rollout.GroupStreamer`: the continuous engine, where
-        weights may change mid-group) rather than sampling one group per call."""
-        return isinstance(self.producer.sampler, ContinuousSampler) and self.producer.interruptible
 
     def group(self, index: int, version: int | None = None, min_version: int = 0) -> RolloutGroup:
         """Group ``index`` from policy ``version`` (default: the newest, ``min_version`` or

@@ -41,8 +41,7 @@ import numpy as np
 from asyncopd_jax.config import RunConfig
 from asyncopd_jax.pipeline.exchange import Exchange
 from asyncopd_jax.pipeline.placement import Layout, StagePlan, detect_platform, stage_process_env
-from asyncopd_jax.pipeline.spool import group_from_record, read_record
-from asyncopd_jax.pipeline.stage_process import POLL_SECONDS
+from asyncopd_jax.pipeline.spool import POLL_SECONDS, group_from_record, read_record
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 
@@ -53,7 +52,7 @@ class StageFailed(RuntimeError):
 
 class StageProcesses:
     """Starts the stage processes of ``layout`` and joins them to the learner's staleness
-    buffer (a :class:`~asyncopd_jax.pipeline.rollout.Stages`; :meth:`consumed` and
+    buffer (a :class:`~asyncopd_jax.pipeline.stages.Stages`; :meth:`consumed` and
     :meth:`checkpointed` decide when a scored record may be deleted)."""
 
     def __init__(
@@ -177,7 +176,7 @@ class StageProcesses:
         by the buffer, which hands groups over in order) are consumed."""
         if not taken:
             return
-        last = taken[-1].info["record"]
+        last = taken[-1].record
         with self._lock:
             while self._offered:
                 name = self._offered.popleft()
@@ -239,7 +238,7 @@ class StageProcesses:
             for name in fresh:
                 with self.tracer.span("receive"):
                     group, _ = group_from_record(read_record(scored.path(name)))
-                group.info["record"] = name
+                group.record = name
                 with self._lock:
                     self._seen.add(name)
                     self._offered.append(name)

@@ -20,20 +20,24 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 
 
 @dataclasses.dataclass
 class RolloutGroup:
-    """A group of samples produced together (one sampler call), with their teacher scores."""
+    """A group of G samples produced together (one rollout group), with their teacher scores."""
 
-    batch: Any  # RolloutBatch with G rows
-    cache: Any  # TeacherScoreCache with G rows
-    oldest_version: int
-    newest_version: int
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    batch: RolloutBatch  # G rows
+    cache: TeacherScoreCache | None  # G rows; None until scored (and in a run that scores nothing)
+    oldest_version: int  # the oldest policy version that sampled one of its tokens
+    newest_version: int  # the newest
+    rewards: np.ndarray | None = None  # [G] the task's reward of each sample (None: not computed)
+    record: str | None = None  # the spool record it was read from (stage processes)
 
     @property
     def size(self) -> int:

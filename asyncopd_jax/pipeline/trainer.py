@@ -4,9 +4,10 @@
         ▲                                                                          │
         └──────────── the newest policy between decode chunks ◀───────────────────┘
 
-The :class:`~asyncopd_jax.pipeline.placement.Layout` says where each stage runs; the
-builders of :mod:`asyncopd_jax.pipeline.stage` (and
-:mod:`asyncopd_jax.pipeline.learner_stage`) make them there. One :class:`Trainer` runs
+The :class:`~asyncopd_jax.pipeline.placement.Layout` says where each stage runs; the run's
+composition root (:func:`~asyncopd_jax.pipeline.process.build_process`) makes the
+learner's process's stages there, and :func:`~asyncopd_jax.pipeline.process.start_stages`
+starts the others. One :class:`Trainer` runs
 optimizer steps until ``train.steps`` and writes ``runs/<name>/``. The schedules differ
 only in the staleness bound η the buffer enforces (``sync``: 0; ``n_step_off``: n
 batches; ``fully_async``: ``schedule.max_staleness``), except ``fixed_lag``, which
@@ -37,14 +38,14 @@ from asyncopd_jax.models import save_pretrained
 from asyncopd_jax.pipeline.exchange import Exchange
 from asyncopd_jax.pipeline.heap import HeapTrimmer
 from asyncopd_jax.pipeline.learner_stage import LearnerStage, batch_stats
-from asyncopd_jax.pipeline.local_stages import LocalStages
 from asyncopd_jax.pipeline.placement import LEARNER_PROCESS, Layout, plan_layout
 from asyncopd_jax.pipeline.probes import Probes
+from asyncopd_jax.pipeline.process import build_process, start_stages
 from asyncopd_jax.pipeline.progress import ProgressBar, Throughput
-from asyncopd_jax.pipeline.rollout import Stages
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.snapshots import SnapshotStore
-from asyncopd_jax.pipeline.stage import build_scoring_stage, run_models, teacher_on
+from asyncopd_jax.pipeline.stage import teacher_on
+from asyncopd_jax.pipeline.stages import Stages
 from asyncopd_jax.pipeline.staleness import RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 
@@ -67,29 +68,17 @@ class Trainer:
             available_cores=sorted(os.sched_getaffinity(0)),
         )
         self.tracer = Tracer(origin=self.layout.trace_origin)
-        self.models = run_models(cfg)
-        self.data, self.vocab_limit = self.models.task, self.models.vocab_limit
         self.eta = cfg.schedule.eta(cfg.learner.mini_batches)
-        self.learner = LearnerStage(cfg, self.layout, self.models, self.multi_process)
-        self.learner_devices = list(self.learner.mesh.devices.flat)
-        here = [s for s in self.layout.of_role("scoring") if s.process == LEARNER_PROCESS]
-        self.scoring = (
-            build_scoring_stage(cfg, self.layout, here[0], self.models, self.learner_devices)
-            if here and self.leader
-            else None
+        self.process = build_process(
+            cfg, self.layout, LEARNER_PROCESS, tracer=self.tracer, leader=self.leader, multi_process=self.multi_process
         )
+        if self.process.learner is None or self.process.snapshots is None:  # not reached: build_process makes both
+            raise RuntimeError("the learner's process holds the learner and the snapshots' writing end")
+        self.learner: LearnerStage = self.process.learner
+        self.snapshots: SnapshotStore = self.process.snapshots
+        self.models, self.scoring = self.process.models, self.process.scoring
+        self.data, self.vocab_limit = self.models.task, self.models.vocab_limit
         self.probes = Probes(cfg, self.models, self.learner, self._teacher_on_learner, self.leader, self.tracer)
-        self.local = LocalStages(
-            cfg,
-            self.layout,
-            self.models,
-            self.learner,
-            self.scoring,
-            self.tracer,
-            self.run_dir.path,
-            self.leader,
-            self.multi_process,
-        )
         self.start_step, self.worker_index = 0, 0
         # Faults at run time: rows dropped for NaN / inf scores so far, and the checkpoint a
         # diverged step's error points to (step, path), None before the first one.
@@ -123,11 +112,8 @@ class Trainer:
         """The teacher on the learner's devices, for a probe (see :func:`teacher_on`)."""
         return teacher_on(self.learner.mesh, self.cfg, self.models, self.scoring)
 
-    def _snapshot_store(self) -> SnapshotStore:
-        return self.local.snapshot_store()
-
     def _start_stages(self, buffer: StalenessBuffer) -> Stages:
-        return self.local.start(buffer, self.snapshots, self.worker_index)
+        return start_stages(self.process, buffer, self.worker_index, self.run_dir.path)
 
     # --- evaluation ---------------------------------------------------------------------
 
@@ -162,7 +148,7 @@ class Trainer:
         buffer = StalenessBuffer(
             cfg.learner.batch_size, self.eta, cfg.learner.mini_batches, first_version=self.learner.version
         )
-        self.snapshots = snapshots = self._snapshot_store()
+        snapshots = self.snapshots
         version = self.learner.version
         snapshots.publish(version, self.learner.state.params)
         snapshots.wait_for(version)

@@ -1,29 +1,42 @@
-"""The host side of continuous batching: a stream of prompt groups through the engine's slots.
+"""The host side of continuous batching: a stream of prompt groups through the slots of the
+paged programs (:class:`~asyncopd_jax.sampling.paged.PagedPrograms`).
 
-A :class:`RolloutStream` keeps one :class:`~asyncopd_jax.sampling.ContinuousSampler`'s
-slots and page pool alive across groups. Groups of prompts are submitted whenever the
-caller likes (a rollout stage: as the capacity rule allows); their prompts queue for
-slots in submission order; :meth:`RolloutStream.step` runs one chunk and returns the
-groups whose every answer has now ended, while the other groups go on decoding:
+A :class:`ContinuousStream` keeps the slots and the page pool alive across groups. Groups
+of prompts are submitted whenever the caller likes (a rollout stage: as the capacity rule
+allows); their prompts queue for slots in submission order; each :meth:`~ContinuousStream.step`
+runs one chunk and hands back the groups whose every answer has ended, while the other
+groups go on decoding:
 
     submit(g1) submit(g2)          step → []        step → [g2]       step → [g1]
     queue: g1 g1 g1 g2 g2  ──▶  slots decoding  ──▶  g2's short answers  ──▶  g1's long
                                                      ended: g2 handed on     answer ended
 
-Per chunk (of at most ``chunk_steps`` decode steps):
+Per step:
 
-1. every decoding slot gets the pages its next chunk may write (preempting the most
+1. read the chunk in flight: one transfer (:class:`~asyncopd_jax.sampling.paged.Progress`)
+   of each slot's state and the records the chunk wrote, which the host appends to its
+   copy of the answers (the device's ``[S, T]`` records are never read); the slots that
+   finished free their slots and pages;
+2. every decoding slot gets the pages its next chunk may write (preempting the most
    recently admitted sequence if the pool runs short: it is re-queued in front, and
-   re-sampled from its start);
-2. queued prompts enter free slots (one batched prefill into their pages);
-3. the occupied slots decode, gathered into the fewest rows (a power of two) that hold
-   them, so that the decode's width follows the sequences in flight as the last answers
-   drain; the chunk leaves early once an eighth of the slots more are free and prompts
-   wait, so a finished slot idles only until the next refill;
-4. the slots that finished hand their answers back and free their pages.
+   re-sampled from its start); the page table goes to the device only when it changed;
+3. queued prompts enter free slots (one batched prefill into their pages);
+4. dispatch the next chunk: the occupied slots decode, gathered into the fewest rows (a
+   power of two) that hold them, so that the decode's width follows the sequences in
+   flight as the last answers drain; the chunk leaves early once an eighth of the slots
+   more are free and prompts wait, so a finished slot idles only until the next refill;
+5. hand back the groups whose last answer ended in the chunk read, while the device
+   decodes the next one.
 
-Between chunks the caller may :meth:`~RolloutStream.swap` in newer weights: the pages of
-every slot in flight are rewritten under them (the written tokens only).
+The next chunk cannot be dispatched before the last one is read without changing what a
+group records: which slots it refills, with whose prompts, and how many pages each slot
+gets all follow from the slots that finished and how far each got. Everything after the
+dispatch (the hand-back, and the caller's work between steps: scoring, polling for
+weights) overlaps the device's decode.
+
+Between steps the caller may :meth:`~ContinuousStream.swap` in newer weights: before the
+next chunk the pages of every slot in flight are rewritten under them (the written tokens
+only).
 """
 
 from __future__ import annotations
@@ -31,40 +44,54 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.models.partitioning import mesh_context
-from asyncopd_jax.sampling.continuous import Admission, EngineStats, bucket
-from asyncopd_jax.sampling.sampler import WeightSource, left_pad
-
-if TYPE_CHECKING:
-    from asyncopd_jax.sampling.continuous import ContinuousSampler
+from asyncopd_jax.sampling.engine import EngineStats
+from asyncopd_jax.sampling.paged import Admission, PagedPrograms, Progress
+from asyncopd_jax.sampling.records import Records, left_pad, rollout_batch
 
 Array = jax.Array
 
 
+def bucket(n: int, limit: int) -> int:
+    """The smallest power of two ≥ ``n``, at most ``limit``: few compiled shapes."""
+    return min(1 << max(n - 1, 0).bit_length(), limit)
+
+
 @dataclasses.dataclass
 class _Group:
-    """A submitted group: its stream rows and its prompts as the batch records them."""
+    """A submitted group: its stream rows, its prompts as the batch records them, and its
+    answers as they end."""
 
     tag: Any
     rows: list[int]
     prompt_tokens: np.ndarray  # [G, P] left-padded
     prompt_mask: np.ndarray  # [G, P]
+    answers: Records  # [G, T, ...] NumPy
     waiting: int  # answers not yet ended
 
 
-class RolloutStream:
-    """Continuous batching kept running across groups of prompts (module docstring).
+@dataclasses.dataclass
+class _Chunk:
+    """A chunk dispatched and not yet read."""
+
+    progress: Progress  # on the device
+    rows: np.ndarray  # [W] the slots it decodes
+    waiting: bool  # prompts were waiting for a slot when it started
+
+
+class ContinuousStream:
+    """Continuous batching kept running across groups of prompts (module docstring): the
+    :class:`~asyncopd_jax.sampling.engine.RolloutStream` protocol.
 
     Args:
-      engine: the compiled pieces (:class:`~asyncopd_jax.sampling.ContinuousSampler`).
+      engine: the compiled programs (a :class:`~asyncopd_jax.sampling.ContinuousSampler`).
       state: the weights to sample with (until :meth:`swap`).
       version: their policy version, recorded per token.
       prompt_slots: ``P``, the longest prompt any group may have.
@@ -73,7 +100,7 @@ class RolloutStream:
 
     def __init__(
         self,
-        engine: ContinuousSampler,
+        engine: PagedPrograms,
         state: nnx.State,
         *,
         version: int,
@@ -88,26 +115,30 @@ class RolloutStream:
             raise ValueError("sampling.slots = 0 means one slot per prompt of a call: a stream needs slots >= 1")
         self.per_sequence = engine.pages_per_sequence(prompt_slots)
         pool = engine.pool_pages(self.slots, prompt_slots)
-        self.trash = pool - 1  # table entries past a sequence's pages point here
+        self.trash = pool - 1  # table entries no sequence has held yet point here
         self.free = list(range(pool - 2, -1, -1))  # a stack: page 0 is handed out first
         self.table = np.full((self.slots, self.per_sequence), self.trash, np.int32)
+        self.table_on_device: Array | None = None  # the table as last sent (None: changed since)
         self.owned: list[list[int]] = [[] for _ in range(self.slots)]
         self.row_of: list[int | None] = [None] * self.slots  # the stream row a slot holds
         self.admitted_at = [0] * self.slots
-        self.written = np.zeros(self.slots, np.int64)
+        self.written = np.zeros(self.slots, np.int64)  # tokens in a slot's pages, as last read
+        # the host's copy of each slot's answer so far, appended to from every chunk read
+        self.answers = Records.empty(p, self.slots, engine.pad_id, xp=np)
         self.queue: collections.deque[int] = collections.deque()  # stream rows waiting for a slot
         # per stream row, until its group is handed back
         self.prompts: dict[int, np.ndarray] = {}  # [P] from position 0
         self.lengths: dict[int, int] = {}
         self.keys: dict[int, np.ndarray] = {}  # the key's data
-        self.group_of: dict[int, int] = {}
-        self.records: dict[int, dict[str, np.ndarray]] = {}
+        self.group_of: dict[int, tuple[int, int]] = {}  # (group, index in it)
         self.groups: dict[int, _Group] = {}
         self._rows = 0
         self._groups = 0
         self.stats = EngineStats(slots=self.slots, pool_pages=pool - 1)
         self.admissions = 0
-        self.carry = engine._empty(state, self.slots, prompt_slots, pool)
+        self.stale = False  # weights swapped in since the slots in flight were written
+        self.unread: _Chunk | None = None
+        self.carry = engine.empty(state, self.slots, prompt_slots, pool)
 
     # --- what the caller sees -------------------------------------------------------------
 
@@ -118,13 +149,18 @@ class RolloutStream:
 
     @property
     def in_flight(self) -> int:
-        """Slots holding a prompt."""
+        """Slots holding a prompt (as of the last chunk read)."""
         return self.slots - self.row_of.count(None)
 
     @property
     def idle(self) -> bool:
-        """Nothing queued and nothing decoding."""
-        return not self.queue and self.in_flight == 0
+        """Nothing queued, decoding or unread."""
+        return not self.queue and self.in_flight == 0 and self.unread is None
+
+    @property
+    def wants_prompts(self) -> bool:
+        """Fewer prompts wait than there are slots: a group submitted now starts at once."""
+        return self.queued < self.slots
 
     @property
     def pending_groups(self) -> int:
@@ -148,67 +184,115 @@ class RolloutStream:
         self._groups += 1
         rows = list(range(self._rows, self._rows + len(prompts)))
         self._rows += len(prompts)
-        self.groups[group] = _Group(tag, rows, ids, mask, len(prompts))
-        for row, prompt, key in zip(rows, prompts, data):
+        answers = Records.empty(self.engine.params, len(prompts), self.engine.pad_id, xp=np)
+        self.groups[group] = _Group(tag, rows, ids, mask, answers, len(prompts))
+        for index, (row, prompt, key) in enumerate(zip(rows, prompts, data)):
             self.prompts[row] = np.full(self.prompt_slots, self.engine.pad_id, np.int32)
             self.prompts[row][: len(prompt)] = prompt
-            self.lengths[row], self.keys[row], self.group_of[row] = len(prompt), key, group
+            self.lengths[row], self.keys[row], self.group_of[row] = len(prompt), key, (group, index)
             self.queue.append(row)
 
     def swap(self, version: int, state: nnx.State) -> None:
         """Sample with ``state`` (policy ``version``) from the next chunk on; the pages of the
-        slots in flight are rewritten under it."""
+        slots in flight are rewritten under it first."""
         self.version, self.state = version, state
-        if self.in_flight:
-            with mesh_context(self.engine.mesh):
-                self.carry = self.engine._recompute(self.state, self.carry, self.table_now())
+        self.stale = self.in_flight > 0
 
     def step(self) -> list[tuple[Any, RolloutBatch]]:
-        """Run one chunk; the groups (tag, batch) whose last answer ended in it."""
-        if self.idle:
-            return []
-        engine, p = self.engine, self.engine.params
-        with mesh_context(engine.mesh):
-            self.make_room(p.chunk_steps)
-            self.admit(p.chunk_steps)
-            self.stats.peak_pages = max(self.stats.peak_pages, self.stats.pool_pages - len(self.free))
-            rows = self.decode_rows()
-            occupied = self.in_flight
-            refill = max(1, self.slots // 8)
-            waiting = bool(self.queue)
-            self.carry = engine._decode(
-                self.state,
-                self.carry,
-                jnp.asarray(self.table[rows, : self.columns()]),
-                jnp.asarray(rows),
-                jnp.int32(self.version),
-                jnp.int32(p.chunk_steps),
-                # leave once `refill` more of the rows are free than now (slots the pool
-                # cannot fill yet stay free: counting them would end the chunk at once)
-                jnp.int32(len(rows) - occupied + refill if waiting else len(rows) + 1),
-            )
-            active, written, steps, sampled = jax.device_get(
-                (self.carry.active, self.carry.written, self.carry.steps_run, self.carry.sampled)
-            )
-            self.written = np.asarray(written, np.int64)
-            self.stats.decode_steps += int(steps)
-            self.stats.row_steps += int(steps) * len(rows)
-            self.stats.waiting_row_steps += int(steps) * len(rows) * waiting
-            self.stats.waiting_tokens += int(sampled) * waiting
-            self.stats.chunks += 1
-            return self.collect(np.asarray(active))
+        """Read the chunk in flight, dispatch the next one; the groups (tag, batch) whose last
+        answer ended in the chunk read."""
+        ended = self.read() if self.unread is not None else []
+        if self.queue or self.in_flight:
+            engine, p = self.engine, self.engine.params
+            with mesh_context(engine.mesh):
+                if self.stale and self.in_flight:
+                    self.carry = engine.recompute(self.state, self.carry, self.sent_table(), columns=self.columns())
+                self.make_room(p.chunk_steps)
+                new = self.plan_admission(p.chunk_steps)
+                table, columns = self.sent_table(), self.columns()
+                if new is not None:
+                    self.carry = engine.admit(self.state, self.carry, new, table, columns=columns)
+                self.stats.peak_pages = max(self.stats.peak_pages, self.stats.pool_pages - len(self.free))
+                self.dispatch(table, columns)
+        self.stale = False
+        return [self.hand_back(group) for group in ended]
 
-    def run(self, weight_source: WeightSource | None = None) -> list[tuple[Any, RolloutBatch]]:
-        """Step until idle; between chunks, swap in the weights ``weight_source`` offers.
-        Returns every group handed back, in the order they ended."""
-        done: list[tuple[Any, RolloutBatch]] = []
-        while not self.idle:
-            done += self.step()
-            if weight_source is not None and not self.idle:
-                update = weight_source(self.version)
-                if update is not None and update[0] != self.version:
-                    self.swap(*update)
-        return done
+    # --- a chunk --------------------------------------------------------------------------
+
+    def dispatch(self, table: Array, columns: int) -> None:
+        """The next chunk of decode steps over the occupied slots."""
+        rows = self.decode_rows()
+        occupied = self.in_flight
+        refill = max(1, self.slots // 8)
+        waiting = bool(self.queue)
+        # leave once `refill` more of the rows are free than now (slots the pool cannot
+        # fill yet stay free: counting them would end the chunk at once)
+        refill_at = len(rows) - occupied + refill if waiting else len(rows) + 1
+        self.carry, progress = self.engine.decode(
+            self.state,
+            self.carry,
+            table,
+            self.engine.put(rows),
+            np.int32(self.version),
+            np.int32(refill_at),
+            columns=columns,
+        )
+        self.unread = _Chunk(progress, rows, waiting)
+
+    def read(self) -> list[int]:
+        """Take in the chunk in flight: its records appended to the answers, the slots that
+        finished freed; the groups whose last answer this was."""
+        assert self.unread is not None
+        chunk, self.unread = self.unread, None
+        progress: Progress = jax.device_get(chunk.progress)  # the chunk's one read
+        steps, rows = int(progress.steps), chunk.rows
+        self.stats.decode_steps += steps
+        self.stats.row_steps += steps * len(rows)
+        self.stats.waiting_row_steps += steps * len(rows) * chunk.waiting
+        self.stats.waiting_tokens += int(progress.sampled) * chunk.waiting
+        self.stats.chunks += 1
+        self.append(progress, rows)
+        prompt_len = np.asarray([self.lengths[r] if r is not None else 0 for r in self.row_of])
+        self.written = prompt_len + progress.length
+        ended = []
+        for slot in np.flatnonzero(~progress.active):
+            if self.row_of[slot] is not None:
+                group = self.collect(int(slot))
+                if group is not None:
+                    ended.append(group)
+        return ended
+
+    def append(self, progress: Progress, rows: np.ndarray) -> None:
+        """The records a chunk wrote (``progress.new [W, C, ...]``, columns
+        ``start .. start + C − 1`` of slots ``rows``) into the host's answers, up to each
+        slot's new length."""
+        p = self.engine.params
+        start = progress.start
+        count = progress.length[rows] - start  # tokens each row sampled in the chunk
+        row, column = np.nonzero(np.arange(min(p.chunk_steps, p.max_new_tokens))[None] < count[:, None])
+        slot, at = rows[row], start[row] + column
+        for name, values in progress.new.items():
+            getattr(self.answers, name)[slot, at] = values[row, column]
+        self.answers.length[rows] = progress.length[rows]
+
+    def collect(self, slot: int) -> int | None:
+        """Slot ``slot``'s finished answer into its group; its slot and pages freed. The
+        group, if this was its last answer."""
+        group, index = self.group_of[self.held(slot)]
+        g = self.groups[group]
+        for field in dataclasses.fields(Records):
+            getattr(g.answers, field.name)[index] = getattr(self.answers, field.name)[slot]
+        self.stats.tokens += int(self.answers.length[slot])
+        self.release(slot)
+        g.waiting -= 1
+        return group if g.waiting == 0 else None
+
+    def hand_back(self, group: int) -> tuple[Any, RolloutBatch]:
+        """Group ``group``'s answers as one batch (in its prompts' order); its rows forgotten."""
+        g = self.groups.pop(group)
+        for row in g.rows:
+            del self.prompts[row], self.lengths[row], self.keys[row], self.group_of[row]
+        return g.tag, rollout_batch(g.prompt_tokens, g.prompt_mask, g.answers, self.engine.params)
 
     # --- pages and slots ------------------------------------------------------------------
 
@@ -219,14 +303,16 @@ class RolloutStream:
         return -(-min(tokens, cap) // self.engine.params.page_size)
 
     def columns(self) -> int:
-        """Page-table columns a call needs: the most pages a slot holds, rounded up to a power
+        """Page-table columns a call reads: the most pages a slot holds, rounded up to a power
         of two (few compiled shapes). Attention reads ``columns × page_size`` tokens per
         slot, so its work follows the longest sequence in flight, not ``P + T``."""
         return bucket(max(max(len(pages) for pages in self.owned), 1), self.per_sequence)
 
-    def table_now(self) -> Array:
-        """The page table, cut to :meth:`columns` (the columns past it hold no page)."""
-        return jnp.asarray(self.table[:, : self.columns()])
+    def sent_table(self) -> Array:
+        """The page table on the device, sent again only when it changed."""
+        if self.table_on_device is None:
+            self.table_on_device = self.engine.put(self.table)
+        return self.table_on_device
 
     def decode_rows(self) -> np.ndarray:
         """The slots a decode runs: every slot, or, with fewer in flight, the occupied ones
@@ -243,11 +329,13 @@ class RolloutStream:
             page = self.free.pop()
             self.table[slot, len(self.owned[slot])] = page
             self.owned[slot].append(page)
+            self.table_on_device = None
 
     def release(self, slot: int) -> None:
+        # the slot's table row keeps naming its pages: entries past a sequence's own pages are
+        # read under the causal mask only, never written, so the table need not change
         self.free.extend(reversed(self.owned[slot]))
         self.owned[slot] = []
-        self.table[slot] = self.trash
         self.row_of[slot] = None
 
     def held(self, slot: int) -> int:
@@ -272,15 +360,16 @@ class RolloutStream:
             self.queue.appendleft(self.held(victim))
             gone = np.zeros(self.slots, bool)
             gone[victim] = True
-            self.carry = self.engine._evict(self.carry, jnp.asarray(gone))
+            self.carry = self.engine.evict(self.carry, self.engine.put(gone))
             self.release(victim)
             self.stats.preemptions += 1
         for s in range(self.slots):
             if self.row_of[s] is not None:
                 self.grow(s, len(self.owned[s]) + self.shortfall(s, steps))
 
-    def admit(self, steps: int) -> None:
-        """Queued prompts into free slots, while the pool has their pages."""
+    def plan_admission(self, steps: int) -> Admission | None:
+        """Queued prompts into free slots, while the pool has their pages: the prompts to
+        prefill (None: none)."""
         chosen: list[tuple[int, int]] = []
         for slot in range(self.slots):
             if not self.queue:
@@ -298,76 +387,21 @@ class RolloutStream:
             self.admitted_at[slot] = self.admissions
             self.written[slot] = self.lengths[row]
             self.grow(slot, need)
+            for name, field in self.answers.columns.items():  # the answer starts empty
+                field[slot] = self.engine.pad_id if name == "tokens" else 0
+            self.answers.length[slot] = 0
             chosen.append((slot, row))
         if not chosen:
-            return
+            return None
         size = bucket(len(chosen), self.slots)
         slot_ids = np.full(size, self.slots, np.int32)  # padding rows: slot S, dropped
         prompts = np.full((size, self.prompt_slots), self.engine.pad_id, np.int32)
         lengths = np.zeros(size, np.int32)
         keys = np.repeat(self.keys[chosen[0][1]][None], size, axis=0)
-        table = np.full((size, self.columns()), self.trash, np.int32)
         for i, (slot, row) in enumerate(chosen):
             slot_ids[i], prompts[i], lengths[i], keys[i] = slot, self.prompts[row], self.lengths[row], self.keys[row]
-            table[i] = self.table[slot, : table.shape[1]]
-        new = Admission(
-            slot=jnp.asarray(slot_ids),
-            prompts=jnp.asarray(prompts),
-            prompt_len=jnp.asarray(lengths),
-            keys=jax.random.wrap_key_data(jnp.asarray(keys)),
-            page_table=jnp.asarray(table),
-        )
-        self.carry = self.engine._admit(self.state, self.carry, new)
         self.stats.prefill_tokens += int(lengths.sum())
-
-    def collect(self, active: np.ndarray) -> list[tuple[Any, RolloutBatch]]:
-        """Take the answers of slots that finished, free their slots and pages; the groups
-        whose last answer this was."""
-        done = [s for s in range(self.slots) if self.row_of[s] is not None and not active[s]]
-        if not done:
-            return []
-        size = bucket(len(done), self.slots)
-        index = np.asarray(done + [done[0]] * (size - len(done)), np.int32)
-        rows = jax.device_get(self.engine._rows(self.carry, index))
-        ended: list[tuple[Any, RolloutBatch]] = []
-        for i, slot in enumerate(done):
-            row = self.held(slot)
-            record = {name: value[i] for name, value in rows.items()}
-            self.records[row] = record
-            self.stats.tokens += int(record["step"])
-            self.release(slot)
-            group = self.group_of[row]
-            self.groups[group].waiting -= 1
-            if self.groups[group].waiting == 0:
-                ended.append(self.hand_back(group))
-        return ended
-
-    def hand_back(self, group: int) -> tuple[Any, RolloutBatch]:
-        """Group ``group``'s answers as one batch (in its prompts' order); its rows forgotten."""
-        g = self.groups.pop(group)
-        records = [self.records.pop(row) for row in g.rows]
-        for row in g.rows:
-            del self.prompts[row], self.lengths[row], self.keys[row], self.group_of[row]
-        p = self.engine.params
-        steps = np.asarray([r["step"] for r in records])
-        response_mask = np.arange(p.max_new_tokens)[None] < steps[:, None]
-
-        def stacked(name: str, fill: int | float = 0) -> Array:
-            """A field of every answer, ``fill`` past each answer's end (a slot's earlier
-            occupant may have left records there)."""
-            values = np.stack([r[name] for r in records])
-            keep = response_mask.reshape(response_mask.shape + (1,) * (values.ndim - 2))
-            return jnp.asarray(np.where(keep, values, np.asarray(fill, values.dtype)))
-
-        return g.tag, RolloutBatch(
-            prompt_tokens=jnp.asarray(g.prompt_tokens),
-            prompt_mask=jnp.asarray(g.prompt_mask),
-            response_tokens=stacked("tokens", self.engine.pad_id),
-            response_mask=jnp.asarray(response_mask),
-            behavior_logp=stacked("logp"),
-            token_version=stacked("versions"),
-            candidate_ids=stacked("candidate_ids") if p.num_candidates else None,
-            candidate_behavior_logp=stacked("candidate_logp") if p.num_candidates else None,
-            student_topk_ids=stacked("topk_ids") if p.student_topk else None,
-            student_topk_behavior_logp=stacked("topk_logp") if p.student_topk else None,
+        put = self.engine.put
+        return Admission(
+            slot=put(slot_ids), prompts=put(prompts), prompt_len=put(lengths), keys=jax.random.wrap_key_data(put(keys))
         )

@@ -40,7 +40,7 @@ from asyncopd_jax.models.decoder import Remat, abstract_decoder
 from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
 from asyncopd_jax.pipeline.placement import Role, device_ids, plan_layout
 from asyncopd_jax.pipeline.stage import stage_mesh, with_shardings
-from asyncopd_jax.sampling import ContinuousSampler, Sampler
+from asyncopd_jax.sampling import make_sampler
 from asyncopd_jax.scale.chips import GIB, Chip, Topology
 from asyncopd_jax.scale.flops import matmul_flops, transformer_flops
 from asyncopd_jax.tasks.assets import resolve_model_path
@@ -288,16 +288,12 @@ def compile_sampler(
     graphdef, params = abstract_decoder(config, cfg.student.dtype, vocab_limit)
     sampling = dataclasses.replace(cfg.sampling, max_new_tokens=shapes.response_tokens)
     weights = with_shardings(params, parameter_shardings(params, mesh))
-    if sampling.engine == "continuous":
-        # ``sampling.slots`` sequences (default: the group's rows) over the paged pool; its
-        # prefill admits a whole set of slots at once (the worst case), its decode reads every
-        # page of the longest sequence (the page table at full width)
-        rows = sampling.slots or rows
-        engine = ContinuousSampler(graphdef, sampling, mesh=mesh)
-        lowered = engine.lower(weights, rows, shapes.prompt_tokens)
-        lowered["prefill"] = lowered.pop("admit")
-    else:
-        lowered = Sampler(graphdef, sampling, mesh=mesh).lower(weights, rows, shapes.prompt_tokens)
+    # the rows one decode call holds: the group's (static), or ``sampling.slots`` over the
+    # paged pool (continuous: its prefill admits a whole set of slots at once, the worst
+    # case, and its decode reads every page of the longest sequence)
+    engine = make_sampler(graphdef, sampling, mesh=mesh)
+    rows = engine.decode_rows(rows)
+    lowered = engine.lower(weights, rows, shapes.prompt_tokens)
     n, p, t = len(mesh.devices.flat), shapes.prompt_tokens, shapes.response_tokens
     head = dataclasses.replace(config, vocab_size=vocab_limit or config.vocab_size)
     # The work per call, by the textbook (the sampler's loops hide it from both the compiler,
@@ -359,9 +355,7 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
     # calls of prefill + T decode steps per batch, each stage's in parallel: a group each
     # (static), or a wave of `slots` prompts through a stream (continuous; at answers of
     # T tokens: shorter ones take their share of the steps)
-    waves = -(-groups // rollouts)
-    if cfg.sampling.engine == "continuous":
-        waves = -(-cfg.learner.batch_size // (sampler[1].rows * rollouts))
+    waves = -(-cfg.learner.batch_size // (sampler[1].rows * rollouts))
     balance = {  # a stage that does not compile has no time (NaN)
         "rollout": waves * (prefill + shapes.response_tokens * decode),
         "learning": cfg.learner.mini_batches * learner.roofline_seconds(chips),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from flax import nnx
@@ -14,6 +16,7 @@ from tests.tiny_models import tiny_decoder
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15], [16, 17], [18, 19, 20, 21], [22], [23, 24]]
 
 
+@functools.cache  # ~7-11 s to sample and score; immutable (frozen, JAX arrays): built once per process
 def make_learner_batch() -> LearnerBatch:
     """8 rollouts of uneven lengths from a student, scored by a different teacher
     (deterministic: the same batch in every process that builds it)."""

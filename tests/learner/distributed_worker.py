@@ -22,6 +22,7 @@ from asyncopd_jax.learner import PolicyLoss, create_train_state, distributed, ma
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from tests.learner.batches import make_learner_batch
 from tests.tiny_models import tiny_decoder
+from tests.waits import WAIT_S
 
 MESH = MeshConfig(data=-1, fsdp=2)
 ESTIMATOR = "reverse_kl_mc"
@@ -35,7 +36,11 @@ def optimizer() -> optax.GradientTransformation:
 def main(out: str, process_id: int, num_processes: int, port: int) -> None:
     distributed.initialize(
         DistributedConfig(
-            initialize=True, coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id
+            initialize=True,
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=WAIT_S,
         )
     )
     assert jax.process_count() == num_processes and jax.device_count() > jax.local_device_count()

@@ -19,6 +19,7 @@ from asyncopd_jax.learner import PolicyLoss, create_train_state, distributed, ma
 from tests.learner import distributed_worker as worker
 from tests.learner.batches import make_learner_batch
 from tests.tiny_models import tiny_decoder
+from tests.waits import communicate_all
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,13 +63,12 @@ def test_two_learner_processes_equal_one(tmp_path):
         )
         for i in range(2)
     ]
-    try:
-        outputs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for i, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"learner process {i} failed:\n{text[-4000:]}"
+    outputs = communicate_all(procs, timeout=240)  # a peer that fails ends the other at once
+    assert all(p.returncode == 0 for p in procs), "\n".join(
+        f"learner process {i} exited with {p.returncode}:\n{text[-4000:]}"
+        for i, (p, text) in enumerate(zip(procs, outputs))
+        if p.returncode != 0
+    )
 
     result = np.load(tmp_path / "result.npz")
     losses, params = _one_process_reference()

@@ -40,17 +40,19 @@ from asyncopd_jax.learner import step as learner_step
 from asyncopd_jax.models import save_pretrained
 from asyncopd_jax.pipeline.exchange import Exchange
 from asyncopd_jax.pipeline.placement import StagePlan, plan_layout
+from asyncopd_jax.pipeline.producer import GroupProducer
 from asyncopd_jax.pipeline.reward_stage import RewardStage
-from asyncopd_jax.pipeline.rollout import GroupProducer, RolloutPool
 from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore
 from asyncopd_jax.pipeline.stage import RolloutStage, ScoringStage, stage_mesh
 from asyncopd_jax.pipeline.stage_processes import StageProcesses
 from asyncopd_jax.pipeline.staleness import StalenessBuffer
+from asyncopd_jax.pipeline.threads import RolloutPool
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import ContinuousSampler, Sampler, SamplingParams, make_sampler
 from asyncopd_jax.tasks.tokenizer import save_tokenizer
 from asyncopd_jax.teacher import Scorers, ScoringParams, TeacherScorer
 from tests.tiny_models import tiny_decoder
+from tests.waits import SHORT_WAITS, WAIT_S
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15], [16, 17], [18, 19, 20, 21], [22], [23, 24]]
 PROMPT_SLOTS = 6
@@ -70,7 +72,8 @@ def _sampling(temperature: float) -> SamplingParams:
         max_new_tokens=10,
         num_candidates=4,
         student_topk=3,
-        stop_token_ids=(STOP,),
+        # with per-prompt keys (both engines) id 38 is what stops some answers early: uneven lengths
+        stop_token_ids=(STOP, 38),
         chunk_steps=3,
     )
 
@@ -90,10 +93,7 @@ def _rollout_direct(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, T
 
 def _rollout_continuous(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, TeacherScoreCache]:
     graphdef, state = nnx.split(_student())
-    # keys per prompt draw other answers than the static sampler's: id 38 stops some of them early
-    params = dataclasses.replace(
-        _sampling(temperature), engine="continuous", slots=3, page_size=4, stop_token_ids=(STOP, 38)
-    )
+    params = dataclasses.replace(_sampling(temperature), engine="continuous", slots=3, page_size=4)
     engine = ContinuousSampler(graphdef, params)
     batch = engine.generate(state, PROMPTS, jax.random.key(0), prompt_slots=PROMPT_SLOTS)
     assert engine.last_stats.refills == len(PROMPTS) - 3
@@ -109,10 +109,10 @@ def _rollout_threads(
     graphdef, state = nnx.split(_student())
     params = _sampling(temperature)
     if engine == "continuous":
-        params = dataclasses.replace(params, engine="continuous", slots=3, page_size=4, stop_token_ids=(STOP, 38))
+        params = dataclasses.replace(params, engine="continuous", slots=3, page_size=4)
     snapshots = DiskSnapshotStore(tmp_path / "snapshots", state, keep=2)
     snapshots.publish(0, state)
-    snapshots.wait_for(0)
+    snapshots.wait_for(0, timeout=WAIT_S)
     buffer = StalenessBuffer(batch_size=len(PROMPTS), eta=0)
     order = iter(range(len(PROMPTS)))
 
@@ -129,6 +129,7 @@ def _rollout_threads(
         seed=0,
         prompt_slots=PROMPT_SLOTS,
         tracer=Tracer(),
+        version_timeout=WAIT_S,
     )
     scoring = ScoringStage(
         plan=StagePlan("scoring", 0, "learner"),
@@ -184,12 +185,13 @@ def _rollout_processes(temperature: float, tmp_path: Path) -> tuple[RolloutBatch
         "stages.scoring_processes": 1,
         "stages.snapshot_dir": tmp_path / "snapshots",
         "stages.snapshot_format": "safetensors",
+        **SHORT_WAITS,
     }
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
     _, state = nnx.split(_student())
     snapshots = DiskSnapshotStore(tmp_path / "snapshots", state, keep=2, format="safetensors")  # the trainer's
     snapshots.publish(0, state)
-    snapshots.wait_for(0)
+    snapshots.wait_for(0, timeout=WAIT_S)
     buffer = StalenessBuffer(batch_size=8, eta=0)
     tracer = Tracer()
     layout = plan_layout(cfg, run_path=tmp_path, available_cores=[], trace_origin=tracer.origin)
@@ -201,7 +203,7 @@ def _rollout_processes(temperature: float, tmp_path: Path) -> tuple[RolloutBatch
     )
     stages.start()
     try:
-        groups = buffer.take(0, timeout=300)
+        groups = buffer.take(0, timeout=120)
     finally:
         buffer.stop()
         stages.join(timeout=60)

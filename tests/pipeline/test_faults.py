@@ -125,21 +125,14 @@ def test_a_nonfinite_step_stops_the_run_at_that_step(models, tmp_path, monkeypat
 
     trainer.learner.train_step = step_with_fault
     published: list[tuple[int, bool]] = []  # (version, every weight finite)
-    real_store = trainer._snapshot_store
+    real_publish = trainer.snapshots.publish
 
-    def recording_store():
-        store = real_store()
-        real_publish = store.publish
+    def publish(version, params):
+        finite = all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(jax.device_get(params)))
+        published.append((version, finite))
+        return real_publish(version, params)
 
-        def publish(version, params):
-            finite = all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(jax.device_get(params)))
-            published.append((version, finite))
-            return real_publish(version, params)
-
-        store.publish = publish
-        return store
-
-    trainer._snapshot_store = recording_store
+    trainer.snapshots.publish = publish
     with pytest.raises(NonFiniteLoss) as caught:
         trainer.run()
 

@@ -15,6 +15,7 @@ import pytest
 
 from asyncopd_jax.config import save_config
 from tests.pipeline.test_trainer import _config, _kl_start_end, models  # noqa: F401 - fixture
+from tests.waits import communicate_all
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,13 +72,12 @@ def test_a_learner_over_two_processes_runs_the_pipeline(models, tmp_path):  # no
         )
         for i in range(2)
     ]
-    try:
-        outputs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for i, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"learner process {i} failed:\n{text[-5000:]}"
+    outputs = communicate_all(procs, timeout=600)  # a peer that fails ends the other at once
+    assert all(p.returncode == 0 for p in procs), "\n".join(
+        f"learner process {i} exited with {p.returncode}:\n{text[-5000:]}"
+        for i, (p, text) in enumerate(zip(procs, outputs))
+        if p.returncode != 0
+    )
 
     run = tmp_path / "t"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -68,8 +68,34 @@ def test_processes_deal_devices_to_the_processes_and_rollouts_score_without_scor
         ("scoring-1", "rollout-1", (4, 5)),
     ]
     assert [s.name for s in layout.stage_processes()] == ["rollout-0", "rollout-1"]
-    assert layout.scorer_of(layout.stage("rollout-1")).name == "scoring-1"
+    assert [s.name for s in layout.hosted_by("rollout-1")] == ["rollout-1", "scoring-1"]
+    assert [s.name for s in layout.hosted_by("learner")] == ["learner-0"]
+    # a stage process started by hand on another host runs what its role's first one runs, on its own devices
+    assert [(s.name, s.process, s.devices) for s in layout.hosted_by("rollout-100")] == [
+        ("rollout-0", "rollout-100", ()),
+        ("scoring-0", "rollout-100", ()),
+    ]
+    with pytest.raises(KeyError, match="no stage runs in process 'teacher-3'"):
+        layout.hosted_by("teacher-3")
     assert not layout.snapshots.in_memory and layout.snapshots.format == "safetensors"
+
+
+def test_device_ids_resolve_an_empty_list_as_the_run_does(models, tmp_path):  # noqa: F811
+    """What ``asyncopd plan`` compiles each stage on: a stage's own list; no list is the
+    learner's devices beside the learner, and every device for the learner or a process."""
+    threads = _layout(models, tmp_path, **{"stages.learner_devices": "0-3", "stages.scoring_devices": "6,7"})
+    ids = {s.name: placement.device_ids(threads, s, 16) for s in threads.stages}
+    assert ids == {"learner-0": (0, 1, 2, 3), "rollout-0": (0, 1, 2, 3), "scoring-0": (6, 7)}
+    processes = _layout(models, tmp_path, **{"stages.placement": "processes", "stages.rollouts": 2})
+    assert {s.name: placement.device_ids(processes, s, 4) for s in processes.stages} == {
+        "learner-0": (0, 1, 2, 3),
+        "rollout-0": (0, 1, 2, 3),  # every device it sees: its process's own
+        "rollout-1": (0, 1, 2, 3),
+        "scoring-0": (0, 1, 2, 3),
+        "scoring-1": (0, 1, 2, 3),
+    }
+    with pytest.raises(ValueError, match=r"stages.scoring_devices = 6,7 names device 7; there are 4 \(0-3\)"):
+        placement.device_ids(threads, threads.stage("scoring-0"), 4)
 
 
 def test_the_layout_round_trips_through_json_and_refuses_another_version(models, tmp_path):  # noqa: F811

@@ -29,8 +29,8 @@ def _cores(
     stages: StagesConfig, available
 ) -> tuple[tuple[int, ...], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
     """(the learner's cores, [(stage process, cores, devices)]) of the processes placement."""
-    cfg = load_config(None, ["stages.placement=processes"])
-    layout = plan_layout(dataclasses.replace(cfg, stages=stages), run_path=Path("/tmp/run"), available_cores=available)
+    cfg = dataclasses.replace(load_config(None), stages=dataclasses.replace(stages, placement="processes"))
+    layout = plan_layout(cfg, run_path=Path("/tmp/run"), available_cores=available)
     return layout.learner.cores, [(s.name, s.cores, s.devices) for s in layout.stage_processes()]
 
 
@@ -299,7 +299,7 @@ def test_ctrl_c_checkpoints_and_stops_every_process(models, tmp_path):  # noqa: 
     )  # its own process group, like a job in a terminal
     metrics = tmp_path / "t" / "metrics.jsonl"
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 120  # healthy: ~10 s; under the per-test limit (pyproject.toml)
         while time.monotonic() < deadline and proc.poll() is None:
             if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
                 break
@@ -389,10 +389,17 @@ def test_stage_processes_started_by_hand_elsewhere_serve_a_learner_that_starts_n
     trainer = Trainer(cfg, progress=False)
     exchange = tmp_path / "t" / "exchange"
     done: dict = {}
-    learner = threading.Thread(target=lambda: done.update(summary=trainer.run()), daemon=True)
+
+    def learn():
+        try:
+            done["summary"] = trainer.run()
+        except BaseException as err:  # noqa: BLE001 - reported by the assertion below
+            done["error"] = err
+
+    learner = threading.Thread(target=learn, daemon=True)
     learner.start()
-    deadline = time.monotonic() + 120
-    while not (exchange / "layout.json").exists() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60
+    while learner.is_alive() and not (exchange / "layout.json").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     log = open(tmp_path / "rollout-100.log", "wb")  # noqa: SIM115 - closed below
     stage = subprocess.Popen(
@@ -402,8 +409,19 @@ def test_stage_processes_started_by_hand_elsewhere_serve_a_learner_that_starts_n
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     try:
-        learner.join(timeout=240)
-        assert done.get("summary", {}).get("steps") == 4, (tmp_path / "rollout-100.log").read_text()[-3000:]
+        # The learner started no stage process, so it has none to watch: were the one started
+        # here to die, it would wait for groups forever. Watch it here, and stop the learner
+        # at once when it exits before the run stopped (healthy, the run takes ~25 s).
+        deadline = time.monotonic() + 120
+        while learner.is_alive() and stage.poll() is None and time.monotonic() < deadline:
+            learner.join(timeout=0.1)
+        if learner.is_alive() and not (exchange / "STOP").exists() and getattr(trainer, "stages", None) is not None:
+            trainer.stages.buffer.fail(AssertionError(f"rollout-100 exited with {stage.poll()} before the run ended"))
+        learner.join(timeout=60)
+        assert done.get("summary", {}).get("steps") == 4, (
+            f"{done.get('error')!r}; rollout-100 exited with {stage.poll()}; its log:\n"
+            + (tmp_path / "rollout-100.log").read_text()[-3000:]
+        )
         assert stage.wait(timeout=60) == 0  # it stops with the run
     finally:
         if stage.poll() is None:

@@ -1,4 +1,4 @@
-"""A rollout stage's continuous engine kept running across groups (``GroupStreamer``): each
+"""A rollout stage's continuous engine kept running across groups (``RolloutLoop``): each
 group is the one its index gives when sampled alone, groups are handed on while others
 still decode, and a group granted a minimum version starts from it."""
 
@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from asyncopd_jax.pipeline.producer import GroupProducer
 from asyncopd_jax.pipeline.reward_stage import RewardStage
-from asyncopd_jax.pipeline.rollout import GroupProducer, GroupStreamer
+from asyncopd_jax.pipeline.rollout import RolloutLoop
 from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore
 from asyncopd_jax.pipeline.staleness import PipelineStopped
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import SamplingParams, make_sampler
 from tests.tiny_models import tiny_decoder
+from tests.waits import WAIT_S
 
 PROMPT_SLOTS = 5
 
@@ -26,7 +28,7 @@ def _prompts(rng: np.random.Generator, n: int):
     return prompts, [None] * n
 
 
-def _producer(interruptible: bool = True) -> tuple[GroupProducer, InMemorySnapshotStore]:
+def _producer(interruptible: bool = True, engine: str = "continuous") -> tuple[GroupProducer, InMemorySnapshotStore]:
     graphdef, state = nnx.split(tiny_decoder(0, scale=0.7))
     params = SamplingParams(
         temperature=0.8,
@@ -34,7 +36,7 @@ def _producer(interruptible: bool = True) -> tuple[GroupProducer, InMemorySnapsh
         num_candidates=2,
         stop_token_ids=(51, 54),
         chunk_steps=2,
-        engine="continuous",
+        engine=engine,
         slots=3,
         page_size=4,
     )
@@ -50,14 +52,15 @@ def _producer(interruptible: bool = True) -> tuple[GroupProducer, InMemorySnapsh
         prompt_slots=PROMPT_SLOTS,
         tracer=Tracer(),
         interruptible=interruptible,
+        version_timeout=WAIT_S,
     )
     return producer, snapshots
 
 
 def _stream(producer: GroupProducer, grants: list[tuple[int, int]], before_grant=None):
-    """Run a GroupStreamer over ``grants`` (index, min_version); returns the delivered groups
+    """Run a RolloutLoop over ``grants`` (index, min_version); returns the delivered groups
     and, per delivery, how many groups were still in the stream."""
-    streamer = GroupStreamer(producer)
+    streamer = RolloutLoop(producer)
     pending = list(grants)
     delivered, still_in_stream = {}, []
 
@@ -79,11 +82,17 @@ def _stream(producer: GroupProducer, grants: list[tuple[int, int]], before_grant
     return delivered, still_in_stream
 
 
-def test_streamed_groups_are_the_groups_their_indices_give_alone():
-    producer, _ = _producer()
+@pytest.mark.parametrize("engine", ["continuous", "static"])
+def test_streamed_groups_are_the_groups_their_indices_give_alone(engine):
+    """The one rollout loop, over either engine: the continuous engine hands a group on while
+    others still decode; the static one decodes a group at a time."""
+    producer, _ = _producer(engine=engine)
     delivered, still_in_stream = _stream(producer, [(i, 0) for i in range(4)])
     assert sorted(delivered) == [0, 1, 2, 3]
-    assert max(still_in_stream) > 0  # handed on while other groups were still decoding
+    if engine == "continuous":
+        assert max(still_in_stream) > 0  # handed on while other groups were still decoding
+    else:
+        assert max(still_in_stream) == 0
     for index, group in delivered.items():
         alone = producer.sample(index)
         for field in ("response_tokens", "response_mask", "candidate_ids", "token_version"):

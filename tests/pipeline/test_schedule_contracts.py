@@ -54,15 +54,9 @@ def test_a_learner_that_skips_a_version_stops_the_run_naming_it(models, tmp_path
         **{"schedule.mode": "sync", "train.steps": 6, "stages.startup_timeout": 15, **PLACEMENTS[placement]},
     )
     trainer = Trainer(cfg, progress=False)
-    real_store = trainer._snapshot_store
-
-    def every_second_version():
-        store = real_store()
-        real_publish = store.publish
-        store.publish = lambda version, params: real_publish(version, params) if version % 2 == 0 else None
-        return store
-
-    trainer._snapshot_store = every_second_version
+    store = trainer.snapshots
+    real_publish = store.publish
+    store.publish = lambda version, params: real_publish(version, params) if version % 2 == 0 else None
     # A livelock (rollouts from the old version, dropped, again and again) fails instead of hanging.
     watchdog = threading.Timer(
         150, lambda: trainer.stages.buffer.fail(AssertionError("livelock: no error, no progress"))

@@ -14,6 +14,7 @@ from flax import nnx
 
 from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore, InMemorySnapshotStore
 from tests.tiny_models import tiny_decoder
+from tests.waits import WAIT_S
 
 
 def _params_of_version(template: nnx.State, version: int) -> nnx.State:
@@ -46,7 +47,7 @@ def test_round_trip_and_retention(tmp_path, kind):
         store.load()
     for v in range(6):
         store.publish(v, _params_of_version(template, v))
-    store.wait_for(5)
+    store.wait_for(5, timeout=WAIT_S)
     version, params = store.load()
     assert version == 5 and _version_of(params) == 5
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(template)
@@ -75,7 +76,7 @@ def test_concurrent_publish_and_read_never_tears(tmp_path, kind):
     _, template = nnx.split(tiny_decoder(0))
     store = _store(tmp_path, template, kind)
     store.publish(0, _params_of_version(template, 0))
-    store.wait_for(0)
+    store.wait_for(0, timeout=WAIT_S)
     errors, seen = [], []
     done = threading.Event()
 
@@ -93,7 +94,7 @@ def test_concurrent_publish_and_read_never_tears(tmp_path, kind):
         t.start()
     for v in range(1, 25):
         store.publish(v, _params_of_version(template, v))
-    store.wait_for(24)
+    store.wait_for(24, timeout=WAIT_S)
     done.set()
     for t in threads:
         t.join(timeout=60)
@@ -186,17 +187,21 @@ def test_a_reader_in_another_process_pins_its_snapshot(tmp_path, fmt):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    deadline = time.monotonic() + 120
-    while not (signals / "inside").exists():
-        assert reader.poll() is None, reader.stdout.read()
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    for v in range(1, 5):
-        store.publish(v, _params_of_version(template, v))
-        store.flush()
-    assert store.committed_versions() == [0, 3, 4]  # 0 is pinned by the other process
-    (signals / "go").touch()
-    out, _ = reader.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not (signals / "inside").exists():
+            assert reader.poll() is None, reader.stdout.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for v in range(1, 5):
+            store.publish(v, _params_of_version(template, v))
+            store.flush()
+        assert store.committed_versions() == [0, 3, 4]  # 0 is pinned by the other process
+        (signals / "go").touch()
+        out, _ = reader.communicate(timeout=WAIT_S)
+    finally:
+        if reader.poll() is None:  # a failure above: the reader would wait for "go" forever
+            reader.kill()
     assert reader.returncode == 0, out
     assert "restored 0 0" in out
     store.publish(5, _params_of_version(template, 5))

@@ -15,6 +15,7 @@ from asyncopd_jax.pipeline.staleness import PipelineStopped
 from asyncopd_jax.pipeline.trainer import Trainer
 from asyncopd_jax.tasks.builtin import new_model
 from asyncopd_jax.tasks.tokenizer import save_tokenizer
+from tests.waits import SHORT_WAITS
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,7 @@ def _config(models, tmp_path, **sets):
         "train.steps": 12,
         "train.eval_every": 100,
         "train.checkpoint_every": 4,
+        **SHORT_WAITS,  # a hang fails within a minute (tests/waits.py)
         **sets,
     }
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
@@ -146,7 +148,8 @@ def test_a_crashing_worker_stops_the_run_cleanly(models, tmp_path):
     def broken_prompts(rng, n):
         raise ValueError("prompt source exploded")
 
-    trainer.data.train_prompts = broken_prompts
+    for rollout in trainer.process.rollouts:
+        rollout.producer.prompts = broken_prompts
     with pytest.raises(PipelineStopped, match="prompt source exploded"):
         trainer.run()
 

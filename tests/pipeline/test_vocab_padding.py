@@ -23,6 +23,7 @@ from asyncopd_jax.models import Decoder, from_pretrained, save_pretrained
 from asyncopd_jax.pipeline.trainer import Trainer
 from asyncopd_jax.tasks.builtin import model_config, new_model
 from asyncopd_jax.tasks.tokenizer import save_tokenizer
+from tests.waits import SHORT_WAITS
 
 EXTRA_ROWS = 8
 
@@ -91,6 +92,7 @@ def test_models_padded_differently_are_compared_over_the_ids_they_share(models, 
         "train.eval_every": 100,
         "stages.rollouts": 1,
         "stages.scoring_processes": 1 if placement == "processes" else 0,
+        **SHORT_WAITS,
     }
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
     trainer = Trainer(cfg, progress=False)

@@ -76,7 +76,7 @@ def test_the_continuous_engine_compiles_the_ragged_paged_kernel_for_v5e_chips():
     memory = decode.compile().memory_analysis()
     dense_per_chip = cache_bytes(config, slots, PROMPT_SLOTS + RESPONSE, "bfloat16") // 4
     carry = jax.eval_shape(
-        lambda s: engine._empty(s, slots, PROMPT_SLOTS, engine.pool_pages(slots, PROMPT_SLOTS)), abstract
+        lambda s: engine.empty(s, slots, PROMPT_SLOTS, engine.pool_pages(slots, PROMPT_SLOTS)), abstract
     )
     pool_per_chip = sum(x.size * x.dtype.itemsize for x in carry.cache.pages) // 4
     rest = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(carry)) - 4 * pool_per_chip  # whole

@@ -18,12 +18,13 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.config import MeshConfig
 from asyncopd_jax.learner.sharding import make_mesh
 from asyncopd_jax.models.config import DecoderConfig
 from asyncopd_jax.models.decoder import KVCache, abstract_decoder
 from asyncopd_jax.models.partitioning import parameter_shardings
-from asyncopd_jax.sampling import DecodeState, Sampler, SamplingParams
+from asyncopd_jax.sampling import DecodeState, Sampler, SamplingParams, prompt_keys, run_stream
 from tests.tiny_models import tiny_config, tiny_decoder
 
 # 8 rows divide every mesh's data × fsdp below; P = 5 prompt slots, T = 10: C = 15 cache slots
@@ -48,16 +49,18 @@ def _swapping(states: list[nnx.State]):
     return lambda version: (version + 1, states[(version + 1) % 2]) if version < 3 else None
 
 
-def _run(sampler: Sampler, states: list[nnx.State]) -> DecodeState:
-    return sampler._run(
-        states[0], PROMPTS, jax.random.key(3), weight_source=_swapping(states), prompt_slots=PROMPT_SLOTS
-    )
+def _run(sampler: Sampler, states: list[nnx.State], swapping: bool = True) -> tuple[DecodeState, RolloutBatch]:
+    """The prompts through a stream of ``sampler`` (swapping weights at every check): its
+    last carry (the cache included) and the batch."""
+    stream = sampler.open_stream(states[0], version=0, prompt_slots=PROMPT_SLOTS)
+    stream.submit(None, PROMPTS, prompt_keys(jax.random.key(3), len(PROMPTS)))
+    ((_, batch),) = run_stream(stream, _swapping(states) if swapping else None)
+    assert stream.carry is not None
+    return stream.carry, batch
 
 
-def _batch(sampler: Sampler, states: list[nnx.State]):
-    return sampler.generate(
-        states[0], PROMPTS, jax.random.key(3), weight_source=_swapping(states), prompt_slots=PROMPT_SLOTS
-    )
+def _batch(sampler: Sampler, states: list[nnx.State]) -> RolloutBatch:
+    return _run(sampler, states)[1]
 
 
 def assert_same_samples(got, want) -> None:
@@ -98,18 +101,19 @@ def test_a_sampler_on_a_mesh_samples_what_one_device_samples(mesh_cfg, rows_spli
     if mesh_cfg.tensor > 1 and not replicated:  # the weights arrive split as a rollout stage receives them
         assert any("tensor" in str(x.sharding.spec) for x in jax.tree_util.tree_leaves(states[0]))
     sampler = Sampler(graphdef, PARAMS, mesh=mesh)
-    carry = _run(sampler, states)
+    carry, batch = _run(sampler, states)
     assert int(carry.step) == PARAMS.max_new_tokens
-    np.testing.assert_array_equal(carry.versions[0], [0] * 3 + [1] * 3 + [2] * 3 + [3])
+    np.testing.assert_array_equal(carry.records.versions[0], [0] * 3 + [1] * 3 + [2] * 3 + [3])
 
     # the cache lies over the mesh: rows over (data, fsdp), KV heads over tensor
     b, n_kv, c, d = carry.cache.keys[0].shape
     for x in carry.cache.keys + carry.cache.values:
         assert x.sharding.shard_shape(x.shape) == (b // rows_split, n_kv // heads_split, c, d), x.sharding
     assert carry.cache.valid.sharding.shard_shape((b, c)) == (b // rows_split, c)
-    assert carry.tokens.sharding.shard_shape(carry.tokens.shape) == (b // rows_split, PARAMS.max_new_tokens)
+    tokens = carry.records.tokens
+    assert tokens.sharding.shard_shape(tokens.shape) == (b // rows_split, PARAMS.max_new_tokens)
 
-    assert_same_samples(sampler._rollout_batch(carry), _single_device())
+    assert_same_samples(batch, _single_device())
 
 
 def test_bfloat16_sampling_of_an_fp32_student():
@@ -117,17 +121,18 @@ def test_bfloat16_sampling_of_an_fp32_student():
     caller keeps), fp32 behaviour log-probs close to the fp32 sampler's."""
     graphdef, state = nnx.split(tiny_decoder(0, vocab=64))
     params = dataclasses.replace(PARAMS, compute_dtype="bfloat16")
-    carry = _run(Sampler(graphdef, params), [state, state])  # swaps included: the recompute in bf16 too
+    carry, _ = _run(Sampler(graphdef, params), [state, state])  # swaps included: the recompute in bf16 too
+    records = carry.records
     assert {x.dtype for x in carry.cache.keys + carry.cache.values} == {jnp.dtype(jnp.bfloat16)}
-    assert carry.logp.dtype == carry.candidate_logp.dtype == carry.next_logits.dtype == jnp.float32
+    assert records.logp.dtype == records.candidate_logp.dtype == carry.next_logits.dtype == jnp.float32
     assert {x.dtype for x in jax.tree_util.tree_leaves(state)} == {jnp.dtype(jnp.float32)}
-    assert np.asarray(carry.mask).all()
+    assert np.asarray(records.response_mask()).all()
 
-    fp32 = _run(Sampler(graphdef, PARAMS), [state, state])
+    fp32 = _run(Sampler(graphdef, PARAMS), [state, state])[0].records
     # where every token so far agrees, both record the same model's distribution
-    agree = np.cumprod(np.asarray(carry.tokens) == np.asarray(fp32.tokens), axis=1).astype(bool)
+    agree = np.cumprod(np.asarray(records.tokens) == np.asarray(fp32.tokens), axis=1).astype(bool)
     assert agree.sum() >= 20, agree.sum()
-    bf16_logp, fp32_logp = np.asarray(carry.logp)[agree], np.asarray(fp32.logp)[agree]
+    bf16_logp, fp32_logp = np.asarray(records.logp)[agree], np.asarray(fp32.logp)[agree]
     np.testing.assert_allclose(bf16_logp, fp32_logp, atol=0.05)
     assert np.abs(bf16_logp - fp32_logp).max() > 1e-4  # sampled in bf16 indeed
 
@@ -140,12 +145,12 @@ class OneShotRecompute(Sampler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._one_shot = jax.jit(self._one_shot_fn, static_argnames=("width",))
-        self._recompute = self._one_shot_recompute
+        self.recompute = self._one_shot_recompute
 
     def _one_shot_fn(self, state, carry: DecodeState, *, width: int) -> DecodeState:
         model = self._model(state)
-        tokens = jnp.concatenate([carry.prompt_tokens, carry.tokens[:, :width]], axis=1)
-        valid = jnp.concatenate([carry.prompt_mask, carry.mask[:, :width]], axis=1)
+        tokens = jnp.concatenate([carry.prompt_tokens, carry.records.tokens[:, :width]], axis=1)
+        valid = jnp.concatenate([carry.prompt_mask, carry.records.response_mask()[:, :width]], axis=1)
         prompt_positions = jnp.maximum(jnp.cumsum(carry.prompt_mask, axis=1) - 1, 0)
         positions = jnp.concatenate([prompt_positions, carry.prompt_lengths[:, None] + jnp.arange(width)], axis=1)
         cache = KVCache.empty(model.config, tokens.shape[0], carry.cache.slots, model.compute_dtype)
@@ -155,7 +160,7 @@ class OneShotRecompute(Sampler):
 
     def _one_shot_recompute(self, state, carry: DecodeState) -> DecodeState:
         step = int(carry.step)
-        width = min(carry.tokens.shape[1], 1 << max(step - 1, 0).bit_length())
+        width = min(carry.records.tokens.shape[1], 1 << max(step - 1, 0).bit_length())
         return self._one_shot(state, carry, width=width)
 
 
@@ -166,8 +171,8 @@ def test_the_in_place_recompute_equals_the_one_shot_prefill():
 
     # the carry handed to the recompute is donated: its cache's buffers are the new cache's
     sampler = Sampler(graphdef, PARAMS)
-    carry = sampler._run(states[0], PROMPTS, jax.random.key(3), prompt_slots=PROMPT_SLOTS)
-    sampler._recompute(states[1], carry)
+    carry, _ = _run(sampler, states, swapping=False)
+    sampler.recompute(states[1], carry)
     assert all(x.is_deleted() for x in carry.cache.keys + carry.cache.values)
 
 
@@ -192,10 +197,11 @@ def test_the_recompute_holds_one_kv_cache():
     # the same checks fail on the oracle, at its worst case: they see a second cache
     oracle = OneShotRecompute(graphdef, params)
     carry = jax.eval_shape(
-        oracle._prefill,
+        oracle.prefill,
         abstract,
         jax.ShapeDtypeStruct((rows, prompt_slots), jnp.int32),
         jax.ShapeDtypeStruct((rows, prompt_slots), jnp.bool_),
+        jax.eval_shape(lambda: jax.random.split(jax.random.key(0), rows)),
     )
     one_shot = oracle._one_shot.lower(abstract, carry, width=params.max_new_tokens).compile().memory_analysis()
     assert not (one_shot.alias_size_in_bytes >= cache and one_shot.temp_size_in_bytes < cache)

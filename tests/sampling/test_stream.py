@@ -7,15 +7,15 @@ import jax
 import numpy as np
 import pytest
 
-from asyncopd_jax.sampling import prompt_keys
-from asyncopd_jax.sampling.stream import RolloutStream
+from asyncopd_jax.sampling import prompt_keys, run_stream
+from asyncopd_jax.sampling.stream import ContinuousStream
 from tests.sampling.test_continuous import MODEL, PROMPT_SLOTS, PROMPTS, _assert_same_answer, _engine, _params
 
 GROUPS = [PROMPTS[0:4], PROMPTS[4:6], PROMPTS[6:9]]
 
 
-def _stream(**changes) -> RolloutStream:
-    return RolloutStream(_engine(_params(**changes)), MODEL[1], version=0, prompt_slots=PROMPT_SLOTS)
+def _stream(**changes) -> ContinuousStream:
+    return _engine(_params(**changes)).open_stream(MODEL[1], version=0, prompt_slots=PROMPT_SLOTS)
 
 
 def test_each_group_of_a_stream_answers_as_it_would_alone():
@@ -27,7 +27,7 @@ def test_each_group_of_a_stream_answers_as_it_would_alone():
     done = dict(stream.step())
     stream.submit(1, GROUPS[1], keys[1])
     stream.submit(2, GROUPS[2], keys[2])
-    done.update(stream.run())
+    done.update(run_stream(stream))
     assert sorted(done) == [0, 1, 2] and stream.idle and stream.pending_groups == 0
     assert stream.stats.refills == sum(map(len, GROUPS)) - 3
     for g, group in enumerate(GROUPS):
@@ -36,9 +36,10 @@ def test_each_group_of_a_stream_answers_as_it_would_alone():
             _assert_same_answer(done[g], row, alone, row)
 
 
-def test_a_group_is_handed_back_in_the_step_its_last_answer_ends():
+def test_a_group_is_handed_back_by_the_step_after_its_last_answer_ends():
     """With a slot per prompt and one decode step per chunk, every prompt starts at step 0:
-    a group comes back at the step of its longest answer, not when the stream goes idle."""
+    a group comes back from the step after the chunk of its longest answer (which reads that
+    chunk, dispatches the next and then hands the group back), not when the stream goes idle."""
     stream = _stream(slots=len(PROMPTS), chunk_steps=1)
     for g, group in enumerate(GROUPS):
         stream.submit(g, group, prompt_keys(jax.random.key(20 + g), len(group)))
@@ -50,7 +51,7 @@ def test_a_group_is_handed_back_in_the_step_its_last_answer_ends():
         for g, batch in stream.step():
             handed_back[g], batches[g] = step, batch
     longest = {g: int(np.asarray(b.response_mask).sum(1).max()) for g, b in batches.items()}
-    assert handed_back == longest
+    assert handed_back == {g: n + 1 for g, n in longest.items()}
     assert len(set(longest.values())) > 1, longest  # the groups end at different steps
 
 
@@ -60,11 +61,11 @@ def test_the_decode_narrows_to_the_slots_in_flight():
     stream.submit(0, PROMPTS[:8], prompt_keys(jax.random.key(0), 9)[:8])  # uneven answers (test_continuous)
     widths = []
     while not stream.idle:
-        before = stream.stats.row_steps
-        in_flight = stream.in_flight or 8  # the first step admits all 8
         stream.step()
-        widths.append((in_flight, stream.stats.row_steps - before))
+        if stream.unread is not None:  # the chunk just dispatched: the slots in flight, the rows it decodes
+            widths.append((stream.in_flight, len(stream.unread.rows)))
     assert all(rows == 1 << (n - 1).bit_length() for n, rows in widths), widths
+    assert stream.stats.row_steps == sum(rows for _, rows in widths)  # one step per chunk
     assert stream.stats.row_steps < 8 * stream.stats.decode_steps
 
 

@@ -15,6 +15,7 @@ from asyncopd_jax.tasks.arith import sample_problems
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.tasks.dataset import DatasetError
 from asyncopd_jax.tasks.dataset_task import DatasetTask
+from tests.waits import SHORT_WAITS
 
 
 def _arith_jsonl(path, n=400, answers=True):
@@ -41,6 +42,7 @@ def _config(tmp_path, data, **sets):
         "train.steps": 3,
         "train.eval_every": 100,
         "train.checkpoint_every": 100,
+        **SHORT_WAITS,
         **sets,
     }
     return load_config(DEMO_CONFIG, [f"{k}={v}" for k, v in overrides.items()])

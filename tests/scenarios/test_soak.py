@@ -41,6 +41,8 @@ def _steps_done(metrics: Path) -> int:
 
 
 @pytest.mark.slow
+# 10,000 steps took ~390 s on 2 idle cores (docs/reliability.md): 3x that, plus the start-up.
+@pytest.mark.timeout(300 + STEPS // 10)
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc for memory, files and threads")
 def test_soak(models, tmp_path, monkeypatch):  # noqa: F811
     eta = 2

@@ -18,8 +18,8 @@ import pytest
 
 from asyncopd_jax.config import save_config
 from asyncopd_jax.pipeline.run_outputs import RunDir
-from tests.pipeline.test_kill_resume import _cli, _steps
 from tests.pipeline.test_trainer import _config, models  # noqa: F401
+from tests.scenarios.test_kill_resume import _cli, _steps
 
 LIMIT = 400_000  # bytes: a checkpoint of the tiny student and its Adam moments is ~1.2 MB
 

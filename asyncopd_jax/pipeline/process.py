@@ -1,0 +1,184 @@
+"""What one process of the run holds, built in one place: the composition root.
+
+:func:`build_process` makes, from the config, the typed
+:class:`~asyncopd_jax.pipeline.placement.Layout` and a process's name, every stage the layout
+puts in that process, on its own devices, and the weights channel's end it uses:
+
+    the learner's process   the learner (and, in the leader, the scoring stage and the
+                            rollout stages the layout puts there: ``threads``, ``fixed_lag``),
+                            the writing end of the snapshot channel
+    rollout-i, scoring-j    its rollout and / or scoring stage (``asyncopd stage``); a rollout
+                            stage reads the snapshots on disk onto its own devices
+
+The trainer (:class:`~asyncopd_jax.pipeline.trainer.Trainer`) and every stage process
+(:mod:`asyncopd_jax.pipeline.stage_process`) call it, so a stage is built the same way
+wherever the layout puts it. :func:`start_stages` then starts, in the learner's process,
+the :class:`~asyncopd_jax.pipeline.stages.Stages` the learner takes its batches from.
+(``asyncopd plan`` builds no models: it asks the same layout where each stage runs and
+compiles the stages' functions on meshes made by the same
+:func:`~asyncopd_jax.pipeline.stage.stage_mesh`.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import jax
+
+from asyncopd_jax.config import RunConfig
+from asyncopd_jax.learner import distributed, state_shardings
+from asyncopd_jax.pipeline.exchange import Exchange
+from asyncopd_jax.pipeline.fixed_lag import FixedLagRollouts
+from asyncopd_jax.pipeline.learner_stage import LearnerStage
+from asyncopd_jax.pipeline.multihost import FollowerStages, LeaderStages
+from asyncopd_jax.pipeline.placement import LEARNER_PROCESS, Layout, StagePlan
+from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore, InMemorySnapshotStore, SnapshotStore
+from asyncopd_jax.pipeline.stage import (
+    RolloutStage,
+    RunModels,
+    ScoringStage,
+    build_rollout_stage,
+    build_scoring_stage,
+    rollout_shardings,
+    run_models,
+    student_graph,
+    with_shardings,
+)
+from asyncopd_jax.pipeline.stage_processes import StageProcesses
+from asyncopd_jax.pipeline.stages import Stages
+from asyncopd_jax.pipeline.staleness import StalenessBuffer
+from asyncopd_jax.pipeline.threads import RolloutPool
+from asyncopd_jax.pipeline.trace import Tracer
+
+
+@dataclasses.dataclass
+class RunProcess:
+    """Every stage one process of the run holds (None / empty: the layout puts none here)."""
+
+    cfg: RunConfig
+    layout: Layout
+    name: str  # the process: "learner", "rollout-0", "scoring-1", ...
+    models: RunModels
+    tracer: Tracer
+    learner: LearnerStage | None
+    scoring: ScoringStage | None
+    rollouts: tuple[RolloutStage, ...]
+    snapshots: SnapshotStore | None  # the learner's (writing) end of the weights channel
+    leader: bool = True  # the learner's process 0 (the only one with a learner over one process)
+    multi_process: bool = False  # the learner spans several processes
+
+
+def build_process(
+    cfg: RunConfig,
+    layout: Layout,
+    name: str,
+    *,
+    tracer: Tracer,
+    leader: bool = True,
+    multi_process: bool = False,
+    models: RunModels | None = None,
+) -> RunProcess:
+    """The stages ``layout`` puts in process ``name``, built on their devices.
+
+    ``leader`` / ``multi_process``: this is the learner's process 0 / the learner spans
+    several processes (a follower holds the learner only: the leader's stages feed it)."""
+    models = models or run_models(cfg)
+    hosted = layout.hosted_by(name)
+    learner = LearnerStage(cfg, layout, models, multi_process) if name == LEARNER_PROCESS else None
+    # a stage beside the learner with no devices of its own computes on the learner's
+    default_devices = list(learner.mesh.devices.flat) if learner is not None else None
+    scoring_plan = next((s for s in hosted if s.role == "scoring"), None)
+    scoring = (
+        build_scoring_stage(cfg, layout, scoring_plan, models, default_devices)
+        if scoring_plan is not None and leader
+        else None
+    )
+    snapshots = _learner_snapshots(cfg, layout, learner, leader, default_devices) if learner is not None else None
+    # the policy's graph: the learner's own where it is here, else built from the student's config
+    graphdef = learner.graphdef if learner is not None else student_graph(cfg, models)[0]
+    rollouts = tuple(
+        build_rollout_stage(
+            cfg,
+            layout,
+            plan,
+            models,
+            snapshots=(
+                snapshots
+                if layout.snapshots.in_memory and snapshots is not None
+                else _reader(cfg, layout, plan, models, default_devices)
+            ),
+            tracer=tracer,
+            scoring=scoring,
+            graphdef=graphdef,
+            default_devices=default_devices,
+            # fixed_lag samples whole batches from one policy: no weights swapped mid-group
+            interruptible=cfg.schedule.mode != "fixed_lag",
+        )
+        for plan in hosted
+        if plan.role == "rollout" and leader
+    )
+    return RunProcess(cfg, layout, name, models, tracer, learner, scoring, rollouts, snapshots, leader, multi_process)
+
+
+def _learner_snapshots(
+    cfg: RunConfig, layout: Layout, learner: LearnerStage, leader: bool, learner_devices: list[jax.Device] | None
+) -> SnapshotStore:
+    """The learner's end of the weights channel: a device-to-device copy onto the rollout
+    threads' devices (in memory), or versioned snapshots on disk."""
+    channel, params = layout.snapshots, learner.state.params
+    if channel.in_memory:
+        rollout = layout.of_role("rollout")[0]
+        return InMemorySnapshotStore(
+            keep=channel.keep, shardings=rollout_shardings(cfg, layout, rollout, params, learner_devices)
+        )
+    # Versions left by an earlier incarnation of this run may be newer than the restored
+    # policy; rollouts from them would be refused as "future". The learner is the only
+    # writer and no reader runs yet, so start from an empty directory.
+    if leader:
+        shutil.rmtree(channel.directory, ignore_errors=True)
+    distributed.barrier("snapshot directory emptied")
+    abstract = with_shardings(params, state_shardings(params, learner.mesh))
+    return DiskSnapshotStore(channel.directory, abstract, keep=channel.keep, format=channel.format)
+
+
+def _reader(
+    cfg: RunConfig, layout: Layout, plan: StagePlan, models: RunModels, default_devices: list[jax.Device] | None
+) -> DiskSnapshotStore:
+    """A rollout stage's reading end of the snapshots on disk: each version restored straight
+    into the stage's own shardings."""
+    _, abstract = student_graph(cfg, models)
+    return DiskSnapshotStore(
+        layout.snapshots.directory,
+        with_shardings(abstract, rollout_shardings(cfg, layout, plan, abstract, default_devices)),
+        read_only=True,
+        format=layout.snapshots.format,
+    )
+
+
+def start_stages(process: RunProcess, buffer: StalenessBuffer, first_index: int, run_path: Path) -> Stages:
+    """In the learner's process: the rollout and scoring stages, started where the layout
+    puts them (rollout threads, the ``fixed_lag`` schedule's on-demand batches, or stage
+    processes; a follower learner process sees the leader's)."""
+    cfg, layout, learner = process.cfg, process.layout, process.learner
+    assert learner is not None, "the stages are started from the learner's process"
+    groups_per_batch = cfg.learner.batch_size // layout.group_size
+    exchange = Exchange(run_path / "exchange") if layout.stage_processes() else None
+    stages: Stages
+    if not process.leader:
+        if exchange is None:  # not reached: the config puts a learner over processes with stage processes
+            raise RuntimeError("a follower learner process needs stage processes (stages.placement = processes)")
+        return FollowerStages(exchange, groups_per_batch)
+    if exchange is not None:
+        stages = StageProcesses(
+            cfg=cfg, layout=layout, exchange=exchange, buffer=buffer, first_index=first_index, tracer=process.tracer
+        )
+    elif cfg.schedule.mode == "fixed_lag":  # whole batches from one policy, in this thread
+        stages = FixedLagRollouts(stage=process.rollouts[0], lag=cfg.schedule.lag, first_version=learner.version)
+    else:
+        stages = RolloutPool(stages=list(process.rollouts), buffer=buffer, first_index=first_index)
+    if process.multi_process:
+        stages = LeaderStages(stages, groups_per_batch)
+    stages.start()
+    return stages
