@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any, overload
 from collections.abc import Mapping
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
