@@ -14,8 +14,8 @@ answered by its shipped student (``builtin:student_long``, loaded by all three e
 the same safetensors) at temperature 1, each answer ending at its EOS. ``--prompts`` prompts
 go through ``--slots`` sequences at a time (`transformers`: the first ``--hf-prompts``): our
 static sampler in batches of ``--slots`` (each batch decodes until its longest answer ends),
-our continuous engine with ``--slots``
-slots over a paged cache of ``--kv-fraction`` of the dense cache's pages, and `transformers`
+our continuous engine with ``--slots`` slots over a paged cache of ``--kv-fraction`` of the
+dense cache's pages (both engines with the same per-prompt keys: the same answers), and `transformers`
 `generate` in batches of ``--slots`` (left-padded, stopping rows at EOS). Reported: answer
 tokens/s (prefill included: the time to answer every prompt), slot utilisation (answer tokens
 / rows decoded: the continuous engine decodes only the slots in flight, bucketed to a power of
@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from asyncopd_jax.models import Decoder, DecoderConfig, save_pretrained
-from asyncopd_jax.sampling import ContinuousSampler, Sampler, SamplingParams, left_pad
+from asyncopd_jax.sampling import ContinuousSampler, Sampler, SamplingParams, left_pad, prompt_keys
 from asyncopd_jax.teacher import ScoringParams, TeacherScorer
 
 
@@ -102,16 +102,20 @@ def long_tailed(args: argparse.Namespace) -> None:
         pad_id=task.pad_id,
     )
 
+    # both engines key each prompt alike (prompt i: fold_in(key, i)), so they sample the same
+    # answers: the same tokens, at the cost each engine's batching gives them
+    keys = prompt_keys(jax.random.key(0), len(prompts))
+
     def run_static() -> tuple[int, int]:
         tokens = steps = 0
         for i in range(0, len(prompts), s):
-            batch = static.generate(state, prompts[i : i + s], jax.random.key(i), prompt_slots=p_slots)
+            batch = static.generate(state, prompts[i : i + s], None, keys=keys[i : i + s], prompt_slots=p_slots)
             tokens += int(np.asarray(batch.response_mask).sum())
             steps += static.last_steps * s
         return tokens, steps
 
     def run_continuous() -> tuple[int, int]:
-        batch = continuous.generate(state, prompts, jax.random.key(0), prompt_slots=p_slots)
+        batch = continuous.generate(state, prompts, None, keys=keys, prompt_slots=p_slots)
         stats = continuous.last_stats
         assert stats.tokens == int(np.asarray(batch.response_mask).sum())
         return stats.tokens, stats.row_steps
