@@ -566,16 +566,16 @@ def student_logprobs(
 
 
 # The log-prob fields checked with ``check_inputs``, by owner; (field, over distinct ids: its mass is ≤ 1).
-_LOGPROB_FIELDS: dict[str, tuple[tuple[str, bool], ...]] = {
-    "RolloutBatch": (("behavior_logp", False), ("candidate_behavior_logp", False), ("reference_logp", False)),
-    "TeacherScoreCache": (
+_LOGPROB_FIELDS: dict[type, tuple[tuple[str, bool], ...]] = {
+    RolloutBatch: (("behavior_logp", False), ("candidate_behavior_logp", False), ("reference_logp", False)),
+    TeacherScoreCache: (
         ("token_logp", False),
         ("candidate_logp", False),
         ("student_topk_logp", True),
         ("topk_logp", True),
         ("sample_logp", False),
     ),
-    "StudentLogProbs": (
+    StudentLogProbs: (
         ("token", False),
         ("candidates", False),
         ("student_topk", True),
@@ -592,7 +592,7 @@ def _check_logprobs(name: str, inputs: Mapping[str, object], valid: Array) -> No
     for label, obj in inputs.items():
         if obj is None:
             continue
-        fields = _LOGPROB_FIELDS[type(obj).__name__]
+        fields = _LOGPROB_FIELDS[type(obj)]
         est.checks.check_logprobs(
             name,
             {f"{label}.{f}": getattr(obj, f) for f, _ in fields},
@@ -703,22 +703,21 @@ def evaluate_estimator(
     if spec.needs_advantage:  # detached: computed once, outside the gradient below
         adv = _advantage(batch, cache, jax.lax.stop_gradient(student.token), config.stabiliser_signal, distill_coef)
     inputs = EstimatorInputs(batch, cache, student, proximal, adv)
-    values = spec.fn(inputs, config)
+    # The estimator once, with its pull-back to the student's log-probs: ∂(Σ_valid values)/∂
+    # (student log-probs), elementwise and cheap, says which tokens the update moves at all
+    # (zero_grad_fraction) without evaluating the estimator a second time.
+    values, pullback = jax.vjp(lambda s: spec.fn(dataclasses.replace(inputs, student=s), config), student)
+    mask = batch.response_mask
+    (grads,) = pullback(jnp.where(mask, 1.0, 0.0).astype(values.dtype))
+    moved = jnp.zeros(mask.shape, bool)
+    for g in jax.tree_util.tree_leaves(jax.lax.stop_gradient(grads)):
+        moved = moved | ((g != 0) if g.ndim == mask.ndim else jnp.any(g != 0, axis=-1))
     if config.entropy_coef:
         values = values - config.entropy_coef * _given(student.entropy)
     if config.needs_reference_logp:
         values = values + config.reference_kl_coef * est.reference_kl(
             student.token, _given(batch.reference_logp), config.reference_kl
         )
-    mask = batch.response_mask
-    # ∂(Σ values)/∂(student log-probs), elementwise and cheap: a token whose every entry is
-    # 0 contributes nothing to the update.
-    grads = jax.grad(lambda s: jnp.sum(jnp.where(mask, spec.fn(dataclasses.replace(inputs, student=s), config), 0.0)))(
-        jax.lax.stop_gradient(student)
-    )
-    moved = jnp.zeros(mask.shape, bool)
-    for g in jax.tree_util.tree_leaves(grads):
-        moved = moved | ((g != 0) if g.ndim == mask.ndim else jnp.any(g != 0, axis=-1))
     token_ratio = est.importance_ratio(jax.lax.stop_gradient(student.token), batch.behavior_logp)
     metrics = {
         "loss": est.token_mean(jax.lax.stop_gradient(values), mask),
