@@ -7,9 +7,12 @@ import os
 
 import pytest
 
-# Tests run on the CPU; the mesh tests ask for 8 virtual devices before JAX starts.
+from tests.xla_flags import host_devices
+
+# Tests run on the CPU; the mesh tests ask for 8 virtual devices before JAX starts, and XLA
+# compiles without LLVM's optimisation passes (tests/xla_flags.py says why).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", host_devices(8))
 
 # One persistent XLA compilation cache per test session, shared with the stage processes the
 # tests start (they inherit the environment): the end-to-end tests build the same models and

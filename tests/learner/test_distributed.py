@@ -20,6 +20,7 @@ from tests.learner import distributed_worker as worker
 from tests.learner.batches import make_learner_batch
 from tests.tiny_models import tiny_decoder
 from tests.waits import communicate_all
+from tests.xla_flags import host_devices
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +51,7 @@ def test_two_learner_processes_equal_one(tmp_path):
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": host_devices(2),
         "PYTHONPATH": str(ROOT),
     }
     procs = [

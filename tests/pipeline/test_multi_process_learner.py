@@ -16,6 +16,7 @@ import pytest
 from asyncopd_jax.config import save_config
 from tests.pipeline.test_trainer import _config, _kl_start_end, models  # noqa: F401 - fixture
 from tests.waits import communicate_all
+from tests.xla_flags import host_devices
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,7 +44,7 @@ def test_a_learner_over_two_processes_runs_the_pipeline(models, tmp_path):  # no
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": host_devices(2),
         "PYTHONPATH": str(ROOT),
     }
     procs = [
