@@ -1,0 +1,266 @@
+"""``asyncopd plan``'s arithmetic and wiring without compiling anything: a stage the compiler
+refuses, the RL batch's advantages, the table a plan prints, and what ``make_plan`` hands
+each stage's compile (the reduced depth, the vocabulary both models embed) and makes of
+their figures.
+
+Written for mutants of ``asyncopd_jax/scale/plan.py`` that survived the sampled mutation run
+of 2026-11-26 (docs/testing.md, "Sampled scores of the newer areas").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from asyncopd_jax import configs
+from asyncopd_jax.config import load_config
+from asyncopd_jax.learner.optimizer import make_optimizer
+from asyncopd_jax.learner.step import create_train_state
+from asyncopd_jax.models.decoder import Decoder, abstract_decoder
+from asyncopd_jax.scale import plan as plan_module
+from asyncopd_jax.scale.chips import CHIPS, Topology, get_topology
+from asyncopd_jax.scale.flops import transformer_flops
+from asyncopd_jax.scale.plan import (
+    ARCHITECTURES,
+    Plan,
+    Shapes,
+    StageFigures,
+    abstract_learner_batch,
+    architecture,
+    format_plan,
+    make_plan,
+)
+
+
+class _Refused:
+    """A lowered program whose compile fails as XLA's does when it does not fit the chip."""
+
+    def compile(self):
+        raise RuntimeError("RESOURCE_EXHAUSTED: " + "x" * 400 + "\nthe allocator's details")
+
+
+def test_a_stage_the_compiler_refuses_is_a_figure_with_the_first_line_of_its_error():
+    """Bug guarded: the figures of a stage that does not compile built with an argument
+    dropped (``StageFigures(stage, devices, tokens, …)``: a TypeError, or the rows taken for
+    the tokens) or with another slice of the compiler's message."""
+    figures = plan_module._figures("sampler decode", 4, 8, 16, _Refused())
+    assert figures == StageFigures("sampler decode", 4, 8, 16, error=("RESOURCE_EXHAUSTED: " + "x" * 400)[:300])
+
+
+def test_an_rl_batch_carries_the_advantages_a_distillation_batch_does_not():
+    """Bug guarded: ``advantages`` left out of the abstract batch of an RL run, whose learner
+    step reads them: the plan would compile another program than the run's."""
+    rl = load_config(configs.RL, [])
+    config, _ = architecture(rl.student)
+    batch = abstract_learner_batch(rl, 4, Shapes(8, 28), abstract_decoder(config, rl.student.dtype))
+    assert (batch.rollout.advantages.shape, batch.rollout.advantages.dtype) == ((4, 28), jnp.float32)
+    assert batch.rollout.reference_logp is None
+    demo = load_config(configs.DEMO, [])
+    assert abstract_learner_batch(demo, 4, Shapes(8, 28)).rollout.advantages is None
+
+
+def _timed(stage: str, rows: int, tokens: int, seconds: float) -> StageFigures:
+    """A stage's figures whose roofline time on an H100 is ``seconds`` (its FLOPs)."""
+    return StageFigures(stage, 4, rows, tokens, executed_flops=seconds * CHIPS["h100"].peak_flops)
+
+
+def test_make_plan_compiles_each_stage_at_the_reduced_depth_and_the_shared_vocabulary(tmp_path, monkeypatch):
+    """Bug guarded: ``make_plan`` compiling the student at its full depth (``shapes.layers``
+    not passed on), at the whole vocabulary when the teacher embeds fewer ids
+    (``vocab_limit`` lost), or adding the stages' times up wrongly. The compiles are
+    replaced by stand-ins that record their arguments and return known figures."""
+    teacher = tmp_path / "Teacher-151000"
+    teacher.mkdir()
+    hf = json.loads((ARCHITECTURES / "Qwen3-8B" / "config.json").read_text())
+    (teacher / "config.json").write_text(json.dumps({**hf, "vocab_size": 151000}))
+    cfg = load_config(
+        None,
+        [
+            "student.path=/models/Qwen3-1.7B",
+            f"teacher.path={teacher}",
+            "scoring.topk=16",
+            "estimator.name=forward_kl_topk",
+            "learner.batch_size=8",
+            "learner.mini_batches=2",
+            "stages.rollouts=2",
+        ],
+    )
+    seen = {}
+
+    def learner(cfg, config, devices, shapes, vocab_limit=None):
+        seen["learner"] = (config.num_hidden_layers, config.vocab_size, len(devices), vocab_limit)
+        return _timed("learner step", 4, 512, 1.0)
+
+    def sampler(cfg, config, devices, shapes, rows, vocab_limit=None):
+        seen["sampler"] = (config.num_hidden_layers, config.vocab_size, rows, vocab_limit)
+        return [
+            _timed(f"sampler {n}", rows, rows, s) for n, s in (("prefill", 0.5), ("decode", 0.01), ("recompute", 9.0))
+        ]
+
+    def scoring(cfg, config, devices, shapes, rows, vocab_limit=None):
+        seen["scoring"] = (config.num_hidden_layers, config.vocab_size, rows, vocab_limit)
+        return _timed("teacher scoring", rows, rows, 0.25)
+
+    monkeypatch.setattr(plan_module, "compile_learner_step", learner)
+    monkeypatch.setattr(plan_module, "compile_sampler", sampler)
+    monkeypatch.setattr(plan_module, "compile_teacher_scoring", scoring)
+    plan = make_plan(cfg, get_topology("h100-4"), Shapes(prompt_tokens=32, response_tokens=96, layers=1))
+    # a group is the batch over the 2 rollout stages: 4 rows
+    assert seen == {
+        "learner": (1, 151936, 4, 151000),
+        "sampler": (1, 151936, 4, 151000),
+        "scoring": (1, 151000, 4, 151000),
+    }
+    assert [s.stage for s in plan.stages] == [
+        "learner step",
+        "sampler prefill",
+        "sampler decode",
+        "sampler recompute",
+        "teacher scoring",
+    ]
+    assert plan.sources == {
+        "student": str(ARCHITECTURES / "Qwen3-1.7B" / "config.json"),
+        "teacher": str(teacher / "config.json"),
+    }
+    # rollout: ⌈8 / (4 rows × 2 stages)⌉ = 1 wave of prefill + 96 decode steps; learning: 2
+    # mini-batches; scoring: 8 / 4 = 2 groups on the one scoring stage
+    assert plan.balance == pytest.approx({"rollout": 0.5 + 96 * 0.01, "learning": 2 * 1.0, "scoring": 2 * 0.25})
+
+
+GOLDEN = (
+    "topology h100-4: 4 × NVIDIA H100 SXM 80 GB (74.51 GiB, 989 TFLOP/s, 3350 GB/s), "
+    "compiled by XLA:CPU (a proxy for the GPUs)\n"
+    """\
+shapes: 32 prompt + 96 response tokens, 1 layers (reduced)
+student: /a/config.json
+teacher: /b/config.json
+
+per chip and call; TFLOP: matmul FLOPs counted from the program (model: without
+recomputation; run: as configured; /book: model over 2 (6 with a backward pass) ·
+weights · tokens + attention; XLA: the compiler's own count, which takes a loop's body once)
+
+stage            chips  rows  args GiB  temp GiB  peak GiB  of HBM   model     run  /book     XLA  roofline s   MFU
+learner step         4     8      3.00      5.00      9.00     12%    30.0    40.0   1.20     0.1       0.597    5%
+sampler decode       4     8      0.50      0.00      0.50      1%     0.0     0.0      -     1.0       0.200    0%
+teacher scoring      4     8  does not compile: RESOURCE_EXHAUSTED: out of memory
+
+per rollout batch, at the roofline (the sampler: prefill + T decode steps per group, or per
+wave of slots on the continuous engine; weight swaps add a recompute each): the slowest
+stage sets the pace, the others idle the rest
+  rollout        2.50 s  busy 100%
+  learning       1.25 s  busy  50%
+  scoring     (does not compile)
+"""
+)
+
+
+def test_the_plan_table_prints_every_figure_per_chip():
+    """Bug guarded: the printed plan saying other figures than the plan holds (a column
+    scaled by another factor, a legend or a line changed or lost). The figures are made
+    up and checked by hand against the table: peak = 3 + 2 − 1 + 5 GiB, 12 % of 80 GB, model
+    30 / run 40 / book 25 TFLOP (1.20), roofline max(40 TFLOP / 989 TFLOP/s, 2 TB / 3.35 TB/s)
+    = 0.597 s, MFU 30 / (0.597 · 989) = 5 %; the XLA count of 0.05 TFLOP sits on a rounding
+    edge (0.1), so that a column scaled by even 1 + 1e-12 shows."""
+    topology = Topology("h100-4", CHIPS["h100"], (0, 1, 2, 3), "XLA:CPU (a proxy for the GPUs)")
+    gib = 1024**3
+    stages = [
+        StageFigures(
+            "learner step",
+            4,
+            8,
+            1024,
+            argument_bytes=3 * gib,
+            output_bytes=2 * gib,
+            alias_bytes=gib,
+            temp_bytes=5 * gib,
+            flops=5e10,
+            bytes_accessed=2e12,
+            executed_flops=4e13,
+            model_flops=3e13,
+            textbook_flops=2.5e13,
+        ),
+        StageFigures("sampler decode", 4, 8, 8, argument_bytes=gib // 2, flops=1e12, bytes_accessed=6.7e11),
+        StageFigures("teacher scoring", 4, 8, 1024, error="RESOURCE_EXHAUSTED: out of memory"),
+    ]
+    plan = Plan(
+        topology,
+        Shapes(prompt_tokens=32, response_tokens=96, layers=1),
+        stages,
+        {"student": "/a/config.json", "teacher": "/b/config.json"},
+        {"rollout": 2.5, "learning": 1.25, "scoring": float("nan")},
+    )
+    assert format_plan(plan) == GOLDEN.rstrip("\n")
+
+
+def _uncompiled(monkeypatch):
+    """The plan's compiles skipped: each stage's figures carry only what ``plan`` counts
+    itself (the compiler's memory and cost analyses are zeros)."""
+    monkeypatch.setattr(
+        plan_module,
+        "_figures",
+        lambda stage, devices, rows, tokens, lowered: StageFigures(stage, devices, rows, tokens),
+    )
+
+
+def test_the_samplers_figures_are_the_textbooks_work_per_call(monkeypatch):
+    """Bug guarded: the sampler's work per call counted wrongly, e.g. a decode step's reads
+    of the cache as rows / layers instead of rows · layers (the same at one layer, the depth
+    ``test_plan`` compiles at). Three layers of the demo student's widths, 4 rows, 8 prompt
+    and 16 response slots, nothing compiled."""
+    _uncompiled(monkeypatch)
+    cfg = load_config(configs.DEMO, [])
+    config = dataclasses.replace(architecture(cfg.student)[0], num_hidden_layers=3)
+    prefill, decode, recompute = plan_module.compile_sampler(cfg, config, jax.devices()[:1], Shapes(8, 16), 4)
+    q = config.num_attention_heads * config.head_dim
+    reads = 4 * 3 * 4 * (8 + 16) * q  # rows · layers · (q·k and p·v: 2 · 2 FLOPs) · slots · N_q·D
+    want = {
+        "sampler prefill": (4, 4 * 8, transformer_flops(config, 4, 8, 1, backward=False)),
+        "sampler decode": (4, 4, transformer_flops(config, 4, 1, 1, backward=False) + reads),
+        "sampler recompute": (4, 4 * 24, transformer_flops(config, 4, 24, 1, backward=False)),
+    }
+    assert {s.stage: (s.rows, s.tokens, s.executed_flops) for s in (prefill, decode, recompute)} == want
+    assert all(s.executed_flops == s.model_flops == s.textbook_flops for s in (prefill, decode, recompute))
+
+
+def test_the_learner_step_is_counted_with_its_backward_pass(monkeypatch):
+    """Bug guarded: the learner step's textbook count taken without the backward pass
+    (``backward`` falsy: 2 · weights · tokens instead of 6 ·), which the model's own count,
+    backward pass included, is compared with (the plan's ``/book`` column)."""
+    _uncompiled(monkeypatch)
+    cfg = load_config(configs.DEMO, ["learner.batch_size=4"])
+    config, _ = architecture(cfg.student)
+    learner = plan_module.compile_learner_step(cfg, config, jax.devices()[:1], Shapes(8, 16))
+    assert learner.textbook_flops == transformer_flops(config, 4, 24, 16, backward=True)
+    assert 0.9 < learner.model_flops / learner.textbook_flops < 1.5
+
+
+class _Stop(Exception):
+    """Raised by a stand-in to end a compile once it has seen what it was handed."""
+
+
+def test_the_planned_learner_step_holds_the_runs_train_state(monkeypatch):
+    """Bug guarded: the abstract train state the plan compiles the learner step for unlike
+    the run's (its step counter a float: ``jnp.zeros((), None)``), so that the plan
+    compiles another program than the run's. The state is caught where it is laid out, and
+    compared leaf by leaf with the one ``create_train_state`` makes for the run."""
+    seen = []
+
+    def caught(state, mesh):
+        seen.append(state)
+        raise _Stop
+
+    monkeypatch.setattr(plan_module, "state_shardings", caught)
+    cfg = load_config(configs.DEMO, [])
+    config, _ = architecture(cfg.student)
+    with pytest.raises(_Stop):
+        plan_module.compile_learner_step(cfg, config, jax.devices()[:1], Shapes(8, 16))
+    optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+    _, run = create_train_state(Decoder(config, rngs=nnx.Rngs(0)), optimizer)
+    leaves = lambda tree: [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(tree)]  # noqa: E731
+    assert (seen[0].step.shape, seen[0].step.dtype) == ((), jnp.int32)
+    assert leaves(seen[0]) == leaves(run)
