@@ -58,13 +58,16 @@ def _producer(interruptible: bool = True, engine: str = "continuous") -> tuple[G
 
 
 def _stream(producer: GroupProducer, grants: list[tuple[int, int]], before_grant=None):
-    """Run a RolloutLoop over ``grants`` (index, min_version); returns the delivered groups
-    and, per delivery, how many groups were still in the stream."""
+    """Run a RolloutLoop over ``grants`` (index, min_version); returns the delivered groups,
+    per delivery how many groups were still in the stream, and per grant how many were in
+    the stream already (read in the loop's own thread: a delivery runs beside the next
+    chunks, on a thread of its own)."""
     streamer = RolloutLoop(producer)
     pending = list(grants)
-    delivered, still_in_stream = {}, []
+    delivered, still_in_stream, in_stream_at_grant = {}, [], []
 
     def next_group(block: bool):
+        in_stream_at_grant.append(0 if streamer.stream is None else streamer.stream.pending_groups)
         if not pending:
             if len(delivered) == len(grants):
                 raise PipelineStopped("done")
@@ -79,7 +82,7 @@ def _stream(producer: GroupProducer, grants: list[tuple[int, int]], before_grant
 
     with pytest.raises(PipelineStopped):
         streamer.run(next_group, deliver)
-    return delivered, still_in_stream
+    return delivered, still_in_stream, in_stream_at_grant
 
 
 @pytest.mark.parametrize("engine", ["continuous", "static"])
@@ -87,12 +90,12 @@ def test_streamed_groups_are_the_groups_their_indices_give_alone(engine):
     """The one rollout loop, over either engine: the continuous engine hands a group on while
     others still decode; the static one decodes a group at a time."""
     producer, _ = _producer(engine=engine)
-    delivered, still_in_stream = _stream(producer, [(i, 0) for i in range(4)])
+    delivered, still_in_stream, in_stream_at_grant = _stream(producer, [(i, 0) for i in range(4)])
     assert sorted(delivered) == [0, 1, 2, 3]
     if engine == "continuous":
         assert max(still_in_stream) > 0  # handed on while other groups were still decoding
     else:
-        assert max(still_in_stream) == 0
+        assert max(in_stream_at_grant) == 0  # a group starts once the one before it was handed back
     for index, group in delivered.items():
         alone = producer.sample(index)
         for field in ("response_tokens", "response_mask", "candidate_ids", "token_version"):
@@ -112,7 +115,7 @@ def test_a_group_granted_a_newer_minimum_version_starts_from_it():
         if grant[0] == 2 and snapshots.latest_version() == 0:
             snapshots.publish(1, newer)
 
-    delivered, _ = _stream(producer, [(0, 0), (1, 0), (2, 1), (3, 1)], publish_before_group_2)
+    delivered, _, _ = _stream(producer, [(0, 0), (1, 0), (2, 1), (3, 1)], publish_before_group_2)
     for index in (2, 3):
         batch = delivered[index].batch
         versions = np.asarray(batch.token_version)[np.asarray(batch.response_mask)]
