@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from asyncopd_jax.models import Decoder, DecoderConfig
+from asyncopd_jax.sampling import SamplingParams
 
 
 def tiny_config(family: str = "qwen3", vocab: int = 61, tied: bool = True) -> DecoderConfig:
@@ -35,3 +36,19 @@ def tiny_decoder(seed: int = 0, family: str = "qwen3", vocab: int = 61, scale: f
         if value.ndim == 2:
             var[...] = jax.random.normal(next(keys), value.shape) * scale / jnp.sqrt(value.shape[0])
     return model
+
+
+def slot_sampling(engine: str = "continuous") -> SamplingParams:
+    """Sampling for ``tiny_decoder(0, scale=0.7)`` whose answers (stop tokens 51 and 54)
+    end after a few to 12 tokens, over 3 slots with pages of 4 tokens and 2-step chunks:
+    slots finish at different times and are refilled, the last ones drain beside idle ones."""
+    return SamplingParams(
+        temperature=0.8,
+        max_new_tokens=12,
+        num_candidates=2,
+        stop_token_ids=(51, 54),
+        chunk_steps=2,
+        engine=engine,
+        slots=3,
+        page_size=4,
+    )

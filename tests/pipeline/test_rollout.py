@@ -15,8 +15,8 @@ from asyncopd_jax.pipeline.rollout import RolloutLoop
 from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore
 from asyncopd_jax.pipeline.staleness import PipelineStopped
 from asyncopd_jax.pipeline.trace import Tracer
-from asyncopd_jax.sampling import SamplingParams, make_sampler
-from tests.tiny_models import tiny_decoder
+from asyncopd_jax.sampling import make_sampler
+from tests.tiny_models import slot_sampling, tiny_decoder
 from tests.waits import WAIT_S
 
 PROMPT_SLOTS = 5
@@ -30,16 +30,7 @@ def _prompts(rng: np.random.Generator, n: int):
 
 def _producer(interruptible: bool = True, engine: str = "continuous") -> tuple[GroupProducer, InMemorySnapshotStore]:
     graphdef, state = nnx.split(tiny_decoder(0, scale=0.7))
-    params = SamplingParams(
-        temperature=0.8,
-        max_new_tokens=12,
-        num_candidates=2,
-        stop_token_ids=(51, 54),
-        chunk_steps=2,
-        engine=engine,
-        slots=3,
-        page_size=4,
-    )
+    params = slot_sampling(engine)
     snapshots = InMemorySnapshotStore()
     snapshots.publish(0, state)
     producer = GroupProducer(

@@ -16,7 +16,7 @@ from flax import nnx
 
 from asyncopd_jax.sampling import ContinuousSampler, SamplingParams
 from asyncopd_jax.sampling.stream import ContinuousStream
-from tests.tiny_models import tiny_decoder
+from tests.tiny_models import slot_sampling, tiny_decoder
 
 # Prompts of 1 to 5 tokens whose answers (this student, stop tokens 51 and 54) end after 3
 # to 12 tokens: slots finish at different times, the last ones drain with idle slots beside.
@@ -39,16 +39,7 @@ MODEL = nnx.split(tiny_decoder(0, scale=0.7))
 @functools.cache
 def _drain_engine() -> ContinuousSampler:
     """3 slots, pages of 4 tokens, 2-step chunks: one engine (its compiled programs) for every key."""
-    params = SamplingParams(
-        temperature=0.8,
-        max_new_tokens=12,
-        num_candidates=2,
-        stop_token_ids=(51, 54),
-        chunk_steps=2,
-        engine="continuous",
-        slots=3,
-        page_size=4,
-    )
+    params = slot_sampling()
     return ContinuousSampler(MODEL[0], params)
 
 
