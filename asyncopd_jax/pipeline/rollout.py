@@ -22,10 +22,12 @@ The loop, per chunk of decode steps:
    of its own, beside the next chunks;
 3. swap in a newer snapshot, if one was published (interruptible generation).
 
-A group granted with a minimum version newer than the stream's weights waits for that
-snapshot and swaps it in before its prompts are queued: a ``sync`` schedule's groups
-start from the policy just trained. Token versions are recorded per token, so a group
-whose prompts entered rows under several policies reports each.
+A group starts from the newest published snapshot when the stream is idle (the swap
+rewrites no cache) or generation is interruptible; a group granted a minimum version newer
+than the stream's weights waits for that snapshot and swaps it in before its prompts are
+queued: a ``sync`` schedule's groups start from the policy just trained. Token versions
+are recorded per token, so a group whose prompts entered rows under several policies
+reports each.
 """
 
 from __future__ import annotations
@@ -53,20 +55,29 @@ class RolloutLoop:
         self.stream: RolloutStream | None = None
 
     def _swap_to(self, min_version: int) -> None:
-        """Weights at ``min_version`` or newer (waited for)."""
+        """Weights at ``min_version`` or newer (waited for); the newest published when the
+        stream is idle (a swap then rewrites no cache) or generation is interruptible.
+
+        A group that started from older weights than it had to would reach the learner
+        staler, and past ``η`` be dropped unread."""
         p = self.producer
-        if self.stream is None or self.stream.version < min_version:
-            with p.tracer.span("wait_for_version", version=min_version):
-                p.snapshots.wait_for(min_version, timeout=p.version_timeout)
-            with p.tracer.span("swap_weights", version=p.snapshots.latest_version()):
-                version, state = p.snapshots.load()
-            if self.stream is None:
-                engine = p.sampler
-                self.stream = engine.open_stream(
-                    state, version=version, prompt_slots=p.prompt_slots, slots=engine.decode_rows(p.group_size)
-                )
-            else:
-                self.stream.swap(version, state)
+        if self.stream is not None and self.stream.version >= min_version:
+            if self.stream.idle or p.interruptible:
+                update = p.newer_snapshot(self.stream.version)
+                if update is not None:
+                    self.stream.swap(*update)
+            return
+        with p.tracer.span("wait_for_version", version=min_version):
+            p.snapshots.wait_for(min_version, timeout=p.version_timeout)
+        with p.tracer.span("swap_weights", version=p.snapshots.latest_version()):
+            version, state = p.snapshots.load()
+        if self.stream is None:
+            engine = p.sampler
+            self.stream = engine.open_stream(
+                state, version=version, prompt_slots=p.prompt_slots, slots=engine.decode_rows(p.group_size)
+            )
+        else:
+            self.stream.swap(version, state)
 
     def _start(self, index: int, min_version: int) -> None:
         p = self.producer

@@ -112,3 +112,24 @@ def test_a_group_granted_a_newer_minimum_version_starts_from_it():
         versions = np.asarray(batch.token_version)[np.asarray(batch.response_mask)]
         assert (versions == 1).all() and delivered[index].oldest_version == 1
     assert {delivered[i].newest_version for i in (0, 1)} <= {0, 1}
+
+
+@pytest.mark.parametrize("interruptible", [False, True])
+def test_a_group_starting_on_an_idle_stream_starts_from_the_newest_snapshot(interruptible):
+    """Group 1 may start from version 0, but version 1 was published before it started and
+    the static stream is idle then (a swap rewrites no cache): every token of group 1 is
+    version 1. Starting from the stream's old weights would make the group a version staler
+    than it had to be: under ``fully_async`` the buffer then drops such groups unread."""
+    producer, snapshots = _producer(interruptible=interruptible, engine="static")
+    _, state = snapshots.load()
+    newer = jax.tree_util.tree_map(lambda x: x * 1.01, state)
+
+    def publish_before_group_1(grant):
+        if grant[0] == 1 and snapshots.latest_version() == 0:
+            snapshots.publish(1, newer)
+
+    delivered, _, _ = _stream(producer, [(0, 0), (1, 0)], publish_before_group_1)
+    batch = delivered[1].batch
+    versions = np.asarray(batch.token_version)[np.asarray(batch.response_mask)]
+    assert versions.size and (versions == 1).all()
+    assert delivered[1].oldest_version == 1
