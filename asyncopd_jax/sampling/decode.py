@@ -10,6 +10,8 @@ same weights → the same answer from the static and the continuous engine.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -20,6 +22,7 @@ from asyncopd_jax.sampling.records import Records
 Array = jax.Array
 
 
+@functools.partial(jax.jit, static_argnums=1)  # one dispatch per group, not a vmap traced each call
 def prompt_keys(key: Array, count: int) -> Array:
     """The sampling keys ``[count]`` of prompts ``0 .. count − 1`` of a call: ``fold_in(key, i)``."""
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(count))
