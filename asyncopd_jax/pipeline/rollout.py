@@ -18,8 +18,9 @@ The loop, per chunk of decode steps:
 1. start groups while the stream wants prompts (the continuous engine: fewer wait than
    it has slots; the static engine: no group in progress), each one granted by
    ``next_group``; it blocks only when the stream has nothing else to do;
-2. decode one chunk; hand every group whose last answer ended to ``deliver``, on a thread
-   of its own, beside the next chunks;
+2. decode one chunk; when groups ended in it, start the next ones that may start (step 1,
+   without blocking), then hand the ended groups to ``deliver``: on a thread of its own,
+   beside the next chunks, or here when nothing is left to decode;
 3. swap in a newer snapshot, if one was published (interruptible generation).
 
 A group starts from the newest published snapshot when the stream is idle (the swap
@@ -99,7 +100,9 @@ class RolloutLoop:
 
         ``deliver`` runs on a thread of its own, ``{name}-scoring``, one group after
         another, while the next chunks decode; an error it raises is raised here before the
-        next chunk, and the deliveries started finish before this returns."""
+        next chunk, and the deliveries started finish before this returns. With nothing left
+        to decode (a ``sync`` schedule's group, or the last) and no delivery in progress,
+        it runs here instead: a hop to another thread would only add latency."""
         p = self.producer
         with ThreadPoolExecutor(1, thread_name_prefix=f"{name}-scoring") as handoff:
             deliveries: list[Future[None]] = []
@@ -108,16 +111,28 @@ class RolloutLoop:
                 for done in [d for d in deliveries if d.done()]:
                     deliveries.remove(done)
                     done.result()  # a delivery's error, raised in this loop
-                while self.stream is None or self.stream.wants_prompts:
-                    granted = next_group(self.stream is None or self.stream.idle)
-                    if granted is None:
-                        break
-                    self._start(*granted)
+                self._start_groups(next_group, may_block=True)
                 assert self.stream is not None
-                for (index, problems, start, version), batch in self.stream.step():
+                ended = self.stream.step()
+                if ended:  # the next groups start decoding before these are delivered
+                    self._start_groups(next_group, may_block=False)
+                for (index, problems, start, version), batch in ended:
                     p.tracer.record("rollout", start, time.time(), version=version, **answer_lengths(batch))
-                    deliveries.append(handoff.submit(deliver, index, p.finish(batch, problems, version)))
+                    group = p.finish(batch, problems, version)
+                    if self.stream.idle and not any(not d.done() for d in deliveries):
+                        deliver(index, group)
+                    else:
+                        deliveries.append(handoff.submit(deliver, index, group))
                 if p.interruptible and not self.stream.idle:
                     update = p.newer_snapshot(self.stream.version)
                     if update is not None:
                         self.stream.swap(*update)
+
+    def _start_groups(self, next_group: NextGroup, may_block: bool) -> None:
+        """Start groups while the stream wants prompts and ``next_group`` grants them; it
+        blocks (``may_block``) only when the stream has nothing else to do."""
+        while self.stream is None or self.stream.wants_prompts:
+            granted = next_group(may_block and (self.stream is None or self.stream.idle))
+            if granted is None:
+                return
+            self._start(*granted)
