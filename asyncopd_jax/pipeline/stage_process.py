@@ -82,7 +82,12 @@ def run_stage(
         return 0
     except KeyboardInterrupt:
         return 130
-    except BaseException:  # noqa: BLE001 - the log is what the learner reports
+    except BaseException as err:  # noqa: BLE001 - the log is what the learner reports
+        if exchange.stopped:
+            # The run ended under it (a stage started by hand outlives the learner's join,
+            # which then removes the snapshot directory): what it was doing is not wanted.
+            print(f"{name}: the run stopped ({type(err).__name__} after the stop: {err})", flush=True)
+            return 0
         traceback.print_exc()
         sys.stderr.flush()
         return 1

@@ -99,3 +99,20 @@ def test_a_finished_group_spans_the_versions_of_its_answer_tokens_and_traces_its
     empty = producer.finish(_batch([[9, 9]], [[False, False]]), [0], 7)
     assert (empty.oldest_version, empty.newest_version) == (7, 7)
     assert set(tracer.totals()) == {"reward"} and len(tracer.events()) == 2
+
+
+@pytest.mark.parametrize("stopped", [True, False])
+def test_a_stage_process_whose_run_stopped_under_it_exits_cleanly(tmp_path, monkeypatch, stopped):
+    """A stage started by hand outlives the learner's join: once the run has stopped (STOP
+    written), the learner removes the snapshot directory under it. An error then is the end
+    of the run, exit 0; the same error while the run goes on is a failure, exit 1."""
+    from asyncopd_jax.pipeline import stage_process
+    from asyncopd_jax.pipeline.exchange import Exchange
+
+    def read(self):
+        if stopped:
+            self.stop_file.touch()
+        raise FileNotFoundError("the snapshot directory was removed while the run was using it")
+
+    monkeypatch.setattr(Exchange, "read", read)
+    assert stage_process.run_stage(tmp_path, "rollout", 0) == (0 if stopped else 1)
