@@ -417,7 +417,8 @@ class RunConfig:
     task: TaskConfig = TaskConfig()
     student: ModelSource = ModelSource()
     teacher: ModelSource = ModelSource()
-    # π_ref of estimator.reference_kl_coef (scored by the scoring stage); path '' = the student's starting weights
+    # π_ref of estimator.regularisers.reference_kl_coef (scored by the scoring stage); path '':
+    # the student's starting weights
     reference: ModelSource = ModelSource()
     sampling: SamplingParams = SamplingParams(max_new_tokens=32, num_candidates=4, chunk_steps=8)
     scoring: ScoringParams = ScoringParams(chunk_size=64)
@@ -464,20 +465,14 @@ class RunConfig:
         return batch // stages if batch % stages == 0 else batch
 
 
-def _setting(cfg: RunConfig, path: str) -> Any:
-    """The value of a ``section.field`` setting."""
-    section, field = path.split(".")
-    return getattr(getattr(cfg, section), field)
-
-
 def _validate(cfg: RunConfig) -> None:
     """The checks that span sections, each naming the fields involved (each section has
     checked its own fields when it was built)."""
     spec = cfg.estimator.spec
     for need in spec.needs:  # each id set the estimator reads, and the setting that makes it
         setting = ID_SOURCES[need].setting
-        if _setting(cfg, setting) < 1:
-            raise ConfigError(f"estimator.name = {cfg.estimator.name!r} needs {setting} >= 1")
+        if setting.read(cfg) < 1:
+            raise ConfigError(f"estimator.name = {cfg.estimator.name!r} needs {setting.name} >= 1")
     _validate_algorithm(cfg)
     extrapolation = cfg.learner.extrapolation
     if (
@@ -534,7 +529,7 @@ def _validate_algorithm(cfg: RunConfig) -> None:
     if not cfg.needs_scoring and cfg.stages.scoring_processes:
         raise ConfigError(
             f"stages.scoring_processes = {cfg.stages.scoring_processes} is invalid with algorithm = rl, "
-            "rl.distill_coef = 0 and estimator.reference_kl_coef = 0 (nothing to score); allowed: 0"
+            "rl.distill_coef = 0 and estimator.regularisers.reference_kl_coef = 0 (nothing to score); allowed: 0"
         )
     if cfg.task.name == "dataset" and not cfg.task.answer_field:
         raise ConfigError(
@@ -552,6 +547,31 @@ MOVED = {
     "schedule.rollout_workers": "stages.rollouts",
     "stages.rollout_processes": "stages.rollouts",
     "schedule.snapshot_in_memory": "stages.snapshot_in_memory",
+    # the estimator's knobs, grouped by what reads them
+    **{
+        f"estimator.{old}": f"estimator.{new}"
+        for old, new in {
+            "mc_clip_eps": "mc.clip_eps",
+            "mc_importance_sampling": "mc.importance_sampling",
+            "control_variate": "forward_mc.control_variate",
+            "topk_tail": "topk.tail",
+            "ppo_clip_eps": "ppo.clip_eps",
+            "dual_clip": "ppo.dual_clip",
+            "behavior_weight_cap": "ppo.behavior_weight_cap",
+            "behavior_weight_mode": "ppo.behavior_weight_mode",
+            "behavior_weight_floor": "ppo.behavior_weight_floor",
+            "gspo_clip_low": "gspo.clip_low",
+            "gspo_clip_high": "gspo.clip_high",
+            "tis_cap": "tis.cap",
+            "m2po_budget": "m2po.budget",
+            "second_moment_clip_budget": "second_moment_clip.budget",
+            "second_moment_clip_min_low": "second_moment_clip.min_low",
+            "second_moment_clip_min_high": "second_moment_clip.min_high",
+            "entropy_coef": "regularisers.entropy_coef",
+            "reference_kl_coef": "regularisers.reference_kl_coef",
+            "reference_kl": "regularisers.reference_kl",
+        }.items()
+    },
 }
 
 
@@ -563,8 +583,9 @@ def _from_dict(cls: type, data: Any, prefix: str) -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{prefix}." if prefix else ""
-        if f"{where}{unknown[0]}" in MOVED:
-            raise ConfigError(f"config field {where}{unknown[0]} is now {MOVED[where + unknown[0]]} (same values)")
+        moved = [where + u for u in unknown if where + u in MOVED]  # all of them: a config often has several
+        if moved:
+            raise ConfigError(f"config field {', '.join(f'{old} is now {MOVED[old]}' for old in moved)} (same values)")
         raise ConfigError(
             f"unknown config field {where}{unknown[0]}; allowed in {prefix or 'the top level'}: {', '.join(fields)}"
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +23,14 @@ from asyncopd_jax import estimators as est
 from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
 from asyncopd_jax.config_checks import check_fields
 from asyncopd_jax.estimators.stabilisers import ClipEps, clip_bounds
+from asyncopd_jax.metrics import Metrics
+
+if TYPE_CHECKING:  # the config imports this module
+    from asyncopd_jax.config import RunConfig
 
 Array = jax.Array
 _T = TypeVar("_T")
+_O = TypeVar("_O", RolloutBatch, TeacherScoreCache)  # the data contracts an id set is read from
 
 
 def _given(value: _T | None) -> _T:
@@ -52,97 +57,216 @@ _CLIP_RANGE = "ε with 0 <= ε < 1, or [ε_low, ε_high] with 0 <= ε_low < 1 an
 
 
 @dataclasses.dataclass(frozen=True)
-class EstimatorConfig:
-    """The estimator and its knobs: the ``estimator`` section of a run's config (hashable,
-    so it can be a static jit argument). Each field is checked on construction.
+class MCConfig:
+    """``estimator.mc``: the reverse-KL Monte-Carlo estimators (``reverse_kl_mc``,
+    ``reverse_kl_mc_stale``, ``reverse_kl_pg``, ``reverse_kl_pg_stale``).
 
     Attributes:
-      name: one of :data:`ESTIMATORS`.
-      mc_clip_eps: PPO-style clip of the MC importance ratio (``reverse_kl_mc*``,
-        ``reverse_kl_pg*``): ``ε`` or ``(ε_low, ε_high)``; None: no clip.
-      mc_importance_sampling: weight MC candidates by ``π_θ / μ`` (``reverse_kl_mc``,
-        ``reverse_kl_mc_stale``, ``reverse_kl_pg*``); False treats μ's draws as if from
-        π_θ (biased under staleness: for the studies).
-      topk_tail: add the tail bucket to the top-K estimators.
-      control_variate: use the k3 form of ``forward_kl_mc``.
-      ppo_clip_eps: clip range of ``ppo_clip``, ``decoupled_ppo``: ``ε`` or ``(ε_low, ε_high)``.
-      dual_clip: dual-clip constant ``c > 1`` of the PPO-style losses, or None.
+      clip_eps: PPO-style clip of the MC importance ratio: ``ε`` or ``(ε_low, ε_high)``;
+        None: no clip.
+      importance_sampling: weight MC candidates by ``π_θ / μ``; False treats μ's draws as
+        if from π_θ (biased under staleness: for the studies).
+    """
+
+    clip_eps: ClipEps | None = None
+    importance_sampling: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(
+            "estimator.mc", [("clip_eps", self.clip_eps, _clip_range_ok(self.clip_eps), f"null, {_CLIP_RANGE}")]
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardMCConfig:
+    """``estimator.forward_mc``: ``forward_kl_mc``.
+
+    Attributes:
+      control_variate: use the k3 form of the estimator.
+    """
+
+    control_variate: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TopKConfig:
+    """``estimator.topk``: the top-K estimators (``forward_kl_topk``, ``reverse_kl_topk``).
+
+    Attributes:
+      tail: add the tail bucket (the mass outside the K ids).
+    """
+
+    tail: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+    """``estimator.ppo``: the PPO-style losses (``ppo_clip``, ``decoupled_ppo``; ``dual_clip``
+    also ``second_moment_clip``'s).
+
+    Attributes:
+      clip_eps: the clip range: ``ε`` or ``(ε_low, ε_high)``.
+      dual_clip: dual-clip constant ``c > 1``, or None.
       behavior_weight_cap: decoupled PPO's cap on ``π_prox / μ``.
       behavior_weight_mode: what that cap does: mask the token (``"mask"``) or clamp the
         weight (``"truncate"``).
       behavior_weight_floor: decoupled PPO masks tokens whose ``π_prox / μ`` is below it.
-      gspo_clip_low, gspo_clip_high: GSPO's clip range ``(ε_low, ε_high)`` of the sequence ratio.
-      tis_cap: truncated IS cap.
-      m2po_budget: M2PO's second-moment budget τ_M2 (``m2po``).
-      second_moment_clip_budget, second_moment_clip_min_low, second_moment_clip_min_high:
-        the budget and the range floors of ``second_moment_clip``.
-      stabiliser_signal: the teacher reward the stabilisers use as advantage in
-        distillation: ``"stale"`` = ``log q − log μ`` fixed at rollout time (the async-RL
-        practice), ``"recompute"`` = ``log q − log π_θ`` at learner time.
+    """
+
+    clip_eps: ClipEps = 0.2
+    dual_clip: float | None = None
+    behavior_weight_cap: float | None = 5.0
+    behavior_weight_mode: Literal["mask", "truncate"] = "mask"
+    behavior_weight_floor: float | None = None
+
+    def __post_init__(self) -> None:
+        floor, cap = self.behavior_weight_floor, self.behavior_weight_cap
+        check_fields(
+            "estimator.ppo",
+            [
+                ("clip_eps", self.clip_eps, _clip_range_ok(self.clip_eps), _CLIP_RANGE),
+                (
+                    "behavior_weight_floor",
+                    floor,
+                    floor is None or 0 <= floor < (cap or float("inf")),
+                    "null, or >= 0 and below estimator.ppo.behavior_weight_cap",
+                ),
+            ],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class GSPOConfig:
+    """``estimator.gspo``: ``gspo`` and ``gspo_token``.
+
+    Attributes:
+      clip_low, clip_high: the clip range ``(ε_low, ε_high)`` of the sequence ratio.
+    """
+
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+
+    def __post_init__(self) -> None:
+        check_fields(
+            "estimator.gspo",
+            [
+                ("clip_low", self.clip_low, 0 <= self.clip_low < 1, "0 <= ε_low < 1"),
+                ("clip_high", self.clip_high, self.clip_high >= 0, ">= 0"),
+            ],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TISConfig:
+    """``estimator.tis``: ``truncated_is``.
+
+    Attributes:
+      cap: the cap of the truncated importance weights.
+    """
+
+    cap: float = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class M2POConfig:
+    """``estimator.m2po``: ``m2po``.
+
+    Attributes:
+      budget: the second-moment budget τ_M2.
+    """
+
+    budget: float = 0.04
+
+    def __post_init__(self) -> None:
+        check_fields("estimator.m2po", [("budget", self.budget, self.budget >= 0, ">= 0")])
+
+
+@dataclasses.dataclass(frozen=True)
+class SecondMomentClipConfig:
+    """``estimator.second_moment_clip``: ``second_moment_clip`` (its dual clip is
+    ``estimator.ppo.dual_clip``).
+
+    Attributes:
+      budget: the second-moment budget that sets the clip range.
+      min_low, min_high: the floors of the range's low and high margins.
+    """
+
+    budget: float = 0.04
+    min_low: float = 0.3
+    min_high: float = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class RegularisersConfig:
+    """``estimator.regularisers``: terms added to every token's loss, whatever the estimator
+    (:func:`evaluate_estimator` adds them).
+
+    Attributes:
+      entropy_coef: weight c of the entropy bonus ``−c · H(π_θ)`` (0: none; the entropy is
+        a metric either way).
+      reference_kl_coef, reference_kl: weight and estimator (k1 / k2 / k3) of a
+        KL(π_θ ‖ π_ref) term, on ``RolloutBatch.reference_logp`` (0: none; π_ref: the run's
+        ``reference`` model).
+    """
+
+    entropy_coef: float = 0.0
+    reference_kl_coef: float = 0.0
+    reference_kl: est.ReferenceKL = "k3"
+
+    def __post_init__(self) -> None:
+        check_fields(
+            "estimator.regularisers",
+            [
+                (
+                    "reference_kl_coef",
+                    self.reference_kl_coef,
+                    self.reference_kl_coef >= 0,
+                    ">= 0 (0: no KL-to-reference term)",
+                )
+            ],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorConfig:
+    """The estimator and its knobs: the ``estimator`` section of a run's config (hashable,
+    so it can be a static jit argument). The knobs are grouped by what reads them, one
+    sub-section each; every field is checked on construction.
+
+    Attributes:
+      name: one of :data:`ESTIMATORS`.
       aggregation: how per-token losses become the loss (verl's ``loss_agg_mode`` names;
         see :mod:`asyncopd_jax.estimators.reductions`).
-      entropy_coef: weight c of the entropy bonus ``−c · H(π_θ)`` added to every token's
-        loss (0: none; the entropy is a metric either way).
-      reference_kl_coef, reference_kl: weight and estimator (k1 / k2 / k3) of a
-        KL(π_θ ‖ π_ref) term added to every token's loss, on
-        ``RolloutBatch.reference_logp`` (0: none; π_ref: the run's ``reference`` model).
+      stabiliser_signal: the teacher reward the advantage estimators (``needs_advantage``)
+        use as advantage in distillation: ``"stale"`` = ``log q − log μ`` fixed at rollout
+        time (the async-RL practice), ``"recompute"`` = ``log q − log π_θ`` at learner time.
       check_inputs: add ``checkify`` checks that every log-prob the estimator is given is a
         log-prob (:mod:`asyncopd_jax.estimators.checks`; a debug mode: the learner then
         checks each step's error on the host).
+      mc, forward_mc, topk, ppo, gspo, tis, m2po, second_moment_clip: the knobs of the
+        estimators that read them (each class says which).
+      regularisers: the entropy bonus and KL-to-reference term added to every estimator.
 
     The RL weight β of the teacher's signal (``rl.distill_coef``) is not a knob of the
     estimator but of the run: the loss takes it beside this config (:func:`evaluate_estimator`).
     """
 
     name: str = "reverse_kl_mc"
-    mc_clip_eps: ClipEps | None = None
-    mc_importance_sampling: bool = True
-    topk_tail: bool = True
-    control_variate: bool = False
-    ppo_clip_eps: ClipEps = 0.2
-    dual_clip: float | None = None
-    behavior_weight_cap: float | None = 5.0
-    behavior_weight_mode: Literal["mask", "truncate"] = "mask"
-    behavior_weight_floor: float | None = None
-    gspo_clip_low: float = 3e-4
-    gspo_clip_high: float = 4e-4
-    tis_cap: float = 2.0
-    m2po_budget: float = 0.04
-    second_moment_clip_budget: float = 0.04
-    second_moment_clip_min_low: float = 0.3
-    second_moment_clip_min_high: float = 0.5
-    stabiliser_signal: Literal["stale", "recompute"] = "stale"
     aggregation: est.Aggregation = "token-mean"
-    entropy_coef: float = 0.0
-    reference_kl_coef: float = 0.0
-    reference_kl: est.ReferenceKL = "k3"
+    stabiliser_signal: Literal["stale", "recompute"] = "stale"
     check_inputs: bool = False
+    mc: MCConfig = MCConfig()
+    forward_mc: ForwardMCConfig = ForwardMCConfig()
+    topk: TopKConfig = TopKConfig()
+    ppo: PPOConfig = PPOConfig()
+    gspo: GSPOConfig = GSPOConfig()
+    tis: TISConfig = TISConfig()
+    m2po: M2POConfig = M2POConfig()
+    second_moment_clip: SecondMomentClipConfig = SecondMomentClipConfig()
+    regularisers: RegularisersConfig = RegularisersConfig()
 
     def __post_init__(self) -> None:
-        floor, cap = self.behavior_weight_floor, self.behavior_weight_cap
-        check_fields(
-            "estimator",
-            [
-                ("name", self.name, self.name in ESTIMATORS, ", ".join(sorted(ESTIMATORS))),
-                ("mc_clip_eps", self.mc_clip_eps, _clip_range_ok(self.mc_clip_eps), f"null, {_CLIP_RANGE}"),
-                ("ppo_clip_eps", self.ppo_clip_eps, _clip_range_ok(self.ppo_clip_eps), _CLIP_RANGE),
-                ("gspo_clip_low", self.gspo_clip_low, 0 <= self.gspo_clip_low < 1, "0 <= ε_low < 1"),
-                ("gspo_clip_high", self.gspo_clip_high, self.gspo_clip_high >= 0, ">= 0"),
-                (
-                    "reference_kl_coef",
-                    self.reference_kl_coef,
-                    self.reference_kl_coef >= 0,
-                    ">= 0 (0: no KL-to-reference term)",
-                ),
-                ("m2po_budget", self.m2po_budget, self.m2po_budget >= 0, ">= 0"),
-                (
-                    "behavior_weight_floor",
-                    floor,
-                    floor is None or 0 <= floor < (cap or float("inf")),
-                    "null, or >= 0 and below estimator.behavior_weight_cap",
-                ),
-            ],
-        )
+        check_fields("estimator", [("name", self.name, self.name in ESTIMATORS, ", ".join(sorted(ESTIMATORS)))])
 
     @property
     def spec(self) -> EstimatorSpec:
@@ -152,7 +276,7 @@ class EstimatorConfig:
     @property
     def needs_reference_logp(self) -> bool:
         """Whether the loss has a KL-to-reference term, read on ``RolloutBatch.reference_logp``."""
-        return self.reference_kl_coef != 0
+        return self.regularisers.reference_kl_coef != 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,29 +308,107 @@ class EstimatorInputs:
 EstimatorFn = Callable[[EstimatorInputs, EstimatorConfig], Array]
 
 
+class _AttributePath:
+    """Stands in for an object to record the attributes a reader follows (:func:`_attribute_path`)."""
+
+    def __init__(self, names: tuple[str, ...] = ()) -> None:
+        self._names = names
+
+    def __getattr__(self, name: str) -> _AttributePath:
+        return _AttributePath((*self._names, name))
+
+
+def _attribute_path(read: Callable[[Any], object]) -> str:
+    """The dotted attributes a pure attribute reader follows: ``lambda cfg:
+    cfg.sampling.num_candidates`` → ``"sampling.num_candidates"``. The reader is typed (a
+    type checker checks its attributes), and the name it is shown by is read off it, so the
+    two cannot disagree."""
+    path = read(_AttributePath())
+    if not isinstance(path, _AttributePath) or not path._names:
+        raise TypeError(f"{read!r} must only read attributes (e.g. lambda cfg: cfg.sampling.num_candidates)")
+    return ".".join(path._names)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayField(Generic[_O]):
+    """One optional array field of a data contract (:class:`RolloutBatch`,
+    :class:`TeacherScoreCache`), by typed reference: ``read`` is the field's accessor,
+    ``str()`` names it (e.g. ``RolloutBatch.candidate_ids``)."""
+
+    owner: type[_O]
+    read: Callable[[_O], Array | None]
+    name: str = dataclasses.field(init=False)  # read off ``read``
+
+    def __post_init__(self) -> None:
+        name = _attribute_path(self.read)
+        if name not in {f.name for f in dataclasses.fields(self.owner)}:
+            raise TypeError(f"{self.owner.__name__} has no field {name!r}")
+        object.__setattr__(self, "name", name)
+
+    def __str__(self) -> str:
+        return f"{self.owner.__name__}.{self.name}"
+
+    def read_from(self, *objects: object) -> Array | None:
+        """The field of whichever of ``objects`` is an ``owner`` (None: none is, or it holds none)."""
+        for obj in objects:
+            if isinstance(obj, self.owner):
+                return self.read(obj)
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """A count of the run's config, by typed reference: ``read(cfg)`` its value, ``name`` (and
+    ``str()``) its dotted name, as ``--set`` takes it (``sampling.num_candidates``)."""
+
+    read: Callable[[RunConfig], int]
+    name: str = dataclasses.field(init=False)  # read off ``read``
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", _attribute_path(self.read))
+
+    def __str__(self) -> str:
+        return self.name
+
+
 @dataclasses.dataclass(frozen=True)
 class IdSource:
     """Where the ids of one :class:`StudentLogProbs` field come from.
 
     Attributes:
-      owner: the object holding them: the rollout (``"batch"``) or the teacher's cache.
-      ids: its attribute holding the ids ``[B, T, n]``.
-      scores: the :class:`TeacherScoreCache` attribute of the teacher's log-probs on them.
-      setting: the run config's count (``section.field``) that makes the rollout or
-        scoring stage produce them; 0 makes none.
+      ids: the field holding the ids ``[B, T, n]``, of the rollout or of the teacher's cache
+        (``ids.owner``).
+      scores: the :class:`TeacherScoreCache` field of the teacher's log-probs on them.
+      setting: the run config's count that makes the rollout or scoring stage produce
+        them; 0 makes none.
     """
 
-    owner: Literal["batch", "cache"]
-    ids: str
-    scores: str
-    setting: str
+    ids: ArrayField[RolloutBatch] | ArrayField[TeacherScoreCache]
+    scores: ArrayField[TeacherScoreCache]
+    setting: Setting
 
 
 ID_SOURCES: dict[str, IdSource] = {
-    "candidates": IdSource("batch", "candidate_ids", "candidate_logp", "sampling.num_candidates"),
-    "student_topk": IdSource("batch", "student_topk_ids", "student_topk_logp", "sampling.student_topk"),
-    "teacher_topk": IdSource("cache", "topk_ids", "topk_logp", "scoring.topk"),
-    "teacher_samples": IdSource("cache", "sample_ids", "sample_logp", "scoring.num_samples"),
+    "candidates": IdSource(
+        ArrayField(RolloutBatch, lambda b: b.candidate_ids),
+        ArrayField(TeacherScoreCache, lambda c: c.candidate_logp),
+        Setting(lambda cfg: cfg.sampling.num_candidates),
+    ),
+    "student_topk": IdSource(
+        ArrayField(RolloutBatch, lambda b: b.student_topk_ids),
+        ArrayField(TeacherScoreCache, lambda c: c.student_topk_logp),
+        Setting(lambda cfg: cfg.sampling.student_topk),
+    ),
+    "teacher_topk": IdSource(
+        ArrayField(TeacherScoreCache, lambda c: c.topk_ids),
+        ArrayField(TeacherScoreCache, lambda c: c.topk_logp),
+        Setting(lambda cfg: cfg.scoring.topk),
+    ),
+    "teacher_samples": IdSource(
+        ArrayField(TeacherScoreCache, lambda c: c.sample_ids),
+        ArrayField(TeacherScoreCache, lambda c: c.sample_logp),
+        Setting(lambda cfg: cfg.scoring.num_samples),
+    ),
 }
 
 
@@ -268,7 +470,7 @@ def _advantage(
 
 
 def _forward_kl_topk(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.forward_kl_topk(_given(x.student.teacher_topk), _given(x.scores.topk_logp), tail=c.topk_tail)
+    return est.forward_kl_topk(_given(x.student.teacher_topk), _given(x.scores.topk_logp), tail=c.topk.tail)
 
 
 def _forward_kl_topk_renormalized(x: EstimatorInputs, c: EstimatorConfig) -> Array:
@@ -277,12 +479,12 @@ def _forward_kl_topk_renormalized(x: EstimatorInputs, c: EstimatorConfig) -> Arr
 
 def _forward_kl_mc(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     return est.forward_kl_mc(
-        _given(x.student.teacher_samples), _given(x.scores.sample_logp), control_variate=c.control_variate
+        _given(x.student.teacher_samples), _given(x.scores.sample_logp), control_variate=c.forward_mc.control_variate
     )
 
 
 def _reverse_kl_topk(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.reverse_kl_topk(_given(x.student.student_topk), _given(x.scores.student_topk_logp), tail=c.topk_tail)
+    return est.reverse_kl_topk(_given(x.student.student_topk), _given(x.scores.student_topk_logp), tail=c.topk.tail)
 
 
 def _mc(student: Array, behavior: Array, teacher: Array, c: EstimatorConfig, *, recompute: bool) -> Array:
@@ -292,8 +494,8 @@ def _mc(student: Array, behavior: Array, teacher: Array, c: EstimatorConfig, *, 
         behavior,
         teacher,
         recompute=recompute,
-        importance_sampling=c.mc_importance_sampling,
-        clip_eps=c.mc_clip_eps,
+        importance_sampling=c.mc.importance_sampling,
+        clip_eps=c.mc.clip_eps,
     )
 
 
@@ -340,7 +542,7 @@ def _reverse_kl_pg_stale(x: EstimatorInputs, c: EstimatorConfig) -> Array:
 
 def _ppo_clip(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     return est.ppo_clip_loss(
-        x.student.token, x.batch.behavior_logp, _given(x.advantage), clip_eps=c.ppo_clip_eps, dual_clip=c.dual_clip
+        x.student.token, x.batch.behavior_logp, _given(x.advantage), clip_eps=c.ppo.clip_eps, dual_clip=c.ppo.dual_clip
     )
 
 
@@ -350,11 +552,11 @@ def _decoupled_ppo(x: EstimatorInputs, c: EstimatorConfig) -> Array:
         _given(x.proximal).token,
         x.batch.behavior_logp,
         _given(x.advantage),
-        clip_eps=c.ppo_clip_eps,
-        dual_clip=c.dual_clip,
-        behavior_weight_cap=c.behavior_weight_cap,
-        behavior_weight_mode=c.behavior_weight_mode,
-        behavior_weight_floor=c.behavior_weight_floor,
+        clip_eps=c.ppo.clip_eps,
+        dual_clip=c.ppo.dual_clip,
+        behavior_weight_cap=c.ppo.behavior_weight_cap,
+        behavior_weight_mode=c.ppo.behavior_weight_mode,
+        behavior_weight_floor=c.ppo.behavior_weight_floor,
     )
 
 
@@ -367,7 +569,7 @@ def _gspo_at(level: Literal["sequence", "token"]) -> EstimatorFn:
             x.batch.behavior_logp,
             _given(x.advantage),
             x.batch.response_mask,
-            clip_eps=(c.gspo_clip_low, c.gspo_clip_high),
+            clip_eps=(c.gspo.clip_low, c.gspo.clip_high),
             level=level,
         )
 
@@ -375,7 +577,7 @@ def _gspo_at(level: Literal["sequence", "token"]) -> EstimatorFn:
 
 
 def _truncated_is(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.truncated_is_loss(x.student.token, x.batch.behavior_logp, _given(x.advantage), cap=c.tis_cap)
+    return est.truncated_is_loss(x.student.token, x.batch.behavior_logp, _given(x.advantage), cap=c.tis.cap)
 
 
 def _m2po(x: EstimatorInputs, c: EstimatorConfig) -> Array:
@@ -384,7 +586,7 @@ def _m2po(x: EstimatorInputs, c: EstimatorConfig) -> Array:
         x.batch.behavior_logp,
         _given(x.advantage),
         x.batch.response_mask,
-        second_moment_budget=c.m2po_budget,
+        second_moment_budget=c.m2po.budget,
     )
 
 
@@ -394,10 +596,10 @@ def _second_moment_clip(x: EstimatorInputs, c: EstimatorConfig) -> Array:
         x.batch.behavior_logp,
         _given(x.advantage),
         x.batch.response_mask,
-        second_moment_budget=c.second_moment_clip_budget,
-        min_low_margin=c.second_moment_clip_min_low,
-        min_high_margin=c.second_moment_clip_min_high,
-        dual_clip=c.dual_clip,
+        second_moment_budget=c.second_moment_clip.budget,
+        min_low_margin=c.second_moment_clip.min_low,
+        min_high_margin=c.second_moment_clip.min_high,
+        dual_clip=c.ppo.dual_clip,
     )
 
 
@@ -531,11 +733,10 @@ def required_ids(name: str, batch: RolloutBatch, cache: TeacherScoreCache | None
     ids: dict[str, Array] = {"token": batch.response_tokens}
     for field in spec.needs:
         source = ID_SOURCES[field]
-        value = getattr(batch if source.owner == "batch" else cache, source.ids, None)
-        if value is None or getattr(cache, source.scores, None) is None:
-            where = "RolloutBatch" if source.owner == "batch" else "TeacherScoreCache"
+        value = source.ids.read_from(batch, cache)
+        if value is None or source.scores.read_from(cache) is None:
             raise ValueError(
-                f"estimator {name!r} needs {where}.{source.ids} and TeacherScoreCache.{source.scores}; the rollout "
+                f"estimator {name!r} needs {source.ids} and {source.scores}; the rollout "
                 f"or teacher-scoring stage was not configured to produce them ({source.setting} >= 1)"
             )
         ids[field] = value
@@ -644,14 +845,15 @@ def _require_inputs(
     if cache is None and spec.needs_teacher_scores(rl=rl, distill_coef=distill_coef):
         why = f"distill_coef = {distill_coef}" if rl else f"estimator {name!r}"
         raise ValueError(f"{why} needs the teacher's scores (a TeacherScoreCache)")
+    regularisers = config.regularisers
     if config.needs_reference_logp and batch.reference_logp is None:
         raise ValueError(
-            f"reference_kl_coef = {config.reference_kl_coef} needs RolloutBatch.reference_logp "
+            f"reference_kl_coef = {regularisers.reference_kl_coef} needs RolloutBatch.reference_logp "
             "(the scoring stage scores the reference policy)"
         )
-    if config.entropy_coef and student.entropy is None:
+    if regularisers.entropy_coef and student.entropy is None:
         raise ValueError(
-            f"entropy_coef = {config.entropy_coef} needs StudentLogProbs.entropy "
+            f"entropy_coef = {regularisers.entropy_coef} needs StudentLogProbs.entropy "
             "(gather_logprobs_and_entropy_from_hidden)"
         )
 
@@ -664,20 +866,22 @@ def evaluate_estimator(
     *,
     proximal: StudentLogProbs | None = None,
     distill_coef: float = 0.0,
-) -> tuple[Array, dict[str, Array]]:
+) -> tuple[Array, Metrics]:
     """Evaluate the configured estimator: per-token losses ``[B, T]`` and scalar metrics.
 
     The losses include the optional regularisers of ``config`` (entropy bonus, KL to a
     reference). Reduce them with ``aggregate(values, batch.response_mask, mode)``
     (or the numerator/denominator forms across micro-batches). Non-finite inputs at
     padded positions (``batch.response_mask`` 0) are replaced by 0 first, so that they
-    reach neither the loss nor its gradient; finite ones are left as they are. Metrics are token means
-    over the response mask: the loss, the 1-sample reverse-KL signal ``log π_θ − log q``
-    on the sampled tokens, the importance ratio ``π_θ / μ`` of the sampled tokens (mean
-    and max), ``zero_grad_fraction``, the share of tokens the estimator gives no gradient
-    at all (PPO-style clipped or M2PO-masked), the student's ``entropy`` where
-    ``student.entropy`` is given, and ``reference_kl`` (k3) where the batch has
-    reference log-probs.
+    reach neither the loss nor its gradient; finite ones are left as they are. The metrics
+    (:class:`~asyncopd_jax.metrics.Metrics`) are token means over the response mask
+    (``means``): the loss, the 1-sample reverse-KL signal ``log π_θ − log q`` on the
+    sampled tokens, the importance ratio ``π_θ / μ`` of the sampled tokens
+    (``importance_ratio_mean``), ``zero_grad_fraction``, the share of tokens the estimator
+    gives no gradient at all (PPO-style clipped or M2PO-masked), the student's ``entropy``
+    where ``student.entropy`` is given, and ``reference_kl`` (k3) where the batch has
+    reference log-probs; and the largest importance ratio (``maxes``:
+    ``importance_ratio_max``).
 
     Args:
       config: the estimator (``config.name``, one of :data:`ESTIMATORS`) and its knobs.
@@ -690,7 +894,7 @@ def evaluate_estimator(
         0: pure RL, no teacher scores needed).
 
     Returns:
-      ``(values [B, T] fp32, metrics dict of fp32 scalars)``.
+      ``(values [B, T] fp32, metrics: fp32 scalars by their reduction over parts)``.
     """
     spec = config.spec
     _require_inputs(config, batch, cache, student, proximal, distill_coef)
@@ -712,25 +916,26 @@ def evaluate_estimator(
     moved = jnp.zeros(mask.shape, bool)
     for g in jax.tree_util.tree_leaves(jax.lax.stop_gradient(grads)):
         moved = moved | ((g != 0) if g.ndim == mask.ndim else jnp.any(g != 0, axis=-1))
-    if config.entropy_coef:
-        values = values - config.entropy_coef * _given(student.entropy)
+    regularisers = config.regularisers
+    if regularisers.entropy_coef:
+        values = values - regularisers.entropy_coef * _given(student.entropy)
     if config.needs_reference_logp:
-        values = values + config.reference_kl_coef * est.reference_kl(
-            student.token, _given(batch.reference_logp), config.reference_kl
+        values = values + regularisers.reference_kl_coef * est.reference_kl(
+            student.token, _given(batch.reference_logp), regularisers.reference_kl
         )
     token_ratio = est.importance_ratio(jax.lax.stop_gradient(student.token), batch.behavior_logp)
-    metrics = {
+    means = {
         "loss": est.token_mean(jax.lax.stop_gradient(values), mask),
         "importance_ratio_mean": est.token_mean(token_ratio, mask),
-        "importance_ratio_max": jnp.max(jnp.where(mask, token_ratio, 0.0)),
         "zero_grad_fraction": est.token_mean((~moved).astype(jnp.float32), mask),
     }
+    maxes = {"importance_ratio_max": jnp.max(jnp.where(mask, token_ratio, 0.0))}
     if student.entropy is not None:
-        metrics["entropy"] = est.token_mean(jax.lax.stop_gradient(student.entropy), mask)
+        means["entropy"] = est.token_mean(jax.lax.stop_gradient(student.entropy), mask)
     if batch.reference_logp is not None:
-        metrics["reference_kl"] = est.token_mean(
+        means["reference_kl"] = est.token_mean(
             est.reference_kl(jax.lax.stop_gradient(student.token), batch.reference_logp, "k3"), mask
         )
     if cache is not None:  # reward-driven RL without distillation has no teacher scores
-        metrics["reverse_kl_signal"] = est.token_mean(jax.lax.stop_gradient(student.token) - cache.token_logp, mask)
-    return values, metrics
+        means["reverse_kl_signal"] = est.token_mean(jax.lax.stop_gradient(student.token) - cache.token_logp, mask)
+    return values, Metrics(means=means, maxes=maxes)

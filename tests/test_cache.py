@@ -23,6 +23,29 @@ from asyncopd_jax.estimator_registry import (
 B, P, T, V, N, K = 2, 3, 5, 13, 4, 3
 
 
+def _estimator(name: str, knobs: dict[str, object] | None = None) -> EstimatorConfig:
+    """``EstimatorConfig(name)`` with ``knobs`` set by their path in the ``estimator`` section
+    (``"ppo.clip_eps"``, ``"stabiliser_signal"``)."""
+    config = EstimatorConfig(name)
+    for path, value in (knobs or {}).items():
+        group, _, field = path.rpartition(".")
+        if group:
+            value = dataclasses.replace(getattr(config, group), **{field: value})
+            field = group
+        config = dataclasses.replace(config, **{field: value})
+    return config
+
+
+def _knob_paths(cls: type = EstimatorConfig, prefix: str = "") -> set[str]:
+    """Every knob of the ``estimator`` section, by its path."""
+    paths = set()
+    for f in dataclasses.fields(cls):
+        default = getattr(cls(), f.name)
+        sub = type(default) if dataclasses.is_dataclass(default) else None
+        paths |= _knob_paths(sub, f"{prefix}{f.name}.") if sub else {prefix + f.name}
+    return paths
+
+
 def _world(seed: int = 0, teacher_equals_student: bool = False):
     """Student/behaviour/teacher logits [B, T, V] and a full batch + cache built from them."""
     rng = np.random.default_rng(seed)
@@ -139,7 +162,7 @@ def test_named_estimators_match_the_functions_they_name():
     for name, want in direct.items():
         got, metrics = jax.jit(evaluate_estimator, static_argnums=0)(EstimatorConfig(name), batch, cache, s)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=name)
-        np.testing.assert_allclose(metrics["loss"], est.token_mean(want, batch.response_mask), rtol=1e-6)
+        np.testing.assert_allclose(metrics.means["loss"], est.token_mean(want, batch.response_mask), rtol=1e-6)
 
 
 # The stale signal log μ − log q is not 0 at teacher = student (μ is an older student).
@@ -151,7 +174,7 @@ def test_every_named_estimator_is_zero_when_teacher_equals_student_and_alignment
     """Teacher = student (at the learner's own weights): 0 loss, 0 gradient. Shifting the
     teacher rows by one position (an off-by-one cache) must break that."""
     student, teacher, batch, cache = _world(3, teacher_equals_student=True)
-    config = EstimatorConfig(name, control_variate=True, stabiliser_signal="recompute")
+    config = _estimator(name, {"forward_mc.control_variate": True, "stabiliser_signal": "recompute"})
 
     def loss(logits, cache):
         s = _all_logprobs(logits, batch, cache)
@@ -199,15 +222,15 @@ def test_zero_grad_fraction_counts_the_tokens_ppo_clips():
     mask = np.asarray(batch.response_mask)
     assert 0 < clipped[mask].mean() < 1  # both kinds of token are there
     _, metrics = evaluate_estimator(EstimatorConfig("ppo_clip"), batch, cache, s)
-    np.testing.assert_allclose(metrics["zero_grad_fraction"], clipped[mask].mean(), rtol=1e-6)
+    np.testing.assert_allclose(metrics.means["zero_grad_fraction"], clipped[mask].mean(), rtol=1e-6)
     _, metrics = evaluate_estimator(EstimatorConfig("reverse_kl_mc"), batch, cache, s)
-    assert metrics["zero_grad_fraction"] == 0.0
+    assert metrics.means["zero_grad_fraction"] == 0.0
 
 
 def test_mc_importance_sampling_can_be_switched_off_by_name():
     student, _, batch, cache = _world(6)
     s = _all_logprobs(student, batch, cache)
-    got, _ = evaluate_estimator(EstimatorConfig("reverse_kl_mc_stale", mc_importance_sampling=False), batch, cache, s)
+    got, _ = evaluate_estimator(_estimator("reverse_kl_mc_stale", {"mc.importance_sampling": False}), batch, cache, s)
     want = est.reverse_kl_mc(
         s.candidates, batch.candidate_behavior_logp, cache.candidate_logp, recompute=False, importance_sampling=False
     )
@@ -242,7 +265,7 @@ def test_rl_stabilisers_weight_the_reward_advantage_plus_beta_times_the_teacher_
     weight = np.exp(prox - behavior)  # π_prox / μ, capped at 5 by the default behaviour-weight cap
     want = np.where(weight <= 5.0, weight * oracle.ppo_clip(np.asarray(s.token, np.float64), prox, adv, 0.8, 1.2), 0.0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert ("reverse_kl_signal" in metrics) == bool(beta)  # no teacher scores, no KL metric
+    assert ("reverse_kl_signal" in metrics.means) == bool(beta)  # no teacher scores, no KL metric
     got, _ = evaluate_estimator(EstimatorConfig("ppo_clip"), batch, cache if beta else None, s, distill_coef=beta)
     np.testing.assert_allclose(
         got, oracle.ppo_clip(np.asarray(s.token, np.float64), behavior, adv, 0.8, 1.2), rtol=1e-5, atol=1e-6
@@ -268,54 +291,52 @@ def test_the_regularisers_are_added_to_every_estimator_by_name(kind):
     )
     reference = (np.asarray(s.token) + np.random.default_rng(9).normal(scale=0.3, size=(B, T))).astype(np.float32)
     batch = dataclasses.replace(batch, reference_logp=jnp.asarray(reference))
-    knobs = dict(entropy_coef=0.1, reference_kl_coef=0.5, reference_kl=kind)
+    knobs = {"regularisers.entropy_coef": 0.1, "regularisers.reference_kl_coef": 0.5, "regularisers.reference_kl": kind}
     for name in ("forward_kl_topk", "ppo_clip"):
         base, base_metrics = evaluate_estimator(EstimatorConfig(name), batch, cache, s)
-        got, metrics = evaluate_estimator(EstimatorConfig(name, **knobs), batch, cache, s)
+        got, metrics = evaluate_estimator(_estimator(name, knobs), batch, cache, s)
         np.testing.assert_allclose(
             got, base - 0.1 * s.entropy + 0.5 * est.reference_kl(s.token, reference, kind), rtol=1e-5, atol=1e-6
         )
         mask = np.asarray(batch.response_mask)
-        np.testing.assert_allclose(metrics["entropy"], np.asarray(s.entropy)[mask].mean(), rtol=1e-6)
+        np.testing.assert_allclose(metrics.means["entropy"], np.asarray(s.entropy)[mask].mean(), rtol=1e-6)
         d = np.asarray(s.token, np.float64) - reference
-        np.testing.assert_allclose(metrics["reference_kl"], (np.exp(-d) - 1 + d)[mask].mean(), rtol=1e-5)
+        np.testing.assert_allclose(metrics.means["reference_kl"], (np.exp(-d) - 1 + d)[mask].mean(), rtol=1e-5)
     with pytest.raises(ValueError, match="reference_kl_coef = 0.5 needs RolloutBatch.reference_logp"):
-        evaluate_estimator(
-            EstimatorConfig("ppo_clip", **knobs), dataclasses.replace(batch, reference_logp=None), cache, s
-        )
+        evaluate_estimator(_estimator("ppo_clip", knobs), dataclasses.replace(batch, reference_logp=None), cache, s)
     with pytest.raises(ValueError, match="entropy_coef = 0.1 needs StudentLogProbs.entropy"):
-        evaluate_estimator(EstimatorConfig("ppo_clip", **knobs), batch, cache, dataclasses.replace(s, entropy=None))
+        evaluate_estimator(_estimator("ppo_clip", knobs), batch, cache, dataclasses.replace(s, entropy=None))
 
 
-# knob of EstimatorConfig → (an estimator that reads it, its other knobs, a non-default value,
-# a shift of log μ that puts tokens where the knob acts); seed 11's world, proximal log-probs
-# π_θ + 0.3.
+# knob of EstimatorConfig, by its path in the estimator section → (an estimator that reads it,
+# its other knobs, a non-default value, a shift of log μ that puts tokens where the knob acts);
+# seed 11's world, proximal log-probs π_θ + 0.3.
 KNOB_READERS = {
-    "mc_clip_eps": ("reverse_kl_mc", {}, 0.05, 0.0),
-    "mc_importance_sampling": ("reverse_kl_mc", {}, False, 0.0),
-    "topk_tail": ("forward_kl_topk", {}, False, 0.0),
-    "control_variate": ("forward_kl_mc", {}, True, 0.0),
-    "ppo_clip_eps": ("ppo_clip", {}, 0.01, 0.0),
-    "dual_clip": ("ppo_clip", {"ppo_clip_eps": 0.01}, 1.01, 0.0),
-    "behavior_weight_cap": ("decoupled_ppo", {}, 1.01, 0.0),
-    "behavior_weight_mode": ("decoupled_ppo", {"behavior_weight_cap": 1.01}, "truncate", 0.0),
-    "behavior_weight_floor": ("decoupled_ppo", {}, 0.99, 0.0),
-    "gspo_clip_low": ("gspo", {}, 0.5, -0.5),  # sequence ratios below 1
-    "gspo_clip_high": ("gspo", {}, 0.0, 0.5),  # ... and above 1
-    "tis_cap": ("truncated_is", {}, 1.01, 0.0),
-    "m2po_budget": ("m2po", {}, 1e-4, 0.0),
-    "second_moment_clip_budget": ("second_moment_clip", {}, 10.0, 0.0),
-    "second_moment_clip_min_low": ("second_moment_clip", {}, 0.01, 0.0),
-    "second_moment_clip_min_high": ("second_moment_clip", {}, 0.01, 0.0),
+    "mc.clip_eps": ("reverse_kl_mc", {}, 0.05, 0.0),
+    "mc.importance_sampling": ("reverse_kl_mc", {}, False, 0.0),
+    "topk.tail": ("forward_kl_topk", {}, False, 0.0),
+    "forward_mc.control_variate": ("forward_kl_mc", {}, True, 0.0),
+    "ppo.clip_eps": ("ppo_clip", {}, 0.01, 0.0),
+    "ppo.dual_clip": ("ppo_clip", {"ppo.clip_eps": 0.01}, 1.01, 0.0),
+    "ppo.behavior_weight_cap": ("decoupled_ppo", {}, 1.01, 0.0),
+    "ppo.behavior_weight_mode": ("decoupled_ppo", {"ppo.behavior_weight_cap": 1.01}, "truncate", 0.0),
+    "ppo.behavior_weight_floor": ("decoupled_ppo", {}, 0.99, 0.0),
+    "gspo.clip_low": ("gspo", {}, 0.5, -0.5),  # sequence ratios below 1
+    "gspo.clip_high": ("gspo", {}, 0.0, 0.5),  # ... and above 1
+    "tis.cap": ("truncated_is", {}, 1.01, 0.0),
+    "m2po.budget": ("m2po", {}, 1e-4, 0.0),
+    "second_moment_clip.budget": ("second_moment_clip", {}, 10.0, 0.0),
+    "second_moment_clip.min_low": ("second_moment_clip", {}, 0.01, 0.0),
+    "second_moment_clip.min_high": ("second_moment_clip", {}, 0.01, 0.0),
     "stabiliser_signal": ("ppo_clip", {}, "recompute", 0.0),
 }
 # The knobs that do not change an estimator's per-token values, and where each is tested.
 KNOBS_TESTED_ELSEWHERE = {
     "name": "every test here",
     "aggregation": "tests/learner/test_step.py::test_aggregation_modes_are_exact_over_micro_batches_and_packing",
-    "entropy_coef": "test_the_regularisers_are_added_to_every_estimator_by_name",
-    "reference_kl_coef": "test_the_regularisers_are_added_to_every_estimator_by_name",
-    "reference_kl": "test_the_regularisers_are_added_to_every_estimator_by_name",
+    "regularisers.entropy_coef": "test_the_regularisers_are_added_to_every_estimator_by_name",
+    "regularisers.reference_kl_coef": "test_the_regularisers_are_added_to_every_estimator_by_name",
+    "regularisers.reference_kl": "test_the_regularisers_are_added_to_every_estimator_by_name",
     "check_inputs": "tests/learner/test_step.py::test_check_inputs_stops_a_step_fed_raw_logits",
 }
 
@@ -324,14 +345,12 @@ KNOBS_TESTED_ELSEWHERE = {
 def test_every_estimator_knob_reaches_the_estimator_that_reads_it(knob):
     """Each knob at a non-default value changes the per-token losses of an estimator that
     reads it: the adapter passes it on (a new knob must be added to one of the tables)."""
-    assert set(KNOB_READERS) | set(KNOBS_TESTED_ELSEWHERE) == {f.name for f in dataclasses.fields(EstimatorConfig)}
+    assert set(KNOB_READERS) | set(KNOBS_TESTED_ELSEWHERE) == _knob_paths()
     student, _, batch, cache = _world(11)
     name, others, value, shift = KNOB_READERS[knob]
     batch = dataclasses.replace(batch, behavior_logp=batch.behavior_logp - shift)
     s = _all_logprobs(student, batch, cache)
     proximal = jax.tree_util.tree_map(lambda x: x + 0.3, s)
-    default, _ = evaluate_estimator(EstimatorConfig(name, **others), batch, cache, s, proximal=proximal)
-    changed, _ = evaluate_estimator(
-        EstimatorConfig(name, **others, **{knob: value}), batch, cache, s, proximal=proximal
-    )
+    default, _ = evaluate_estimator(_estimator(name, others), batch, cache, s, proximal=proximal)
+    changed, _ = evaluate_estimator(_estimator(name, {**others, knob: value}), batch, cache, s, proximal=proximal)
     assert np.abs(np.asarray(changed) - np.asarray(default)).max() > 1e-4, knob

@@ -11,8 +11,8 @@ from asyncopd_jax.pipeline import placement
 
 
 def test_demo_config_loads_and_overrides_apply():
-    cfg = load_config(DEMO_CONFIG, ["learner.batch_size=32", "schedule.mode=sync", "estimator.mc_clip_eps=0.2"])
-    assert cfg.learner.batch_size == 32 and cfg.schedule.mode == "sync" and cfg.estimator.mc_clip_eps == 0.2
+    cfg = load_config(DEMO_CONFIG, ["learner.batch_size=32", "schedule.mode=sync", "estimator.mc.clip_eps=0.2"])
+    assert cfg.learner.batch_size == 32 and cfg.schedule.mode == "sync" and cfg.estimator.mc.clip_eps == 0.2
     assert cfg.schedule.eta(cfg.learner.mini_batches) == 0
 
 
@@ -100,7 +100,7 @@ def test_rl_config_and_what_it_needs():
     assert cfg.samples_per_prompt == 8 and not cfg.needs_teacher_scores and not cfg.needs_scoring
     cfg = load_config(DEMO_CONFIG, [*RL, "rl.distill_coef=0.3"])
     assert cfg.needs_teacher_scores and cfg.rl.distill_coef == 0.3
-    cfg = load_config(DEMO_CONFIG, [*RL, "teacher.path=''", "estimator.reference_kl_coef=0.1"])
+    cfg = load_config(DEMO_CONFIG, [*RL, "teacher.path=''", "estimator.regularisers.reference_kl_coef=0.1"])
     assert cfg.needs_scoring and not cfg.needs_teacher_scores  # the reference policy's log-probs only
     assert load_config(DEMO_CONFIG, []).samples_per_prompt == 1  # distillation: one answer per prompt
 
@@ -126,21 +126,27 @@ def test_rl_config_and_what_it_needs():
         (
             [*RL, "stages.scoring_processes=1"],
             r"stages.scoring_processes = 1 is invalid with algorithm = rl, "
-            r"rl.distill_coef = 0 and estimator.reference_kl_coef = 0 \(nothing to "
+            r"rl.distill_coef = 0 and estimator.regularisers.reference_kl_coef = 0 \(nothing to "
             r"score\)",
         ),
-        (["estimator.reference_kl_coef=-0.1"], r"estimator.reference_kl_coef = -0.1 is invalid; allowed: >= 0"),
         (
-            ["estimator.behavior_weight_floor=6"],
-            r"estimator.behavior_weight_floor = 6.0 is invalid; allowed: null, or "
-            r">= 0 and below estimator.behavior_weight_cap",
+            ["estimator.regularisers.reference_kl_coef=-0.1"],
+            r"estimator.regularisers.reference_kl_coef = -0.1 is invalid; allowed: >= 0",
+        ),
+        (
+            ["estimator.ppo.behavior_weight_floor=6"],
+            r"estimator.ppo.behavior_weight_floor = 6.0 is invalid; allowed: null, or "
+            r">= 0 and below estimator.ppo.behavior_weight_cap",
         ),
         (
             ["estimator.aggregation=seq-mean"],
             r"estimator.aggregation = 'seq-mean' is invalid; allowed: token-mean, "
             r"seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm",
         ),
-        (["estimator.reference_kl=k4"], r"estimator.reference_kl = 'k4' is invalid; allowed: k1, k2, k3"),
+        (
+            ["estimator.regularisers.reference_kl=k4"],
+            r"estimator.regularisers.reference_kl = 'k4' is invalid; allowed: k1, k2, k3",
+        ),
         (
             [*RL, "task.name=dataset", "task.path=x.jsonl", "task.answer_field=''"],
             r"task.answer_field = '' is invalid with algorithm = rl",
@@ -156,15 +162,15 @@ def test_rl_config_errors_name_the_field(overrides, message):
 # --- the estimator's spec drives validation ----------------------------------------
 
 # Every setting that makes an id set, at 0 (none made) and at 4.
-NO_IDS = [f"{source.setting}=0" for source in ID_SOURCES.values()]
-ALL_IDS = [f"{source.setting}=4" for source in ID_SOURCES.values()]
+NO_IDS = [f"{source.setting.name}=0" for source in ID_SOURCES.values()]
+ALL_IDS = [f"{source.setting.name}=4" for source in ID_SOURCES.values()]
 
 
 @pytest.mark.parametrize("name,need", [(name, need) for name, spec in ESTIMATORS.items() for need in spec.needs])
 def test_every_registered_estimator_refuses_a_config_that_does_not_make_what_it_needs(name, need):
     """For every spec in the registry and every id set it declares: the setting that makes
     that set at 0 (all the others made) is refused up front, naming the setting."""
-    setting = ID_SOURCES[need].setting
+    setting = ID_SOURCES[need].setting.name
     with pytest.raises(ConfigError, match=rf"^estimator.name = '{name}' needs {setting} >= 1$"):
         load_config(DEMO_CONFIG, [f"estimator.name={name}", *ALL_IDS, f"{setting}=0"])
 
@@ -172,7 +178,7 @@ def test_every_registered_estimator_refuses_a_config_that_does_not_make_what_it_
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 def test_every_registered_estimator_loads_with_exactly_what_it_needs(name):
     """Nothing but the spec's own id sets is asked for: every other setting may be 0."""
-    made = [f"{ID_SOURCES[need].setting}=4" for need in ESTIMATORS[name].needs]
+    made = [f"{ID_SOURCES[need].setting.name}=4" for need in ESTIMATORS[name].needs]
     cfg = load_config(DEMO_CONFIG, [f"estimator.name={name}", *NO_IDS, *made])
     assert cfg.estimator.spec is ESTIMATORS[name]
 
@@ -191,9 +197,81 @@ def test_rl_takes_exactly_the_estimators_whose_spec_weights_an_advantage(name):
     assert load_config(DEMO_CONFIG, [f"estimator.name={name}", *ALL_IDS]).needs_teacher_scores  # distillation
 
 
+def test_each_id_source_reads_and_names_its_setting():
+    """The typed references of ID_SOURCES: each setting reads the run config's count it is
+    named by (so the messages above name what --set takes), and each id field is named by
+    its class and field."""
+    cfg = load_config(DEMO_CONFIG, [f"{source.setting.name}={i + 2}" for i, source in enumerate(ID_SOURCES.values())])
+    assert [source.setting.read(cfg) for source in ID_SOURCES.values()] == [2, 3, 4, 5]
+    assert str(ID_SOURCES["candidates"].ids) == "RolloutBatch.candidate_ids"
+    assert str(ID_SOURCES["teacher_topk"].scores) == "TeacherScoreCache.topk_logp"
+    assert [s.ids.owner.__name__ for s in ID_SOURCES.values()] == [
+        "RolloutBatch",
+        "RolloutBatch",
+        "TeacherScoreCache",
+        "TeacherScoreCache",
+    ]
+
+
+def test_a_typed_reference_must_name_a_field():
+    from asyncopd_jax.cache import RolloutBatch
+    from asyncopd_jax.estimator_registry import ArrayField, Setting
+
+    with pytest.raises(TypeError, match=r"^RolloutBatch has no field 'topk_ids'$"):
+        ArrayField(RolloutBatch, lambda b: b.topk_ids)
+    with pytest.raises(TypeError, match=r"must only read attributes"):
+        Setting(lambda cfg: 4)
+    with pytest.raises(TypeError):
+        Setting(lambda cfg: cfg.sampling.num_candidates + cfg.scoring.topk)
+
+
 def test_an_asymmetric_clip_range_loads_from_yaml():
-    cfg = load_config(DEMO_CONFIG, ["estimator.ppo_clip_eps=[0.2, 0.28]", "estimator.mc_clip_eps=[0.1, 0.3]"])
-    assert cfg.estimator.ppo_clip_eps == (0.2, 0.28) and cfg.estimator.mc_clip_eps == (0.1, 0.3)
+    cfg = load_config(DEMO_CONFIG, ["estimator.ppo.clip_eps=[0.2, 0.28]", "estimator.mc.clip_eps=[0.1, 0.3]"])
+    assert cfg.estimator.ppo.clip_eps == (0.2, 0.28) and cfg.estimator.mc.clip_eps == (0.1, 0.3)
+
+
+def test_a_nested_estimator_knob_set_on_the_command_line_reaches_the_estimator(tmp_path):
+    """``--set estimator.ppo.clip_eps=0.3`` (and a YAML file's nested ``ppo:``) reach the
+    estimator's sub-section, leaving its other knobs and the other sub-sections at their
+    defaults."""
+    from asyncopd_jax.estimator_registry import EstimatorConfig, PPOConfig
+
+    cfg = load_config("rl", ["estimator.ppo.clip_eps=0.3", "estimator.tis.cap=4"])
+    assert cfg.estimator.ppo == PPOConfig(clip_eps=0.3, behavior_weight_cap=5.0)
+    assert cfg.estimator.tis.cap == 4.0 and cfg.estimator.mc == EstimatorConfig().mc
+    path = tmp_path / "run.yaml"
+    path.write_text("estimator:\n  name: ppo_clip\n  ppo:\n    clip_eps: 0.1\n    dual_clip: 3\n")
+    assert load_config(path).estimator.ppo == PPOConfig(clip_eps=0.1, dual_clip=3.0)
+    with pytest.raises(ConfigError, match=r"^unknown config field estimator.ppo.clip; allowed in estimator.ppo: "):
+        load_config(DEMO_CONFIG, ["estimator.ppo.clip=0.3"])
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("estimator.ppo_clip_eps=0.3", "estimator.ppo.clip_eps"),
+        ("estimator.mc_clip_eps=0.2", "estimator.mc.clip_eps"),
+        ("estimator.mc_importance_sampling=false", "estimator.mc.importance_sampling"),
+        ("estimator.topk_tail=true", "estimator.topk.tail"),
+        ("estimator.reference_kl_coef=0.1", "estimator.regularisers.reference_kl_coef"),
+        ("estimator.second_moment_clip_min_low=0.1", "estimator.second_moment_clip.min_low"),
+    ],
+)
+def test_an_old_flat_estimator_knob_is_named_with_its_new_place(old, new):
+    with pytest.raises(ConfigError, match=rf"^config field {old.split('=')[0]} is now {new} \(same values\)$"):
+        load_config(DEMO_CONFIG, [old])
+
+
+def test_a_config_with_several_old_estimator_knobs_is_told_every_new_place(tmp_path):
+    """The shipped rl.yaml as it was before the knobs were grouped: one line naming both."""
+    path = tmp_path / "old_rl.yaml"
+    path.write_text("estimator:\n  name: decoupled_ppo\n  ppo_clip_eps: 0.2\n  behavior_weight_cap: 5.0\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (
+        "config field estimator.behavior_weight_cap is now estimator.ppo.behavior_weight_cap, "
+        "estimator.ppo_clip_eps is now estimator.ppo.clip_eps (same values)"
+    )
 
 
 # --- each section checks its own fields, at load_config ----------------------------
@@ -240,20 +318,21 @@ SECTION_CHECKS = [
     ("train.diagnostics_every=-1", r"train.diagnostics_every = -1 is invalid; allowed: >= 0 \(0: off\)"),
     ("train.diagnostic_prompts=0", r"train.diagnostic_prompts = 0 is invalid; allowed: >= 1"),
     ("train.update_geometry_every=-1", r"train.update_geometry_every = -1 is invalid; allowed: >= 0 \(0: off\)"),
-    ("estimator.m2po_budget=-1", r"estimator.m2po_budget = -1.0 is invalid; allowed: >= 0"),
+    ("estimator.m2po.budget=-1", r"estimator.m2po.budget = -1.0 is invalid; allowed: >= 0"),
     (
-        "estimator.mc_clip_eps=1.5",
-        r"estimator.mc_clip_eps = 1.5 is invalid; allowed: null, ε with 0 <= ε < 1, or "
+        "estimator.mc.clip_eps=1.5",
+        r"estimator.mc.clip_eps = 1.5 is invalid; allowed: null, ε with 0 <= ε < 1, or "
         r"\[ε_low, ε_high\]",
     ),
     (
-        "estimator.ppo_clip_eps=[0.2, 0.3, 0.4]",
-        r"estimator.ppo_clip_eps = \(0.2, 0.3, 0.4\) is invalid; allowed: ε "
+        "estimator.ppo.clip_eps=[0.2, 0.3, 0.4]",
+        r"estimator.ppo.clip_eps = \(0.2, 0.3, 0.4\) is invalid; allowed: ε "
         r"with 0 <= ε < 1, or \[ε_low, ε_high\]",
     ),
-    ("estimator.ppo_clip_eps=[0.2, -0.1]", r"estimator.ppo_clip_eps = \(0.2, -0.1\) is invalid"),
-    ("estimator.gspo_clip_low=1", r"estimator.gspo_clip_low = 1.0 is invalid; allowed: 0 <= ε_low < 1"),
-    ("estimator.gspo_clip_high=-1", r"estimator.gspo_clip_high = -1.0 is invalid; allowed: >= 0"),
+    ("estimator.ppo.clip_eps=[0.2, -0.1]", r"estimator.ppo.clip_eps = \(0.2, -0.1\) is invalid"),
+    ("estimator.gspo.clip_low=1", r"estimator.gspo.clip_low = 1.0 is invalid; allowed: 0 <= ε_low < 1"),
+    ("estimator.gspo.clip_high=-1", r"estimator.gspo.clip_high = -1.0 is invalid; allowed: >= 0"),
+    ("estimator.ppo=0.3", r"estimator.ppo must be a mapping, got 0.3"),
 ]
 
 
@@ -266,7 +345,7 @@ def test_each_section_refuses_a_bad_field_at_load_config_in_one_line(override, m
 
 def test_a_section_built_in_python_checks_its_fields_too():
     from asyncopd_jax.config import LearnerConfig, ScheduleConfig
-    from asyncopd_jax.estimator_registry import EstimatorConfig
+    from asyncopd_jax.estimator_registry import EstimatorConfig, PPOConfig
 
     with pytest.raises(ConfigError, match=r"^learner.mini_batches = 3 is invalid"):
         LearnerConfig(batch_size=8, mini_batches=3)
@@ -274,7 +353,11 @@ def test_a_section_built_in_python_checks_its_fields_too():
         ScheduleConfig(mode="fixed_lag", lag=-1)
     with pytest.raises(ConfigError, match=r"^estimator.name = 'kl' is invalid; allowed: decoupled_ppo"):
         EstimatorConfig("kl")
-    assert EstimatorConfig("ppo_clip", ppo_clip_eps=(0.2, 0.28)).ppo_clip_eps == (0.2, 0.28)  # DAPO's clip-higher
+    with pytest.raises(ConfigError, match=r"^estimator.ppo.clip_eps = 1.5 is invalid"):
+        PPOConfig(clip_eps=1.5)
+    clip_higher = EstimatorConfig("ppo_clip", ppo=PPOConfig(clip_eps=(0.2, 0.28)))  # DAPO's clip-higher
+    assert clip_higher.ppo.clip_eps == (0.2, 0.28)
+    hash(clip_higher)  # a static jit argument
 
 
 # --- what the trainer used to find at run time ---------------------------------------

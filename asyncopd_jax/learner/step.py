@@ -40,6 +40,7 @@ from asyncopd_jax.learner.faults import drop_nonfinite_rows
 from asyncopd_jax.learner.lm_head import gather_on_mesh
 from asyncopd_jax.learner.packing import plan_micro_batches, take_micro_batch
 from asyncopd_jax.learner.sharding import batch_shardings, put, state_shardings
+from asyncopd_jax.metrics import Metrics, combine, identity, weighted
 from asyncopd_jax.models.decoder import Decoder, Remat, cast_floating
 from asyncopd_jax.models.partitioning import mesh_context
 
@@ -132,7 +133,7 @@ class PolicyLoss:
             ids, lambda i: gather_on_mesh(hidden, head, i, self.chunk_size, self.temperature)
         )
 
-    def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]:
+    def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, Metrics]:
         values, metrics = evaluate_estimator(
             self.estimator,
             batch.rollout,
@@ -153,15 +154,16 @@ class SFTLoss:
     check_inputs: bool = False
     compute_dtype: str | None = None
 
-    def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]:
+    def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, Metrics]:
         hidden, head = response_hidden(model, batch.rollout), model.lm_head_weight()
         logp, _ = gather_on_mesh(hidden, head, batch.rollout.response_tokens, self.chunk_size)
-        return normalized_loss(-logp, batch.rollout.response_mask, denominator, self.aggregation), {}
+        return normalized_loss(-logp, batch.rollout.response_mask, denominator, self.aggregation), Metrics()
 
 
 class LossFn(Protocol):
     """A part's share of the mini-batch's loss, and its metrics: ``(model, micro-batch, the whole
-    mini-batch's denominator) → (loss, metrics)``, aggregated as ``aggregation`` says."""
+    mini-batch's denominator) → (loss, metrics)``, the loss aggregated as ``aggregation``
+    says, each metric as its field of :class:`~asyncopd_jax.metrics.Metrics` says."""
 
     @property
     def aggregation(self) -> Aggregation: ...
@@ -176,7 +178,7 @@ class LossFn(Protocol):
         """The dtype the model computes in (None: the parameters' own; :func:`loss_model`)."""
         ...
 
-    def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, dict[str, Array]]: ...
+    def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, Metrics]: ...
 
 
 def loss_model(graphdef: nnx.GraphDef, params: nnx.State, compute_dtype: str | None) -> Decoder:
@@ -213,23 +215,23 @@ def _split_micro_batches(tree, micro_batches: int):
     return jax.tree_util.tree_map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), tree)
 
 
-Accumulated = tuple[nnx.State, Array, dict[str, Array]]  # (gradients, loss, metrics) summed so far
+Accumulated = tuple[nnx.State, Array, Metrics]  # (gradients, loss, metrics) combined so far
 
 
 def _micro_batch(
     graphdef: nnx.GraphDef, loss_fn: LossFn, params: nnx.State, mb: LearnerBatch, total: Array, denominator: Array
 ) -> Accumulated:
     """Gradients, loss and metrics of one micro-batch as its share of the mini-batch: the
-    loss is already normalised by the mini-batch's ``denominator``; each metric (a token
-    mean over the micro-batch) is weighted by the micro-batch's share of the mini-batch's
-    ``total`` tokens, except the ``*_max`` ones."""
+    loss is already normalised by the mini-batch's ``denominator``; the metrics are the
+    micro-batch's :func:`~asyncopd_jax.metrics.weighted` share, its token means weighted by
+    its share of the mini-batch's ``total`` tokens."""
 
     def objective(p):
         return loss_fn(loss_model(graphdef, p, loss_fn.compute_dtype), mb, denominator)
 
     (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
     weight = jnp.sum(mb.rollout.response_mask) / jnp.maximum(total, 1.0)
-    return grads, loss, {k: v if k.endswith("_max") else v * weight for k, v in metrics.items()}
+    return grads, loss, weighted(metrics, weight)
 
 
 def _add(acc: Accumulated, part: Accumulated) -> Accumulated:
@@ -237,7 +239,7 @@ def _add(acc: Accumulated, part: Accumulated) -> Accumulated:
     return (
         jax.tree_util.tree_map(jnp.add, grads, part[0]),
         loss + part[1],
-        {k: jnp.maximum(v, part[2][k]) if k.endswith("_max") else v + part[2][k] for k, v in metrics.items()},
+        combine(metrics, part[2]),
     )
 
 
@@ -256,7 +258,7 @@ def _apply(optimizer: optax.GradientTransformation, state: TrainState, acc: Accu
     would. Its parameters and moments stay, its step counts (the policy version advances
     with the same weights), and it reports ``update_norm`` 0.
     """
-    grads, loss, metrics = acc
+    grads, loss, parts = acc
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
@@ -266,7 +268,7 @@ def _apply(optimizer: optax.GradientTransformation, state: TrainState, acc: Accu
         lambda new, old: jnp.where(finite & has_tokens, new, old), (params, opt_state), (state.params, state.opt_state)
     )
     update_norm = jnp.where(has_tokens, update_norm, 0.0)  # a non-finite norm with tokens is kept: it stops the run
-    metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "update_norm": update_norm, "tokens": total}
+    metrics = {**parts.as_dict(), "loss": loss, "grad_norm": grad_norm, "update_norm": update_norm, "tokens": total}
     return TrainState(params=params, opt_state=opt_state, step=state.step + finite.astype(state.step.dtype)), metrics
 
 
@@ -287,7 +289,7 @@ def train_step_function(
         zeros = (
             jax.tree_util.tree_map(jnp.zeros_like, state.params),
             jnp.zeros((), jnp.float32),
-            {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0.0, v.dtype) for k, v in shapes[2].items()},
+            identity(shapes[2]),
         )
         acc, _ = jax.lax.scan(
             lambda acc, mb: (_add(acc, _micro_batch(graphdef, loss_fn, state.params, mb, total, denominator)), None),
@@ -325,8 +327,9 @@ def make_train_step(
 ) -> Callable[[TrainState, LearnerBatch], tuple[TrainState, dict[str, Array]]]:
     """A jitted ``(state, batch) → (state, metrics)`` doing one optimizer step.
 
-    Metrics are token-weighted means over the mini-batch (the estimator's metrics,
-    ``loss``) plus ``grad_norm``, ``update_norm``, ``tokens`` (the tokens trained on) and
+    Metrics are those of the whole mini-batch, whatever the micro-batches: the loss's
+    (:class:`~asyncopd_jax.metrics.Metrics`: token means, token-weighted over micro-batches;
+    maxima, the max over them) and ``loss``, plus ``grad_norm``, ``update_norm``, ``tokens`` (the tokens trained on) and
     ``nonfinite_rows`` (rows dropped for a NaN / inf in their scores, see
     :func:`~asyncopd_jax.learner.faults.drop_nonfinite_rows`); the state is donated, and
     comes back unchanged if the loss, gradient or update is not finite. With ``mesh`` (and a

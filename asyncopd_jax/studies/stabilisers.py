@@ -8,7 +8,7 @@ Every variant distils the built-in task under ``fixed_lag`` (exact staleness k) 
 N = 1 (the emitted token) and N = 8 (Monte-Carlo candidates). The stabilisers work with
 the stale reward ``log q − log μ`` fixed at rollout time, as in async RL, on the emitted
 token; PPO clip also on the 8 candidates (its clipped surrogate on each candidate:
-``reverse_kl_mc_stale`` with ``mc_clip_eps``), so that one stabiliser meets recompute at
+``reverse_kl_mc_stale`` with ``estimator.mc.clip_eps``), so that one stabiliser meets recompute at
 the same N = 8 (at N = 1 nothing trains well on this task: E1's one-sample
 ``reverse_kl_pg_stale`` ends at 5.6 % without staleness).
 """
@@ -25,8 +25,8 @@ from asyncopd_jax.studies.training_runs import fixed_lag_sets, mean_curve, run_t
 from asyncopd_jax.studies.verdicts import beats, exact_staleness_note, student_before, trains
 
 N8 = ["sampling.num_candidates=8"]
-NO_IS = ["estimator.mc_importance_sampling=false"]
-CLIP = ["estimator.mc_clip_eps=0.2"]
+NO_IS = ["estimator.mc.importance_sampling=false"]
+CLIP = ["estimator.mc.clip_eps=0.2"]
 # (variant, N) → (estimator, extra overrides)
 VARIANTS: dict[tuple[str, int], tuple[str, list[str]]] = {
     ("stale signal, no IS", 1): ("reverse_kl_pg_stale", NO_IS),

@@ -23,6 +23,7 @@ from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
 from asyncopd_jax.estimator_registry import (
     ESTIMATORS,
     EstimatorConfig,
+    RegularisersConfig,
     evaluate_estimator,
     required_ids,
     student_logprobs,
@@ -299,7 +300,7 @@ def _registry_inputs(d: dict, name: str, params) -> tuple:
 def test_nan_at_padded_positions_leaves_the_registry_evaluation_unchanged(name):
     """The trainer's path: :func:`evaluate_estimator` (with a KL-to-reference term) on a
     cache and a rollout that hold NaN at their padded positions."""
-    config = EstimatorConfig(name, reference_kl_coef=0.1)
+    config = EstimatorConfig(name, regularisers=RegularisersConfig(reference_kl_coef=0.1))
 
     def loss(params, d):
         batch, cache, student, proximal = _registry_inputs(d, name, params)

@@ -18,7 +18,13 @@ from flax import nnx
 
 from asyncopd_jax.alignment import response_hidden
 from asyncopd_jax.cache import StudentLogProbs
-from asyncopd_jax.estimator_registry import EstimatorConfig, evaluate_estimator, student_logprobs
+from asyncopd_jax.estimator_registry import (
+    EstimatorConfig,
+    ForwardMCConfig,
+    RegularisersConfig,
+    evaluate_estimator,
+    student_logprobs,
+)
 from asyncopd_jax.estimators import gather_logprobs_from_hidden, normalized_token_sum
 from asyncopd_jax.learner import (
     LearnerBatch,
@@ -49,7 +55,10 @@ FIELD_ESTIMATOR = {
 }
 # forward_kl_mc's plain form has no gradient through log q: the k3 form has, so that a NaN
 # left in a dropped row would leak (0 · NaN) into the gradient.
-FIELD_OPTIONS = {"sample_logp": dict(control_variate=True), "reference_logp": dict(reference_kl_coef=0.5)}
+FIELD_OPTIONS = {
+    "sample_logp": dict(forward_mc=ForwardMCConfig(control_variate=True)),
+    "reference_logp": dict(regularisers=RegularisersConfig(reference_kl_coef=0.5)),
+}
 
 
 @pytest.fixture(scope="module")

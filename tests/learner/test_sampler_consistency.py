@@ -34,7 +34,7 @@ from flax import nnx
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.config import load_config
-from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorConfig
+from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorConfig, ForwardMCConfig
 from asyncopd_jax.learner import LearnerBatch, PolicyLoss, create_train_state, make_proximal_fn, make_train_step
 from asyncopd_jax.learner import step as learner_step
 from asyncopd_jax.models import save_pretrained
@@ -277,7 +277,7 @@ def _estimator(name: str) -> EstimatorConfig:
     # Plain forward-KL MC, mean(log q − log π) over teacher samples, is zero at q = π but its
     # per-sample gradient −∇log π(x) is zero only in expectation; the k3 control variate is
     # zero in value and gradient sample by sample.
-    return EstimatorConfig(name, control_variate=name == "forward_kl_mc")
+    return EstimatorConfig(name, forward_mc=ForwardMCConfig(control_variate=name == "forward_kl_mc"))
 
 
 def _input_paths() -> dict[tuple, list[str]]:

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from asyncopd_jax.config import ConfigError, EstimatorConfig, MeshConfig, OptimConfig, RunConfig, load_config
-from asyncopd_jax.estimator_registry import evaluate_estimator
+from asyncopd_jax.estimator_registry import PPOConfig, evaluate_estimator
 from asyncopd_jax.learner import (
     LearnerBatch,
     PolicyLoss,
@@ -65,6 +65,32 @@ def test_micro_batch_split_does_not_change_the_step(learner_batch, estimator):
     np.testing.assert_allclose(m1[0]["loss"], m4[0]["loss"], rtol=1e-5)
     np.testing.assert_allclose(m1[0]["reverse_kl_signal"], m4[0]["reverse_kl_signal"], rtol=1e-5)
     assert int(one.step) == 1  # the policy version counts optimizer steps
+
+
+@pytest.mark.parametrize("micro_batches, token_budget", [(4, 0), (1, 40)])
+def test_each_metric_combines_over_micro_batches_by_its_reduction(learner_batch, micro_batches, token_budget):
+    """Over 4 micro-batches, and over token-budget micro-batches, the step reports the
+    whole mini-batch's largest importance ratio (a max: not a sum of the parts' maxima, nor
+    their token-weighted mean) and its token-mean ratio (a mean: not the largest part's
+    share). The behaviour log-probs are moved off the student's by a per-token amount, so
+    that the ratios differ and so do the parts' maxima."""
+    import dataclasses
+
+    rollout = learner_batch.rollout
+    mask = np.asarray(rollout.response_mask)
+    shift = np.random.default_rng(0).normal(scale=0.5, size=mask.shape).astype(np.float32)
+    batch = LearnerBatch(dataclasses.replace(rollout, behavior_logp=rollout.behavior_logp + shift), learner_batch.cache)
+    loss = PolicyLoss(EstimatorConfig("reverse_kl_mc"))
+    token = np.asarray(loss.student(tiny_decoder(0, scale=0.7), batch).token, np.float64)  # _run's start
+    ratio = np.exp(token - np.asarray(batch.rollout.behavior_logp, np.float64))
+    part_maxima = [ratio[rows][mask[rows]].max() for rows in np.split(np.arange(mask.shape[0]), 4)]
+    assert max(part_maxima) > 1.05 * min(part_maxima)  # a mean of the maxima would not be the max
+    _, metrics = _run(
+        loss, batch, micro_batches=micro_batches, token_budget=token_budget, bucket=8, optimizer=optax.sgd(1.0)
+    )
+    assert metrics[0].get("micro_batches", micro_batches) > 1
+    np.testing.assert_allclose(metrics[0]["importance_ratio_max"], ratio[mask].max(), rtol=1e-5)
+    np.testing.assert_allclose(metrics[0]["importance_ratio_mean"], ratio[mask].mean(), rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -134,7 +160,9 @@ def test_decoupled_ppo_step_matches_the_numpy_oracle(learner_batch):
     step's loss is the token mean of the NumPy decoupled-PPO oracle, every branch exercised
     (behaviour weight above and below its cap, ratio clipped and not, dual clip)."""
     rollout, cache = learner_batch.rollout, learner_batch.cache
-    loss = PolicyLoss(EstimatorConfig("decoupled_ppo", ppo_clip_eps=0.1, dual_clip=1.5, behavior_weight_cap=1.1))
+    loss = PolicyLoss(
+        EstimatorConfig("decoupled_ppo", ppo=PPOConfig(clip_eps=0.1, dual_clip=1.5, behavior_weight_cap=1.1))
+    )
     graphdef, state = create_train_state(tiny_decoder(0, scale=0.7), optax.sgd(1.0))
     # Move away from the behaviour policy (π_prox), then once more (π_θ).
     drift = make_train_step(graphdef, optax.sgd(3.0), PolicyLoss(EstimatorConfig("forward_kl_topk")))

@@ -80,8 +80,8 @@ def test_the_entropy_bonus_and_the_kl_to_the_reference_reach_the_loss(tmp_path):
     differs by β · (the KL metric)."""
     lag0 = ["schedule.mode=fixed_lag", "schedule.lag=0", "train.steps=2"]
     base = _rl_records(tmp_path, "base", *lag0)
-    bonus = _rl_records(tmp_path, "bonus", *lag0, "estimator.entropy_coef=0.1")
-    kl = _rl_records(tmp_path, "kl", *lag0, "estimator.reference_kl_coef=0.5")
+    bonus = _rl_records(tmp_path, "bonus", *lag0, "estimator.regularisers.entropy_coef=0.1")
+    kl = _rl_records(tmp_path, "kl", *lag0, "estimator.regularisers.reference_kl_coef=0.5")
     assert bonus[0]["entropy"] == pytest.approx(base[0]["entropy"], rel=1e-6) and base[0]["entropy"] > 0.05
     assert bonus[0]["loss"] - base[0]["loss"] == pytest.approx(-0.1 * base[0]["entropy"], rel=1e-4)
     assert "reference_kl" not in base[0] and abs(kl[0]["reference_kl"]) < 1e-6
@@ -102,8 +102,8 @@ def test_the_reference_is_scored_in_a_scoring_process(tmp_path):
         "stages.scoring_processes=1",
         "train.steps=6",
         "optim.learning_rate=0.003",
-        "estimator.reference_kl_coef=0.5",
-        "estimator.reference_kl=k2",
+        "estimator.regularisers.reference_kl_coef=0.5",
+        "estimator.regularisers.reference_kl=k2",
     )
     assert abs(records[0]["reference_kl"]) < 1e-6
     assert max(r["reference_kl"] for r in records[1:]) > 1e-4

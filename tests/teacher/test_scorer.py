@@ -11,7 +11,13 @@ import pytest
 from flax import nnx
 
 from asyncopd_jax.alignment import response_aligned
-from asyncopd_jax.estimator_registry import EstimatorConfig, evaluate_estimator, required_ids, student_logprobs
+from asyncopd_jax.estimator_registry import (
+    EstimatorConfig,
+    ForwardMCConfig,
+    evaluate_estimator,
+    required_ids,
+    student_logprobs,
+)
 from asyncopd_jax.estimators import gather_logprobs_from_hidden
 from asyncopd_jax.sampling import Sampler, SamplingParams
 from asyncopd_jax.teacher import ReferenceScorer, Scorers, ScoringParams, TeacherScorer, score_hidden
@@ -51,7 +57,9 @@ def _losses(model, batch, cache):
     for name in ESTIMATORS:
         ids = required_ids(name, batch, cache)
         student = student_logprobs(ids, lambda i: gather_logprobs_from_hidden(hidden, head, i, chunk_size=4))
-        values, _ = evaluate_estimator(EstimatorConfig(name, control_variate=True), batch, cache, student)
+        values, _ = evaluate_estimator(
+            EstimatorConfig(name, forward_mc=ForwardMCConfig(control_variate=True)), batch, cache, student
+        )
         out[name] = np.asarray(values)
     return out
 
