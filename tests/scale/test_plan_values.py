@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from asyncopd_jax import configs
 from asyncopd_jax.config import load_config
 from asyncopd_jax.learner.optimizer import make_optimizer
 from asyncopd_jax.learner.step import create_train_state
+from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.decoder import Decoder, abstract_decoder
 from asyncopd_jax.scale import plan as plan_module
 from asyncopd_jax.scale.chips import CHIPS, Topology, get_topology
@@ -264,3 +266,95 @@ def test_the_planned_learner_step_holds_the_runs_train_state(monkeypatch):
     leaves = lambda tree: [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(tree)]  # noqa: E731
     assert (seen[0].step.shape, seen[0].step.dtype) == ((), jnp.int32)
     assert leaves(seen[0]) == leaves(run)
+
+
+# Written for survivors of the sampled mutation run of 2026-11-26 with seed 37 (a second
+# sample of 40 plan mutants, none of them in the seed-36 sample).
+
+
+def test_the_teacher_scorings_figures_are_the_textbooks_forward_per_chip_and_its_samples_keyed(monkeypatch):
+    """Bug guarded: the teacher scoring's textbook count multiplied by its chips instead of
+    divided (``textbook * len(devices)``), its model FLOPs left out (0: the plan's ``model``,
+    ``/book`` and MFU columns read nothing), or its key not handed to the program
+    (``lower(…, None)``: a run that draws teacher samples cannot be planned). Two chips, 4
+    rows of 8 prompt + 16 response slots, 2 teacher samples a position, nothing compiled."""
+    _uncompiled(monkeypatch)
+    cfg = load_config(configs.DEMO, ["scoring.num_samples=2"])
+    config, _ = architecture(cfg.teacher)
+    scoring = plan_module.compile_teacher_scoring(cfg, config, jax.devices()[:2], Shapes(8, 16), 4)
+    assert (scoring.stage, scoring.devices, scoring.rows, scoring.tokens) == ("teacher scoring", 2, 4, 4 * 24)
+    assert scoring.textbook_flops == transformer_flops(config, 4, 24, 16, backward=False) / 2
+    assert scoring.model_flops == scoring.executed_flops
+    assert 0.9 < scoring.model_flops / scoring.textbook_flops < 1.5
+
+
+def test_the_sampler_is_planned_on_the_rollout_stages_mesh_each_chip_holding_its_rows(monkeypatch):
+    """Bug guarded: the sampler's programs built without the rollout stage's mesh
+    (``make_sampler(…, mesh=None)``): the weights still come placed on it, but the prompts
+    are then whole on every chip instead of split by rows as the run lays them out, so the
+    plan's memory figures are another program's. Two chips, a group of 4 rows; only the
+    prefill (one forward of the demo student) is compiled, for its input layout."""
+    lowered = {}
+
+    def caught(stage, devices, rows, tokens, low):
+        lowered[stage] = low
+        return StageFigures(stage, devices, rows, tokens)
+
+    monkeypatch.setattr(plan_module, "_figures", caught)
+    cfg = load_config(configs.DEMO, [])
+    config, _ = architecture(cfg.student)
+    plan_module.compile_sampler(cfg, config, jax.devices()[:2], Shapes(8, 16), 4)
+    *_, ids, mask, keys = lowered["sampler prefill"].compile().input_shardings[0]
+    assert [s.shard_shape(shape) for s, shape in ((ids, (4, 8)), (mask, (4, 8)), (keys, (4,)))] == [
+        (2, 8),
+        (2, 8),
+        (2,),
+    ]
+
+
+class _Analysed:
+    """A lowered program whose compile reports its memory, and its costs as a list (as some
+    backends give them) without a count of the bytes accessed."""
+
+    def compile(self):
+        return self
+
+    def memory_analysis(self):
+        return types.SimpleNamespace(
+            argument_size_in_bytes=3, output_size_in_bytes=5, alias_size_in_bytes=1, temp_size_in_bytes=7
+        )
+
+    def cost_analysis(self):
+        return [{"flops": 11.0}]
+
+
+def test_a_compilers_analyses_become_the_figures_and_a_count_it_lacks_is_zero():
+    """Bug guarded: a count the compiler's cost analysis does not report read as
+    ``float(None)`` (a TypeError: the plan of a backend without it fails) instead of 0, or
+    the analyses' figures put in other fields."""
+    figures = plan_module._figures("learner step", 4, 8, 16, _Analysed())
+    assert figures == StageFigures(
+        "learner step",
+        4,
+        8,
+        16,
+        argument_bytes=3,
+        output_bytes=5,
+        alias_bytes=1,
+        temp_bytes=7,
+        flops=11.0,
+        bytes_accessed=0.0,
+    )
+
+
+def test_a_plan_on_cpu_devices_compiles_the_attention_the_gpus_would_run():
+    """Bug guarded: the XLA:CPU devices that stand in for a GPU topology's not recognised as
+    such (``platform == "CPU"``: ``device.platform`` is lower case), so that ``attention:
+    auto`` resolves as on a CPU run (the plain attention, its S × S scores in memory) and the
+    plan compiles the learner step and the teacher's scoring with another attention than the
+    GPUs' (blockwise). TPU chips are planned as TPU chips."""
+    cpu = jax.devices("cpu")[:1]
+    assert cpu[0].platform == "cpu"
+    assert plan_module.target_platform(cpu) == "gpu"
+    assert resolve_implementation("auto", plan_module.target_platform(cpu)) == "blockwise"
+    assert plan_module.target_platform([types.SimpleNamespace(platform="tpu")]) == "tpu"
