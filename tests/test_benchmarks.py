@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # the benchmarks run end to end: the end-to-end step (-m e2e)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -11,11 +11,14 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tests.waits import WAIT_S
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.e2e  # a wheel built, installed and run: the end-to-end step (-m e2e)
 def test_the_wheel_ships_the_configs_and_runs_the_main_job(tmp_path):
     subprocess.run(
         [

@@ -46,6 +46,7 @@ def _one_process_reference():
     return np.asarray(losses), jax.tree_util.tree_leaves(jax.device_get(state.params))
 
 
+@pytest.mark.e2e  # two learner processes: the end-to-end step (-m e2e)
 def test_two_learner_processes_equal_one(tmp_path):
     port = _free_port()
     env = {

@@ -257,17 +257,18 @@ def assert_learner_matches_sampler(temperature: float, batch: RolloutBatch, cach
 
 
 # CI time: the processes and threads-continuous placements at temperature 0.7 run with -m
-# slow (the other placements cover the temperature, these at 1.0 the placement).
+# slow (the other placements cover the temperature, these at 1.0 the placement); the
+# processes placement (stage processes started) runs in the end-to-end step (-m e2e).
 SLOW_AT = {("processes", 0.7), ("threads-continuous", 0.7)}
+
+
+def _placement_marks(placement: str, slow: bool = False) -> list[pytest.MarkDecorator]:
+    return [pytest.mark.slow] * slow + [pytest.mark.e2e] * (placement == "processes")
 
 
 @pytest.mark.parametrize(
     "placement,temperature",
-    [
-        pytest.param(p, t, marks=pytest.mark.slow) if (p, t) in SLOW_AT else (p, t)
-        for p in PLACEMENTS
-        for t in TEMPERATURES
-    ],
+    [pytest.param(p, t, marks=_placement_marks(p, (p, t) in SLOW_AT)) for p in PLACEMENTS for t in TEMPERATURES],
 )
 def test_learner_log_probs_equal_the_sampler_behaviour_log_probs(placement, temperature):
     assert_learner_matches_sampler(*rollout(placement, temperature))
@@ -362,7 +363,7 @@ def _learner_one_position_off(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "placement", [pytest.param(p, marks=pytest.mark.slow) if p == "threads-continuous" else p for p in PLACEMENTS]
+    "placement", [pytest.param(p, marks=_placement_marks(p, p == "threads-continuous")) for p in PLACEMENTS]
 )
 def test_a_learner_one_position_off_fails_both_checks(placement, monkeypatch):
     temperature, batch, cache = rollout(placement, 0.7)

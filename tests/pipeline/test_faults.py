@@ -26,6 +26,8 @@ from asyncopd_jax.pipeline.staleness import RolloutGroup
 from asyncopd_jax.pipeline.trainer import Trainer
 from tests.pipeline.test_trainer import _config, models  # noqa: F401 - `models` is a fixture
 
+pytestmark = pytest.mark.e2e  # whole runs with a faulty stage: the end-to-end step (-m e2e)
+
 # group index (= optimizer step in a sync run: one group per batch) → the faults injected
 # into the real scored group: (array, row, value). Rows 1 and 6 of group 2, row 0 of group
 # 3 (twice), row 2 of group 4: 4 rows in all.

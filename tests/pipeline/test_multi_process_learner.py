@@ -18,6 +18,8 @@ from tests.pipeline.test_trainer import _config, _kl_start_end, models  # noqa: 
 from tests.waits import communicate_all
 from tests.xla_flags import host_devices
 
+pytestmark = pytest.mark.e2e  # several JAX processes: the end-to-end step (-m e2e)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

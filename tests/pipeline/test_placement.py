@@ -287,6 +287,7 @@ def _run_recording(models, tmp_path, monkeypatch, name, **sets):  # noqa: F811
     return trainer, losses, seen
 
 
+@pytest.mark.e2e  # two whole runs: the end-to-end step (-m e2e)
 def test_threads_run_each_stage_on_its_own_devices_and_learn_as_on_one(models, tmp_path, monkeypatch):  # noqa: F811
     split, split_losses, seen = _run_recording(models, tmp_path, monkeypatch, "split", **SPLIT)
     assert _ids(split.state.params) == _ids(split.state.opt_state) == {0, 1, 2, 3}

@@ -24,6 +24,8 @@ from asyncopd_jax.pipeline.staleness import PipelineStopped
 from asyncopd_jax.pipeline.trainer import Trainer
 from tests.pipeline.test_trainer import _config, _kl_start_end, models  # noqa: F401 - fixture
 
+pytestmark = pytest.mark.e2e  # every test here starts stage processes: the end-to-end step (-m e2e)
+
 
 def _cores(
     stages: StagesConfig, available

@@ -13,6 +13,8 @@ from asyncopd_jax.config import load_config
 from asyncopd_jax.pipeline.trainer import Trainer
 from tests.waits import SHORT_WAIT_SETS
 
+pytestmark = pytest.mark.e2e  # whole RL runs: the end-to-end step (-m e2e)
+
 RL_CONFIG = configs.RL
 
 

@@ -20,6 +20,8 @@ from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.teacher import ScoringParams, TeacherScorer
 from tests.pipeline.test_trainer import _config, models  # noqa: F401 - fixture
 
+pytestmark = pytest.mark.e2e  # whole runs in every placement: the end-to-end step (-m e2e)
+
 PLACEMENTS = {"threads": {}, "processes": {"stages.placement": "processes"}}
 
 

@@ -165,6 +165,7 @@ print("restored", version, _version_of(params))
 """
 
 
+@pytest.mark.e2e  # another process: the end-to-end step (-m e2e)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_reader_in_another_process_pins_its_snapshot(tmp_path, fmt):
     """As above, with the reader a separate OS process (the stage-process placement): the

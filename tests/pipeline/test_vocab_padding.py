@@ -25,6 +25,8 @@ from asyncopd_jax.tasks.builtin import model_config, new_model
 from asyncopd_jax.tasks.tokenizer import save_tokenizer
 from tests.waits import SHORT_WAITS
 
+pytestmark = pytest.mark.e2e  # whole runs in every placement: the end-to-end step (-m e2e)
+
 EXTRA_ROWS = 8
 
 

@@ -21,6 +21,8 @@ from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.trainer import Trainer
 from tests.pipeline.test_trainer import _config, models  # noqa: F401 - fixture
 
+pytestmark = pytest.mark.e2e  # a scenario: the end-to-end step (-m e2e)
+
 STEPS = 40
 
 

@@ -21,6 +21,8 @@ from asyncopd_jax.pipeline.run_outputs import RunDir
 from tests.pipeline.test_trainer import _config, models  # noqa: F401
 from tests.scenarios.test_kill_resume import _cli, _steps
 
+pytestmark = pytest.mark.e2e  # a scenario: the end-to-end step (-m e2e)
+
 LIMIT = 400_000  # bytes: a checkpoint of the tiny student and its Adam moments is ~1.2 MB
 
 

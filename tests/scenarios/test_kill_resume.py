@@ -26,6 +26,8 @@ from asyncopd_jax.pipeline.trainer import Trainer
 from tests.pipeline.test_processes import _children
 from tests.pipeline.test_trainer import _config, models  # noqa: F401
 
+pytestmark = pytest.mark.e2e  # a scenario: the end-to-end step (-m e2e)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

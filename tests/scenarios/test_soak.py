@@ -24,6 +24,8 @@ from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.trainer import Trainer
 from tests.pipeline.test_trainer import _config, models  # noqa: F401
 
+pytestmark = pytest.mark.e2e  # a scenario: the end-to-end step (-m e2e)
+
 STEPS = int(os.environ.get("ASYNCOPD_SOAK_STEPS", "10000"))
 WINDOW = max(STEPS // 10, 50)  # steps compared at the start and at the end
 
