@@ -19,6 +19,7 @@ def _run(models, tmp_path, name, **sets):  # noqa: F811
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.e2e  # a whole run: the end-to-end step (-m e2e)
 def test_every_token_is_exactly_lag_versions_old_and_the_run_repeats(models, tmp_path):  # noqa: F811
     records = _run(models, tmp_path, "a", **{"schedule.mode": "fixed_lag", "schedule.lag": 3})
     # Step s is taken at version s − 1 on rollouts of version max(0, s − 1 − 3).
@@ -62,6 +63,7 @@ def test_bad_fixed_lag_settings_name_the_field(models, tmp_path, sets, message):
         _config(models, tmp_path, **{"schedule.mode": "fixed_lag", **sets})
 
 
+@pytest.mark.e2e  # a whole run: the end-to-end step (-m e2e)
 def test_the_configured_aggregation_reaches_the_learner(models, tmp_path):  # noqa: F811
     """``estimator.aggregation`` is the learner's: the first step (the same rollouts, the same
     per-token losses) is the token sum S over the token count N in the token mean, and over

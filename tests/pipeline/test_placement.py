@@ -306,6 +306,7 @@ def test_threads_run_each_stage_on_its_own_devices_and_learn_as_on_one(models, t
     np.testing.assert_allclose(split_losses, one_losses, rtol=2e-3)
 
 
+@pytest.mark.e2e  # a whole run: the end-to-end step (-m e2e)
 def test_scoring_runs_on_its_own_devices_apart_from_rollout(models, tmp_path, monkeypatch):  # noqa: F811
     trainer, _, seen = _run_recording(
         models,

@@ -60,6 +60,7 @@ def _kl_start_end(records, k=4):
     return kl[0], np.mean(kl[-k:])
 
 
+@pytest.mark.e2e  # a whole run per schedule: the end-to-end step (-m e2e)
 @pytest.mark.parametrize(
     "mode,extra",
     [
@@ -87,6 +88,7 @@ def test_every_schedule_reduces_the_kl_to_the_teacher(models, tmp_path, mode, ex
     assert summary["steps"] == 12 and 0.0 <= summary["student_after"] <= 1.0
 
 
+@pytest.mark.e2e  # a whole run, crashed and resumed: the end-to-end step (-m e2e)
 def test_resume_after_a_crash_continues_without_loss_or_repetition(models, tmp_path, monkeypatch):
     cfg = _config(models, tmp_path, **{"schedule.mode": "fully_async", "train.steps": 10})
     trainer = Trainer(cfg, progress=False)
@@ -214,6 +216,7 @@ def test_extrapolation_in_the_learner_accepts_what_helps_and_rolls_back_exactly_
         np.testing.assert_array_equal(v, theta1[k], err_msg=k)
 
 
+@pytest.mark.e2e  # a whole run: the end-to-end step (-m e2e)
 def test_extrapolation_with_the_real_probe_logs_every_jump_and_the_update_geometry(models, tmp_path):
     cfg = _config(
         models,

@@ -39,6 +39,7 @@ def _structure(tree):
     return treedef, [(tuple(x.shape[1:]), str(x.dtype)) for x in leaves]
 
 
+@pytest.mark.e2e  # a whole run per setting: the end-to-end step (-m e2e)
 @pytest.mark.parametrize(
     "sets",
     [

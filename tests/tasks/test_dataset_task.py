@@ -48,6 +48,7 @@ def _config(tmp_path, data, **sets):
     return load_config(DEMO_CONFIG, [f"{k}={v}" for k, v in overrides.items()])
 
 
+@pytest.mark.e2e  # a whole run: the end-to-end step (-m e2e)
 def test_a_dataset_run_grades_the_answers_of_its_own_examples(tmp_path):
     data = _arith_jsonl(tmp_path / "arith.jsonl")
     summary = Trainer(_config(tmp_path, data), progress=False).run()
@@ -57,6 +58,7 @@ def test_a_dataset_run_grades_the_answers_of_its_own_examples(tmp_path):
     assert len(records) == 3 and all(0.0 <= r["rollout_accuracy"] <= 1.0 for r in records)
 
 
+@pytest.mark.e2e  # a whole run: the end-to-end step (-m e2e)
 def test_without_answers_a_dataset_distils_and_reports_no_accuracy(tmp_path):
     data = _arith_jsonl(tmp_path / "prompts.jsonl", answers=False)
     summary = Trainer(_config(tmp_path, data, **{"task.answer_field": "gold"}), progress=False).run()
