@@ -13,6 +13,7 @@ sampling, scoring and learning overlap, each on its own devices (see
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 from asyncopd_jax.pipeline.rollout import RolloutLoop
@@ -35,8 +36,10 @@ class RolloutPool:
             t.start()
 
     def join(self, timeout: float = 60.0) -> None:
+        """Wait for the threads, ``timeout`` seconds for all of them together."""
+        deadline = time.monotonic() + timeout
         for t in self._threads:
-            t.join(timeout)
+            t.join(max(0.0, deadline - time.monotonic()))
 
     @property
     def groups_started(self) -> int:

@@ -116,3 +116,23 @@ def test_a_stage_process_whose_run_stopped_under_it_exits_cleanly(tmp_path, monk
 
     monkeypatch.setattr(Exchange, "read", read)
     assert stage_process.run_stage(tmp_path, "rollout", 0) == (0 if stopped else 1)
+
+
+def test_a_rollout_pools_join_waits_its_timeout_for_all_threads_together():
+    """``join(timeout)`` bounds the whole wait, not each thread's: three threads that never
+    end are given up on after ~0.3 s, not 0.9 s."""
+    import threading
+    import time
+
+    from asyncopd_jax.pipeline.staleness import StalenessBuffer
+    from asyncopd_jax.pipeline.threads import RolloutPool
+
+    pool = RolloutPool(stages=[], buffer=StalenessBuffer(batch_size=4, eta=0))
+    stop = threading.Event()
+    pool._threads = [threading.Thread(target=stop.wait, daemon=True) for _ in range(3)]
+    pool.start()
+    start = time.monotonic()
+    pool.join(timeout=0.3)
+    took = time.monotonic() - start
+    stop.set()
+    assert 0.25 < took < 0.6, took
