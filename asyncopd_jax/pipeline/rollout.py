@@ -64,9 +64,7 @@ class RolloutLoop:
         p = self.producer
         if self.stream is not None and self.stream.version >= min_version:
             if self.stream.idle or p.interruptible:
-                update = p.newer_snapshot(self.stream.version)
-                if update is not None:
-                    self.stream.swap(*update)
+                self._take_newer()
             return
         with p.tracer.span("wait_for_version", version=min_version):
             p.snapshots.wait_for(min_version, timeout=p.version_timeout)
@@ -79,6 +77,13 @@ class RolloutLoop:
             )
         else:
             self.stream.swap(version, state)
+
+    def _take_newer(self) -> None:
+        """Swap in the newest published snapshot, if it is newer than the stream's weights."""
+        assert self.stream is not None
+        update = self.producer.newer_snapshot(self.stream.version)
+        if update is not None:
+            self.stream.swap(*update)
 
     def _start(self, index: int, min_version: int) -> None:
         p = self.producer
@@ -119,14 +124,12 @@ class RolloutLoop:
                 for (index, problems, start, version), batch in ended:
                     p.tracer.record("rollout", start, time.time(), version=version, **answer_lengths(batch))
                     group = p.finish(batch, problems, version)
-                    if self.stream.idle and not any(not d.done() for d in deliveries):
+                    if self.stream.idle and all(d.done() for d in deliveries):
                         deliver(index, group)
                     else:
                         deliveries.append(handoff.submit(deliver, index, group))
                 if p.interruptible and not self.stream.idle:
-                    update = p.newer_snapshot(self.stream.version)
-                    if update is not None:
-                        self.stream.swap(*update)
+                    self._take_newer()
 
     def _start_groups(self, next_group: NextGroup, may_block: bool) -> None:
         """Start groups while the stream wants prompts and ``next_group`` grants them; it
