@@ -25,7 +25,6 @@ from jax.typing import ArrayLike
 Array = jax.Array
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Metrics:
     """Scalar metrics of a batch or a part of one, by their reduction over parts.
@@ -44,6 +43,10 @@ class Metrics:
         if both:
             raise ValueError(f"metrics {both} are both means and maxes: a metric has one reduction")
         return {**self.means, **self.maxes}
+
+
+# Fields named explicitly: the base install's JAX floor (0.4.34) has no field inference.
+jax.tree_util.register_dataclass(Metrics, data_fields=["means", "maxes"], meta_fields=[])
 
 
 def weighted(metrics: Metrics, weight: ArrayLike) -> Metrics:
