@@ -257,11 +257,11 @@ class PagedPrograms(Programs):
         return constrain_slots(dataclasses.replace(slots, cache=cache, next_logits=logits))
 
     def _decode_fn(
-        self, state, slots: Slots, table: Array, rows: Array, version: Array, refill_at: Array, *, columns: int
+        self, state, slots: Slots, table: Array, rows: Array, version: Array, refill: Array, *, columns: int
     ) -> tuple[Slots, Progress]:
         """Decode slots ``rows [W]`` until ``chunk_steps`` steps ran, none of them decodes, or
-        ``refill_at`` of them are free. ``W < S``: the rows are gathered, decoded and
-        scattered back (the pool is shared, not copied)."""
+        ``refill`` more of them are free than at the start. ``W < S``: the rows are
+        gathered, decoded and scattered back (the pool is shared, not copied)."""
         model = self._model(state)
         p = self.params
         implementation = self.implementation
@@ -271,6 +271,7 @@ class PagedPrograms(Programs):
         if narrow:
             part = dataclasses.replace(slots, **jax.tree_util.tree_map(lambda x: x[rows], slots.rows()))
         start = part.records.length
+        refill_at = jnp.sum(~part.active) + refill
 
         def cond(loop: tuple[Slots, Array, Array]) -> Array:
             c, steps, _ = loop

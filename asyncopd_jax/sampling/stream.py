@@ -11,28 +11,38 @@ groups go on decoding:
     queue: g1 g1 g1 g2 g2  ──▶  slots decoding  ──▶  g2's short answers  ──▶  g1's long
                                                      ended: g2 handed on     answer ended
 
-Per step:
+Per step (the order when the chunk dispatched by the step before is still decoding; when the
+device has finished it, step 4 comes first and the rest plans from the slots it left):
 
-1. read the chunk in flight: one transfer (:class:`~asyncopd_jax.sampling.paged.Progress`)
+1. every decoding slot gets the pages its next two chunks may write (the one in flight and
+   the next; preempting the most recently admitted sequence if the pool runs short: it is
+   re-queued in front, and re-sampled from its start); the page table goes to the device
+   only when it changed;
+2. queued prompts enter free slots (one batched prefill into their pages);
+3. dispatch the next chunk: the occupied slots decode, gathered into the fewest rows (a
+   power of two) that hold them, so that the decode's width follows the sequences in
+   flight as the last answers drain; the chunk leaves early once an eighth of the slots
+   more are free than at its start and prompts wait, so a finished slot idles briefly;
+4. read the chunk before it: one transfer (:class:`~asyncopd_jax.sampling.paged.Progress`)
    of each slot's state and the records the chunk wrote, which the host appends to its
    copy of the answers (the device's ``[S, T]`` records are never read); the slots that
    finished free their slots and pages;
-2. every decoding slot gets the pages its next chunk may write (preempting the most
-   recently admitted sequence if the pool runs short: it is re-queued in front, and
-   re-sampled from its start); the page table goes to the device only when it changed;
-3. queued prompts enter free slots (one batched prefill into their pages);
-4. dispatch the next chunk: the occupied slots decode, gathered into the fewest rows (a
-   power of two) that hold them, so that the decode's width follows the sequences in
-   flight as the last answers drain; the chunk leaves early once an eighth of the slots
-   more are free and prompts wait, so a finished slot idles only until the next refill;
 5. hand back the groups whose last answer ended in the chunk read, while the device
    decodes the next one.
 
-The next chunk cannot be dispatched before the last one is read without changing what a
-group records: which slots it refills, with whose prompts, and how many pages each slot
-gets all follow from the slots that finished and how far each got. Everything after the
-dispatch (the hand-back, and the caller's work between steps: scoring, polling for
-weights) overlaps the device's decode.
+So a busy device has the next chunk queued while the host reads the last one, hands groups
+back and the caller works between steps (scoring, polling for weights). Planning a chunk
+from the slots as they were one chunk earlier changes no answer: prompt i's token t
+is drawn with ``fold_in(keys[i], t)`` whatever its slot, its admission time or a
+preemption (re-sampled, it draws the same tokens). What it costs: a slot that finished in
+the chunk in flight idles one chunk more, each decoding slot holds pages for two chunks,
+and a read must not take a slot's records for the sequence that holds it now when the
+chunk decoded the one before (a slot freed and refilled, or preempted, meanwhile): each
+chunk keeps the admission every slot held when it was dispatched (its ``tenants``), and
+a read takes only the slots whose tenant is still there. A device that already finished
+the chunk waits on the host either way: then the step reads first, and no slot idles
+longer than it must (measured in ``docs/results.md``: ahead always, the slots of a small
+model on a GPU were 0.79 used instead of 0.92, and the answers came 0.75× as fast).
 
 Between steps the caller may :meth:`~ContinuousStream.swap` in newer weights: before the
 next chunk the pages of every slot in flight are rewritten under them (the written tokens
@@ -83,6 +93,7 @@ class _Chunk:
 
     progress: Progress  # on the device
     rows: np.ndarray  # [W] the slots it decodes
+    tenants: np.ndarray  # [S] the admission each slot held when it was dispatched (0: none)
     waiting: bool  # prompts were waiting for a slot when it started
 
 
@@ -121,7 +132,7 @@ class ContinuousStream:
         self.table_on_device: Array | None = None  # the table as last sent (None: changed since)
         self.owned: list[list[int]] = [[] for _ in range(self.slots)]
         self.row_of: list[int | None] = [None] * self.slots  # the stream row a slot holds
-        self.admitted_at = [0] * self.slots
+        self.admitted_at = [0] * self.slots  # the admission (1, 2, ...) that filled the slot last
         self.written = np.zeros(self.slots, np.int64)  # tokens in a slot's pages, as last read
         # the host's copy of each slot's answer so far, appended to from every chunk read
         self.answers = Records.empty(p, self.slots, engine.pad_id, xp=np)
@@ -137,7 +148,7 @@ class ContinuousStream:
         self.stats = EngineStats(slots=self.slots, pool_pages=pool - 1)
         self.admissions = 0
         self.stale = False  # weights swapped in since the slots in flight were written
-        self.unread: _Chunk | None = None
+        self.unread: _Chunk | None = None  # the chunk dispatched last (the step before it read one)
         self.carry = engine.empty(state, self.slots, prompt_slots, pool)
 
     # --- what the caller sees -------------------------------------------------------------
@@ -199,22 +210,31 @@ class ContinuousStream:
         self.stale = self.in_flight > 0
 
     def step(self) -> list[tuple[Any, RolloutBatch]]:
-        """Read the chunk in flight, dispatch the next one; the groups (tag, batch) whose last
-        answer ended in the chunk read."""
-        ended = self.read() if self.unread is not None else []
+        """Dispatch the next chunk, then read the one in flight (read it first if the device
+        has finished it); the groups (tag, batch) whose last answer ended in the chunk read."""
+        behind, self.unread = self.unread, None
+        ended = []
+        if behind is not None and not self.device_busy(behind):
+            ended, behind = self.read(behind), None
         if self.queue or self.in_flight:
             engine, p = self.engine, self.engine.params
+            # the slots are known as of the chunk before `behind`: pages for it and the next
+            ahead = p.chunk_steps * (2 if behind is not None else 1)
             with mesh_context(engine.mesh):
                 if self.stale and self.in_flight:
                     self.carry = engine.recompute(self.state, self.carry, self.sent_table(), columns=self.columns())
-                self.make_room(p.chunk_steps)
-                new = self.plan_admission(p.chunk_steps)
+                self.make_room(ahead)
+                new = self.plan_admission(p.chunk_steps)  # a new sequence decodes from the next chunk
                 table, columns = self.sent_table(), self.columns()
                 if new is not None:
                     self.carry = engine.admit(self.state, self.carry, new, table, columns=columns)
                 self.stats.peak_pages = max(self.stats.peak_pages, self.stats.pool_pages - len(self.free))
                 self.dispatch(table, columns)
         self.stale = False
+        if behind is not None:
+            ended = self.read(behind)
+        if self.in_flight == 0:  # every slot the new chunk decodes ended before it: nothing to read
+            self.unread = None
         return [self.hand_back(group) for group in ended]
 
     # --- a chunk --------------------------------------------------------------------------
@@ -222,28 +242,37 @@ class ContinuousStream:
     def dispatch(self, table: Array, columns: int) -> None:
         """The next chunk of decode steps over the occupied slots."""
         rows = self.decode_rows()
-        occupied = self.in_flight
-        refill = max(1, self.slots // 8)
         waiting = bool(self.queue)
-        # leave once `refill` more of the rows are free than now (slots the pool cannot
-        # fill yet stay free: counting them would end the chunk at once)
-        refill_at = len(rows) - occupied + refill if waiting else len(rows) + 1
+        # leave once `refill` more of the rows are free than at the chunk's start, as the
+        # device counts them (slots the pool cannot fill yet, or that ended in the chunk in
+        # flight, stay free: counting them would end the chunk at once)
+        refill = max(1, self.slots // 8) if waiting else len(rows) + 1
         self.carry, progress = self.engine.decode(
             self.state,
             self.carry,
             table,
             self.engine.put(rows),
             np.int32(self.version),
-            np.int32(refill_at),
+            np.int32(refill),
             columns=columns,
         )
-        self.unread = _Chunk(progress, rows, waiting)
+        self.unread = _Chunk(progress, rows, self.tenants(), waiting)
 
-    def read(self) -> list[int]:
-        """Take in the chunk in flight: its records appended to the answers, the slots that
+    @staticmethod
+    def device_busy(chunk: _Chunk) -> bool:
+        """Whether the device is still decoding ``chunk`` (then the next one is dispatched
+        before it is read)."""
+        steps: Any = chunk.progress.steps  # a device array: `jax.Array`'s stub lacks `is_ready`
+        return not steps.is_ready()
+
+    def tenants(self) -> np.ndarray:
+        """``[S]`` the admission each slot holds now (0: none)."""
+        return np.asarray([a if r is not None else 0 for a, r in zip(self.admitted_at, self.row_of)], np.int64)
+
+    def read(self, chunk: _Chunk) -> list[int]:
+        """Take in ``chunk``, dispatched before the one in flight: its records appended to
+        the answers of the slots whose tenant is still the one it decoded, those that
         finished freed; the groups whose last answer this was."""
-        assert self.unread is not None
-        chunk, self.unread = self.unread, None
         progress: Progress = jax.device_get(chunk.progress)  # the chunk's one read
         steps, rows = int(progress.steps), chunk.rows
         self.stats.decode_steps += steps
@@ -251,29 +280,31 @@ class ContinuousStream:
         self.stats.waiting_row_steps += steps * len(rows) * chunk.waiting
         self.stats.waiting_tokens += int(progress.sampled) * chunk.waiting
         self.stats.chunks += 1
-        self.append(progress, rows)
+        # a slot refilled or preempted since the dispatch holds another sequence now
+        same = (chunk.tenants > 0) & (chunk.tenants == self.tenants())  # [S]
+        self.append(progress, rows, same[rows])
         prompt_len = np.asarray([self.lengths[r] if r is not None else 0 for r in self.row_of])
-        self.written = prompt_len + progress.length
+        self.written = np.where(same, prompt_len + progress.length, self.written)
         ended = []
-        for slot in np.flatnonzero(~progress.active):
-            if self.row_of[slot] is not None:
-                group = self.collect(int(slot))
-                if group is not None:
-                    ended.append(group)
+        for slot in np.flatnonzero(same & ~progress.active):
+            group = self.collect(int(slot))
+            if group is not None:
+                ended.append(group)
         return ended
 
-    def append(self, progress: Progress, rows: np.ndarray) -> None:
+    def append(self, progress: Progress, rows: np.ndarray, mine: np.ndarray) -> None:
         """The records a chunk wrote (``progress.new [W, C, ...]``, columns
         ``start .. start + C − 1`` of slots ``rows``) into the host's answers, up to each
-        slot's new length."""
+        slot's new length, for the rows where ``mine [W]`` (the slot's tenant is the one
+        the chunk decoded)."""
         p = self.engine.params
         start = progress.start
-        count = progress.length[rows] - start  # tokens each row sampled in the chunk
+        count = np.where(mine, progress.length[rows] - start, 0)  # tokens each row sampled in the chunk
         row, column = np.nonzero(np.arange(min(p.chunk_steps, p.max_new_tokens))[None] < count[:, None])
         slot, at = rows[row], start[row] + column
         for name, values in progress.new.items():
             getattr(self.answers, name)[slot, at] = values[row, column]
-        self.answers.length[rows] = progress.length[rows]
+        self.answers.length[rows[mine]] = progress.length[rows[mine]]
 
     def collect(self, slot: int) -> int | None:
         """Slot ``slot``'s finished answer into its group; its slot and pages freed. The

@@ -70,7 +70,7 @@ def _assert_same_answer(got, row: int, want, want_row: int) -> None:
             np.testing.assert_array_equal(a, b, err_msg=field)
 
 
-def test_a_slot_refilled_mid_loop_answers_as_the_prompt_alone():
+def test_a_slot_refilled_mid_loop_answers_as_the_prompt_alone(chunk_order):
     key = jax.random.key(0)
     batch, stats = _generate(_params(), key=key)
     lengths = np.asarray(batch.response_mask).sum(1)
@@ -83,7 +83,7 @@ def test_a_slot_refilled_mid_loop_answers_as_the_prompt_alone():
         _assert_same_answer(batch, row, alone, 0)
 
 
-def test_keys_follow_the_prompt_not_its_position():
+def test_keys_follow_the_prompt_not_its_position(chunk_order):
     """Prompts in another order, each with its own key, get the same answers."""
     key = jax.random.key(1)
     batch, _ = _generate(_params(), key=key)
@@ -94,7 +94,7 @@ def test_keys_follow_the_prompt_not_its_position():
         _assert_same_answer(shuffled, position, batch, row)
 
 
-def test_a_short_pool_preempts_and_requeues_without_changing_an_answer():
+def test_a_short_pool_preempts_and_requeues_without_changing_an_answer(chunk_order):
     roomy, roomy_stats = _generate(_params())
     # 3 slots of up to 6 + 12 tokens: 15 pages of 4 tokens each at worst; 6 make them queue
     short, stats = _generate(_params(kv_pages=6))

@@ -18,7 +18,7 @@ def _stream(**changes) -> ContinuousStream:
     return _engine(_params(**changes)).open_stream(MODEL[1], version=0, prompt_slots=PROMPT_SLOTS)
 
 
-def test_each_group_of_a_stream_answers_as_it_would_alone():
+def test_each_group_of_a_stream_answers_as_it_would_alone(chunk_order):
     """Three groups through 3 slots, the second submitted mid-stream: every answer equals its
     group's own `generate` with the same keys (slots refilled across groups, narrowed rows)."""
     stream = _stream()
@@ -38,8 +38,8 @@ def test_each_group_of_a_stream_answers_as_it_would_alone():
 
 def test_a_group_is_handed_back_by_the_step_after_its_last_answer_ends():
     """With a slot per prompt and one decode step per chunk, every prompt starts at step 0:
-    a group comes back from the step after the chunk of its longest answer (which reads that
-    chunk, dispatches the next and then hands the group back), not when the stream goes idle."""
+    a group comes back from the step after the chunk of its longest answer (which dispatches
+    the next chunk, reads that one and hands the group back), not when the stream goes idle."""
     stream = _stream(slots=len(PROMPTS), chunk_steps=1)
     for g, group in enumerate(GROUPS):
         stream.submit(g, group, prompt_keys(jax.random.key(20 + g), len(group)))
@@ -55,18 +55,51 @@ def test_a_group_is_handed_back_by_the_step_after_its_last_answer_ends():
     assert len(set(longest.values())) > 1, longest  # the groups end at different steps
 
 
-def test_the_decode_narrows_to_the_slots_in_flight():
+def test_the_decode_narrows_to_the_slots_in_flight(chunk_order):
     """As the last answers drain, the decode runs the occupied slots (a power of two), not all."""
     stream = _stream(slots=8, chunk_steps=1)
     stream.submit(0, PROMPTS[:8], prompt_keys(jax.random.key(0), 9)[:8])  # uneven answers (test_continuous)
     widths = []
     while not stream.idle:
         stream.step()
-        if stream.unread is not None:  # the chunk just dispatched: the slots in flight, the rows it decodes
-            widths.append((stream.in_flight, len(stream.unread.rows)))
+        if stream.unread is not None:  # the chunk just dispatched: the slots it decoded for, its rows
+            widths.append((int(np.count_nonzero(stream.unread.tenants)), len(stream.unread.rows)))
     assert all(rows == 1 << (n - 1).bit_length() for n, rows in widths), widths
-    assert stream.stats.row_steps == sum(rows for _, rows in widths)  # one step per chunk
+    # one step per chunk (none in a chunk whose slots all ended in the chunk before it)
+    assert stream.stats.row_steps <= sum(rows for _, rows in widths)
     assert stream.stats.row_steps < 8 * stream.stats.decode_steps
+
+
+def test_a_busy_device_gets_the_next_chunk_before_the_last_is_read(chunk_order, monkeypatch):
+    """A device still decoding has the next chunk queued before the host reads the last one;
+    a device done with it waits on the host either way, so the step reads first and plans
+    from the slots it left. One read per step (refills and the drain included)."""
+    stream = _stream(slots=4, chunk_steps=2)
+    for g, group in enumerate(GROUPS):
+        stream.submit(g, group, prompt_keys(jax.random.key(30 + g), len(group)))
+    events: list[str] = []
+    decode, device_get = stream.engine.decode, jax.device_get
+    monkeypatch.setattr(stream.engine, "decode", lambda *a, **k: (events.append("dispatch"), decode(*a, **k))[1])
+    monkeypatch.setattr(jax, "device_get", lambda x: (events.append("read"), device_get(x))[1])
+    steps = []
+    while not stream.idle:
+        events.clear()
+        stream.step()
+        steps.append(tuple(events))
+    order = ("dispatch", "read") if chunk_order == "ahead" else ("read", "dispatch")
+    assert steps[0] == ("dispatch",), steps
+    assert set(steps[1:-1]) == {order}, steps
+    assert steps[-1] in {order, ("read",)}, steps
+    assert stream.stats.refills > 0  # slots were refilled between chunks
+
+
+def test_a_chunk_the_device_finished_is_not_busy():
+    stream = _stream()
+    stream.submit(0, GROUPS[0], prompt_keys(jax.random.key(0), len(GROUPS[0])))
+    stream.step()
+    assert stream.unread is not None
+    jax.block_until_ready(stream.unread.progress)
+    assert not ContinuousStream.device_busy(stream.unread)
 
 
 def test_a_stream_needs_slots():
