@@ -83,7 +83,7 @@ def test_a_slot_refilled_mid_loop_answers_as_the_prompt_alone(chunk_order):
         _assert_same_answer(batch, row, alone, 0)
 
 
-def test_keys_follow_the_prompt_not_its_position(chunk_order):
+def test_keys_follow_the_prompt_not_its_position():
     """Prompts in another order, each with its own key, get the same answers."""
     key = jax.random.key(1)
     batch, _ = _generate(_params(), key=key)

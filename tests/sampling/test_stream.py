@@ -55,7 +55,7 @@ def test_a_group_is_handed_back_by_the_step_after_its_last_answer_ends():
     assert len(set(longest.values())) > 1, longest  # the groups end at different steps
 
 
-def test_the_decode_narrows_to_the_slots_in_flight(chunk_order):
+def test_the_decode_narrows_to_the_slots_in_flight():
     """As the last answers drain, the decode runs the occupied slots (a power of two), not all."""
     stream = _stream(slots=8, chunk_steps=1)
     stream.submit(0, PROMPTS[:8], prompt_keys(jax.random.key(0), 9)[:8])  # uneven answers (test_continuous)
