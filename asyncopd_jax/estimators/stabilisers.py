@@ -424,15 +424,10 @@ def m2po_loss(
     check_same_shape(
         "m2po_loss", {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask}
     )
-    kept = m2po_mask(
-        logp,
-        behavior_logp,
-        mask,
-        second_moment_budget=second_moment_budget,
-        axis_name=axis_name,
-        check_inputs=check_inputs,
-    )
     valid = as_mask(mask)
+    if check_inputs:  # here, so that a bad input is named as the caller's: m2po_loss
+        check_logprobs("m2po_loss", {"logp": logp, "behavior_logp": behavior_logp}, mask=valid)
+    kept = m2po_mask(logp, behavior_logp, mask, second_moment_budget=second_moment_budget, axis_name=axis_name)
     logp, behavior_logp, advantages = (keep(x, valid) for x in (logp, behavior_logp, advantages))
     ratio = importance_ratio(logp, jax.lax.stop_gradient(behavior_logp))
     return jnp.where(kept, -jax.lax.stop_gradient(advantages).astype(jnp.float32) * ratio, 0.0)

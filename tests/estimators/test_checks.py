@@ -20,6 +20,12 @@ def _logp(*shape, seed=0):
     return jnp.log(jnp.asarray(probs, jnp.float32))[..., : shape[-1]]
 
 
+def _named(argument: str) -> str:
+    """A pattern for a message that starts with ``argument`` ("estimator: argument"), alone
+    or as the ValueError a host callback's error carries."""
+    return rf"(^|ValueError: ){argument}"
+
+
 def _one_line(err) -> str:
     text = str(err.value)
     assert "\n" not in text, text
@@ -100,6 +106,23 @@ def _one_line(err) -> str:
             r"loss_numerator \(seq-mean-token-mean\): mask has shape \[2, 5\]; expected \[B, T\] = \[2, 4\]",
         ),
         (lambda: est.reference_kl(_logp(B, T), _logp(B, T, 1)), r"reference_kl: reference_logp"),
+        (lambda: est.reference_kl(_logp(B, T), _logp(B, T), mask=np.ones((B, T + 1), bool)), r"reference_kl: mask"),
+        (
+            lambda: est.forward_kl_mc(_logp(B, T, N), _logp(B, T, N), mask=jnp.ones((1, T), bool)),
+            r"forward_kl_mc: mask has shape \[1, 4\]; expected \[B, T\] = \[2, 4\]",
+        ),
+        (
+            lambda: est.reverse_kl_dense(jnp.zeros((B, V)), jnp.zeros((B, T, V))),
+            r"reverse_kl_dense: student_logits has shape \[2, 11\]",
+        ),
+        (
+            lambda: est.gspo_loss(_logp(B, T), _logp(B, T), jnp.zeros((1, T)), jnp.ones((B, T), bool)),
+            r"gspo_loss: advantages has shape \[1, 4\]; expected \[B, T\] = \[2, 4\]",
+        ),
+        (
+            lambda: est.with_distillation(jnp.zeros((B, T)), _logp(B, T, 1), _logp(B, T), 0.5),
+            r"with_distillation: teacher_logp",
+        ),
         (
             lambda: est.with_distillation(jnp.zeros(B), _logp(B, T), _logp(B, T, 1), 0.5),
             r"with_distillation: student_logp",
@@ -117,32 +140,49 @@ def test_a_wrong_shape_names_the_argument_and_the_expected_shape(call, message):
 LOGITS = jnp.asarray(np.random.default_rng(1).normal(scale=3.0, size=(B, T, K)) + 4.0, jnp.float32)
 
 
+# (call, "the estimator: the argument" its message names)
 CHECKED_CALLS = [
-    (lambda lp, bad: est.forward_kl_topk(lp, bad, check_inputs=True), "teacher_logp"),
-    (lambda lp, bad: est.reverse_kl_topk(bad, lp, check_inputs=True), "student_logp"),
-    (lambda lp, bad: est.forward_kl_mc(lp, bad, check_inputs=True), "teacher_logp"),
-    (lambda lp, bad: est.reverse_kl_mc(lp, bad, lp, check_inputs=True), "behavior_logp"),
-    (lambda lp, bad: est.reverse_kl_mc_loo(lp, lp, bad, check_inputs=True), "teacher_logp"),
-    (lambda lp, bad: est.ppo_clip_loss(bad, lp, lp, check_inputs=True), "logp"),
-    (lambda lp, bad: est.decoupled_ppo_loss(lp, bad, lp, lp, check_inputs=True), "proximal_logp"),
-    (lambda lp, bad: est.truncated_is_loss(lp, bad, lp, check_inputs=True), "behavior_logp"),
-    (lambda lp, bad: est.m2po_loss(lp, bad, lp, jnp.ones(lp.shape, bool), check_inputs=True), "behavior_logp"),
+    (lambda lp, bad: est.forward_kl_topk(lp, bad, check_inputs=True), "forward_kl_topk: teacher_logp"),
+    (lambda lp, bad: est.reverse_kl_topk(bad, lp, check_inputs=True), "reverse_kl_topk: student_logp"),
+    (lambda lp, bad: est.forward_kl_mc(lp, bad, check_inputs=True), "forward_kl_mc: teacher_logp"),
+    (lambda lp, bad: est.reverse_kl_mc(lp, bad, lp, check_inputs=True), "reverse_kl_mc: behavior_logp"),
+    (lambda lp, bad: est.reverse_kl_mc_loo(lp, lp, bad, check_inputs=True), "reverse_kl_mc_loo: teacher_logp"),
+    (
+        lambda lp, bad: est.reverse_kl_hybrid(
+            lp,
+            lp,
+            jnp.broadcast_to(jnp.arange(K), (B, T, K)),
+            lp,
+            bad,
+            lp,
+            jnp.zeros((B, T, K), jnp.int32),
+            check_inputs=True,
+        ),
+        "reverse_kl_hybrid: candidate_behavior_logp",
+    ),
+    (lambda lp, bad: est.ppo_clip_loss(bad, lp, lp, check_inputs=True), "ppo_clip_loss: logp"),
+    (lambda lp, bad: est.decoupled_ppo_loss(lp, bad, lp, lp, check_inputs=True), "decoupled_ppo_loss: proximal_logp"),
+    (lambda lp, bad: est.truncated_is_loss(lp, bad, lp, check_inputs=True), "truncated_is_loss: behavior_logp"),
+    (
+        lambda lp, bad: est.m2po_loss(lp, bad, lp, jnp.ones(lp.shape, bool), check_inputs=True),
+        "m2po_loss: behavior_logp",
+    ),
     (
         lambda lp, bad: est.gspo_loss(lp[..., 0], bad[..., 0], lp[..., 0], jnp.ones((B, T), bool), check_inputs=True),
-        "behavior_logp",
+        "gspo_loss: behavior_logp",
     ),
-    (lambda lp, bad: est.reference_kl(lp, bad, check_inputs=True), "reference_logp"),
-    (lambda lp, bad: est.reference_kl(bad, lp, "k2", check_inputs=True), "logp"),
+    (lambda lp, bad: est.reference_kl(lp, bad, check_inputs=True), "reference_kl: reference_logp"),
+    (lambda lp, bad: est.reference_kl(bad, lp, "k2", check_inputs=True), "reference_kl: logp"),
 ]
 
 
 @pytest.mark.parametrize("call,argument", CHECKED_CALLS)
 def test_check_inputs_catches_raw_logits(call, argument):
     good = _logp(B, T, K)
-    with pytest.raises(Exception, match=rf": {argument} holds values up to .*; expected log-probabilities"):
+    with pytest.raises(Exception, match=_named(argument) + " holds values up to .*; expected log-probabilities"):
         call(good, LOGITS)  # eagerly: at once
     error, _ = checkify.checkify(jax.jit(call))(good, LOGITS)  # under jit: functionalised
-    with pytest.raises(Exception, match=rf": {argument} holds values up to"):
+    with pytest.raises(Exception, match=_named(argument) + " holds values up to"):
         error.throw()
     error, out = checkify.checkify(jax.jit(call))(good, good)  # log-probs pass
     assert error.get() is None and np.all(np.isfinite(out))
@@ -175,7 +215,7 @@ def test_check_inputs_works_under_a_plain_jit(call, argument):
     good = _logp(B, T, K)
     step = jax.jit(lambda a, b: call(a, b))  # a fresh function: no trace made under checkify
     assert np.all(np.isfinite(step(good, good)))
-    with pytest.raises(Exception, match=rf": {argument} holds values up to .*; expected log-probabilities"):
+    with pytest.raises(Exception, match=_named(argument) + " holds values up to .*; expected log-probabilities"):
         jax.block_until_ready(step(good, LOGITS))
 
 
@@ -213,3 +253,7 @@ def test_check_inputs_skips_the_positions_the_mask_leaves_out():
     assert error.get() is None
     with pytest.raises(ValueError, match=r"forward_kl_topk: teacher_logp holds values up to nan"):
         est.forward_kl_topk(_logp(B, T, K), padded, check_inputs=True)  # no mask: the padding is checked
+    # the sequence-level and the regulariser's checks skip it too
+    lp, padded_lp = _logp(B, T, K)[..., 0], padded[..., 0]
+    est.gspo_loss(lp, padded_lp, jnp.zeros((B, T)), mask, check_inputs=True)
+    est.reference_kl(lp, padded_lp, mask=mask, check_inputs=True)
