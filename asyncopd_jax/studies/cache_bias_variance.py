@@ -111,7 +111,14 @@ def _estimators(budget: int, vocab: int, mu_logits, q_logits):
 
 
 def gradient_statistics(
-    student_logits, behaviour_logits, teacher_logits, *, budgets=BUDGETS, draws: int, key
+    student_logits,
+    behaviour_logits,
+    teacher_logits,
+    *,
+    budgets=BUDGETS,
+    draws: int,
+    key,
+    names: tuple[str, ...] | None = None,
 ) -> dict[tuple[str, int], dict[str, float]]:
     """Bias², variance, MSE and cosine of every estimator at every budget (see the module
     docstring), relative to the mean squared norm of the exact gradient.
@@ -119,6 +126,7 @@ def gradient_statistics(
     Args:
       student_logits, behaviour_logits, teacher_logits: ``[P, V]`` at P states.
       draws: independent draws R of each stochastic estimator.
+      names: the estimators to measure (default: all; each compiles a program per budget).
     """
     z, mu, q = (jnp.asarray(x, jnp.float32)[:, None, :] for x in (student_logits, behaviour_logits, teacher_logits))
     exact = jax.grad(lambda x: est.reverse_kl_dense(x, q).sum())(z)[:, 0]  # [P, V]
@@ -126,6 +134,8 @@ def gradient_statistics(
     out = {}
     for budget in budgets:
         for name, (stochastic, fn) in _estimators(budget, z.shape[-1], mu, q).items():
+            if names is not None and name not in names:
+                continue
             keys = jax.random.split(jax.random.fold_in(key, budget), draws if stochastic else 1)
             grads = jax.jit(jax.vmap(lambda k: jax.grad(lambda x: fn(x, k).sum())(z)[:, 0]))(keys)  # [R, P, V]
             mean = grads.mean(0)

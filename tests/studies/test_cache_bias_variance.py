@@ -30,7 +30,10 @@ def test_statistics_separate_bias_from_variance():
     student = rng.normal(size=(P, V)) * 1.5
     behaviour = student + rng.normal(size=(P, V)) * 0.7  # stale
     teacher = rng.normal(size=(P, V)) * 1.5
-    stats = gradient_statistics(student, behaviour, teacher, budgets=(1, 8, 16), draws=2048, key=jax.random.key(0))
+    stats = gradient_statistics(
+        student, behaviour, teacher, budgets=(1, 8, 16), draws=2048, key=jax.random.key(0), names=(TOPK, MC, STALE)
+    )
+    assert {name for name, _ in stats} == {TOPK, MC, STALE}
     # Top-K is deterministic: no variance; biased below V ids, exact at V (16 ≥ 12).
     assert stats[TOPK, 8]["variance"] == 0 and stats[TOPK, 8]["bias2"] > 1e-3
     assert stats[TOPK, 16]["mse"] < 1e-8 and stats[TOPK, 16]["cosine"] > 0.9999
