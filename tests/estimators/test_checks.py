@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -257,3 +260,206 @@ def test_check_inputs_skips_the_positions_the_mask_leaves_out():
     lp, padded_lp = _logp(B, T, K)[..., 0], padded[..., 0]
     est.gspo_loss(lp, padded_lp, jnp.zeros((B, T)), mask, check_inputs=True)
     est.reference_kl(lp, padded_lp, mask=mask, check_inputs=True)
+
+
+# --- every argument of every estimator: its shape contract, dimension by dimension ------------
+
+SIZES = {"B": B, "T": T, "K": K, "N": N, "V": V}
+# estimator → (its array arguments: name, dims, positional?), as its docstring gives them.
+# Stabilisers take [B, T] (or [B, T, N]) arrays that must all share logp's shape.
+CONTRACTS = {
+    est.forward_kl_dense: [("student_logits", "B T V", 1), ("teacher_logits", "B T V", 1), ("mask", "B T", 0)],
+    est.reverse_kl_dense: [("student_logits", "B T V", 1), ("teacher_logits", "B T V", 1), ("mask", "B T", 0)],
+    est.forward_kl_topk: [("student_logp", "B T K", 1), ("teacher_logp", "B T K", 1), ("mask", "B T", 0)],
+    est.forward_kl_topk_renormalized: [("student_logp", "B T K", 1), ("teacher_logp", "B T K", 1), ("mask", "B T", 0)],
+    est.reverse_kl_topk: [("student_logp", "B T K", 1), ("teacher_logp", "B T K", 1), ("mask", "B T", 0)],
+    est.forward_kl_mc: [("student_logp", "B T N", 1), ("teacher_logp", "B T N", 1), ("mask", "B T", 0)],
+    est.reverse_kl_mc: [
+        ("student_logp", "B T N", 1),
+        ("behavior_logp", "B T N", 1),
+        ("teacher_logp", "B T N", 1),
+        ("mask", "B T", 0),
+    ],
+    est.reverse_kl_mc_loo: [
+        ("student_logp", "B T N", 1),
+        ("behavior_logp", "B T N", 1),
+        ("teacher_logp", "B T N", 1),
+        ("mask", "B T", 0),
+    ],
+    est.reverse_kl_hybrid: [
+        ("support_student_logp", "B T K", 1),
+        ("support_teacher_logp", "B T K", 1),
+        ("support_ids", "B T K", 1),
+        ("candidate_student_logp", "B T N", 1),
+        ("candidate_behavior_logp", "B T N", 1),
+        ("candidate_teacher_logp", "B T N", 1),
+        ("candidate_ids", "B T N", 1),
+        ("mask", "B T", 0),
+    ],
+    est.ppo_clip_loss: [("logp", "B T", 1), ("behavior_logp", "B T", 1), ("advantages", "B T", 1), ("mask", "B T", 0)],
+    est.decoupled_ppo_loss: [
+        ("logp", "B T", 1),
+        ("proximal_logp", "B T", 1),
+        ("behavior_logp", "B T", 1),
+        ("advantages", "B T", 1),
+        ("mask", "B T", 0),
+    ],
+    est.truncated_is_loss: [
+        ("logp", "B T", 1),
+        ("behavior_logp", "B T", 1),
+        ("advantages", "B T", 1),
+        ("mask", "B T", 0),
+    ],
+    est.gspo_loss: [("logp", "B T", 1), ("behavior_logp", "B T", 1), ("advantages", "B T", 1), ("mask", "B T", 1)],
+    est.m2po_mask: [("logp", "B T", 1), ("behavior_logp", "B T", 1), ("mask", "B T", 1)],
+    est.m2po_loss: [("logp", "B T", 1), ("behavior_logp", "B T", 1), ("advantages", "B T", 1), ("mask", "B T", 1)],
+    est.second_moment_clip_range: [
+        ("logp", "B T", 1),
+        ("behavior_logp", "B T", 1),
+        ("advantages", "B T", 1),
+        ("mask", "B T", 1),
+    ],
+    est.second_moment_clip_loss: [
+        ("logp", "B T", 1),
+        ("behavior_logp", "B T", 1),
+        ("advantages", "B T", 1),
+        ("mask", "B T", 1),
+    ],
+    est.reference_kl: [("logp", "B T", 1), ("reference_logp", "B T", 1), ("mask", "B T", 0)],
+}
+
+
+def _arguments(contract, wrong: str | None = None, axis: int = 0, mask_row: int | None = None):
+    """Valid positional and keyword arguments for ``contract``, but argument ``wrong`` one
+    longer on ``axis``; with ``mask_row``, the mask leaves that row's last position out."""
+    args, kwargs = [], {}
+    for i, (name, dims, positional) in enumerate(contract):
+        shape = [SIZES[d] for d in dims.split()]
+        if name == wrong:
+            shape[axis] += 1
+        if name == "mask":
+            value = np.ones(shape, bool)
+            if mask_row is not None:
+                value[mask_row, -1] = False
+            value = jnp.asarray(value)
+        elif name.endswith("_ids"):
+            value = jnp.broadcast_to(jnp.arange(shape[-1]), shape)  # distinct ids per position
+        elif name.endswith("logits") or name == "advantages":
+            value = jnp.asarray(np.random.default_rng(i).normal(size=shape), jnp.float32)
+        else:
+            value = _logp(*shape, seed=i) if len(shape) == 3 else _logp(*shape, 1, seed=i)[..., 0]
+        if positional:
+            args.append(value)
+        else:
+            kwargs[name] = value
+    return args, kwargs
+
+
+SHAPE_CASES = [
+    (fn, name, axis)
+    for fn, contract in CONTRACTS.items()
+    for name, dims, _ in contract
+    for axis in range(len(dims.split()))
+]
+
+
+@pytest.mark.parametrize(
+    "fn,wrong,axis", SHAPE_CASES, ids=[f"{fn.__name__}-{name}-{axis}" for fn, name, axis in SHAPE_CASES]
+)
+def test_every_dimension_of_every_argument_is_checked_and_named(fn, wrong, axis):
+    """One dimension of one argument off by one fails at trace time, with one line that
+    starts with the estimator's name and names only the estimator's own arguments, the
+    wrong one among them."""
+    contract = CONTRACTS[fn]
+    args, kwargs = _arguments(contract, wrong, axis)
+    with pytest.raises(ValueError) as err:
+        fn(*args, **kwargs)
+    message = _one_line(err)
+    assert message.startswith(f"{fn.__name__}: "), message
+    named = set(re.findall(r"(\w+) has shape|like (\w+)|from (\w+)\)", message))
+    named = {n for group in named for n in group if n}
+    assert wrong in named and named <= {name for name, _, _ in contract}, message
+
+
+@pytest.mark.parametrize("fn", list(CONTRACTS), ids=[fn.__name__ for fn in CONTRACTS])
+def test_every_estimator_is_zero_where_the_mask_leaves_a_position_out(fn):
+    if fn is est.second_moment_clip_loss:
+        pytest.skip("its loss is on every token by design: the mask only chooses the clip range")
+    args, kwargs = _arguments(CONTRACTS[fn], mask_row=1)
+    out = np.asarray(fn(*args, **kwargs))
+    if out.ndim < 2:  # a sequence-level loss ([B]) or a scalar: nothing per position to check
+        pytest.skip(f"{fn.__name__} returns shape {list(out.shape)}")
+    assert out[1, -1] == 0 if out.ndim == 2 else np.all(out[1, -1] == 0)
+    assert np.any(out[0] != 0) or np.any(out[1, :-1] != 0)  # not zero everywhere: the check can fail
+
+
+VALUE_CASES = [
+    (fn, name)
+    for fn, contract in CONTRACTS.items()
+    if "check_inputs" in inspect.signature(fn).parameters
+    for name, _, _ in contract
+    if name.endswith("logp")
+]
+
+
+def _with_value(contract, args, kwargs, name: str, value: float, where=(slice(None), slice(None))):
+    """``args`` / ``kwargs`` with argument ``name`` set to ``value`` at ``where``."""
+    positional = [n for n, _, p in contract if p]
+    position = positional.index(name) if name in positional else None
+    old = args[position] if position is not None else kwargs[name]
+    new = old.at[where].set(value)
+    if position is not None:
+        args = [*args[:position], new, *args[position + 1 :]]
+    else:
+        kwargs = {**kwargs, name: new}
+    return args, kwargs
+
+
+@pytest.mark.parametrize("fn,name", VALUE_CASES, ids=[f"{fn.__name__}-{name}" for fn, name in VALUE_CASES])
+def test_check_inputs_checks_every_logprob_argument_where_the_mask_keeps_it(fn, name):
+    """A positive "log-prob" in any one log-prob argument fails, naming that argument; the
+    same value where the mask leaves the position out passes."""
+    contract = CONTRACTS[fn]
+    args, kwargs = _arguments(contract, mask_row=1)
+    bad_args, bad_kwargs = _with_value(contract, args, kwargs, name, 3.0, (0, 1))
+    with pytest.raises(ValueError, match=rf"^{fn.__name__}: {name} holds values up to 3.0; expected log-probabilities"):
+        fn(*bad_args, **bad_kwargs, check_inputs=True)
+    masked_args, masked_kwargs = _with_value(contract, args, kwargs, name, 3.0, (1, -1))
+    fn(*masked_args, **masked_kwargs, check_inputs=True)  # left out by the mask: not checked
+
+
+SUPPORT_CASES = [
+    (est.forward_kl_topk, "student_logp"),
+    (est.forward_kl_topk, "teacher_logp"),
+    (est.reverse_kl_topk, "student_logp"),
+    (est.reverse_kl_topk, "teacher_logp"),
+    (est.reverse_kl_hybrid, "support_student_logp"),
+    (est.reverse_kl_hybrid, "support_teacher_logp"),
+]
+
+
+@pytest.mark.parametrize("fn,name", SUPPORT_CASES, ids=[f"{fn.__name__}-{name}" for fn, name in SUPPORT_CASES])
+def test_check_inputs_checks_the_mass_of_every_top_k_support(fn, name):
+    """Every id at probability 1/2 (all values ≤ 0, but K/2 > 1 in all) fails the mass check
+    of that argument, by name."""
+    contract = CONTRACTS[fn]
+    args, kwargs = _arguments(contract)
+    bad_args, bad_kwargs = _with_value(contract, args, kwargs, name, float(np.log(0.5)))
+    with pytest.raises(ValueError, match=rf"^{fn.__name__}: {name} puts probability exp\(.*\) > 1 on its ids"):
+        fn(*bad_args, **bad_kwargs, check_inputs=True)
+
+
+def test_gather_logprobs_names_itself_and_keeps_nan_logits_at_masked_positions_out_of_the_gradient():
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(B, T, V)), jnp.float32)
+    ids = jnp.zeros((B, T), jnp.int32)
+    with pytest.raises(ValueError, match=r"^gather_logprobs: mask has shape \[2, 5\]"):
+        est.gather_logprobs(logits, ids, mask=jnp.ones((B, T + 1), bool))
+    mask = jnp.asarray(np.arange(T)[None] < np.array([T, 2])[:, None])
+    poisoned = jnp.where(mask[..., None], logits, jnp.nan)
+
+    def loss(x):
+        return jnp.sum(est.gather_logprobs(x, ids, mask=mask))
+
+    grad = jax.grad(loss)(poisoned)
+    assert np.isfinite(np.asarray(grad)).all()
+    np.testing.assert_allclose(grad, jax.grad(loss)(logits), rtol=1e-6)
