@@ -1,5 +1,5 @@
 # fmt: off
-"""The ``asyncopd`` command: ``train``, ``sft``, ``eval``, ``study``, ``plan`` and ``stage``.
+"""The ``asyncopd`` command: ``train``, ``sft``, ``eval``, ``study``, ``plan``, ``serve-teacher`` and ``stage``.
 
     asyncopd train                                  # the bundled demo (asyncopd_jax/configs/demo.yaml)
     asyncopd train --config rl                      # a bundled config by name: demo, rl, …
@@ -12,6 +12,7 @@
     asyncopd eval --model builtin:teacher_long --task lengths=long_tailed --task difficulty=2   # + by length
     asyncopd study cache_bias_variance --quick      # a study's report in docs/study/
     asyncopd plan --config qwen3_1.7b_from_8b_v5e16 --topology v5e-16   # does it fit? (compiled, not run)
+    asyncopd serve-teacher --model builtin:teacher --port 8000   # a run's teacher.server (api: asyncopd)
 """
 # fmt: on
 
@@ -201,6 +202,46 @@ def _study(args: argparse.Namespace) -> None:
     print(f"asyncopd study: wrote {path}")
 
 
+def _serve_teacher(args: argparse.Namespace) -> None:
+    import jax
+
+    from asyncopd_jax.config import MeshConfig, ModelSource
+    from asyncopd_jax.config_checks import parse_id_list
+    from asyncopd_jax.pipeline.stage import load_model, stage_mesh
+    from asyncopd_jax.teacher.server import serve
+    from asyncopd_jax.teacher.service import BatchScorer, ServerSettings
+
+    local = jax.local_devices()
+    ids = parse_id_list(args.devices) if args.devices else list(range(len(local)))
+    if max(ids) >= len(local):
+        raise ValueError(
+            f"--devices {args.devices} names device {max(ids)}; this host has {len(local)} (0-{len(local) - 1})"
+        )
+    try:
+        axes = {k: int(v) for k, v in (item.split("=") for item in args.mesh.split(","))} if args.mesh else {}
+        mesh_config = MeshConfig(**axes)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"--mesh {args.mesh!r} is invalid; allowed: e.g. data=1,tensor=4 ({err})") from None
+    mesh = stage_mesh([local[i] for i in ids], mesh_config)
+    model = load_model(ModelSource(path=args.model, dtype=args.dtype), None, mesh)
+    settings = ServerSettings(
+        model_name=args.name,
+        max_topk=args.max_topk,
+        temperature=args.temperature,
+        max_rows=args.max_rows,
+        max_wait_ms=args.max_wait_ms,
+        queue_rows=args.queue_rows,
+        max_request_rows=args.max_request_rows,
+    )
+    scorer = BatchScorer(model, settings, mesh)
+    print(
+        f"asyncopd serve-teacher: {args.model} as {args.name!r} on {len(ids)} device(s) "
+        f"({dict(mesh.shape)}) at http://{args.host}:{args.port}",
+        flush=True,
+    )
+    serve(scorer, settings, args.host, args.port)
+
+
 def _stage(args: argparse.Namespace) -> int:
     from asyncopd_jax.config_checks import parse_id_list
     from asyncopd_jax.pipeline.placement import TPU_BASE_PORT, device_env
@@ -322,6 +363,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     plan.add_argument("--layers", type=int, default=None, help="compile this many layers (a quick, reduced plan)")
     plan.set_defaults(fn=_plan)
+
+    served = sub.add_parser(
+        "serve-teacher",
+        parents=[common],
+        help="serve a teacher model over HTTP: vLLM's completions API, plus the scoring of the student's "
+        "candidates (a run's teacher.server.api: asyncopd)",
+    )
+    served.add_argument("--model", required=True, help="builtin:NAME or a Hugging Face directory")
+    served.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    served.add_argument("--name", default="teacher", help="the model's name in the API (default: teacher)")
+    served.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: loopback only)")
+    served.add_argument("--port", type=int, default=8000)
+    served.add_argument("--devices", default="", help="this host's devices to hold the teacher, e.g. 0-3 (default all)")
+    served.add_argument("--mesh", default="", help="how the devices split the teacher, e.g. data=1,tensor=4")
+    served.add_argument("--max-topk", type=int, default=32, help="the largest top-K a request may ask")
+    served.add_argument("--temperature", type=float, default=1.0, help="the teacher's distribution softmax(z / T)")
+    served.add_argument("--max-rows", type=int, default=64, help="rows scored in one batch")
+    served.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for more rows")
+    served.add_argument("--queue-rows", type=int, default=1024, help="rows queued at most (then 503)")
+    served.add_argument("--max-request-rows", type=int, default=256, help="rows in one request at most (then 413)")
+    served.set_defaults(fn=_serve_teacher)
 
     stage = sub.add_parser(
         "stage",

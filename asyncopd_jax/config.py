@@ -22,10 +22,11 @@ import yaml
 from asyncopd_jax import configs
 from asyncopd_jax.atomic_files import write_text_atomically
 from asyncopd_jax.config_checks import ConfigError, IdList, check_fields, parse_id_list
-from asyncopd_jax.estimator_registry import ID_SOURCES, RL_ESTIMATORS, EstimatorConfig
+from asyncopd_jax.estimator_registry import ESTIMATORS, ID_SOURCES, RL_ESTIMATORS, EstimatorConfig
 from asyncopd_jax.pipeline import placement
 from asyncopd_jax.sampling.distribution import SamplingParams
 from asyncopd_jax.teacher.scorer import ScoringParams
+from asyncopd_jax.teacher.served import ServerParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,24 @@ class ModelSource:
     # is Pallas splash attention on TPU, a pure-JAX flash attention on GPU, the plain one on
     # CPU (asyncopd_jax.models.attention); the long-sequence ones never hold [S, S] scores.
     attention: Literal["auto", "xla", "blockwise", "splash"] = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherSource(ModelSource):
+    """The teacher: a model directory scored in one of our processes (``path``), or a server
+    that scores it (``server.url``: :mod:`asyncopd_jax.teacher.served`), not both."""
+
+    server: ServerParams = ServerParams()
+
+    @property
+    def served(self) -> bool:
+        """Whether a server scores the teacher (else it runs in-process from ``path``)."""
+        return bool(self.server.url)
+
+    @property
+    def given(self) -> bool:
+        """Whether the run has a teacher at all."""
+        return bool(self.path) or self.served
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,6 +418,8 @@ class TrainConfig:
             "train",
             [
                 ("steps", self.steps, self.steps >= 1, ">= 1"),
+                ("eval_every", self.eval_every, self.eval_every >= 1, ">= 1 (the last step is always evaluated)"),
+                ("checkpoint_every", self.checkpoint_every, self.checkpoint_every >= 1, ">= 1 (and the last step)"),
                 ("diagnostics_every", self.diagnostics_every, self.diagnostics_every >= 0, ">= 0 (0: off)"),
                 ("diagnostic_prompts", self.diagnostic_prompts, self.diagnostic_prompts >= 1, ">= 1"),
                 ("update_geometry_every", self.update_geometry_every, self.update_geometry_every >= 0, ">= 0 (0: off)"),
@@ -416,7 +437,7 @@ class RunConfig:
     algorithm: Literal["opd", "rl"] = "opd"
     task: TaskConfig = TaskConfig()
     student: ModelSource = ModelSource()
-    teacher: ModelSource = ModelSource()
+    teacher: TeacherSource = TeacherSource()
     # π_ref of estimator.regularisers.reference_kl_coef (scored by the scoring stage); path '':
     # the student's starting weights
     reference: ModelSource = ModelSource()
@@ -469,6 +490,7 @@ def _validate(cfg: RunConfig) -> None:
     """The checks that span sections, each naming the fields involved (each section has
     checked its own fields when it was built)."""
     spec = cfg.estimator.spec
+    _validate_teacher(cfg)  # first: what the teacher cannot score, before the settings that make it
     for need in spec.needs:  # each id set the estimator reads, and the setting that makes it
         setting = ID_SOURCES[need].setting
         if setting.read(cfg) < 1:
@@ -485,14 +507,16 @@ def _validate(cfg: RunConfig) -> None:
             "learner.extrapolation.probe_metric = 'accuracy' is invalid for a dataset without "
             "task.answer_field; allowed: reverse_kl (the probe then needs no reference answers)"
         )
+    # the probes below compute the exact KL over the whole vocabulary: the teacher's weights
+    # must be in one of our processes (a served teacher answers only a top-K)
     if extrapolation.enabled and extrapolation.probe_metric == "reverse_kl" and not cfg.teacher.path:
         raise ConfigError(
-            "learner.extrapolation.probe_metric = 'reverse_kl' needs a teacher (teacher.path); "
+            "learner.extrapolation.probe_metric = 'reverse_kl' needs an in-process teacher (teacher.path); "
             "allowed without one: accuracy"
         )
     if cfg.train.diagnostics_every and not cfg.teacher.path:
         raise ConfigError(
-            f"train.diagnostics_every = {cfg.train.diagnostics_every} needs a teacher (teacher.path); "
+            f"train.diagnostics_every = {cfg.train.diagnostics_every} needs an in-process teacher (teacher.path); "
             "allowed without one: 0"
         )
     if cfg.schedule.mode == "fixed_lag" and cfg.learner.mini_batches != 1:
@@ -503,6 +527,42 @@ def _validate(cfg: RunConfig) -> None:
             "fixed_lag; allowed: 1 (every step then trains on exactly schedule.lag-stale rollouts)"
         )
     placement.validate(cfg)
+
+
+def _validate_teacher(cfg: RunConfig) -> None:
+    """What a served teacher can score (:data:`asyncopd_jax.teacher.served.SERVES`), asked
+    up front: a run must not find out at its first batch that its estimator cannot train."""
+    teacher = cfg.teacher
+    if not teacher.served:
+        return
+    if teacher.path:
+        raise ConfigError(
+            f"teacher.path = {teacher.path!r} and teacher.server.url = {teacher.server.url!r} are both set; "
+            "allowed: one of them (the teacher runs in-process from its directory, or a server scores it)"
+        )
+    api = f"teacher.server.api = {teacher.server.api}"
+    if cfg.needs_teacher_scores:
+        serves = teacher.server.serves
+        for need in cfg.estimator.spec.needs:
+            source = ID_SOURCES[need]
+            if need not in serves:
+                usable = [name for name, spec in ESTIMATORS.items() if set(spec.needs) <= serves]
+                raise ConfigError(
+                    f"estimator.name = {cfg.estimator.name!r} needs {source.scores} (the teacher's log-probs of "
+                    f"{source.ids}), which a {api} teacher cannot score; allowed: an in-process teacher "
+                    f"(teacher.path) or one of {', '.join(usable)}"
+                )
+        if cfg.scoring.num_samples and "teacher_samples" not in serves:
+            raise ConfigError(
+                f"scoring.num_samples = {cfg.scoring.num_samples} is invalid with {api} (it cannot sample "
+                "ids from the teacher); allowed: 0, or an in-process teacher (teacher.path)"
+            )
+        if cfg.scoring.temperature != 1.0:
+            raise ConfigError(
+                f"scoring.temperature = {cfg.scoring.temperature:g} is invalid with {api}: its log-probs are the "
+                "model's raw distribution (temperature 1), and a top-K cannot be re-tempered exactly; allowed: 1.0, "
+                "or an in-process teacher (teacher.path)"
+            )
 
 
 def _validate_algorithm(cfg: RunConfig) -> None:
@@ -521,10 +581,10 @@ def _validate_algorithm(cfg: RunConfig) -> None:
             f"rl.samples_per_prompt = {rl.samples_per_prompt} is invalid; allowed: a divisor of the "
             f"{group} samples of a rollout group (learner.batch_size / rollout workers)"
         )
-    if cfg.needs_teacher_scores and not cfg.teacher.path:
+    if cfg.needs_teacher_scores and not cfg.teacher.given:
         raise ConfigError(
             f"teacher.path = '' is invalid with rl.distill_coef = {rl.distill_coef}; allowed: a model "
-            "directory (or set rl.distill_coef = 0 to train from rewards alone)"
+            "directory, a teacher server (teacher.server.url), or rl.distill_coef = 0 to train from rewards alone"
         )
     if not cfg.needs_scoring and cfg.stages.scoring_processes:
         raise ConfigError(

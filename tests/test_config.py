@@ -315,6 +315,8 @@ SECTION_CHECKS = [
     ("distributed.num_processes=-1", r"distributed.num_processes = -1 is invalid; allowed: >= 0"),
     ("distributed.process_id=-2", r"distributed.process_id = -2 is invalid; allowed: -1 \(from the environment\)"),
     ("train.steps=0", r"train.steps = 0 is invalid; allowed: >= 1"),
+    ("train.eval_every=0", r"train.eval_every = 0 is invalid; allowed: >= 1 \(the last step is always evaluated\)"),
+    ("train.checkpoint_every=0", r"train.checkpoint_every = 0 is invalid; allowed: >= 1 \(and the last step\)"),
     ("train.diagnostics_every=-1", r"train.diagnostics_every = -1 is invalid; allowed: >= 0 \(0: off\)"),
     ("train.diagnostic_prompts=0", r"train.diagnostic_prompts = 0 is invalid; allowed: >= 1"),
     ("train.update_geometry_every=-1", r"train.update_geometry_every = -1 is invalid; allowed: >= 0 \(0: off\)"),
@@ -375,7 +377,7 @@ TWO_LEARNERS = [
     [
         (
             ["train.diagnostics_every=5", "teacher.path=''", *RL],
-            r"^train.diagnostics_every = 5 needs a teacher \(teacher.path\); allowed without one: 0$",
+            r"^train.diagnostics_every = 5 needs an in-process teacher \(teacher.path\); allowed without one: 0$",
         ),
         (
             [*TWO_LEARNERS, "stages.placement=threads"],

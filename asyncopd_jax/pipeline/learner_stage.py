@@ -130,4 +130,7 @@ def batch_stats(groups: list[RolloutGroup], version: int) -> dict[str, Any]:
     )
     if np.isfinite(rewards).any():  # NaN: a response the task cannot check (no reference answers)
         stats["rollout_accuracy"] = float(np.nanmean(rewards))
+    waits = [g.teacher_wait_s for g in groups if g.teacher_wait_s is not None]
+    if waits:  # a served teacher: the seconds its scoring of this batch waited to retry the server
+        stats["teacher_wait_s"] = float(sum(waits))
     return stats

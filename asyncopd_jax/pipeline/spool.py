@@ -147,6 +147,8 @@ def group_to_record(group: RolloutGroup, index: int) -> dict[str, np.ndarray]:
                 out[f"{prefix}.{field.name}"] = np.asarray(value)
     if group.rewards is not None:
         out["rewards"] = np.asarray(group.rewards, dtype=np.float32)
+    if group.teacher_wait_s is not None:
+        out["teacher_wait_s"] = np.asarray(group.teacher_wait_s, dtype=np.float64)
     return out
 
 
@@ -165,5 +167,6 @@ def group_from_record(arrays: dict[str, np.ndarray]) -> tuple[RolloutGroup, int]
         int(arrays["oldest_version"]),
         int(arrays["newest_version"]),
         rewards=arrays.get("rewards"),
+        teacher_wait_s=float(arrays["teacher_wait_s"]) if "teacher_wait_s" in arrays else None,
     )
     return group, int(arrays["index"])

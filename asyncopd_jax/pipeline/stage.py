@@ -52,6 +52,8 @@ from asyncopd_jax.sampling import SamplingParams, make_sampler
 from asyncopd_jax.tasks import PromptTask, make_task
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.teacher import ReferenceScorer, Scorers, TeacherScorer
+from asyncopd_jax.teacher.scorer import Teacher
+from asyncopd_jax.teacher.served import ServedTeacher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,16 +158,18 @@ class ScoringStage:
     plan: StagePlan
     mesh: Mesh
     scorers: Scorers
-    teacher: nnx.Module | None
+    teacher: nnx.Module | None  # the in-process teacher (None: a served one, or none scored)
 
     def score(self, group: RolloutGroup, seed: int, index: int, tracer: Tracer) -> RolloutGroup:
         """``group`` with its score cache (and reference log-probs) filled in."""
-        with tracer.span("score"), mesh_context(self.mesh):
+        with tracer.span("score", group=index), mesh_context(self.mesh):
             batch = on_mesh(group.batch, self.mesh)
             batch, cache = jax.block_until_ready(
                 self.scorers.score(batch, jax.random.fold_in(group_key(seed, index), 1))
             )
-        return dataclasses.replace(group, batch=batch, cache=cache)
+        teacher = self.scorers.teacher
+        waited = None if teacher is None else teacher.last_wait_s
+        return dataclasses.replace(group, batch=batch, cache=cache, teacher_wait_s=waited)
 
 
 def build_scoring_stage(
@@ -175,15 +179,20 @@ def build_scoring_stage(
     scores, the reference policy (``reference.path``, else the student's starting weights)
     where the loss has a KL-to-reference term."""
     mesh = stage_mesh(stage_devices(layout, plan, default_devices), cfg.stages.scoring_mesh)
-    teacher = load_model(cfg.teacher, models.vocab_limit, mesh) if cfg.needs_teacher_scores else None
+    teacher_model: Decoder | None = None  # an in-process teacher's model (for the probes)
+    teacher: Teacher | None = None
+    if cfg.needs_teacher_scores and cfg.teacher.served:
+        teacher = ServedTeacher(cfg.teacher.server, cfg.scoring, models.vocab_limit or models.student_config.vocab_size)
+    elif cfg.needs_teacher_scores:
+        teacher_model = load_model(cfg.teacher, models.vocab_limit, mesh)
+        teacher = TeacherScorer(teacher_model, cfg.scoring)
     reference = None
     if cfg.estimator.needs_reference_logp:
         source = cfg.reference if cfg.reference.path else dataclasses.replace(cfg.reference, path=cfg.student.path)
         reference = ReferenceScorer(
             load_model(source, models.vocab_limit, mesh), cfg.sampling.temperature, cfg.learner.logprob_chunk
         )
-    scorers = Scorers(TeacherScorer(teacher, cfg.scoring) if teacher is not None else None, reference)
-    return ScoringStage(plan, mesh, scorers, teacher)
+    return ScoringStage(plan, mesh, Scorers(teacher, reference), teacher_model)
 
 
 @dataclasses.dataclass

@@ -38,6 +38,7 @@ class RolloutGroup:
     newest_version: int  # the newest
     rewards: np.ndarray | None = None  # [G] the task's reward of each sample (None: not computed)
     record: str | None = None  # the spool record it was read from (stage processes)
+    teacher_wait_s: float | None = None  # its scoring's waits to retry a teacher server (None: not served)
 
     @property
     def size(self) -> int:

@@ -332,6 +332,8 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
     student, student_source = architecture(cfg.student, shapes.layers)
     sources = {"student": student_source}
     vocab_limit = None
+    if cfg.teacher.served:  # on the server's own hardware: nothing of it runs on these chips
+        sources["teacher"] = f"external, served at {cfg.teacher.server.url} (not planned on these chips)"
     if cfg.teacher.path:
         teacher, sources["teacher"] = architecture(cfg.teacher, shapes.layers)
         if teacher.vocab_size != student.vocab_size:  # the ids both embed (a run asks the tokenizer)

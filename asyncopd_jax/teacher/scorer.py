@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +128,23 @@ def teacher_score_function(
     return score
 
 
+class Teacher(Protocol):
+    """What the scoring stage asks of a teacher, in-process (:class:`TeacherScorer`) or
+    served (:class:`asyncopd_jax.teacher.served.ServedTeacher`)."""
+
+    params: ScoringParams
+
+    def score(self, batch: RolloutBatch, key: Array | None = None) -> TeacherScoreCache:
+        """The teacher's score cache of ``batch`` (``key`` seeds any teacher samples)."""
+        ...
+
+    @property
+    def last_wait_s(self) -> float | None:
+        """Seconds this thread's last :meth:`score` waited to retry a teacher server (None:
+        the teacher is not served)."""
+        ...
+
+
 class TeacherScorer:
     """Runs a teacher :class:`Decoder` over rollouts and returns their score cache.
 
@@ -143,6 +161,11 @@ class TeacherScorer:
     def score(self, batch: RolloutBatch, key: Array | None = None) -> TeacherScoreCache:
         """Score one rollout batch (``key`` seeds the teacher samples)."""
         return self._score(self.state, batch, jax.random.key(0) if key is None else key)
+
+    @property
+    def last_wait_s(self) -> float | None:
+        """None: in-process, nothing waits on a server."""
+        return None
 
 
 class ReferenceScorer:
@@ -181,7 +204,7 @@ class Scorers:
     """What the scoring stage runs on a rollout: the teacher (its score cache) and, for a
     KL-to-reference term, the reference policy (the batch's ``reference_logp``)."""
 
-    teacher: TeacherScorer | None = None
+    teacher: Teacher | None = None
     reference: ReferenceScorer | None = None
 
     def score(self, batch: RolloutBatch, key: Array) -> tuple[RolloutBatch, TeacherScoreCache | None]:

@@ -149,3 +149,13 @@ def test_the_continuous_engine_balance_counts_waves_of_slots_not_groups():
     chip = plan.topology.chip
     want = 4 * (prefill.roofline_seconds(chip) + 24 * decode.roofline_seconds(chip))
     assert plan.balance["rollout"] == pytest.approx(want)
+
+
+def test_a_served_teacher_is_named_external_and_not_planned_on_the_chips():
+    cfg = load_config(
+        configs.DEMO, ["teacher.path=''", "teacher.server.url=http://teacher:8000", "learner.batch_size=8"]
+    )
+    plan = make_plan(cfg, get_topology("h100-4"), Shapes(prompt_tokens=16, response_tokens=24))
+    assert [s.stage for s in plan.stages] == ["learner step", "sampler prefill", "sampler decode", "sampler recompute"]
+    assert set(plan.balance) == {"rollout", "learning"}
+    assert "teacher: external, served at http://teacher:8000 (not planned on these chips)" in format_plan(plan)

@@ -1,0 +1,187 @@
+"""``asyncopd serve-teacher``: a teacher model behind an HTTP server that the scoring stage
+of any run (``teacher.server.api: asyncopd``) or any vLLM client can score through.
+
+An ASGI app (Starlette, served by uvicorn: the stack under vLLM's and SGLang's servers):
+
+* ``GET /health``: 200 once the teacher is loaded.
+* ``GET /v1/models``: the one model, OpenAI-style.
+* ``POST /v1/completions``: vLLM's body and answer, plus the extension that scores ids
+  the student chose (:mod:`asyncopd_jax.teacher.service`).
+
+Concurrent requests are scored together. A request's rows join a queue; one batcher task
+takes the queued requests whose rows can share a batch (:attr:`Request.signature`), up to
+``max_rows`` rows, waiting at most ``max_wait_ms`` for more once it has one, and scores
+them with one jitted call on a worker thread (the event loop keeps accepting meanwhile).
+The queue holds at most ``queue_rows`` rows: past it a request is answered 503 with
+``Retry-After: 1``. A malformed request is answered 400, one too large 413, each with a
+one-line JSON error (``{"error": {"message", "type", "code"}}``, as vLLM answers).
+
+Shutdown (SIGTERM, Ctrl-C): uvicorn stops accepting connections and waits for the
+requests in flight, which the batcher still scores and answers; then the app's lifespan
+ends and the batcher stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from asyncopd_jax.teacher.service import BadRequest, BatchScorer, Request, ServerSettings, answer, parse_request
+
+
+@dataclasses.dataclass
+class _Pending:
+    request: Request
+    done: asyncio.Future
+
+
+class Batcher:
+    """The queue of parsed requests and the task that scores them in batches."""
+
+    def __init__(self, scorer: BatchScorer, settings: ServerSettings):
+        self.scorer, self.settings = scorer, settings
+        self.queue: list[_Pending] = []
+        self.queued_rows = 0
+        self.batches = 0  # scored so far (for /health and tests)
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def full(self, rows: int) -> bool:
+        """Whether ``rows`` more rows would pass the queue's bound."""
+        return self.queued_rows + rows > self.settings.queue_rows
+
+    async def score(self, request: Request) -> list:
+        """The request's scores, once a batch has scored its rows."""
+        assert self._wake is not None, "Batcher.start() was not called"
+        pending = _Pending(request, asyncio.get_running_loop().create_future())
+        self.queue.append(pending)
+        self.queued_rows += len(request.rows)
+        self._wake.set()
+        return await pending.done
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.queue:
+                deadline = loop.time() + self.settings.max_wait_ms / 1e3
+                while self._rows_like(self.queue[0]) < self.settings.max_rows and loop.time() < deadline:
+                    await asyncio.sleep(min(1e-3, max(deadline - loop.time(), 0)))
+                taken = self._take()
+                rows = [row for p in taken for row in p.request.rows]
+                first = taken[0].request
+                try:
+                    scores = await asyncio.to_thread(self.scorer.score, rows, first.num_samples, first.seed)
+                except Exception as err:  # a failure of the scoring itself: every waiter learns it
+                    for p in taken:
+                        if not p.done.done():
+                            p.done.set_exception(err)
+                    continue
+                finally:
+                    self.queued_rows -= len(rows)
+                self.batches += 1
+                start = 0
+                for p in taken:
+                    n = len(p.request.rows)
+                    if not p.done.done():  # its client may have gone
+                        p.done.set_result(scores[start : start + n])
+                    start += n
+
+    def _rows_like(self, head: _Pending) -> int:
+        """Rows queued that could share a batch with ``head``."""
+        return sum(len(p.request.rows) for p in self.queue if p.request.signature == head.request.signature)
+
+    def _take(self) -> list[_Pending]:
+        """The queue's first request and those after it that can join its batch, up to
+        ``max_rows`` rows (a request's rows stay together; the first is always taken)."""
+        signature = self.queue[0].request.signature
+        taken: list[_Pending] = []
+        rows = 0
+        for p in list(self.queue):
+            n = len(p.request.rows)
+            if p.request.signature == signature and (not taken or rows + n <= self.settings.max_rows):
+                taken.append(p)
+                rows += n
+                self.queue.remove(p)
+        return taken
+
+
+def make_app(scorer: BatchScorer, settings: ServerSettings) -> Any:
+    """The ASGI app serving ``scorer``."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request as HttpRequest
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    batcher = Batcher(scorer, settings)
+
+    def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+        kind = {400: "BadRequestError", 413: "RequestTooLarge", 503: "ServiceUnavailable"}.get(status, "Error")
+        body = {"error": {"message": " ".join(message.split()), "type": kind, "code": status}}
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    async def health(_: HttpRequest) -> JSONResponse:
+        return JSONResponse({"status": "ok", "batches": batcher.batches, "queued_rows": batcher.queued_rows})
+
+    async def models(_: HttpRequest) -> JSONResponse:
+        card = {"id": settings.model_name, "object": "model", "owned_by": "asyncopd", "max_model_len": scorer.context}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(http: HttpRequest) -> JSONResponse:
+        size = http.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > settings.max_body_bytes:
+            return error(413, f"the body has {size} bytes; at most {settings.max_body_bytes}")
+        raw = await http.body()
+        if len(raw) > settings.max_body_bytes:
+            return error(413, f"the body has {len(raw)} bytes; at most {settings.max_body_bytes}")
+        try:
+            request = parse_request(json.loads(raw), settings, scorer.vocab_size, scorer.context)
+        except ValueError as err:  # BadRequest, or json's malformed-JSON error
+            status = err.status if isinstance(err, BadRequest) else 400
+            return error(status, str(err) if isinstance(err, BadRequest) else f"malformed JSON: {err}")
+        if batcher.full(len(request.rows)):
+            return error(503, f"the queue holds {batcher.queued_rows} rows; retry", {"Retry-After": "1"})
+        scores = await batcher.score(request)
+        return JSONResponse(answer(request, scores, settings.model_name))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        batcher.start()
+        try:
+            yield
+        finally:
+            await batcher.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.batcher = batcher
+    return app
+
+
+def serve(scorer: BatchScorer, settings: ServerSettings, host: str, port: int) -> None:
+    """Serve until SIGTERM / Ctrl-C; the requests in flight are answered first."""
+    import uvicorn
+
+    uvicorn.run(make_app(scorer, settings), host=host, port=port, log_level="warning", timeout_graceful_shutdown=60)

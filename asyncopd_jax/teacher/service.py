@@ -1,0 +1,339 @@
+"""What ``asyncopd serve-teacher`` answers, apart from HTTP: a request's JSON body parsed and
+checked (:func:`parse_request`), its rows scored in a batch with others
+(:class:`BatchScorer`), and the answer's JSON (:func:`answer`). The ASGI app and the
+batcher that join them: :mod:`asyncopd_jax.teacher.server`.
+
+``POST /v1/completions`` takes vLLM's body (``prompt``: a list of token-id lists,
+``prompt_logprobs``: K) and answers as vLLM does: per row, ``prompt_logprobs`` with None at
+position 0 and ``{"<id>": {"logprob", "rank", "decoded_token"}}`` after it (the top-K and
+the actual token; ``rank`` is null for an actual token outside the top-K, and
+``decoded_token`` is null: the server has no tokenizer). The extension, a body field
+``"asyncopd"``, asks for the response positions only and for more than a top-K::
+
+    "asyncopd": {"response_start": [P_0, …],         # row i's response starts at position P_i
+                 "candidate_ids": [[[id, …], …], …],  # per row, per response position: N ids
+                 "student_topk_ids": …,               # the same for the student's top-K
+                 "num_samples": M, "seed": s}         # M ids sampled from the teacher
+
+and each choice then carries ``"asyncopd"`` in place of ``prompt_logprobs``:
+``token_logprobs`` ``[t]``, ``topk_ids`` / ``topk_logprobs`` ``[t, K]``,
+``candidate_logprobs`` ``[t, N]``, ``student_topk_logprobs`` ``[t, Ks]``, ``sample_ids`` /
+``sample_logprobs`` ``[t, M]`` (those asked for).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
+from asyncopd_jax.models.decoder import Decoder
+from asyncopd_jax.models.partitioning import mesh_context
+from asyncopd_jax.teacher.scorer import ScoringParams, teacher_score_function
+
+#: The body fields of the extension a request may carry.
+EXTENSION_FIELDS = ("response_start", "candidate_ids", "student_topk_ids", "num_samples", "seed")
+
+
+class BadRequest(ValueError):
+    """A request this server cannot score: ``status`` 400 (malformed) or 413 (too large)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """How ``asyncopd serve-teacher`` scores.
+
+    Attributes:
+      model_name: the name ``/v1/models`` lists and requests must name (or leave out).
+      max_topk: the largest ``prompt_logprobs`` K a request may ask (the top-K computed).
+      temperature: the teacher's distribution ``softmax(z / τ)``: fixed for the server; a
+        request asking another temperature is refused (400).
+      max_rows: rows scored in one batch.
+      max_wait_ms: how long the batcher waits for more rows once it has one.
+      queue_rows: rows waiting at most; past it, 503 with ``Retry-After``.
+      max_request_rows: rows in one request at most (413 past it).
+      max_body_bytes: a request body's size at most (413 past it).
+      chunk_size: response positions per chunk of ``[B, chunk, V]`` logits.
+    """
+
+    model_name: str = "teacher"
+    max_topk: int = 32
+    temperature: float = 1.0
+    max_rows: int = 64
+    max_wait_ms: float = 5.0
+    queue_rows: int = 1024
+    max_request_rows: int = 256
+    max_body_bytes: int = 64 << 20
+    chunk_size: int = 128
+
+
+@dataclasses.dataclass
+class Row:
+    """One row to score: ``ids`` the whole sequence, scored from ``start`` (≥ 1) on."""
+
+    ids: np.ndarray  # [L] int
+    start: int
+    candidate_ids: np.ndarray | None = None  # [L − start, N]
+    student_topk_ids: np.ndarray | None = None  # [L − start, Ks]
+
+
+@dataclasses.dataclass
+class Request:
+    """A parsed request: its rows and what it asks of each."""
+
+    rows: list[Row]
+    topk: int
+    num_samples: int
+    seed: int
+    extension: bool  # answer in the extension's dense form (else vLLM's prompt_logprobs)
+
+    @property
+    def signature(self) -> tuple[int | None, int | None, int, int]:
+        """What must agree for rows to share a batch: the id counts per position, and the
+        number of teacher samples and their seed (one key draws a batch's samples)."""
+        first = self.rows[0]
+        candidates, topk = first.candidate_ids, first.student_topk_ids
+        return (
+            None if candidates is None else candidates.shape[1],
+            None if topk is None else topk.shape[1],
+            self.num_samples,
+            self.seed if self.num_samples else 0,
+        )
+
+
+# --- parsing --------------------------------------------------------------------------------------
+
+
+def parse_request(body: Any, settings: ServerSettings, vocab_size: int, context: int) -> Request:
+    """A :class:`Request` from a ``/v1/completions`` JSON body, or a :class:`BadRequest`
+    naming the field at fault."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    model = body.get("model", settings.model_name)
+    if model not in (settings.model_name, None):
+        raise BadRequest(f"model {model!r} is not served here; this server serves {settings.model_name!r}")
+    prompts = body.get("prompt")
+    if not isinstance(prompts, list) or not prompts:
+        raise BadRequest("prompt must be a non-empty list of token-id lists")
+    if isinstance(prompts[0], int):
+        prompts = [prompts]  # one prompt as a flat id list, as vLLM accepts it
+    if len(prompts) > settings.max_request_rows:
+        raise BadRequest(f"{len(prompts)} prompts in one request; at most {settings.max_request_rows}", 413)
+    topk = body.get("prompt_logprobs")
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 0 <= topk <= settings.max_topk:
+        raise BadRequest(f"prompt_logprobs must be an integer from 0 to {settings.max_topk}, got {topk!r}")
+    temperature = body.get("temperature", settings.temperature)
+    if not isinstance(temperature, (int, float)) or float(temperature) != settings.temperature:
+        raise BadRequest(
+            f"temperature {temperature!r}: this server scores at temperature {settings.temperature:g} only"
+        )
+    extension = body.get("asyncopd")
+    if extension is not None and not isinstance(extension, dict):
+        raise BadRequest("asyncopd must be an object")
+    extension = extension or {}
+    unknown = sorted(set(extension) - set(EXTENSION_FIELDS))
+    if unknown:
+        raise BadRequest(f"asyncopd.{unknown[0]} is not a field; allowed: {', '.join(EXTENSION_FIELDS)}")
+    starts = extension.get("response_start", [1] * len(prompts))
+    if not isinstance(starts, list) or len(starts) != len(prompts):
+        raise BadRequest(f"asyncopd.response_start must list one position per prompt ({len(prompts)})")
+    num_samples = _int_field(extension, "num_samples", 0, 0, 1 << 10)
+    seed = _int_field(extension, "seed", 0, 0, (1 << 32) - 1)
+    rows = []
+    for i, (ids, start) in enumerate(zip(prompts, starts, strict=True)):
+        row = _row(i, ids, start, vocab_size, context)
+        row.candidate_ids = _per_position_ids(extension, "candidate_ids", i, row, vocab_size)
+        row.student_topk_ids = _per_position_ids(extension, "student_topk_ids", i, row, vocab_size)
+        rows.append(row)
+    for field in ("candidate_ids", "student_topk_ids"):
+        widths = {None if getattr(r, field) is None else getattr(r, field).shape[1] for r in rows}
+        if len(widths) > 1:
+            raise BadRequest(f"asyncopd.{field} must give every row the same number of ids per position")
+    return Request(rows, topk, num_samples, seed, extension=bool(extension))
+
+
+def _int_field(extension: dict, name: str, default: int, low: int, high: int) -> int:
+    value = extension.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise BadRequest(f"asyncopd.{name} must be an integer from {low} to {high}, got {value!r}")
+    return value
+
+
+def _row(i: int, ids: Any, start: Any, vocab_size: int, context: int) -> Row:
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise BadRequest(f"prompt[{i}] must be a non-empty list of token ids")
+    array = np.asarray(ids, np.int64)
+    if array.min() < 0 or array.max() >= vocab_size:
+        raise BadRequest(
+            f"prompt[{i}] holds id {int(array.max() if array.max() >= vocab_size else array.min())}; "
+            f"the vocabulary is 0-{vocab_size - 1}"
+        )
+    if len(array) > context:
+        raise BadRequest(f"prompt[{i}] has {len(array)} tokens; the model's context is {context}", 413)
+    if not isinstance(start, int) or isinstance(start, bool) or not 1 <= start <= len(array):
+        raise BadRequest(f"asyncopd.response_start[{i}] must be an integer from 1 to {len(array)}, got {start!r}")
+    return Row(array, start)
+
+
+def _per_position_ids(extension: dict, field: str, i: int, row: Row, vocab_size: int) -> np.ndarray | None:
+    """``extension[field][i]``: ``[t, n]`` ids, one list per response position."""
+    if extension.get(field) is None:
+        return None
+    values = extension[field]
+    where = f"asyncopd.{field}[{i}]"
+    if not isinstance(values, list) or len(values) <= i:
+        raise BadRequest(f"asyncopd.{field} must list the ids of every prompt")
+    try:
+        array = np.asarray(values[i], np.int64)
+    except (ValueError, TypeError):
+        raise BadRequest(f"{where} must be a list of equal-length id lists") from None
+    t = len(row.ids) - row.start
+    if array.ndim != 2 or array.shape[0] != t or array.shape[1] < 1:
+        raise BadRequest(
+            f"{where} must hold {t} lists of ids (one per response position), got shape {list(array.shape)}"
+        )
+    if array.min() < 0 or array.max() >= vocab_size:
+        raise BadRequest(f"{where} holds ids outside the vocabulary 0-{vocab_size - 1}")
+    return array
+
+
+# --- scoring --------------------------------------------------------------------------------------
+
+
+def _bucket(n: int) -> int:
+    """The power of two ≥ ``n`` (a few compiled shapes)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class BatchScorer:
+    """Scores lists of :class:`Row` with one jitted call per batch (its shapes padded to
+    powers of two; one compiled program per shape and number of samples)."""
+
+    def __init__(self, model: Decoder, settings: ServerSettings, mesh: Mesh | None = None):
+        self.settings, self.mesh = settings, mesh
+        self.graphdef, self.state = nnx.split(model)
+        self.vocab_size = int(model.vocab_limit or model.config.vocab_size)
+        self.context = int(model.config.max_position_embeddings)
+        if settings.max_topk > self.vocab_size:
+            raise ValueError(f"--max-topk {settings.max_topk} is more than the model's {self.vocab_size} ids")
+
+    @functools.cache  # noqa: B019 (one scorer per server, alive as long as the server)
+    def _function(self, num_samples: int):
+        params = ScoringParams(
+            topk=self.settings.max_topk,
+            num_samples=num_samples,
+            temperature=self.settings.temperature,
+            chunk_size=self.settings.chunk_size,
+        )
+        return jax.jit(teacher_score_function(self.graphdef, params))
+
+    def score(self, rows: Sequence[Row], num_samples: int, seed: int) -> list[dict[str, np.ndarray]]:
+        """Each row's scores at its positions ``start`` … ``L − 1`` (``[t]`` / ``[t, n]`` arrays)."""
+        batch, lengths = _as_batch(rows)
+        with mesh_context(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            if self.mesh is not None:  # the rows replicated on the teacher's mesh; its weights lie as the rules say
+                batch = jax.device_put(batch, NamedSharding(self.mesh, PartitionSpec()))
+            cache: TeacherScoreCache = self._function(num_samples)(self.state, batch, jax.random.key(seed))
+        host = {k: np.asarray(v) for k, v in dataclasses.asdict(cache).items() if v is not None}
+        return [{k: v[i, :t] for k, v in host.items()} for i, t in enumerate(lengths)]
+
+
+def _as_batch(rows: Sequence[Row]) -> tuple[RolloutBatch, list[int]]:
+    """Rows as a :class:`RolloutBatch`: each row's ``ids[:start]`` a left-padded prompt,
+    ``ids[start:]`` a right-padded response, the id sets per response position padded with
+    id 0 (positions past a response's end are never read back)."""
+    lengths = [len(r.ids) - r.start for r in rows]
+    b, p, t = _bucket(len(rows)), _bucket(max(r.start for r in rows)), _bucket(max(max(lengths), 1))
+    prompt = np.zeros((b, p), np.int32)
+    prompt_mask = np.zeros((b, p), bool)
+    response = np.zeros((b, t), np.int32)
+    response_mask = np.zeros((b, t), bool)
+    ids: dict[str, np.ndarray | None] = {"candidate_ids": None, "student_topk_ids": None}
+    for name in ids:
+        first = getattr(rows[0], name)
+        if first is not None:
+            ids[name] = np.zeros((b, t, first.shape[1]), np.int32)
+    for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+        prompt[i, p - row.start :], prompt_mask[i, p - row.start :] = row.ids[: row.start], True
+        response[i, :n], response_mask[i, :n] = row.ids[row.start :], True
+        for name, array in ids.items():
+            if array is not None:
+                array[i, :n] = getattr(row, name)
+    zeros = jnp.zeros((b, t), jnp.float32)
+    candidates = ids["candidate_ids"]
+    topk = ids["student_topk_ids"]
+    batch = RolloutBatch(
+        prompt_tokens=jnp.asarray(prompt),
+        prompt_mask=jnp.asarray(prompt_mask),
+        response_tokens=jnp.asarray(response),
+        response_mask=jnp.asarray(response_mask),
+        behavior_logp=zeros,
+        token_version=jnp.zeros((b, t), jnp.int32),
+        candidate_ids=None if candidates is None else jnp.asarray(candidates),
+        candidate_behavior_logp=None if candidates is None else jnp.zeros(candidates.shape, jnp.float32),
+        student_topk_ids=None if topk is None else jnp.asarray(topk),
+        student_topk_behavior_logp=None if topk is None else jnp.zeros(topk.shape, jnp.float32),
+    )
+    return batch, lengths
+
+
+# --- answers --------------------------------------------------------------------------------------
+
+
+def answer(request: Request, scores: list[dict[str, np.ndarray]], model_name: str) -> dict:
+    """The ``/v1/completions`` answer: vLLM's ``prompt_logprobs``, or the extension's dense
+    arrays when the request used the extension."""
+    choices = []
+    for index, (row, score) in enumerate(zip(request.rows, scores, strict=True)):
+        choice: dict[str, Any] = {"index": index, "text": "", "finish_reason": "length", "logprobs": None}
+        if request.extension:
+            choice["asyncopd"] = _dense(score, request.topk)
+        else:
+            choice["prompt_logprobs"] = [None] * row.start + _vllm_positions(row, score, request.topk)
+        choices.append(choice)
+    return {"object": "text_completion", "model": model_name, "choices": choices}
+
+
+def _dense(score: dict[str, np.ndarray], topk: int) -> dict[str, list]:
+    out = {
+        "token_logprobs": score["token_logp"].tolist(),
+        "topk_ids": score["topk_ids"][:, :topk].tolist(),
+        "topk_logprobs": score["topk_logp"][:, :topk].tolist(),
+    }
+    for field, key in (
+        ("candidate_logp", "candidate_logprobs"),
+        ("student_topk_logp", "student_topk_logprobs"),
+        ("sample_ids", "sample_ids"),
+        ("sample_logp", "sample_logprobs"),
+    ):
+        if field in score:
+            out[key] = score[field].tolist()
+    return out
+
+
+def _vllm_positions(row: Row, score: dict[str, np.ndarray], topk: int) -> list[dict]:
+    """vLLM's per-position dicts for the positions ``start`` … ``L − 1``."""
+    positions = []
+    for k, actual in enumerate(row.ids[row.start :]):
+        ids, logps = score["topk_ids"][k, :topk], score["topk_logp"][k, :topk]
+        entry = {
+            str(int(i)): {"logprob": float(lp), "rank": r + 1, "decoded_token": None}
+            for r, (i, lp) in enumerate(zip(ids, logps, strict=True))
+        }
+        if str(int(actual)) not in entry:
+            entry[str(int(actual))] = {"logprob": float(score["token_logp"][k]), "rank": None, "decoded_token": None}
+        positions.append(entry)
+    return positions

@@ -1,0 +1,374 @@
+"""The served-teacher client against a fake vLLM on a mock transport: what it asks, how it
+reads the answer (checked against a NumPy teacher), its retries, its errors, its start-up
+determinism check, and the config's refusals of what a served teacher cannot score.
+
+The answers follow vLLM's documented ``/v1/completions`` ``prompt_logprobs`` format
+(``asyncopd_jax/teacher/wire.py``); ``tests/teacher/test_vllm_server.py`` checks the same
+client against a real vLLM server.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+
+import httpx2
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from asyncopd_jax.cache import RolloutBatch
+from asyncopd_jax.config import ConfigError, load_config
+from asyncopd_jax.teacher import ScoringParams
+from asyncopd_jax.teacher.served import ServedTeacher, ServerParams
+from asyncopd_jax.teacher.wire import ServerError
+
+V = 32
+URL = "http://teacher.test:8000"
+# Rows of different prompt and answer lengths (left-padded prompts, right-padded answers).
+PROMPTS = [[3, 4, 5], [6], [7, 8], [9, 10, 11, 12], [13, 14]]
+ANSWERS = [[20, 21, 1], [22, 1], [23], [24, 25, 26, 27], [28, 29]]
+T = 5
+
+
+def oracle_logp(sequence: list[int]) -> np.ndarray:
+    """``[len, V]`` the NumPy teacher: position i's log-probs (of token i given the tokens
+    before it) depend on token i − 1 and on i; row 0 is unused (vLLM answers None there)."""
+    table = np.sin(np.arange(V * V, dtype=np.float64).reshape(V, V) * 0.37) * 3.0
+    out = np.zeros((len(sequence), V))
+    for i in range(1, len(sequence)):
+        logits = table[sequence[i - 1]] + 0.05 * i * np.cos(np.arange(V))
+        out[i] = logits - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max()
+    return out
+
+
+def vllm_answer(body: dict, noise: float = 0.0) -> dict:
+    """What vLLM answers ``body``: per row, None then ``{"<id>": {"logprob", "rank"}}`` with
+    the top-K and the actual token."""
+    k = body["prompt_logprobs"]
+    choices = []
+    for index, sequence in enumerate(body["prompt"]):
+        logp = oracle_logp(sequence) + noise
+        entries: list = [None]
+        for i in range(1, len(sequence)):
+            order = np.argsort(-logp[i], kind="stable")
+            rank = {int(t): r + 1 for r, t in enumerate(order)}
+            keep = [int(t) for t in order[:k]] + [sequence[i]]
+            entries.append(
+                {str(t): {"logprob": float(logp[i, t]), "rank": rank[t], "decoded_token": "x"} for t in keep}
+            )
+        choices.append({"index": index, "text": "", "prompt_logprobs": entries, "finish_reason": "length"})
+    return {"id": "cmpl-1", "object": "text_completion", "model": "teacher", "choices": choices[::-1]}
+
+
+def batch() -> RolloutBatch:
+    p = max(map(len, PROMPTS))
+    prompt = np.array([[0] * (p - len(x)) + x for x in PROMPTS], np.int32)
+    response = np.array([x + [0] * (T - len(x)) for x in ANSWERS], np.int32)
+    mask = np.array([[j < len(x) for j in range(T)] for x in ANSWERS])
+    return RolloutBatch(
+        prompt_tokens=jnp.asarray(prompt),
+        prompt_mask=jnp.asarray(prompt != 0),
+        response_tokens=jnp.asarray(response),
+        response_mask=jnp.asarray(mask),
+        behavior_logp=jnp.zeros((len(PROMPTS), T)),
+        token_version=jnp.zeros((len(PROMPTS), T), jnp.int32),
+    )
+
+
+class FakeServer:
+    """A mock transport's handler: answers ``/v1/models`` and ``/v1/completions`` as vLLM,
+    after the failures it is told to give, and records what it was asked."""
+
+    def __init__(self, failures=(), noise_on_call: int | None = None, answer=vllm_answer, models=("teacher",)):
+        self.failures = list(failures)  # each: an exception to raise or an httpx2.Response to return
+        self.noise_on_call, self.answer, self.models = noise_on_call, answer, models
+        self.bodies: list[dict] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, request: httpx2.Request) -> httpx2.Response:
+        with self.lock:
+            failure = self.failures.pop(0) if self.failures else None
+        if isinstance(failure, Exception):
+            raise failure
+        if failure is not None:
+            return failure
+        if request.url.path == "/v1/models":
+            return httpx2.Response(200, json={"object": "list", "data": [{"id": m} for m in self.models]})
+        body = json.loads(request.content)
+        with self.lock:
+            self.bodies.append(body)
+            call = len(self.bodies)
+        noise = 1e-2 if call == self.noise_on_call else 0.0
+        return httpx2.Response(200, json=self.answer(body, noise) if noise else self.answer(body))
+
+
+class FakeClock:
+    """Time that passes only when the client sleeps."""
+
+    def __init__(self):
+        self.now, self.sleeps = 0.0, []
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def served(server: FakeServer, clock: FakeClock | None = None, topk: int = 4, **settings) -> ServedTeacher:
+    settings = {"url": URL, "rows_per_request": 2, "in_flight": 3, "determinism_tolerance": -1.0, **settings}
+    clock = clock or FakeClock()
+    return ServedTeacher(
+        ServerParams(**settings),
+        ScoringParams(topk=topk),
+        V,
+        client=httpx2.Client(transport=httpx2.MockTransport(server)),
+        sleep=clock.sleep,
+        clock=clock,
+    )
+
+
+def test_the_cache_equals_the_numpy_teacher_at_each_response_position():
+    server = FakeServer()
+    cache = served(server, topk=4).score(batch())
+    assert [len(b["prompt"]) for b in server.bodies] in ([2, 2, 1], [2, 1, 2], [1, 2, 2])  # 5 rows, 2 a request
+    assert sorted(s for b in server.bodies for s in b["prompt"]) == sorted(p + a for p, a in zip(PROMPTS, ANSWERS))
+    assert all(b["prompt_logprobs"] == 4 and b["model"] == "teacher" for b in server.bodies)
+    for row, (prompt, answer) in enumerate(zip(PROMPTS, ANSWERS)):
+        logp = oracle_logp(prompt + answer)[len(prompt) :]  # [t, V]: response position t's distribution
+        t = len(answer)
+        want_token = logp[np.arange(t), answer]
+        want_ids = np.argsort(-logp, axis=1, kind="stable")[:, :4]
+        np.testing.assert_allclose(cache.token_logp[row, :t], want_token, rtol=1e-6)
+        np.testing.assert_array_equal(cache.topk_ids[row, :t], want_ids)
+        np.testing.assert_allclose(cache.topk_logp[row, :t], np.take_along_axis(logp, want_ids, 1), rtol=1e-6)
+        # past the answer's end: its last position repeated (finite values the mask leaves out)
+        np.testing.assert_array_equal(cache.token_logp[row, t:], np.full(T - t, cache.token_logp[row, t - 1]))
+        np.testing.assert_array_equal(cache.topk_ids[row, t:], np.broadcast_to(cache.topk_ids[row, t - 1], (T - t, 4)))
+    assert cache.token_logp.dtype == np.float32 and cache.topk_ids.dtype == np.int32
+
+
+def test_no_topk_asks_for_the_actual_tokens_only_and_bf16_storage_is_honoured():
+    server = FakeServer()
+    teacher = ServedTeacher(
+        ServerParams(url=URL, determinism_tolerance=-1.0),
+        ScoringParams(topk=0, store_dtype="bfloat16"),
+        V,
+        client=httpx2.Client(transport=httpx2.MockTransport(server)),
+    )
+    cache = teacher.score(batch())
+    assert server.bodies[0]["prompt_logprobs"] == 0 and cache.topk_ids is None
+    assert cache.token_logp.dtype == jnp.bfloat16
+
+
+def test_requests_are_in_flight_at_once():
+    """Three requests must be inside the server together to pass its barrier: a client that
+    sent them one after another would time out there."""
+    barrier = threading.Barrier(3, timeout=20)
+
+    def answer(body, noise=0.0):
+        barrier.wait()
+        return vllm_answer(body, noise)
+
+    served(FakeServer(answer=answer), in_flight=3).score(batch())
+
+
+def test_a_server_that_fails_for_a_while_is_retried_with_backoff_and_retry_after():
+    refused = httpx2.ConnectError("connection refused")
+    busy = httpx2.Response(503, headers={"Retry-After": "7"}, json={"error": {"message": "queue full"}})
+    server = FakeServer(failures=[refused, httpx2.ReadTimeout("slow"), busy, httpx2.Response(500, text="oops")])
+    clock = FakeClock()
+    teacher = served(server, clock, rows_per_request=8, in_flight=1, backoff=0.5)
+    teacher._random = random.Random(5)
+    draws = random.Random(5)
+    teacher.score(batch())
+    assert len(server.bodies) == 1
+    assert teacher.stats.retries == 4 and teacher.stats.requests == 2  # /v1/models + one scoring
+    # full jitter on a doubling scale (0.5, 1, 2, 4 s), but the 503's Retry-After (7 s) as said
+    want = [0.5 * draws.random(), 1.0 * draws.random(), 7.0, 4.0 * draws.random()]
+    assert clock.sleeps == pytest.approx(want)
+    assert teacher.stats.wait_s == pytest.approx(sum(want))
+
+
+@pytest.mark.parametrize(
+    ("failure", "last"),
+    [
+        (httpx2.ConnectError("connection refused"), "ConnectError: connection refused"),
+        (httpx2.Response(500, json={"error": {"message": "engine dead"}}), "HTTP 500: engine dead"),
+        (httpx2.Response(503, headers={"Retry-After": "4"}, text="busy"), "HTTP 503: busy"),
+    ],
+)
+def test_a_server_that_stays_down_or_failing_stops_the_run_with_one_line_naming_it(failure, last):
+    server = FakeServer(failures=[failure] * 1000)
+    clock = FakeClock()
+    with pytest.raises(ServerError) as err:
+        served(server, clock, give_up_after=30.0).score(batch())
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"teacher server {URL} failed /v1/models for 30 s")
+    assert message.endswith(f"(teacher.server.give_up_after = 30); last: {last}")
+    assert clock.now == pytest.approx(30.0)  # waited exactly the allowance, not a backoff past it
+
+
+@pytest.mark.parametrize(
+    ("failure", "expected"),
+    [
+        (
+            httpx2.Response(400, json={"error": {"message": "prompt too long"}}),
+            "refused the request: HTTP 400: prompt too long",
+        ),
+        (httpx2.Response(200, content=b"{not json"), "answered with malformed JSON"),
+        (httpx2.Response(200, json={"object": "list"}), "not a model list"),
+    ],
+)
+def test_a_refused_or_garbled_answer_is_one_line_and_not_retried(failure, expected):
+    server = FakeServer(failures=[failure])
+    teacher = served(server)
+    with pytest.raises(ServerError, match=expected) as err:
+        teacher.score(batch())
+    assert "\n" not in str(err.value) and URL in str(err.value)
+    assert teacher.stats.retries == 0
+
+
+def _garbled(change):
+    def answer(body, noise=0.0):
+        out = vllm_answer(body, noise)
+        change(out)
+        return out
+
+    return answer
+
+
+def _drop_position(out):
+    out["choices"][0]["prompt_logprobs"].pop()
+
+
+def _fewer_ids(out):
+    entries = out["choices"][0]["prompt_logprobs"]
+    entries[-1] = dict(list(entries[-1].items())[-2:])
+
+
+def _without_actual_token(out):
+    choice = sorted(out["choices"], key=lambda c: c["index"])[0]
+    entries = choice["prompt_logprobs"]
+    entries[-1] = dict(list(entries[-1].items())[:4]) if len(entries[-1]) > 4 else {"31": {"logprob": -9.0}}
+
+
+def _positive(out):
+    entry = out["choices"][0]["prompt_logprobs"][-1]
+    next(iter(entry.values()))["logprob"] = 0.5
+
+
+def _outside_vocabulary(out):
+    entry = out["choices"][0]["prompt_logprobs"][-1]
+    entry[str(V + 3)] = {"logprob": -20.0, "rank": 99}
+
+
+def _row_missing(out):
+    out["choices"].pop()
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (_drop_position, r"prompt_logprobs has \d+ positions; expected \d+ \(prompt \+ response\)"),
+        (_fewer_ids, r"2 log-probs; asked for the top 4 \(K smaller than asked\)"),
+        (_without_actual_token, "no log-prob for the actual token"),
+        (_positive, r"log-prob 0.5 of id \d+ is not a log-prob"),
+        (_outside_vocabulary, r"id 35 is outside the student's vocabulary \(0-31\)"),
+        (_row_missing, "answered 1 rows for the 2 sent"),
+    ],
+)
+def test_an_answer_that_is_not_what_was_asked_names_the_server_row_and_position(change, expected):
+    with pytest.raises(ServerError, match=expected) as err:
+        served(FakeServer(answer=_garbled(change)), in_flight=1).score(batch())
+    assert "\n" not in str(err.value) and f"teacher server {URL}/v1/completions" in str(err.value)
+
+
+def test_the_first_batch_is_scored_twice_and_a_nondeterministic_server_refused():
+    with pytest.raises(ServerError, match=r"is not deterministic: .* differ by 0.01 in log-prob") as err:
+        served(FakeServer(noise_on_call=4), rows_per_request=2, determinism_tolerance=1e-3).score(batch())
+    assert "\n" not in str(err.value)
+    server = FakeServer()
+    teacher = served(server, rows_per_request=8, determinism_tolerance=1e-3)
+    teacher.score(batch())
+    teacher.score(batch())
+    assert len(server.bodies) == 3  # the check's second scoring, then one a batch
+    unchecked = FakeServer()
+    served(unchecked, rows_per_request=8, determinism_tolerance=-1.0).score(batch())
+    assert len(unchecked.bodies) == 1
+
+
+def test_the_model_is_asked_of_the_server_unless_named():
+    named = FakeServer(models=("a", "b"))
+    served(named, model="b").score(batch())
+    assert {b["model"] for b in named.bodies} == {"b"}
+    with pytest.raises(ServerError, match=r"serves 2 models \(a, b\); name one in teacher.server.model"):
+        served(FakeServer(models=("a", "b"))).score(batch())
+
+
+# --- the config ---------------------------------------------------------------------------------
+
+SERVED = ["teacher.path=''", f"teacher.server.url={URL}"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["estimator.name=reverse_kl_mc"],
+            "estimator.name = 'reverse_kl_mc' needs TeacherScoreCache.candidate_logp (the teacher's log-probs of "
+            "RolloutBatch.candidate_ids), which a teacher.server.api = vllm teacher cannot score; allowed: an "
+            "in-process teacher (teacher.path) or one of ",
+        ),
+        (
+            ["estimator.name=forward_kl_topk", "scoring.topk=8", "scoring.num_samples=2"],
+            "scoring.num_samples = 2 is invalid with teacher.server.api = vllm",
+        ),
+        (
+            ["estimator.name=forward_kl_topk", "scoring.topk=8", "scoring.temperature=0.7"],
+            "scoring.temperature = 0.7 is invalid with teacher.server.api = vllm",
+        ),
+        (
+            ["estimator.name=forward_kl_topk", "scoring.topk=8", "teacher.path=builtin:teacher"],
+            "teacher.path = 'builtin:teacher' and teacher.server.url = 'http://teacher.test:8000' are both set",
+        ),
+        (
+            ["estimator.name=forward_kl_topk", "scoring.topk=8", "train.diagnostics_every=5"],
+            "train.diagnostics_every = 5 needs an in-process teacher (teacher.path)",
+        ),
+        (["teacher.server.url=teacher:8000"], "teacher.server.url = 'teacher:8000' is invalid; allowed: http://"),
+        (["teacher.server.in_flight=0"], "teacher.server.in_flight must be >= 1, got 0"),
+    ],
+)
+def test_the_config_refuses_what_a_served_teacher_cannot_do(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config("demo", [*SERVED, *overrides])
+    assert expected in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_the_estimators_a_vllm_teacher_serves_are_accepted_and_listed():
+    cfg = load_config("demo", [*SERVED, "estimator.name=forward_kl_topk", "scoring.topk=8"])
+    assert cfg.teacher.served and cfg.teacher.server.url == URL
+    with pytest.raises(ConfigError) as err:
+        load_config("demo", [*SERVED, "estimator.name=reverse_kl_mc"])
+    usable = str(err.value).split("or one of ")[1].split(", ")
+    assert "forward_kl_topk" in usable and "reverse_kl_mc" not in usable and "reverse_kl_topk" not in usable
+
+
+def test_the_guide_lists_the_estimators_a_vllm_teacher_serves():
+    """docs/guide.md's table of teachers names what the config accepts, no more, no less."""
+    from pathlib import Path
+
+    from asyncopd_jax.estimator_registry import ESTIMATORS
+    from asyncopd_jax.teacher.served import SERVES
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text()
+    row = next(line for line in guide.splitlines() if line.startswith("| vLLM |"))
+    listed = set(re.findall(r"`([a-z0-9_]+)`", row.split("the estimators that read only those:")[1]))
+    assert listed == {name for name, spec in ESTIMATORS.items() if set(spec.needs) <= SERVES["vllm"]}

@@ -1,0 +1,282 @@
+"""``asyncopd serve-teacher`` on loopback (uvicorn in a thread of the test): its scores equal
+the in-process scorer's for every field of the cache, concurrent requests are batched,
+bad and oversized requests are refused in one line, a full queue answers 503, a slow server
+is retried by the client, and shutdown answers the requests in flight."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+
+import httpx2
+import jax
+import numpy as np
+import pytest
+import uvicorn
+from flax import nnx
+
+from asyncopd_jax.models import from_pretrained
+from asyncopd_jax.sampling import Sampler, SamplingParams
+from asyncopd_jax.tasks.assets import resolve_model_path
+from asyncopd_jax.teacher import ScoringParams, TeacherScorer
+from asyncopd_jax.teacher.served import ServedTeacher, ServerParams
+from asyncopd_jax.teacher.server import make_app
+from asyncopd_jax.teacher.service import BatchScorer, ServerSettings
+from tests.teacher.vllm_server import free_port
+
+SETTINGS = ServerSettings(max_topk=8, max_rows=8, max_wait_ms=20, queue_rows=12, max_request_rows=8)
+
+
+@contextlib.contextmanager
+def running(scorer: BatchScorer, settings: ServerSettings = SETTINGS):
+    """The app on a free loopback port, served by uvicorn in a thread; yields (url, app, server)."""
+    app = make_app(scorer, settings)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app, server
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return from_pretrained(resolve_model_path("builtin:teacher"))
+
+
+@pytest.fixture(scope="module")
+def served_teacher(teacher):
+    with running(BatchScorer(teacher, SETTINGS)) as (url, app, _):
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def rollouts():
+    """Answers of the student to 6 prompts, with 3 candidates and the student's top-2 per position."""
+    student = from_pretrained(resolve_model_path("builtin:student"))
+    graphdef, state = nnx.split(student)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, num_candidates=3, student_topk=2, stop_token_ids=(1,))
+    prompts = [[2, 5 + i, 12, 6 + i, 13] for i in range(6)]
+    return Sampler(graphdef, params).generate(state, prompts, jax.random.key(0))
+
+
+def test_every_field_equals_the_in_process_scorer(served_teacher, teacher, rollouts):
+    url, _ = served_teacher
+    params = ScoringParams(topk=8, chunk_size=64)
+    remote = ServedTeacher(ServerParams(url=url, api="asyncopd", rows_per_request=4), params, 32).score(rollouts)
+    local = TeacherScorer(teacher, params).score(rollouts)
+    mask = np.asarray(rollouts.response_mask)
+    for field in ("token_logp", "topk_logp", "candidate_logp", "student_topk_logp"):
+        got, want = np.asarray(getattr(remote, field))[mask], np.asarray(getattr(local, field))[mask]
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=field)
+    np.testing.assert_array_equal(np.asarray(remote.topk_ids)[mask], np.asarray(local.topk_ids)[mask])
+
+
+def test_teacher_samples_are_scored_by_the_teacher(served_teacher, rollouts):
+    """The ids the server samples carry their own log-probs: scored again as candidates they
+    give the same values; and they follow the teacher (its top id is drawn most)."""
+    url, _ = served_teacher
+    sampled = ServedTeacher(ServerParams(url=url, api="asyncopd"), ScoringParams(topk=1, num_samples=4), 32).score(
+        rollouts, jax.random.key(3)
+    )
+    as_candidates = dataclasses.replace(
+        rollouts, candidate_ids=sampled.sample_ids, candidate_behavior_logp=np.zeros(sampled.sample_ids.shape)
+    )
+    rescored = ServedTeacher(ServerParams(url=url, api="asyncopd"), ScoringParams(topk=1), 32).score(as_candidates)
+    mask = np.asarray(rollouts.response_mask)
+    np.testing.assert_allclose(
+        np.asarray(rescored.candidate_logp)[mask], np.asarray(sampled.sample_logp)[mask], atol=1e-5
+    )
+    top = np.asarray(sampled.topk_ids)[..., 0][mask]
+    assert np.mean(np.asarray(sampled.sample_ids)[mask] == top[:, None]) > 0.5
+
+
+def test_concurrent_clients_are_batched_and_each_gets_its_own_rows(served_teacher):
+    url, app = served_teacher
+    sequences = [[2, 5 + i, 12, 6 + i, 13, 3] for i in range(8)]
+    alone = [httpx2.post(f"{url}/v1/completions", json={"prompt": [s], "prompt_logprobs": 2}).json() for s in sequences]
+    barrier = threading.Barrier(8, timeout=30)
+    answers: list = [None] * 8
+    before = app.state.batcher.batches
+
+    def client(i: int) -> None:
+        barrier.wait()
+        answers[i] = httpx2.post(f"{url}/v1/completions", json={"prompt": [sequences[i]], "prompt_logprobs": 2}).json()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for got, want in zip(answers, alone):  # each client its own rows; batching changes values by rounding only
+        got_positions = got["choices"][0]["prompt_logprobs"]
+        want_positions = want["choices"][0]["prompt_logprobs"]
+        assert len(got_positions) == len(want_positions) == 6
+        for g, w in zip(got_positions[1:], want_positions[1:]):
+            assert g.keys() == w.keys()
+            assert all(abs(g[k]["logprob"] - w[k]["logprob"]) < 1e-5 for k in g)
+    assert app.state.batcher.batches - before < 8  # some requests shared a batch
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"{not json", "malformed JSON"),
+        ({"prompt": "2 + 2", "prompt_logprobs": 2}, "prompt must be a non-empty list of token-id lists"),
+        ({"prompt": [[2, 99]], "prompt_logprobs": 2}, "prompt[0] holds id 99; the vocabulary is 0-31"),
+        ({"prompt": [[2, 3]], "prompt_logprobs": 9}, "prompt_logprobs must be an integer from 0 to 8, got 9"),
+        ({"prompt": [[2, 3]], "prompt_logprobs": 2, "temperature": 0.7}, "scores at temperature 1 only"),
+        ({"prompt": [[2, 3]], "prompt_logprobs": 2, "model": "gpt"}, "model 'gpt' is not served here"),
+        ({"prompt": [[2, 3]], "prompt_logprobs": 2, "asyncopd": {"seeds": 1}}, "asyncopd.seeds is not a field"),
+        (
+            {"prompt": [[2, 3, 4]], "prompt_logprobs": 2, "asyncopd": {"response_start": [5]}},
+            "asyncopd.response_start[0] must be an integer from 1 to 3, got 5",
+        ),
+        (
+            {
+                "prompt": [[2, 3, 4]],
+                "prompt_logprobs": 2,
+                "asyncopd": {"response_start": [1], "candidate_ids": [[[1]]]},
+            },
+            "asyncopd.candidate_ids[0] must hold 2 lists of ids (one per response position), got shape [1, 1]",
+        ),
+    ],
+)
+def test_a_bad_request_is_answered_400_in_one_line(served_teacher, body, says):
+    url, _ = served_teacher
+    send = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx2.post(f"{url}/v1/completions", **send)
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert says in message and "\n" not in message, message
+
+
+def test_an_oversized_request_is_answered_413(served_teacher):
+    url, _ = served_teacher
+    too_many = httpx2.post(f"{url}/v1/completions", json={"prompt": [[2, 3]] * 9, "prompt_logprobs": 1})
+    too_long = httpx2.post(f"{url}/v1/completions", json={"prompt": [[2] * 129], "prompt_logprobs": 1})
+    assert (too_many.status_code, too_long.status_code) == (413, 413)
+    assert "9 prompts in one request; at most 8" in too_many.json()["error"]["message"]
+    assert "prompt[0] has 129 tokens; the model's context is 128" in too_long.json()["error"]["message"]
+
+
+def test_a_body_past_the_limit_is_answered_413(teacher):
+    with running(BatchScorer(teacher, SETTINGS), dataclasses.replace(SETTINGS, max_body_bytes=1000)) as (url, _, _):
+        response = httpx2.post(f"{url}/v1/completions", content=b"[" + b"1," * 1000 + b"1]")
+    assert response.status_code == 413 and "at most 1000" in response.json()["error"]["message"]
+
+
+class Gated(BatchScorer):
+    """A scorer whose batches wait for ``gate`` (a slow or stuck teacher)."""
+
+    def __init__(self, model, settings):
+        super().__init__(model, settings)
+        self.gate = threading.Event()
+
+    def score(self, rows, num_samples, seed):
+        assert self.gate.wait(60)
+        return super().score(rows, num_samples, seed)
+
+
+def test_a_full_queue_is_answered_503_with_retry_after_and_the_rest_is_scored(teacher):
+    scorer = Gated(teacher, SETTINGS)
+    with running(scorer) as (url, app, _):
+        results: list = []
+        body = {"prompt": [[2, 3, 4]] * 4, "prompt_logprobs": 1}
+        first = [
+            threading.Thread(target=lambda: results.append(httpx2.post(f"{url}/v1/completions", json=body, timeout=60)))
+            for _ in range(3)
+        ]
+        for t in first:
+            t.start()
+        deadline = time.monotonic() + 30
+        while app.state.batcher.queued_rows < 12:  # the queue's bound: 12 rows
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        refused = httpx2.post(f"{url}/v1/completions", json=body)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "the queue holds 12 rows; retry" in refused.json()["error"]["message"]
+        scorer.gate.set()
+        for t in first:
+            t.join(60)
+        assert [r.status_code for r in results] == [200, 200, 200]
+
+
+def test_a_client_retries_a_request_that_timed_out_on_a_slow_server(teacher, rollouts):
+    scorer = Gated(teacher, SETTINGS)
+    with running(scorer) as (url, _, _):
+        threading.Timer(1.5, scorer.gate.set).start()  # stuck for 1.5 s, then fast
+        client = ServedTeacher(
+            ServerParams(url=url, api="asyncopd", timeout=0.5, backoff=0.1, rows_per_request=8),
+            ScoringParams(topk=2),
+            32,
+        )
+        cache = client.score(rollouts)
+    assert client.stats.retries >= 1 and client.stats.wait_s > 0
+    assert np.isfinite(np.asarray(cache.token_logp)).all()
+
+
+def test_shutdown_answers_the_requests_in_flight(teacher):
+    scorer = Gated(teacher, SETTINGS)
+    with running(scorer) as (url, app, server):
+        results: list = []
+        thread = threading.Thread(
+            target=lambda: results.append(
+                httpx2.post(f"{url}/v1/completions", json={"prompt": [[2, 3, 4]], "prompt_logprobs": 1}, timeout=60)
+            )
+        )
+        thread.start()
+        deadline = time.monotonic() + 30
+        while app.state.batcher.queued_rows < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        server.should_exit = True  # what SIGTERM does
+        time.sleep(0.2)
+        scorer.gate.set()
+        thread.join(60)
+    assert [r.status_code for r in results] == [200]
+    assert set(results[0].json()["choices"][0]["prompt_logprobs"][1]) >= {"3"}
+
+
+def test_requests_that_cannot_share_a_batch_are_scored_apart(teacher):
+    """Queued together, a request with 2 candidates per position, one with 3 and one with
+    none are each answered in full (a batch holds one count of ids per position)."""
+    scorer = Gated(teacher, SETTINGS)
+    bodies = [
+        {
+            "prompt": [[2, 3, 4, 5]],
+            "prompt_logprobs": 1,
+            "asyncopd": {"response_start": [2], "candidate_ids": [[[1, 2, 3][:n]] * 2]}
+            if n
+            else {"response_start": [2]},
+        }
+        for n in (2, 3, 0)
+    ]
+    with running(scorer) as (url, app, _):
+        results: list = [None] * 3
+
+        def send(i: int) -> None:
+            results[i] = httpx2.post(f"{url}/v1/completions", json=bodies[i], timeout=60)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while app.state.batcher.queued_rows < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        scorer.gate.set()
+        for t in threads:
+            t.join(60)
+    assert [r.status_code for r in results] == [200, 200, 200]
+    widths = [np.shape(r.json()["choices"][0]["asyncopd"].get("candidate_logprobs", [[]] * 2)) for r in results]
+    assert widths == [(2, 2), (2, 3), (2, 0)]
