@@ -140,22 +140,19 @@ def test_the_learner_steps_flops_are_the_textbooks_at_real_shapes():
 
 def test_the_continuous_engine_balance_counts_waves_of_slots_not_groups():
     """64 prompts a batch through a stream of 16 slots: 4 waves of prefill + T decode steps
-    (the static sampler: one group of 64 rows)."""
-    cfg = load_config(configs.DEMO, ["sampling.engine=continuous", "sampling.slots=16", "learner.batch_size=64"])
+    (the static sampler: one group of 64 rows). The teacher is served: named external, it
+    is neither compiled nor in the balance."""
+    served = ["teacher.path=''", "teacher.server.url=http://teacher:8000"]
+    cfg = load_config(
+        configs.DEMO, ["sampling.engine=continuous", "sampling.slots=16", "learner.batch_size=64", *served]
+    )
     shapes = Shapes(prompt_tokens=16, response_tokens=24)
     plan = make_plan(cfg, get_topology("h100-4"), shapes)
+    assert [s.stage for s in plan.stages] == ["learner step", "sampler prefill", "sampler decode", "sampler recompute"]
+    assert set(plan.balance) == {"rollout", "learning"}
+    assert "teacher: external, served at http://teacher:8000 (not planned on these chips)" in format_plan(plan)
     prefill, decode = plan.stages[1], plan.stages[2]
     assert (prefill.rows, decode.rows) == (16, 16)
     chip = plan.topology.chip
     want = 4 * (prefill.roofline_seconds(chip) + 24 * decode.roofline_seconds(chip))
     assert plan.balance["rollout"] == pytest.approx(want)
-
-
-def test_a_served_teacher_is_named_external_and_not_planned_on_the_chips():
-    cfg = load_config(
-        configs.DEMO, ["teacher.path=''", "teacher.server.url=http://teacher:8000", "learner.batch_size=8"]
-    )
-    plan = make_plan(cfg, get_topology("h100-4"), Shapes(prompt_tokens=16, response_tokens=24))
-    assert [s.stage for s in plan.stages] == ["learner step", "sampler prefill", "sampler decode", "sampler recompute"]
-    assert set(plan.balance) == {"rollout", "learning"}
-    assert "teacher: external, served at http://teacher:8000 (not planned on these chips)" in format_plan(plan)
