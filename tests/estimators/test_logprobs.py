@@ -213,7 +213,11 @@ def test_check_inputs_names_the_ids_and_the_vocabulary_size(name):
     bad = ids.copy()
     bad[1, 2, 1] = V + 2
     gather = GATHERS[name]
-    message = rf"{name}: ids holds ids from 0 to 13; expected ids in \[0, V\) with the vocabulary size V = 11"
+    source = "the logits' last axis" if name == "gather_logprobs" else "lm_head's last axis"  # where V comes from
+    message = (
+        rf"{name}: ids holds ids from 0 to 13; expected ids in \[0, V\) with the vocabulary size V = 11 "
+        rf"\({source}\)"
+    )
     with pytest.raises(ValueError, match=message):  # eagerly: at once, one line
         gather(hidden, head, bad, check_inputs=True)
     step = jax.jit(lambda h, w, i: gather(h, w, i, check_inputs=True))

@@ -418,3 +418,21 @@ def test_second_moment_clip_is_batch_global_with_axis_name():
     np.testing.assert_allclose(
         np.asarray(loss).reshape(8, 12), second_moment_clip_loss(logp, behavior, adv, mask), rtol=1e-6
     )
+
+
+def test_second_moment_clip_loss_counts_nonfinite_inputs_outside_the_mask_as_zero():
+    """Its loss is on every token (the mask chooses the clip range only); a NaN or inf input
+    at a position the mask leaves out counts as 0 there: the loss is that of zero inputs,
+    finite, and the other positions and the gradient are as with clean inputs."""
+    rng = np.random.default_rng(7)
+    logp = jnp.asarray(rng.normal(scale=0.1, size=(3, 5)) - 1.0, jnp.float32)
+    behavior = jnp.asarray(rng.normal(scale=0.1, size=(3, 5)) - 1.0, jnp.float32)
+    adv = jnp.asarray(rng.normal(size=(3, 5)), jnp.float32)
+    mask = jnp.ones((3, 5), bool).at[1, 4].set(False).at[2, 3].set(False)
+    poisoned = [x.at[1, 4].set(jnp.nan).at[2, 3].set(jnp.inf) for x in (logp, behavior, adv)]
+    zeroed = [x.at[1, 4].set(0.0).at[2, 3].set(0.0) for x in (logp, behavior, adv)]
+    got = second_moment_clip_loss(*poisoned, mask)
+    np.testing.assert_allclose(got, second_moment_clip_loss(*zeroed, mask), rtol=1e-6)
+    assert float(got[1, 4]) == 0.0 and float(got[2, 3]) == 0.0  # zero advantage: zero loss
+    grad = jax.grad(lambda lp: second_moment_clip_loss(lp, *poisoned[1:], mask).sum())(poisoned[0])
+    assert np.isfinite(np.asarray(grad)).all()
