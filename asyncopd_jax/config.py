@@ -25,6 +25,8 @@ from asyncopd_jax.config_checks import ConfigError, IdList, check_fields, parse_
 from asyncopd_jax.estimator_registry import ESTIMATORS, ID_SOURCES, RL_ESTIMATORS, EstimatorConfig
 from asyncopd_jax.pipeline import placement
 from asyncopd_jax.sampling.distribution import SamplingParams
+from asyncopd_jax.teacher.prompts import TeacherPrompt
+from asyncopd_jax.teacher.routing import RoutingParams
 from asyncopd_jax.teacher.scorer import ScoringParams
 from asyncopd_jax.teacher.served import ServerParams
 
@@ -83,12 +85,37 @@ class ModelSource:
     attention: Literal["auto", "xla", "blockwise", "splash"] = "auto"
 
 
+TEACHER_NAME = re.compile(r"[A-Za-z0-9_-]+")  # a teacher's name is part of its metrics' names
+
+
 @dataclasses.dataclass(frozen=True)
 class TeacherSource(ModelSource):
-    """The teacher: a model directory scored in one of our processes (``path``), or a server
-    that scores it (``server.url``: :mod:`asyncopd_jax.teacher.served`), not both."""
+    """A teacher: a model directory scored in one of our processes (``path``), or a server
+    that scores it (``server.url``: :mod:`asyncopd_jax.teacher.served`), not both.
+
+    ``name`` names it in the metrics (``teacher/NAME/…``) and in a dataset's routing column;
+    ``weight`` is its share of the prompts under ``routing.by = mixture``; ``temperature``
+    its own scoring temperature (None: ``scoring.temperature``); ``prompt`` the prompt it
+    scores the student's answers under (:mod:`asyncopd_jax.teacher.prompts`; default: the
+    student's)."""
 
     server: ServerParams = ServerParams()
+    name: str = "teacher"
+    weight: float = 1.0
+    temperature: float | None = None
+    prompt: TeacherPrompt = TeacherPrompt()
+
+    def __post_init__(self) -> None:
+        if not TEACHER_NAME.fullmatch(self.name):
+            raise ValueError(f"teacher name {self.name!r} is invalid; allowed: letters, digits, '_' and '-'")
+        if not self.weight > 0:
+            raise ValueError(f"teacher {self.name!r}: weight = {self.weight!r} is invalid; allowed: > 0")
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"teacher {self.name!r}: temperature = {self.temperature!r} is invalid; allowed: > 0")
+
+    def scoring(self, run: ScoringParams) -> ScoringParams:
+        """The run's scoring settings with this teacher's own temperature."""
+        return run if self.temperature is None else dataclasses.replace(run, temperature=self.temperature)
 
     @property
     def served(self) -> bool:
@@ -438,6 +465,10 @@ class RunConfig:
     task: TaskConfig = TaskConfig()
     student: ModelSource = ModelSource()
     teacher: TeacherSource = TeacherSource()
+    # several teachers (each a `teacher` section with its own `name`), instead of `teacher`;
+    # each prompt is scored by one of them, picked as `routing` says
+    teachers: tuple[TeacherSource, ...] = ()
+    routing: RoutingParams = RoutingParams()
     # π_ref of estimator.regularisers.reference_kl_coef (scored by the scoring stage); path '':
     # the student's starting weights
     reference: ModelSource = ModelSource()
@@ -460,6 +491,20 @@ class RunConfig:
         """Whether rollouts are scored by the teacher: the estimator's spec says (all but
         an advantage estimator in RL with ``rl.distill_coef = 0``)."""
         return self.estimator.spec.needs_teacher_scores(rl=self.algorithm == "rl", distill_coef=self.rl.distill_coef)
+
+    @property
+    def teacher_sources(self) -> tuple[TeacherSource, ...]:
+        """The run's teachers: ``teachers``, else ``teacher`` when it is set (else none).
+        A row's teacher index in a :class:`~asyncopd_jax.teacher.routing.TeacherRoute`
+        counts in this order."""
+        return self.teachers or ((self.teacher,) if self.teacher.given else ())
+
+    @property
+    def in_process_teacher(self) -> TeacherSource | None:
+        """The one teacher a whole-vocabulary probe reads (diagnostics, the extrapolation
+        probe): the run's only teacher when it runs in-process, else None."""
+        sources = self.teacher_sources
+        return sources[0] if len(sources) == 1 and sources[0].path else None
 
     @property
     def needs_scoring(self) -> bool:
@@ -509,15 +554,21 @@ def _validate(cfg: RunConfig) -> None:
         )
     # the probes below compute the exact KL over the whole vocabulary: the teacher's weights
     # must be in one of our processes (a served teacher answers only a top-K)
-    if extrapolation.enabled and extrapolation.probe_metric == "reverse_kl" and not cfg.teacher.path:
+    if extrapolation.enabled and extrapolation.probe_metric == "reverse_kl" and cfg.in_process_teacher is None:
         raise ConfigError(
-            "learner.extrapolation.probe_metric = 'reverse_kl' needs an in-process teacher (teacher.path); "
+            "learner.extrapolation.probe_metric = 'reverse_kl' needs one in-process teacher (teacher.path); "
             "allowed without one: accuracy"
         )
-    if cfg.train.diagnostics_every and not cfg.teacher.path:
+    if cfg.train.diagnostics_every and cfg.in_process_teacher is None:
         raise ConfigError(
-            f"train.diagnostics_every = {cfg.train.diagnostics_every} needs an in-process teacher (teacher.path); "
+            f"train.diagnostics_every = {cfg.train.diagnostics_every} needs one in-process teacher (teacher.path); "
             "allowed without one: 0"
+        )
+    probed = cfg.train.diagnostics_every or (extrapolation.enabled and extrapolation.probe_metric == "reverse_kl")
+    if probed and cfg.in_process_teacher is not None and cfg.in_process_teacher.prompt.own:
+        raise ConfigError(
+            "teacher.prompt.template is invalid with train.diagnostics_every or the reverse_kl extrapolation probe: "
+            "they compare the student and teacher under one prompt; allowed: no template, or those probes off"
         )
     if cfg.schedule.mode == "fixed_lag" and cfg.learner.mini_batches != 1:
         # One rollout batch per optimizer step, sampled in the learner's thread: with M
@@ -530,17 +581,45 @@ def _validate(cfg: RunConfig) -> None:
 
 
 def _validate_teacher(cfg: RunConfig) -> None:
-    """What a served teacher can score (:data:`asyncopd_jax.teacher.served.SERVES`), asked
-    up front: a run must not find out at its first batch that its estimator cannot train."""
-    teacher = cfg.teacher
+    """The run's teachers, and what each served one can score
+    (:data:`asyncopd_jax.teacher.served.SERVES`), asked up front: a run must not find out at
+    its first batch that its estimator cannot train."""
+    if cfg.teachers:
+        if cfg.teacher.given:
+            raise ConfigError(
+                f"teacher.path = {cfg.teacher.path!r} / teacher.server.url = {cfg.teacher.server.url!r} is set with "
+                f"teachers ({len(cfg.teachers)} listed); allowed: one of them (`teacher` for one teacher, "
+                "`teachers` for several: set teacher.path: '')"
+            )
+        names = [t.name for t in cfg.teachers]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ConfigError(
+                f"teachers: the name {repeated[0]!r} is used twice; allowed: a different name per teacher"
+            )
+        for i, teacher in enumerate(cfg.teachers):
+            if not teacher.given:
+                raise ConfigError(f"teachers[{i}] ({teacher.name!r}) has neither path nor server.url; allowed: one")
+    if cfg.routing.by == "field" and len(cfg.teacher_sources) > 1 and cfg.task.name != "dataset":
+        raise ConfigError(
+            f"routing.by = field is invalid with task.name = {cfg.task.name} (it has no fields); allowed: mixture, "
+            "or a dataset task whose rows name their teacher in routing.field"
+        )
+    sources = cfg.teachers or (cfg.teacher,)
+    for i, teacher in enumerate(sources):
+        _validate_served(cfg, teacher, f"teachers[{i}]" if cfg.teachers else "teacher")
+
+
+def _validate_served(cfg: RunConfig, teacher: TeacherSource, where: str) -> None:
+    """What ``teacher`` (the config's section ``where``) can score when a server scores it."""
     if not teacher.served:
         return
     if teacher.path:
         raise ConfigError(
-            f"teacher.path = {teacher.path!r} and teacher.server.url = {teacher.server.url!r} are both set; "
+            f"{where}.path = {teacher.path!r} and {where}.server.url = {teacher.server.url!r} are both set; "
             "allowed: one of them (the teacher runs in-process from its directory, or a server scores it)"
         )
-    api = f"teacher.server.api = {teacher.server.api}"
+    api = f"{where}.server.api = {teacher.server.api}"
     if cfg.needs_teacher_scores:
         serves = teacher.server.serves
         for need in cfg.estimator.spec.needs:
@@ -550,18 +629,20 @@ def _validate_teacher(cfg: RunConfig) -> None:
                 raise ConfigError(
                     f"estimator.name = {cfg.estimator.name!r} needs {source.scores} (the teacher's log-probs of "
                     f"{source.ids}), which a {api} teacher cannot score; allowed: an in-process teacher "
-                    f"(teacher.path) or one of {', '.join(usable)}"
+                    f"({where}.path) or one of {', '.join(usable)}"
                 )
         if cfg.scoring.num_samples and "teacher_samples" not in serves:
             raise ConfigError(
                 f"scoring.num_samples = {cfg.scoring.num_samples} is invalid with {api} (it cannot sample "
-                "ids from the teacher); allowed: 0, or an in-process teacher (teacher.path)"
+                f"ids from the teacher); allowed: 0, or an in-process teacher ({where}.path)"
             )
-        if cfg.scoring.temperature != 1.0:
+        temperature = teacher.scoring(cfg.scoring).temperature
+        if teacher.server.raw_only and temperature != 1.0:
+            setting = f"{where}.temperature" if teacher.temperature is not None else "scoring.temperature"
             raise ConfigError(
-                f"scoring.temperature = {cfg.scoring.temperature:g} is invalid with {api}: its log-probs are the "
+                f"{setting} = {temperature:g} is invalid with {api}: its log-probs are the "
                 "model's raw distribution (temperature 1), and a top-K cannot be re-tempered exactly; allowed: 1.0, "
-                "or an in-process teacher (teacher.path)"
+                f"or an in-process teacher ({where}.path)"
             )
 
 
@@ -581,7 +662,7 @@ def _validate_algorithm(cfg: RunConfig) -> None:
             f"rl.samples_per_prompt = {rl.samples_per_prompt} is invalid; allowed: a divisor of the "
             f"{group} samples of a rollout group (learner.batch_size / rollout workers)"
         )
-    if cfg.needs_teacher_scores and not cfg.teacher.given:
+    if cfg.needs_teacher_scores and not cfg.teacher_sources:
         raise ConfigError(
             f"teacher.path = '' is invalid with rl.distill_coef = {rl.distill_coef}; allowed: a model "
             "directory, a teacher server (teacher.server.url), or rl.distill_coef = 0 to train from rewards alone"

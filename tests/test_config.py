@@ -377,7 +377,7 @@ TWO_LEARNERS = [
     [
         (
             ["train.diagnostics_every=5", "teacher.path=''", *RL],
-            r"^train.diagnostics_every = 5 needs an in-process teacher \(teacher.path\); allowed without one: 0$",
+            r"^train.diagnostics_every = 5 needs one in-process teacher \(teacher.path\); allowed without one: 0$",
         ),
         (
             [*TWO_LEARNERS, "stages.placement=threads"],

@@ -42,7 +42,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: list[str], *, chat_template: bool | None = None
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], *, chat_template: bool | None = None, system: str = ""
 ) -> list[list[int]]:
     """Token ids of each prompt, through the chat template when the tokenizer has one.
 
@@ -50,6 +50,7 @@ def encode_prompts(
       tokenizer: from :func:`load_tokenizer`.
       prompts: user messages.
       chat_template: force (True) or skip (False) the template; default: use it if present.
+      system: a system message before each prompt (with the template only).
 
     Returns:
       One list of ids per prompt (the template's generation prompt included).
@@ -58,11 +59,14 @@ def encode_prompts(
     if use_template and not tokenizer.chat_template:
         raise ValueError("chat_template=True, but the tokenizer has no chat template")
     if not use_template:
+        if system:
+            raise ValueError("a system message needs the tokenizer's chat template")
         return [tokenizer.encode(p) for p in prompts]
     encoded = []
+    first = [{"role": "system", "content": system}] if system else []
     for prompt in prompts:
         out = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True
+            [*first, {"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True
         )
         # transformers >= 5 returns a BatchEncoding here, older versions a list of ids.
         encoded.append(list(out["input_ids"] if isinstance(out, BatchEncoding) else out))

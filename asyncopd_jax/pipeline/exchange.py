@@ -7,7 +7,7 @@
       sampled/       sampled groups to score (with scoring processes) ├ spools (pipeline/spool.py)
       scored/        scored groups (to the learner)                 ┘
       trace/ logs/   one file per process
-      teacher_accuracy.json   written by the stage that holds the teacher (first scoring stage)
+      teacher_accuracy.json   the in-process teachers' accuracies, by the first scoring stage
       STOP           the learner is done
 
 A stage process needs nothing else, so the same stage can be started by hand on another
@@ -54,22 +54,23 @@ class Exchange:
             raise FileNotFoundError(f"{self.layout_file} does not exist: is {self.root} a run's exchange directory?")
         return load_config(self.config_file), Layout.from_json(self.layout_file.read_text(), str(self.layout_file))
 
-    def write_teacher_accuracy(self, accuracy: float) -> None:
-        write_text_atomically(self.teacher_accuracy_file, json.dumps({"teacher_accuracy": accuracy}))
+    def write_teacher_accuracies(self, accuracies: dict[str, float]) -> None:
+        """Each in-process teacher's held-out accuracy, by name."""
+        write_text_atomically(self.teacher_accuracy_file, json.dumps(accuracies))
 
-    def read_teacher_accuracy(self) -> float | None:
-        """The teacher's held-out accuracy, once the stage that holds it has written it."""
+    def read_teacher_accuracies(self) -> dict[str, float] | None:
+        """The teachers' held-out accuracies, once the stage that holds them has written them."""
         try:
-            return float(json.loads(self.teacher_accuracy_file.read_text())["teacher_accuracy"])
+            return {name: float(value) for name, value in json.loads(self.teacher_accuracy_file.read_text()).items()}
         except FileNotFoundError:
             return None
 
-    def wait_for_teacher_accuracy(self, timeout: float) -> float | None:
-        """:meth:`read_teacher_accuracy`, waiting up to ``timeout`` seconds for it."""
+    def wait_for_teacher_accuracies(self, timeout: float) -> dict[str, float] | None:
+        """:meth:`read_teacher_accuracies`, waiting up to ``timeout`` seconds for them."""
         deadline = time.monotonic() + timeout
-        while (accuracy := self.read_teacher_accuracy()) is None and time.monotonic() < deadline:
+        while (accuracies := self.read_teacher_accuracies()) is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        return accuracy
+        return accuracies
 
     @property
     def stopped(self) -> bool:

@@ -130,7 +130,52 @@ def batch_stats(groups: list[RolloutGroup], version: int) -> dict[str, Any]:
     )
     if np.isfinite(rewards).any():  # NaN: a response the task cannot check (no reference answers)
         stats["rollout_accuracy"] = float(np.nanmean(rewards))
-    waits = [g.teacher_wait_s for g in groups if g.teacher_wait_s is not None]
-    if waits:  # a served teacher: the seconds its scoring of this batch waited to retry the server
+    stats.update(teacher_stats(groups))
+    return stats
+
+
+def teacher_stats(groups: list[RolloutGroup]) -> dict[str, float]:
+    """Each teacher's share of a batch: ``teacher/NAME/rows``, ``…/score_s`` (its scoring's
+    wall time), ``…/requests``, ``…/kl`` (E[log μ − log q] over its rows' sampled tokens: the
+    behaviour policy's reverse KL to it, estimated), and for a served teacher ``…/wait_s``
+    (seconds waited to retry it), summed over all of them in ``teacher_wait_s``."""
+    stats: dict[str, float] = {}
+    names = list(dict.fromkeys(name for g in groups for name in g.teacher_uses))
+    gap = {name: [0.0, 0] for name in names}  # Σ (log μ − log q) over the teacher's tokens, and their count
+    for g in groups:
+        if g.cache is None:
+            continue
+        mask = np.asarray(g.batch.response_mask)
+        ratio = np.where(mask, np.asarray(g.batch.behavior_logp) - np.asarray(g.cache.token_logp, np.float32), 0.0)
+        teacher = np.zeros(g.size, np.int32) if g.route is None else g.route.teacher
+        for k, name in enumerate(g.teacher_uses):
+            rows = teacher == k
+            gap[name][0] += float(ratio[rows].sum())
+            gap[name][1] += int(mask[rows].sum())
+    waits = []
+    for name in names:
+        uses = [g.teacher_uses[name] for g in groups if name in g.teacher_uses]
+        stats[teacher_metric(name, "rows")] = float(sum(u.rows for u in uses))
+        stats[teacher_metric(name, "score_s")] = float(sum(u.seconds for u in uses))
+        stats[teacher_metric(name, "requests")] = float(sum(u.requests for u in uses))
+        if gap[name][1]:
+            stats[teacher_metric(name, "kl")] = gap[name][0] / gap[name][1]
+        served = [u.wait_s for u in uses if u.wait_s is not None]
+        if served:
+            stats[teacher_metric(name, "wait_s")] = float(sum(served))
+            waits += served
+    if waits:  # the seconds the batch's scoring waited to retry teacher servers
         stats["teacher_wait_s"] = float(sum(waits))
     return stats
+
+
+def teacher_metric(name: str, what: str) -> str:
+    """The metrics record's key of teacher ``name``'s ``what`` (rows, score_s, requests, kl, wait_s)."""
+    return f"teacher/{name}/{what}"
+
+
+def teacher_names(record_or_records: dict[str, Any] | list[dict[str, Any]]) -> list[str]:
+    """The teachers a metrics record (or any of several) reports on, in the run's order."""
+    records = record_or_records if isinstance(record_or_records, list) else [record_or_records]
+    keys = dict.fromkeys(key for r in records for key in r)
+    return [key.split("/")[1] for key in keys if key.startswith("teacher/") and key.endswith("/rows")]

@@ -53,13 +53,19 @@ class Probes:
         self.extrapolator: Extrapolator | None = None
         self.geometry_params: list[Any] = []
 
+    @property
+    def teacher_temperature(self) -> float:
+        """The probed teacher's scoring temperature (its own, else ``scoring.temperature``)."""
+        source = self.cfg.in_process_teacher
+        return (source.scoring(self.cfg.scoring) if source is not None else self.cfg.scoring).temperature
+
     def _probe(self, teacher: Any, prompts: list[list[int]], seed: int) -> ProbeDiagnostics:
         return ProbeDiagnostics(
             graphdef=self.learner.graphdef,
             teacher=teacher,
             prompts=prompts,
             sampling=self.models.sampling,
-            teacher_temperature=self.cfg.scoring.temperature,
+            teacher_temperature=self.teacher_temperature,
             pad_id=self.models.task.pad_id,
             prompt_slots=self.models.task.prompt_slots,
             seed=seed,

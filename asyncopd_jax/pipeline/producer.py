@@ -21,6 +21,7 @@ from asyncopd_jax.pipeline.snapshots import SnapshotStore
 from asyncopd_jax.pipeline.staleness import RolloutGroup
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import Engine
+from asyncopd_jax.teacher.routing import Router, TeacherRoute
 
 # (rng, n) → (prompt token lists, per-prompt problems for the reward)
 PromptSource = Callable[[np.random.Generator, int], tuple[list[list[int]], list]]
@@ -55,11 +56,13 @@ class GroupProducer:
         tracer: Tracer,
         interruptible: bool = True,
         version_timeout: float = 600.0,
+        router: Router | None = None,
     ):
         self.sampler, self.snapshots, self.prompts, self.reward = sampler, snapshots, prompts, reward
         self.group_size, self.seed, self.prompt_slots = group_size, seed, prompt_slots
         self.tracer, self.interruptible = tracer, interruptible
         self.version_timeout = version_timeout  # how long a group waits for the version it must start from
+        self.router = router  # which teacher scores each prompt (None: no teacher scores)
 
     def newer_snapshot(self, version: int):
         """The newest snapshot as ``(version, weights)`` when it is newer than ``version``."""
@@ -69,12 +72,17 @@ class GroupProducer:
                 return self.snapshots.load()
         return None
 
-    def prompts_of(self, index: int) -> tuple[list[list[int]], list]:
-        """Group ``index``'s prompts (each repeated ``samples_per_prompt`` times) and the
-        problems the reward checks them against."""
+    def prompts_of(self, index: int) -> tuple[list[list[int]], list, TeacherRoute | None]:
+        """Group ``index``'s prompts (each repeated ``samples_per_prompt`` times), the
+        problems the reward checks them against, and the teachers' route (None: the only
+        teacher scores every row under the student's prompt)."""
         rng = np.random.default_rng([self.seed, index])
         prompts, problems = self.prompts(rng, self.reward.prompts_per_group(self.group_size))
-        return self.reward.repeat(prompts), self.reward.repeat(problems)
+        route = None
+        if self.router is not None:  # its own generator: the prompts drawn stay those of a one-teacher run
+            draw = np.random.default_rng([self.seed, index, 1])
+            route = self.router.route(problems, prompts, draw, copies=self.reward.samples_per_prompt)
+        return self.reward.repeat(prompts), self.reward.repeat(problems), route
 
     def sample(self, index: int, version: int | None = None, min_version: int = 0) -> RolloutGroup:
         """Sample group ``index`` from snapshot ``version`` (default: the newest, once it is
@@ -82,7 +90,7 @@ class GroupProducer:
         if version is None and min_version:
             with self.tracer.span("wait_for_version", version=min_version):
                 self.snapshots.wait_for(min_version, timeout=self.version_timeout)
-        prompts, problems = self.prompts_of(index)
+        prompts, problems, route = self.prompts_of(index)
         version, params = self.snapshots.load(version)
         with self.tracer.span("rollout", version=version) as info:
             batch = self.sampler.generate(
@@ -95,17 +103,17 @@ class GroupProducer:
             )
             jax.block_until_ready(batch.response_tokens)
             info.update(answer_lengths(batch))
-        return self.finish(batch, problems, version)
+        return self.finish(batch, problems, version, route)
 
-    def finish(self, batch: RolloutBatch, problems: list, version: int) -> RolloutGroup:
+    def finish(self, batch: RolloutBatch, problems: list, version: int, route: TeacherRoute | None) -> RolloutGroup:
         """A sampled group's rewards and version span (``version``: where it started, the
-        span of a group with no answer token)."""
+        span of a group with no answer token), with its teachers' ``route``."""
         versions = np.asarray(batch.token_version)[np.asarray(batch.response_mask)]
         oldest = int(versions.min()) if versions.size else version
         newest = int(versions.max()) if versions.size else version
         with self.tracer.span("reward"):
             batch, rewards = self.reward(problems, batch)
-        return RolloutGroup(batch, None, oldest, newest, rewards=rewards)
+        return RolloutGroup(batch, None, oldest, newest, rewards=rewards, route=route)
 
 
 def answer_lengths(batch: RolloutBatch) -> dict[str, int]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from asyncopd_jax.pipeline.learner_stage import teacher_metric, teacher_names
+
 
 class Throughput:
     """Samples and tokens trained on since the run (or resume) started."""
@@ -40,6 +42,15 @@ class ProgressBar:
             "kl": f"{record.get('reverse_kl_signal', 0.0):.3f}",
             "stale": f"{record['staleness_mean']:.2f}",
         }
+        names = teacher_names(record)
+        if len(names) > 1:  # several teachers: each one's KL on its rows of this batch
+            post.update(
+                {
+                    f"kl_{n}": f"{record[teacher_metric(n, 'kl')]:.3f}"
+                    for n in names
+                    if teacher_metric(n, "kl") in record
+                }
+            )
         if "rollout_accuracy" in record:
             post["acc"] = f"{record['rollout_accuracy']:.2f}"
         if self.last_eval is not None:

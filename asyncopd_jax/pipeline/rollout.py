@@ -89,9 +89,9 @@ class RolloutLoop:
         p = self.producer
         self._swap_to(min_version)
         assert self.stream is not None
-        prompts, problems = p.prompts_of(index)
+        prompts, problems, route = p.prompts_of(index)
         keys = prompt_keys(group_key(p.seed, index), len(prompts))
-        self.stream.submit((index, problems, time.time(), self.stream.version), prompts, keys)
+        self.stream.submit((index, problems, route, time.time(), self.stream.version), prompts, keys)
 
     def run(
         self,
@@ -121,9 +121,9 @@ class RolloutLoop:
                 ended = self.stream.step()
                 if ended:  # the next groups start decoding before these are delivered
                     self._start_groups(next_group, may_block=False)
-                for (index, problems, start, version), batch in ended:
+                for (index, problems, route, start, version), batch in ended:
                     p.tracer.record("rollout", start, time.time(), version=version, **answer_lengths(batch))
-                    group = p.finish(batch, problems, version)
+                    group = p.finish(batch, problems, version, route)
                     if self.stream.idle and all(d.done() for d in deliveries):
                         deliver(index, group)
                     else:

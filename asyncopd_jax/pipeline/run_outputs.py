@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 
 from asyncopd_jax.atomic_files import write_text_atomically
 from asyncopd_jax.config import RunConfig, save_config
+from asyncopd_jax.pipeline.learner_stage import teacher_metric, teacher_names
 
 
 class CheckpointSaveFailed(OSError):
@@ -201,6 +202,13 @@ class RunDir:
             ax.plot(steps, ys, lw=1)
             ax.set_title(label, fontsize=10)
             ax.set_xlabel("optimizer step")
+        teachers = teacher_names(records)
+        if len(teachers) > 1:  # each teacher's own KL, on the rows it scored
+            ax = axes[0, 1]
+            for name in teachers:
+                ys = np.array([r.get(teacher_metric(name, "kl"), np.nan) for r in records], float)
+                ax.plot(steps, ys, lw=0.8, alpha=0.8, label=f"E[log μ − log q] to {name}")
+            ax.legend(fontsize=8)
         ax = axes[1, 0]
         summary = self.read_summary()
         evals = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
@@ -210,6 +218,9 @@ class RunDir:
             ax.plot(*zip(*evals), marker="o", label="student (held-out, greedy)")
         if "teacher_accuracy" in summary:
             ax.axhline(summary["teacher_accuracy"], color="k", ls="--", label="teacher")
+        for i, name in enumerate(teachers):  # several teachers: each in-process one's own line
+            if f"teacher_accuracy/{name}" in summary:
+                ax.axhline(summary[f"teacher_accuracy/{name}"], color="k", ls=("--", ":", "-.")[i % 3], label=name)
         train = np.array([r.get("rollout_accuracy", np.nan) for r in records], float)
         ax.plot(steps, train, lw=0.8, alpha=0.6, label="student rollouts (sampled)")
         # EffOPD jumps: accepted (the factor kept) and rejected (rolled back to θ_t)

@@ -31,6 +31,8 @@ import numpy as np
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.pipeline.staleness import RolloutGroup
+from asyncopd_jax.teacher.routing import TeacherRoute
+from asyncopd_jax.teacher.scorer import TeacherUse
 
 SUFFIX = ".npz"
 POLL_SECONDS = 0.002  # how often a consumer with nothing to claim looks again
@@ -147,8 +149,16 @@ def group_to_record(group: RolloutGroup, index: int) -> dict[str, np.ndarray]:
                 out[f"{prefix}.{field.name}"] = np.asarray(value)
     if group.rewards is not None:
         out["rewards"] = np.asarray(group.rewards, dtype=np.float32)
-    if group.teacher_wait_s is not None:
-        out["teacher_wait_s"] = np.asarray(group.teacher_wait_s, dtype=np.float64)
+    if group.route is not None:
+        for field in dataclasses.fields(group.route):
+            value = getattr(group.route, field.name)
+            if value is not None:
+                out[f"route.{field.name}"] = np.asarray(value)
+    if group.teacher_uses:
+        out["uses.names"] = np.asarray(list(group.teacher_uses))
+        out["uses.values"] = np.asarray(  # NaN: an in-process teacher's wait (None)
+            [dataclasses.astuple(u) for u in group.teacher_uses.values()], np.float64
+        )
     return out
 
 
@@ -167,6 +177,14 @@ def group_from_record(arrays: dict[str, np.ndarray]) -> tuple[RolloutGroup, int]
         int(arrays["oldest_version"]),
         int(arrays["newest_version"]),
         rewards=arrays.get("rewards"),
-        teacher_wait_s=float(arrays["teacher_wait_s"]) if "teacher_wait_s" in arrays else None,
+        route=TeacherRoute(arrays["route.teacher"], arrays.get("route.prompt_tokens"), arrays.get("route.prompt_mask"))
+        if "route.teacher" in arrays
+        else None,
+        teacher_uses={
+            str(name): TeacherUse(int(rows), float(seconds), int(requests), None if np.isnan(wait) else float(wait))
+            for name, (rows, seconds, requests, wait) in zip(
+                arrays.get("uses.names", []), arrays.get("uses.values", [])
+            )
+        },
     )
     return group, int(arrays["index"])

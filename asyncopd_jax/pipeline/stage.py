@@ -21,6 +21,7 @@ replicated); its models lie there as :mod:`asyncopd_jax.models.partitioning` say
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -34,6 +35,7 @@ from asyncopd_jax.models import (
     Decoder,
     DecoderConfig,
     check_same_vocabulary,
+    encode_prompts,
     from_pretrained,
     load_tokenizer,
     shared_vocab_size,
@@ -52,6 +54,7 @@ from asyncopd_jax.sampling import SamplingParams, make_sampler
 from asyncopd_jax.tasks import PromptTask, make_task
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.teacher import ReferenceScorer, Scorers, TeacherScorer
+from asyncopd_jax.teacher.routing import RoutedTeacher, Router
 from asyncopd_jax.teacher.scorer import Teacher
 from asyncopd_jax.teacher.served import ServedTeacher
 
@@ -69,6 +72,7 @@ class RunModels:
     sampling: SamplingParams
     vocab_limit: int | None
     student_config: DecoderConfig
+    router: Router  # which teacher scores each prompt, under which prompt
 
 
 def model_config(source: ModelSource) -> DecoderConfig:
@@ -80,21 +84,63 @@ def model_config(source: ModelSource) -> DecoderConfig:
 
 
 def run_models(cfg: RunConfig) -> RunModels:
-    """The task, shared vocabulary and stop tokens of ``cfg``'s student and teacher."""
+    """The task, shared vocabulary, stop tokens and teacher routing of ``cfg``'s student and
+    teachers."""
     student = model_config(cfg.student)  # first: a missing directory is named as a model's
     tokenizer = load_tokenizer(resolve_model_path(cfg.student.path))
     context, vocab_limit = student.max_position_embeddings, None
-    if cfg.teacher.path:
-        teacher = model_config(cfg.teacher)
-        check_same_vocabulary(tokenizer, load_tokenizer(resolve_model_path(cfg.teacher.path)))
-        # embeddings padded to different sizes: both models output the ids they share
-        vocab_limit = shared_vocab_size(tokenizer, student.vocab_size, teacher.vocab_size)
-        # the student samples prompt + answer and the teacher scores all of it: both must hold it
-        context = min(context, teacher.max_position_embeddings)
+    contexts = {}  # in-process teacher → its context
+    for source in cfg.teacher_sources:
+        if not source.path:
+            continue
+        teacher = model_config(source)
+        check_same_vocabulary(tokenizer, load_tokenizer(resolve_model_path(source.path)))
+        # embeddings padded to different sizes: all models output the ids they share
+        limit = shared_vocab_size(tokenizer, student.vocab_size, teacher.vocab_size)
+        if limit is not None:
+            vocab_limit = limit if vocab_limit is None else min(vocab_limit, limit)
+        contexts[source.name] = teacher.max_position_embeddings
+    if contexts:  # the student samples prompt + answer and each teacher scores all of it: all must hold it
+        context = min(context, *contexts.values())
     task = make_task(cfg.task, tokenizer, max_new_tokens=cfg.sampling.max_new_tokens, max_positions=context)
     # the sampler stops at the tokenizer's EOS and at every EOS id of the student's config
     stop = tuple(dict.fromkeys((*cfg.sampling.stop_token_ids, task.eos_id, *student.eos_token_ids)))
-    return RunModels(tokenizer, task, dataclasses.replace(cfg.sampling, stop_token_ids=stop), vocab_limit, student)
+    router = make_router(cfg, task, tokenizer)
+    for source in cfg.teacher_sources:  # a teacher's own prompt + the answer must fit its context too
+        longest = router.prompt_slots + cfg.sampling.max_new_tokens
+        if source.prompt.own and source.name in contexts and longest > contexts[source.name]:
+            raise ValueError(
+                f"teacher {source.name!r}: its prompt (prompt.template: up to {router.prompt_slots} tokens) + "
+                f"sampling.max_new_tokens ({cfg.sampling.max_new_tokens}) is longer than its context "
+                f"({contexts[source.name]} positions); shorten the template or lower sampling.max_new_tokens"
+            )
+    sampling = dataclasses.replace(cfg.sampling, stop_token_ids=stop)
+    return RunModels(tokenizer, task, sampling, vocab_limit, student, router)
+
+
+def make_router(cfg: RunConfig, task: PromptTask, tokenizer: Any) -> Router:
+    """The run's :class:`Router`: each teacher's name, weight, and prompt encoder (its own
+    tokenizer's chat template: ``prompt.tokenizer``, else its directory, else the student's)."""
+    routed = []
+    for source in cfg.teacher_sources:
+        encode = None
+        if source.prompt.own:
+            directory = source.prompt.tokenizer or source.path
+            own = load_tokenizer(resolve_model_path(directory)) if directory else tokenizer
+            if directory:
+                check_same_vocabulary(tokenizer, own)
+            template = {"auto": None, "on": True, "off": False}[source.prompt.chat_template]
+            encode = functools.partial(encode_prompts, own, chat_template=template, system=source.prompt.system)
+        routed.append(RoutedTeacher(source.name, source.weight, source.prompt.template, encode))
+    return Router(
+        routed,
+        cfg.routing,
+        fields=task.fields,
+        items=task.bounding_items() if len(routed) > 1 or any(t.template for t in routed) else [],
+        where=task.where,
+        pad_id=task.pad_id,
+        student_slots=task.prompt_slots,
+    )
 
 
 # --- a stage's devices -----------------------------------------------------------------------
@@ -158,18 +204,21 @@ class ScoringStage:
     plan: StagePlan
     mesh: Mesh
     scorers: Scorers
-    teacher: nnx.Module | None  # the in-process teacher (None: a served one, or none scored)
+    models: dict[str, Decoder]  # the in-process teachers' models, by name (for the probes and accuracy)
+
+    @property
+    def teacher(self) -> Decoder | None:
+        """The run's only teacher when it runs in-process (what a probe reads), else None."""
+        return next(iter(self.models.values())) if len(self.scorers.teachers) == 1 and self.models else None
 
     def score(self, group: RolloutGroup, seed: int, index: int, tracer: Tracer) -> RolloutGroup:
-        """``group`` with its score cache (and reference log-probs) filled in."""
+        """``group`` with its score cache (and reference log-probs) filled in, each row by
+        the teacher its route names."""
         with tracer.span("score", group=index), mesh_context(self.mesh):
             batch = on_mesh(group.batch, self.mesh)
-            batch, cache = jax.block_until_ready(
-                self.scorers.score(batch, jax.random.fold_in(group_key(seed, index), 1))
-            )
-        teacher = self.scorers.teacher
-        waited = None if teacher is None else teacher.last_wait_s
-        return dataclasses.replace(group, batch=batch, cache=cache, teacher_wait_s=waited)
+            scored = self.scorers.score(batch, jax.random.fold_in(group_key(seed, index), 1), group.route)
+            jax.block_until_ready((scored.batch, scored.cache))
+        return dataclasses.replace(group, batch=scored.batch, cache=scored.cache, teacher_uses=scored.uses)
 
 
 def build_scoring_stage(
@@ -179,20 +228,24 @@ def build_scoring_stage(
     scores, the reference policy (``reference.path``, else the student's starting weights)
     where the loss has a KL-to-reference term."""
     mesh = stage_mesh(stage_devices(layout, plan, default_devices), cfg.stages.scoring_mesh)
-    teacher_model: Decoder | None = None  # an in-process teacher's model (for the probes)
-    teacher: Teacher | None = None
-    if cfg.needs_teacher_scores and cfg.teacher.served:
-        teacher = ServedTeacher(cfg.teacher.server, cfg.scoring, models.vocab_limit or models.student_config.vocab_size)
-    elif cfg.needs_teacher_scores:
-        teacher_model = load_model(cfg.teacher, models.vocab_limit, mesh)
-        teacher = TeacherScorer(teacher_model, cfg.scoring)
+    teachers: dict[str, Teacher] = {}
+    loaded: dict[str, Decoder] = {}  # the in-process teachers' models
+    sources = cfg.teacher_sources if cfg.needs_teacher_scores else ()
+    for source in sources:
+        params = source.scoring(cfg.scoring)
+        if source.served:
+            vocab = models.vocab_limit or models.student_config.vocab_size
+            teachers[source.name] = ServedTeacher(source.server, params, vocab)
+        else:
+            loaded[source.name] = load_model(source, models.vocab_limit, mesh)
+            teachers[source.name] = TeacherScorer(loaded[source.name], params, pad_rows=len(sources) > 1)
     reference = None
     if cfg.estimator.needs_reference_logp:
-        source = cfg.reference if cfg.reference.path else dataclasses.replace(cfg.reference, path=cfg.student.path)
+        policy = cfg.reference if cfg.reference.path else dataclasses.replace(cfg.reference, path=cfg.student.path)
         reference = ReferenceScorer(
-            load_model(source, models.vocab_limit, mesh), cfg.sampling.temperature, cfg.learner.logprob_chunk
+            load_model(policy, models.vocab_limit, mesh), cfg.sampling.temperature, cfg.learner.logprob_chunk
         )
-    return ScoringStage(plan, mesh, Scorers(teacher, reference), teacher_model)
+    return ScoringStage(plan, mesh, Scorers(teachers, reference), loaded)
 
 
 @dataclasses.dataclass
@@ -244,6 +297,7 @@ def build_rollout_stage(
         tracer=tracer,
         interruptible=interruptible,
         version_timeout=cfg.stages.startup_timeout,
+        router=models.router if cfg.needs_teacher_scores else None,
     )
     return RolloutStage(plan, mesh, producer, scoring)
 
@@ -283,4 +337,6 @@ def teacher_on(mesh: Mesh, cfg: RunConfig, models: RunModels, scoring: ScoringSt
     if scoring is not None and scoring.teacher is not None:
         graphdef, weights = nnx.split(scoring.teacher)
         return nnx.merge(graphdef, jax.device_put(weights, parameter_shardings(weights, mesh)))
-    return load_model(cfg.teacher, models.vocab_limit, mesh)
+    source = cfg.in_process_teacher
+    assert source is not None, "a probe's teacher runs in-process (checked with the config)"
+    return load_model(source, models.vocab_limit, mesh)

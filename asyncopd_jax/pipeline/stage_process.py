@@ -178,13 +178,14 @@ def _score(process: RunProcess, sampled: Spool, outbox: Spool, beat: _Heartbeat)
 
 
 def _write_teacher_accuracy(process: RunProcess, exchange: Exchange) -> None:
-    """The teacher's held-out accuracy, for the learner's summary: measured once, by the
-    first scoring stage that holds the teacher."""
+    """The in-process teachers' held-out accuracies, for the learner's summary: measured
+    once, by the first scoring stage (every scoring stage holds every teacher)."""
     scoring = process.scoring
     if (
         scoring is not None
-        and scoring.teacher is not None
+        and scoring.models
         and scoring.plan.index == 0
-        and exchange.read_teacher_accuracy() is None
+        and exchange.read_teacher_accuracies() is None
     ):
-        exchange.write_teacher_accuracy(process.models.task.accuracy(*nnx.split(scoring.teacher)))
+        task = process.models.task
+        exchange.write_teacher_accuracies({name: task.accuracy(*nnx.split(m)) for name, m in scoring.models.items()})

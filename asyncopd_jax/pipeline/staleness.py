@@ -26,6 +26,8 @@ import numpy as np
 
 if TYPE_CHECKING:
     from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
+    from asyncopd_jax.teacher.routing import TeacherRoute
+    from asyncopd_jax.teacher.scorer import TeacherUse
 
 
 @dataclasses.dataclass
@@ -38,7 +40,8 @@ class RolloutGroup:
     newest_version: int  # the newest
     rewards: np.ndarray | None = None  # [G] the task's reward of each sample (None: not computed)
     record: str | None = None  # the spool record it was read from (stage processes)
-    teacher_wait_s: float | None = None  # its scoring's waits to retry a teacher server (None: not served)
+    route: TeacherRoute | None = None  # which teacher scores each row, and under which prompt (None: the only one)
+    teacher_uses: dict[str, TeacherUse] = dataclasses.field(default_factory=dict)  # each teacher's scoring cost
 
     @property
     def size(self) -> int:

@@ -125,15 +125,24 @@ class Trainer:
             accuracy = self.data.accuracy(self.learner.graphdef, params) if self.leader else 0.0
             return distributed.from_leader(accuracy)
 
-    def _teacher_accuracy(self) -> float | None:
-        """The teacher's held-out accuracy, from the stage that holds the teacher (None: none
-        does, as in reward-driven RL without distillation)."""
+    def _teacher_accuracies(self) -> dict[str, float]:
+        """Each in-process teacher's held-out accuracy, by name, from the stage that holds
+        them (none: served teachers only, or reward-driven RL without distillation)."""
         if self.scoring is not None:
-            teacher = self.scoring.teacher
-            return self.data.accuracy(*nnx.split(teacher)) if teacher is not None else None
-        if not (self.leader and self.layout.stage_processes() and self.cfg.needs_teacher_scores):
-            return None
-        return Exchange(self.run_dir.path / "exchange").wait_for_teacher_accuracy(self.cfg.stages.startup_timeout)
+            return {name: self.data.accuracy(*nnx.split(m)) for name, m in self.scoring.models.items()}
+        in_process = any(source.path for source in self.cfg.teacher_sources)
+        if not (self.leader and self.layout.stage_processes() and self.cfg.needs_teacher_scores and in_process):
+            return {}
+        exchange = Exchange(self.run_dir.path / "exchange")
+        return exchange.wait_for_teacher_accuracies(self.cfg.stages.startup_timeout) or {}
+
+    def _teacher_summary(self) -> dict[str, float]:
+        """``teacher_accuracy`` of the run's only teacher, or ``teacher_accuracy/NAME`` of
+        each of several (the in-process ones: a server's model cannot be evaluated here)."""
+        accuracies = self._teacher_accuracies()
+        if len(self.cfg.teacher_sources) == 1:
+            return {"teacher_accuracy": next(iter(accuracies.values()))} if accuracies else {}
+        return {f"teacher_accuracy/{name}": value for name, value in accuracies.items()}
 
     # --- the run ------------------------------------------------------------------------
 
@@ -198,9 +207,9 @@ class Trainer:
         """The trained student in Hugging Face layout, the summary and the report."""
         cfg = self.cfg
         student = nnx.merge(self.learner.graphdef, distributed.gather(self.learner.state.params))
-        teacher = self._teacher_accuracy() if "teacher_accuracy" not in summary else summary["teacher_accuracy"]
+        measured = any(key.startswith("teacher_accuracy") for key in summary)  # a resumed run's
         summary = {
-            **({"teacher_accuracy": teacher} if teacher is not None else {}),
+            **({} if measured else self._teacher_summary()),
             **summary,
             "student_after": self.evaluate_student(),
             "steps": step,

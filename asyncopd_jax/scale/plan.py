@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
-from asyncopd_jax.config import ModelSource, RunConfig
+from asyncopd_jax.config import ModelSource, RunConfig, TeacherSource
 from asyncopd_jax.learner.optimizer import make_optimizer
 from asyncopd_jax.learner.sharding import batch_shardings, make_mesh, state_shardings
 from asyncopd_jax.learner.step import (
@@ -247,16 +247,26 @@ def compile_learner_step(
 
 
 def compile_teacher_scoring(
-    cfg: RunConfig, config: DecoderConfig, devices: list, shapes: Shapes, rows: int, vocab_limit: int | None = None
+    cfg: RunConfig,
+    config: DecoderConfig,
+    devices: list,
+    shapes: Shapes,
+    rows: int,
+    vocab_limit: int | None = None,
+    source: TeacherSource | None = None,
+    stage: str = "teacher scoring",
 ) -> StageFigures:
-    """The teacher's scoring of one rollout group of ``rows``, on the scoring stage's mesh
-    (``stages.scoring_mesh`` over ``devices``), as :class:`TeacherScorer` jits it."""
+    """Teacher ``source``'s (default: ``cfg.teacher``) scoring of one rollout group of
+    ``rows``, on the scoring stage's mesh (``stages.scoring_mesh`` over ``devices``), as
+    :class:`TeacherScorer` jits it."""
+    source = source or cfg.teacher
     mesh = stage_mesh(devices, cfg.stages.scoring_mesh)
-    attention = resolve_implementation(cfg.teacher.attention, target_platform(devices))
-    graphdef, params = abstract_decoder(config, cfg.teacher.dtype, vocab_limit, attention)
+    attention = resolve_implementation(source.attention, target_platform(devices))
+    graphdef, params = abstract_decoder(config, source.dtype, vocab_limit, attention)
     batch = abstract_learner_batch(cfg, rows, shapes).rollout
     key = jax.eval_shape(lambda: jax.random.key(0))
-    score = jax.jit(teacher_score_function(graphdef, cfg.scoring))
+    scoring = source.scoring(cfg.scoring)
+    score = jax.jit(teacher_score_function(graphdef, scoring))
     with mesh_context(mesh):
         lowered = score.lower(
             with_shardings(params, parameter_shardings(params, mesh)),
@@ -264,9 +274,9 @@ def compile_teacher_scoring(
             with_shardings(key, NamedSharding(mesh, PartitionSpec())),
         )
     tokens = rows * (shapes.prompt_tokens + shapes.response_tokens)
-    figures = _figures("teacher scoring", len(mesh.devices.flat), rows, tokens, lowered)
-    plain, _ = abstract_decoder(config, cfg.teacher.dtype, vocab_limit, "xla")
-    counted = matmul_flops(teacher_score_function(plain, cfg.scoring), params, batch, key) / len(devices)
+    figures = _figures(stage, len(mesh.devices.flat), rows, tokens, lowered)
+    plain, _ = abstract_decoder(config, source.dtype, vocab_limit, "xla")
+    counted = matmul_flops(teacher_score_function(plain, scoring), params, batch, key) / len(devices)
     head = dataclasses.replace(config, vocab_size=vocab_limit or config.vocab_size)
     textbook = transformer_flops(
         head, rows, shapes.prompt_tokens + shapes.response_tokens, shapes.response_tokens, backward=False
@@ -325,6 +335,7 @@ class Plan:
     stages: list[StageFigures]
     sources: dict[str, str]  # model → the config.json it was read from
     balance: dict[str, float] = dataclasses.field(default_factory=dict)  # stage → roofline s per rollout batch
+    notes: list[str] = dataclasses.field(default_factory=list)  # what the per-stage rows leave out
 
 
 def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
@@ -332,12 +343,24 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
     student, student_source = architecture(cfg.student, shapes.layers)
     sources = {"student": student_source}
     vocab_limit = None
-    if cfg.teacher.served:  # on the server's own hardware: nothing of it runs on these chips
-        sources["teacher"] = f"external, served at {cfg.teacher.server.url} (not planned on these chips)"
-    if cfg.teacher.path:
-        teacher, sources["teacher"] = architecture(cfg.teacher, shapes.layers)
+    several = len(cfg.teacher_sources) > 1
+    in_process: list[tuple[TeacherSource, DecoderConfig, str]] = []  # (teacher, architecture, stage name)
+    for source in cfg.teacher_sources:
+        name = f"teacher {source.name}" if several else "teacher"
+        if source.served:  # on the server's own hardware: nothing of it runs on these chips
+            sources[name] = f"external, served at {source.server.url} (not planned on these chips)"
+            continue
+        teacher, sources[name] = architecture(source, shapes.layers)
+        in_process.append((source, teacher, f"scoring {source.name}" if several else "teacher scoring"))
         if teacher.vocab_size != student.vocab_size:  # the ids both embed (a run asks the tokenizer)
-            vocab_limit = min(teacher.vocab_size, student.vocab_size)
+            limit = min(teacher.vocab_size, student.vocab_size)
+            vocab_limit = limit if vocab_limit is None else min(vocab_limit, limit)
+    if several:
+        sources["routing"] = (
+            "each teacher scores its weight's share of the rows"
+            if cfg.routing.by == "mixture"
+            else f"by the dataset's {cfg.routing.field!r}: equal shares assumed"
+        )
     count = len(topology.devices)
     chips = topology.chip
 
@@ -367,12 +390,29 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
     if learner.error:
         balance["learning"] = float("nan")
     stages = [learner, *sampler]
-    if cfg.teacher.path and cfg.needs_teacher_scores:
+    if in_process and cfg.needs_teacher_scores:
         scorers = len(layout.of_role("scoring"))  # one per scoring process, or per rollout process that scores
-        scoring = compile_teacher_scoring(cfg, teacher, devices_of("scoring"), shapes, group, vocab_limit)
-        stages.append(scoring)
-        balance["scoring"] = float("nan") if scoring.error else -(-groups // scorers) * scoring.roofline_seconds(chips)
-    return Plan(topology, shapes, stages, sources, balance)
+        weights = {s.name: s.weight if cfg.routing.by == "mixture" else 1.0 for s in cfg.teacher_sources}
+        seconds = 0.0
+        for source, teacher, stage in in_process:
+            scoring = compile_teacher_scoring(
+                cfg, teacher, devices_of("scoring"), shapes, group, vocab_limit, source, stage
+            )
+            stages.append(scoring)
+            # a teacher scores its share of each group's rows: that share of a whole group's time
+            share = weights[source.name] / sum(weights.values())
+            seconds += float("nan") if scoring.error else share * scoring.roofline_seconds(chips)
+        balance["scoring"] = -(-groups // scorers) * seconds
+    notes = []
+    shared = [f for f in stages if f.stage.startswith("scoring ") and not f.error]
+    if len(shared) > 1:  # each row counts its own teacher's weights; all of them lie on the scoring chips
+        weights = sum(f.argument_bytes for f in shared)
+        peak = weights + max(f.temp_bytes for f in shared)
+        notes.append(
+            f"the {len(shared)} teachers share the scoring chips: weights and inputs {weights / GIB:.2f} GiB + the "
+            f"largest scoring's temporaries = {peak / GIB:.2f} GiB per chip ({peak / chips.hbm_bytes:.0%} of HBM)"
+        )
+    return Plan(topology, shapes, stages, sources, balance, notes)
 
 
 def format_plan(plan: Plan) -> str:
@@ -385,6 +425,7 @@ def format_plan(plan: Plan) -> str:
         f"shapes: {plan.shapes.prompt_tokens} prompt + {plan.shapes.response_tokens} response tokens"
         + (f", {plan.shapes.layers} layers (reduced)" if plan.shapes.layers else ""),
         *(f"{name}: {source}" for name, source in plan.sources.items()),
+        *plan.notes,
         "",
         "per chip and call; TFLOP: matmul FLOPs counted from the program (model: without",
         "recomputation; run: as configured; /book: model over 2 (6 with a backward pass) ·",

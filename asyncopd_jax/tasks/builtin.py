@@ -10,6 +10,7 @@ tokenizer or with a Hugging Face model's own.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -116,6 +117,19 @@ class TaskData(PromptTask):
     def train_prompts(self, rng: np.random.Generator, n: int) -> tuple[list[list[int]], list[Problem]]:
         problems = self._problems(rng, n, held_out=False)
         return self.encode(problems), problems
+
+    def fields(self, problem: Problem) -> dict[str, str]:
+        """``prompt`` (``Q:a+b=``), ``answer`` (the sum) and ``solution`` (the partial sums
+        left to right, as the teacher was trained to write them)."""
+        order = tuple(range(len(problem.operands)))
+        return {"prompt": problem.prompt, "answer": str(problem.answer), "solution": problem.solution(order)}
+
+    def bounding_items(self) -> list[Problem]:
+        """The longest problem: every operand ``max_value``, as many as a problem can have."""
+        return [Problem((self.task.max_value,) * self.most_operands)]
+
+    def where(self, problems: Sequence[Problem]) -> str:
+        return "problems " + ", ".join(p.prompt for p in problems[:3]) + (" …" if len(problems) > 3 else "")
 
     def _sft_problems(self, rng: np.random.Generator, batch_size: int) -> tuple[list[Problem], int, int]:
         """A batch of training problems and its (prompt, answer) widths.

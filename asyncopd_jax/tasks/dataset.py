@@ -20,9 +20,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from asyncopd_jax.teacher.prompts import field
 
 SUFFIXES = (".jsonl", ".parquet")
 _SHOWN_ROWS = 10  # rows named in an error message
@@ -36,6 +38,9 @@ class Example:
     prompt: str
     answer: str | None
     row: int
+    # every field of the row (a teacher-only prompt's template and a routing field read them);
+    # left out of equality and hashing: the prompt, answer and row identify an example
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
 class DatasetError(ValueError):
@@ -87,17 +92,8 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
         raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r}; allowed: {', '.join(SUFFIXES)}")
 
 
-def _field(row: Any, name: str) -> Any:
-    """``row[name]``, following dots into nested objects; a KeyError if any part is missing."""
-    value = row
-    for part in name.split("."):
-        if not isinstance(value, dict) or part not in value:
-            raise KeyError(name)
-        value = value[part]
-    return value
-
-
-def _rows_text(rows: list[int]) -> str:
+def rows_text(rows: list[int]) -> str:
+    """``row 3`` / ``rows 3, 17`` (at most ten named, then how many more)."""
     shown = ", ".join(map(str, rows[:_SHOWN_ROWS]))
     more = f" and {len(rows) - _SHOWN_ROWS} more" if len(rows) > _SHOWN_ROWS else ""
     return f"row {shown}" if len(rows) == 1 else f"rows {shown}{more}"
@@ -131,14 +127,14 @@ def read_examples(
         if first_keys is None:
             first_keys = (number, sorted(row))
         try:
-            prompt = _field(row, prompt_field)
+            prompt = field(row, prompt_field)
         except KeyError:
             missing.setdefault(f"{prompt_field!r} (task.prompt_field)", []).append(number)
             continue
         answer = None
         if answer_field:
             try:
-                answer = _field(row, answer_field)
+                answer = field(row, answer_field)
             except KeyError:
                 if require_answers:
                     missing.setdefault(f"{answer_field!r} (task.answer_field)", []).append(number)
@@ -149,24 +145,24 @@ def read_examples(
         if not isinstance(prompt, str) or not prompt.strip():
             not_text.append(number)
             continue
-        examples.append(Example(prompt, None if answer is None else str(answer), number))
+        examples.append(Example(prompt, None if answer is None else str(answer), number, row))
     problems = []
     for kind, rows in bad.items():
         # The parser's detail for the first row only: it differs from row to row.
         numbers, (first, detail) = [n for n, _ in rows], rows[0]
         problems.append(
-            f"{_rows_text(numbers)} is {kind} ({detail})"
+            f"{rows_text(numbers)} is {kind} ({detail})"
             if len(rows) == 1
-            else f"{_rows_text(numbers)} are {kind} (row {first}: {detail})"
+            else f"{rows_text(numbers)} are {kind} (row {first}: {detail})"
         )
     problems += [
-        f"{_rows_text(rows)} have no field {what}" if len(rows) > 1 else f"{_rows_text(rows)} has no field {what}"
+        f"{rows_text(rows)} have no field {what}" if len(rows) > 1 else f"{rows_text(rows)} has no field {what}"
         for what, rows in missing.items()
     ]
     if not_text:
-        problems.append(f"{_rows_text(not_text)}: the prompt is not a non-empty string")
+        problems.append(f"{rows_text(not_text)}: the prompt is not a non-empty string")
     if null_answers:
-        problems.append(f"{_rows_text(null_answers)}: the answer {answer_field!r} (task.answer_field) is null")
+        problems.append(f"{rows_text(null_answers)}: the answer {answer_field!r} (task.answer_field) is null")
     if problems:
         keys = f"; row {first_keys[0]} has: {', '.join(first_keys[1])}" if first_keys and first_keys[1] else ""
         raise DatasetError(f"{path}: " + "; ".join(problems) + keys)
@@ -192,4 +188,4 @@ def split_held_out(examples: list[Example], fraction: float) -> tuple[list[Examp
     return train, held
 
 
-__all__ = ["DatasetError", "Example", "is_held_out", "read_examples", "split_held_out"]
+__all__ = ["DatasetError", "Example", "is_held_out", "read_examples", "rows_text", "split_held_out"]

@@ -11,13 +11,14 @@ Without an answer field (distillation needs none) rewards and accuracy are NaN: 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from asyncopd_jax.config import TaskConfig
-from asyncopd_jax.tasks.dataset import DatasetError, Example, read_examples, split_held_out
+from asyncopd_jax.tasks.dataset import DatasetError, Example, read_examples, rows_text, split_held_out
 from asyncopd_jax.tasks.math_grader import grade
 from asyncopd_jax.tasks.prompt_task import PromptTask
 
@@ -35,6 +36,7 @@ class DatasetTask(PromptTask):
         require_answers: bool = False,
     ):
         super().__init__(tokenizer)
+        self.path = task.path
         examples = read_examples(
             task.path, task.prompt_field, task.answer_field or None, require_answers=require_answers
         )
@@ -63,6 +65,16 @@ class DatasetTask(PromptTask):
 
     def score(self, example: Example, response: str) -> float:
         return float("nan") if example.answer is None else grade(response, example.answer)
+
+    def fields(self, example: Example) -> Mapping[str, Any]:
+        """The row's own fields, as the file holds them."""
+        return example.fields
+
+    def bounding_items(self) -> list[Example]:
+        return self.train_items
+
+    def where(self, examples: Sequence[Example]) -> str:
+        return f"{self.path}: {rows_text(sorted(e.row for e in examples))}"
 
     def train_prompts(self, rng: np.random.Generator, n: int) -> tuple[list[list[int]], list[Example]]:
         """``n`` training examples drawn uniformly (without replacement within a batch where

@@ -11,7 +11,7 @@ the two kinds; :func:`asyncopd_jax.tasks.make_task` picks by ``task.name``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import jax
@@ -48,6 +48,20 @@ class PromptTask:
         raise NotImplementedError
 
     def train_prompts(self, rng: np.random.Generator, n: int) -> tuple[list[list[int]], list[Any]]:
+        raise NotImplementedError
+
+    def fields(self, item: Any) -> Mapping[str, Any]:
+        """The named fields of ``item`` a teacher-only prompt's template fills
+        (:mod:`asyncopd_jax.teacher.prompts`) and a teacher routing field is read from."""
+        raise NotImplementedError
+
+    def bounding_items(self) -> Sequence[Any]:
+        """Every training item, or items whose fields are at least as long as any the task
+        draws: what a teacher prompt's width is measured on, and routing is checked on."""
+        raise NotImplementedError
+
+    def where(self, items: Sequence[Any]) -> str:
+        """``items`` named for an error message."""
         raise NotImplementedError
 
     # --- shared ---

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from asyncopd_jax.alignment import response_hidden
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.estimators import gather_logprobs_from_hidden, sample_candidates
 from asyncopd_jax.models.decoder import Decoder
+from asyncopd_jax.teacher.routing import TeacherRoute
 
 Array = jax.Array
 
@@ -144,6 +147,12 @@ class Teacher(Protocol):
         the teacher is not served)."""
         ...
 
+    @property
+    def last_requests(self) -> int:
+        """Requests this thread's last :meth:`score` sent (HTTP requests to a server; one
+        compiled call in-process)."""
+        ...
+
 
 class TeacherScorer:
     """Runs a teacher :class:`Decoder` over rollouts and returns their score cache.
@@ -151,21 +160,35 @@ class TeacherScorer:
     Args:
       model: the teacher (split once; its weights are fixed).
       params: what to store.
+      pad_rows: score a batch's rows padded to a power of two (copies of its last row, cut
+        off after): a routed teacher's share of a group varies from group to group, and this
+        bounds its compiled shapes to one per power of two.
     """
 
-    def __init__(self, model: Decoder, params: ScoringParams):
+    def __init__(self, model: Decoder, params: ScoringParams, pad_rows: bool = False):
         self.graphdef, self.state = nnx.split(model)
-        self.params = params
+        self.params, self.pad_rows = params, pad_rows
         self._score = jax.jit(teacher_score_function(self.graphdef, params))
 
     def score(self, batch: RolloutBatch, key: Array | None = None) -> TeacherScoreCache:
         """Score one rollout batch (``key`` seeds the teacher samples)."""
-        return self._score(self.state, batch, jax.random.key(0) if key is None else key)
+        key = jax.random.key(0) if key is None else key
+        b = batch.response_tokens.shape[0]
+        if not self.pad_rows or b & (b - 1) == 0:
+            return self._score(self.state, batch, key)
+        padded = jnp.minimum(jnp.arange(1 << (b - 1).bit_length()), b - 1)
+        cache = self._score(self.state, take_rows(batch, padded), key)
+        return take_rows(cache, jnp.arange(b))
 
     @property
     def last_wait_s(self) -> float | None:
         """None: in-process, nothing waits on a server."""
         return None
+
+    @property
+    def last_requests(self) -> int:
+        """One compiled call per :meth:`score`."""
+        return 1
 
 
 class ReferenceScorer:
@@ -200,29 +223,109 @@ class ReferenceScorer:
 
 
 @dataclasses.dataclass(frozen=True)
-class Scorers:
-    """What the scoring stage runs on a rollout: the teacher (its score cache) and, for a
-    KL-to-reference term, the reference policy (the batch's ``reference_logp``)."""
+class TeacherUse:
+    """What scoring one rollout group cost one teacher.
 
-    teacher: Teacher | None = None
+    Attributes:
+      rows: the group's rows it scored.
+      seconds: wall time of its scoring (to the cache on its devices).
+      requests: requests it took (HTTP requests to a server; compiled calls in-process).
+      wait_s: seconds of that time spent waiting to retry a server (None: in-process).
+    """
+
+    rows: int
+    seconds: float
+    requests: int
+    wait_s: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """A scored rollout: the batch (with its reference log-probs where there is a reference),
+    the teachers' score cache (None: no teacher), and what each teacher's scoring cost."""
+
+    batch: RolloutBatch
+    cache: TeacherScoreCache | None
+    uses: dict[str, TeacherUse]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scorers:
+    """What the scoring stage runs on a rollout: the teachers (their score cache), by name
+    in the run's order, and, for a KL-to-reference term, the reference policy (the batch's
+    ``reference_logp``)."""
+
+    teachers: dict[str, Teacher] = dataclasses.field(default_factory=dict)
     reference: ReferenceScorer | None = None
 
-    def score(self, batch: RolloutBatch, key: Array) -> tuple[RolloutBatch, TeacherScoreCache | None]:
-        """``(batch with its reference log-probs, the teacher's cache)``; each part only where
-        its scorer is set (``key`` seeds the teacher samples).
+    def score(self, batch: RolloutBatch, key: Array, route: TeacherRoute | None = None) -> Scored:
+        """Score ``batch``: each teacher its rows (``route``; None: the only teacher all of
+        them, under the student's prompt), the reference all of them (``key`` seeds the
+        teachers' samples; the k-th of several teachers uses ``fold_in(key, k)``).
 
         Only the response columns up to the longest answer are scored (:func:`scored_columns`:
         on long-tailed answers most of the ``T`` columns are padding); the columns past them
         repeat the last scored one, so every value stays a finite log-prob under the mask."""
         t = batch.response_tokens.shape[1]
-        chunk = self.teacher.params.chunk_size if self.teacher is not None else t
-        kept = scored_columns(int(jnp.max(jnp.sum(batch.response_mask, axis=1))), t, chunk)
-        short = response_columns(batch, kept)
-        widen = functools.partial(repeat_last_column, width=t)
-        if self.reference is not None:
-            batch = dataclasses.replace(batch, reference_logp=widen(self.reference.score(short)))
-        cache = None if self.teacher is None else jax.tree_util.tree_map(widen, self.teacher.score(short, key))
-        return batch, cache
+        if self.reference is not None:  # as many columns as the (first) teacher scores
+            chunk = next(iter(self.teachers.values())).params.chunk_size if self.teachers else t
+            kept = scored_columns(longest(batch), t, chunk)
+            reference = repeat_last_column(self.reference.score(response_columns(batch, kept)), t)
+            batch = dataclasses.replace(batch, reference_logp=reference)
+        if not self.teachers:
+            return Scored(batch, None, {})
+        parts, order, uses = [], [], {}
+        for k, (name, teacher) in enumerate(self.teachers.items()):
+            rows = np.arange(batch.response_tokens.shape[0]) if route is None else route.rows(k)
+            if not rows.size:
+                uses[name] = TeacherUse(0, 0.0, 0, None if teacher.last_wait_s is None else 0.0)
+                continue
+            start = time.perf_counter()
+            cache = jax.block_until_ready(
+                self._score_rows(
+                    teacher, batch, rows, route, key if len(self.teachers) == 1 else jax.random.fold_in(key, k)
+                )
+            )
+            uses[name] = TeacherUse(
+                int(rows.size), time.perf_counter() - start, teacher.last_requests, teacher.last_wait_s
+            )
+            parts.append(cache)
+            order.append(rows)
+        if len(parts) == 1 and route is None:
+            return Scored(batch, parts[0], uses)
+        back = jnp.asarray(np.argsort(np.concatenate(order)))  # each row's place among the parts
+        cache = jax.tree_util.tree_map(lambda *xs: jnp.take(jnp.concatenate(xs), back, axis=0), *parts)
+        return Scored(batch, cache, uses)
+
+    @staticmethod
+    def _score_rows(
+        teacher: Teacher, batch: RolloutBatch, rows: np.ndarray, route: TeacherRoute | None, key: Array
+    ) -> TeacherScoreCache:
+        """``teacher``'s cache of ``batch``'s ``rows`` (under the route's prompts, if any),
+        ``T`` columns wide."""
+        t = batch.response_tokens.shape[1]
+        if route is not None:
+            batch = take_rows(batch, jnp.asarray(rows))
+            if route.prompt_tokens is not None and route.prompt_mask is not None:
+                batch = dataclasses.replace(
+                    batch,
+                    prompt_tokens=jnp.asarray(route.prompt_tokens[rows]),
+                    prompt_mask=jnp.asarray(route.prompt_mask[rows]),
+                )
+        kept = scored_columns(longest(batch), t, teacher.params.chunk_size)
+        return jax.tree_util.tree_map(
+            functools.partial(repeat_last_column, width=t), teacher.score(response_columns(batch, kept), key)
+        )
+
+
+def longest(batch: RolloutBatch) -> int:
+    """The longest answer of ``batch``, in tokens."""
+    return int(jnp.max(jnp.sum(batch.response_mask, axis=1)))
+
+
+def take_rows(tree: Any, rows: Array) -> Any:
+    """``tree`` (a batch or cache) with only its ``rows``, in that order."""
+    return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0), tree)
 
 
 def scored_columns(longest: int, t: int, chunk: int) -> int:

@@ -15,6 +15,10 @@ Wire formats (``teacher.server.api``), in :mod:`asyncopd_jax.teacher.wire`:
   ``token_logp``, ``topk_ids`` and ``topk_logp``. It cannot score ids the student chose
   (Monte-Carlo candidates, the student's top-K) nor sample from the teacher, so the
   estimators that need those are refused when the config is read (:data:`SERVES`).
+* ``sglang``: SGLang's native ``POST /generate`` with ``return_logprob``,
+  ``logprob_start_len: 0`` and ``top_logprobs_num: K``, prefill only: the same three
+  fields, and the same refusals (its ``token_ids_logprob`` takes one id list per request,
+  not one per position).
 * ``asyncopd``: ``asyncopd serve-teacher`` (:mod:`asyncopd_jax.teacher.server`): the same
   request with an extension that also sends the ids the student chose and asks for
   teacher samples, so it fills every field of the cache and serves every estimator.
@@ -30,8 +34,10 @@ the two differ by more than ``determinism_tolerance`` (a server whose batching c
 numbers gives the learner noise in place of the teacher's signal).
 
 Temperature: vLLM's prompt log-probs are the model's raw distribution (its logits at
-temperature 1, before any sampling parameter), so ``scoring.temperature`` must be 1.0 with
-``api: vllm`` (checked with the config): a top-K cannot be re-tempered exactly.
+temperature 1, before any sampling parameter), and SGLang's are asked at sampling
+temperature 1 (a build that scales its log-probs by the sampling temperature then gives the
+same), so ``scoring.temperature`` must be 1.0 with ``api: vllm`` or ``sglang`` (checked
+with the config): a top-K cannot be re-tempered exactly.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ Array = jax.Array
 #: teacher can score besides the sampled tokens. In-process: all of them.
 SERVES: dict[str, frozenset[str]] = {
     "vllm": frozenset({"teacher_topk"}),
+    "sglang": frozenset({"teacher_topk"}),  # its token_ids_logprob is one id list per request, not per position
     "asyncopd": frozenset({"candidates", "student_topk", "teacher_topk", "teacher_samples"}),
 }
 
@@ -70,9 +77,11 @@ class ServerParams:
     Attributes:
       url: the server's base URL, ``http://host:port`` ('' : the teacher runs in-process,
         from ``teacher.path``).
-      api: the wire format: ``vllm`` (OpenAI-compatible completions with ``prompt_logprobs``)
-        or ``asyncopd`` (``asyncopd serve-teacher``: the same, with the extension).
-      model: the served model's name ('' : the server's only model, asked from ``/v1/models``).
+      api: the wire format: ``vllm`` (OpenAI-compatible completions with ``prompt_logprobs``),
+        ``sglang`` (SGLang's native ``/generate`` with ``return_logprob``) or ``asyncopd``
+        (``asyncopd serve-teacher``: vLLM's, with the extension).
+      model: the served model's name ('' : the server's only model, asked from ``/v1/models``;
+        SGLang's ``/generate`` takes none).
       rows_per_request: rollout rows per request.
       in_flight: requests sent at once.
       timeout: seconds one request may take before it is retried.
@@ -84,7 +93,7 @@ class ServerParams:
     """
 
     url: str = ""
-    api: Literal["vllm", "asyncopd"] = "vllm"
+    api: Literal["vllm", "sglang", "asyncopd"] = "vllm"
     model: str = ""
     rows_per_request: int = 8
     in_flight: int = 4
@@ -107,6 +116,13 @@ class ServerParams:
     def serves(self) -> frozenset[str]:
         """The id sets this server's API can score (:data:`SERVES`)."""
         return SERVES[self.api]
+
+    @property
+    def raw_only(self) -> bool:
+        """Whether this API's log-probs are the model's raw distribution (temperature 1)
+        only; ``asyncopd serve-teacher`` scores at its own ``--temperature``, and answers a
+        request at another with 400."""
+        return self.api != "asyncopd"
 
 
 @dataclasses.dataclass
@@ -173,7 +189,7 @@ class ServedTeacher:
         batch's candidates and student top-K and the teacher samples; positions past a
         response's end repeat its last scored position (finite values the mask leaves out)."""
         seed = 0 if key is None else int(jax.random.randint(key, (), 0, np.iinfo(np.int32).max))
-        self._calls.wait_s = 0.0
+        self._calls.wait_s, self._calls.requests = 0.0, 0
         rows = _rows(batch)
         scores = self._score_rows(rows, seed)
         if not self._checked:
@@ -186,6 +202,11 @@ class ServedTeacher:
     def last_wait_s(self) -> float | None:
         """Seconds this thread's last :meth:`score` waited to retry the server."""
         return getattr(self._calls, "wait_s", 0.0)
+
+    @property
+    def last_requests(self) -> int:
+        """Scoring requests this thread's last :meth:`score` sent (retries not counted)."""
+        return getattr(self._calls, "requests", 0)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -202,20 +223,26 @@ class ServedTeacher:
         # the waits of this call's requests (another thread's calls may add theirs meanwhile:
         # an overlap is counted in both, a bound the metric states)
         self._calls.wait_s = getattr(self._calls, "wait_s", 0.0) + self.stats.wait_s - waited_before
+        self._calls.requests = getattr(self._calls, "requests", 0) + -(-len(rows) // size)
         return scores
 
     def _score_request(self, model: str, rows: Sequence[Row], seed: int) -> list[RowScores]:
         topk, server = self.params.topk, self.server.url
         if self.server.api == "asyncopd":
             samples = self.params.num_samples
-            answer = self._post("/v1/completions", wire.asyncopd_request(model, rows, topk, samples, seed))
+            body = wire.asyncopd_request(model, rows, topk, samples, seed, self.params.temperature)
+            answer = self._post("/v1/completions", body)
             return wire.parse_asyncopd(answer, rows, topk, samples, self.vocab_size, server)
+        if self.server.api == "sglang":
+            answer = self._post("/generate", wire.sglang_request(rows, topk))
+            return wire.parse_sglang(answer, rows, topk, self.vocab_size, server)
         answer = self._post("/v1/completions", wire.vllm_request(model, rows, topk))
         return wire.parse_vllm(answer, rows, topk, self.vocab_size, server)
 
     def _model_name(self) -> str:
-        """``server.model``, else the one model ``/v1/models`` lists."""
-        if not self._model:
+        """``server.model``, else the one model ``/v1/models`` lists (SGLang's ``/generate``
+        needs none)."""
+        if not self._model and self.server.api != "sglang":
             self._model = wire.only_model(self._request("GET", "/v1/models", None), self.server.url)
         return self._model
 

@@ -16,6 +16,21 @@ vLLM (``api: vllm``), ``POST /v1/completions`` (vLLM's OpenAI-compatible server,
   entry per prompt position: ``None`` at position 0 (nothing predicts the first token),
   then ``{"<id>": {"logprob", "rank", "decoded_token"}, …}``: the top-K ids by rank and the
   actual token at that position (so K or K + 1 entries).
+
+SGLang (``api: sglang``), ``POST /generate`` (its native API; the format of
+``sgl-project/sglang`` at c60799d, ``python/sglang/srt/managers/tokenizer_manager.py``,
+``detokenize_logprob_tokens`` / ``detokenize_top_logprobs_tokens``; no SGLang server runs
+here, so ``tests/teacher/test_served.py`` checks the client against that documented format
+only):
+
+* request: ``{"input_ids": [[ids of row 0], …], "sampling_params": {"max_new_tokens": 0,
+  "temperature": 1.0}, "return_logprob": true, "logprob_start_len": 0, "top_logprobs_num": K}``
+  — prefill only: nothing is generated.
+* answer: a list with one object per row, in order; its ``meta_info`` holds
+  ``input_token_logprobs``, one ``[logprob, id, text]`` per input position (logprob None
+  at position 0), and ``input_top_logprobs``, per position None (position 0) or the top-K
+  as ``[logprob, id, text]`` entries. The actual token's log-prob comes from the first,
+  the top-K from the second.
 """
 
 from __future__ import annotations
@@ -24,7 +39,7 @@ import dataclasses
 import functools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -114,10 +129,25 @@ def vllm_request(model: str, rows: Sequence[Row], topk: int) -> dict:
     }
 
 
-def asyncopd_request(model: str, rows: Sequence[Row], topk: int, num_samples: int, seed: int) -> dict:
-    """:func:`vllm_request` with the extension: the response positions only, the ids the
-    student chose, ``num_samples`` teacher samples drawn with ``seed``."""
-    body = vllm_request(model, rows, topk)
+def sglang_request(rows: Sequence[Row], topk: int) -> dict:
+    """The ``/generate`` body that scores each row's prompt + response (prefill only)."""
+    return {
+        "input_ids": [[int(i) for i in r.prompt] + [int(i) for i in r.response] for r in rows],
+        # raw log-probs: SGLang may scale them by the sampling temperature; at 1 both agree
+        "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": topk,
+    }
+
+
+def asyncopd_request(
+    model: str, rows: Sequence[Row], topk: int, num_samples: int, seed: int, temperature: float = 1.0
+) -> dict:
+    """:func:`vllm_request` at ``temperature`` (the server's own, or it answers 400) with the
+    extension: the response positions only, the ids the student chose, ``num_samples``
+    teacher samples drawn with ``seed``."""
+    body = {**vllm_request(model, rows, topk), "temperature": temperature}
     extension: dict = {"response_start": [len(r.prompt) for r in rows], "num_samples": num_samples, "seed": seed}
     for field in ("candidate_ids", "student_topk_ids"):
         if getattr(rows[0], field) is not None:
@@ -138,6 +168,51 @@ def parse_vllm(answer: Any, rows: Sequence[Row], topk: int, vocab_size: int, ser
         _vllm_row(entries, len(row.prompt), row.response, topk, vocab_size, f"{where}, row {i}")
         for i, (entries, row) in enumerate(zip(per_row, rows, strict=True))
     ]
+
+
+def parse_sglang(answer: Any, rows: Sequence[Row], topk: int, vocab_size: int, server: str) -> list[RowScores]:
+    """Each row's :class:`RowScores` from SGLang's answer to :func:`sglang_request`, checked as
+    :func:`parse_vllm` checks (and that each position's token is the one sent)."""
+    where = f"teacher server {server}/generate"
+    if not isinstance(answer, list) or len(answer) != len(rows):
+        got = f"{len(answer)} rows" if isinstance(answer, list) else str(answer)[:120]
+        raise ServerError(f"{where} answered {got}; expected a list of the {len(rows)} rows sent")
+    return [
+        _sglang_row(item, row, topk, vocab_size, f"{where}, row {i}")
+        for i, (item, row) in enumerate(zip(answer, rows, strict=True))
+    ]
+
+
+def _sglang_row(item: Any, row: Row, topk: int, vocab_size: int, where: str) -> RowScores:
+    """One row's scores from its ``meta_info`` (positions ``len(prompt)`` … on)."""
+    try:
+        tokens, tops = item["meta_info"]["input_token_logprobs"], item["meta_info"]["input_top_logprobs"]
+    except (KeyError, TypeError):
+        raise ServerError(f"{where}: no meta_info.input_token_logprobs / input_top_logprobs") from None
+    start, t = len(row.prompt), len(row.response)
+    _check_positions(tokens, "input_token_logprobs", start + t, where)
+    _check_positions(tops, "input_top_logprobs", start + t, where)
+
+    def at_position(k: int, position: str) -> tuple[float, dict[int, float]]:
+        scored, actual = _triples([tokens[start + k]], vocab_size, position), int(row.response[k])
+        if list(scored) != [actual]:
+            raise ServerError(f"{position}: input_token_logprobs names id {list(scored)}, not the token {actual}")
+        return scored[actual], _triples(tops[start + k] or [], vocab_size, position)
+
+    return _row_scores(t, topk, where, at_position)
+
+
+def _triples(entries: Any, vocab_size: int, where: str) -> dict[int, float]:
+    """``{id: log-prob}`` of SGLang's ``[logprob, id, text]`` entries, checked."""
+    if not isinstance(entries, list):
+        raise ServerError(f"{where}: expected [[logprob, id, text], …], got {str(entries)[:80]}")
+    return _entries({str(e[1]): {"logprob": e[0]} for e in entries if _is_triple(e, where)}, vocab_size, where)
+
+
+def _is_triple(entry: Any, where: str) -> bool:
+    if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+        raise ServerError(f"{where}: expected [logprob, id, text], got {str(entry)[:80]}")
+    return True
 
 
 def parse_asyncopd(
@@ -204,19 +279,36 @@ def _choices(answer: Any, key: str, rows: int, where: str) -> list:
 def _vllm_row(entries: Any, start: int, response: np.ndarray, topk: int, vocab_size: int, where: str) -> RowScores:
     """One row's scores from its ``prompt_logprobs`` (positions ``start`` … ``start + t − 1``)."""
     t = len(response)
-    if not isinstance(entries, list) or len(entries) != start + t:
-        got = len(entries) if isinstance(entries, list) else type(entries).__name__
-        raise ServerError(f"{where}: prompt_logprobs has {got} positions; expected {start + t} (prompt + response)")
+    _check_positions(entries, "prompt_logprobs", start + t, where)
+
+    def at_position(k: int, position: str) -> tuple[float, dict[int, float]]:
+        scored, actual = _entries(entries[start + k], vocab_size, position), int(response[k])
+        if actual not in scored:
+            raise ServerError(f"{position}: no log-prob for the actual token {actual}")
+        return scored[actual], scored
+
+    return _row_scores(t, topk, where, at_position)
+
+
+def _check_positions(value: Any, name: str, expected: int, where: str) -> None:
+    """``value`` is a list of one entry per prompt + response position, else a :class:`ServerError`."""
+    if not isinstance(value, list) or len(value) != expected:
+        got = len(value) if isinstance(value, list) else type(value).__name__
+        raise ServerError(f"{where}: {name} has {got} positions; expected {expected} (prompt + response)")
+
+
+def _row_scores(
+    t: int, topk: int, where: str, at_position: Callable[[int, str], tuple[float, dict[int, float]]]
+) -> RowScores:
+    """A row's :class:`RowScores` from ``at_position(k, name) → (log-prob of response token k,
+    {id: log-prob} of the ids scored there)``: the top ``topk`` of those by log-prob, else a
+    :class:`ServerError` (K smaller than asked)."""
     token = np.zeros(t, np.float64)
     ids = np.zeros((t, topk), np.int64)
     logp = np.zeros((t, topk), np.float64)
-    for k, entry in enumerate(entries[start:]):
+    for k in range(t):
         position = f"{where}, response position {k}"
-        scored = _entries(entry, vocab_size, position)
-        actual = int(response[k])
-        if actual not in scored:
-            raise ServerError(f"{position}: no log-prob for the actual token {actual}")
-        token[k] = scored[actual]
+        token[k], scored = at_position(k, position)
         ranked = sorted(scored.items(), key=lambda item: -item[1])[:topk]
         if len(ranked) < topk:
             raise ServerError(f"{position}: {len(ranked)} log-probs; asked for the top {topk} (K smaller than asked)")

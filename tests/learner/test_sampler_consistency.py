@@ -134,8 +134,8 @@ def _rollout_threads(
     scoring = ScoringStage(
         plan=StagePlan("scoring", 0, "learner"),
         mesh=stage_mesh(jax.local_devices()[:1]),
-        scorers=Scorers(_scorer(temperature)),
-        teacher=None,
+        scorers=Scorers({"teacher": _scorer(temperature)}),
+        models={},
     )
     pool = RolloutPool(
         stages=[

@@ -93,10 +93,10 @@ def test_a_finished_group_spans_the_versions_of_its_answer_tokens_and_traces_its
         prompt_slots=2,
         tracer=tracer,
     )
-    group = producer.finish(_batch([[3, 4, 9], [5, 5, 0]], [[True, True, False], [True, True, False]]), [1, 0], 3)
+    group = producer.finish(_batch([[3, 4, 9], [5, 5, 0]], [[True, True, False], [True, True, False]]), [1, 0], 3, None)
     assert (group.oldest_version, group.newest_version, group.cache) == (3, 5, None)
     np.testing.assert_array_equal(group.rewards, np.asarray([1.0, 0.0], np.float32))
-    empty = producer.finish(_batch([[9, 9]], [[False, False]]), [0], 7)
+    empty = producer.finish(_batch([[9, 9]], [[False, False]]), [0], 7, None)
     assert (empty.oldest_version, empty.newest_version) == (7, 7)
     assert set(tracer.totals()) == {"reward"} and len(tracer.events()) == 2
 

@@ -21,7 +21,7 @@ from asyncopd_jax.learner.step import PolicyLoss, TrainState, train_step_functio
 from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.pipeline.learner_stage import LearnerStage
 from asyncopd_jax.pipeline.trainer import Trainer
-from asyncopd_jax.scale.chips import get_topology
+from asyncopd_jax.scale.chips import GIB, get_topology
 from asyncopd_jax.scale.flops import matmul_flops, transformer_flops
 from asyncopd_jax.scale.plan import (
     Shapes,
@@ -156,3 +156,24 @@ def test_the_continuous_engine_balance_counts_waves_of_slots_not_groups():
     chip = plan.topology.chip
     want = 4 * (prefill.roofline_seconds(chip) + 24 * decode.roofline_seconds(chip))
     assert plan.balance["rollout"] == pytest.approx(want)
+
+
+def test_several_teachers_each_compiled_their_share_in_the_balance_and_their_weights_summed():
+    """Three teachers: a (weight 3) and b (weight 1) in-process, c served (weight 4). Each
+    in-process one is compiled on the scoring chips as its own stage; the balance counts a's
+    3/8 and b's 1/8 of each group (c's half runs elsewhere); a note adds their weights."""
+    teachers = (
+        "[{name: a, path: 'builtin:teacher', weight: 3}, {name: b, path: 'builtin:student', weight: 1}, "
+        "{name: c, server: {url: 'http://teacher:8000'}, weight: 4}]"
+    )
+    cfg = load_config(configs.DEMO, ["teacher.path=''", f"teachers={teachers}", "learner.batch_size=64"])
+    plan = make_plan(cfg, get_topology("h100-4"), Shapes(prompt_tokens=16, response_tokens=24))
+    scoring = {s.stage: s for s in plan.stages if s.stage.startswith("scoring")}
+    assert list(scoring) == ["scoring a", "scoring b"] and all(not s.error for s in scoring.values())
+    chip = plan.topology.chip
+    want = 3 / 8 * scoring["scoring a"].roofline_seconds(chip) + 1 / 8 * scoring["scoring b"].roofline_seconds(chip)
+    assert plan.balance["scoring"] == pytest.approx(want)
+    text = format_plan(plan)
+    assert "teacher c: external, served at http://teacher:8000" in text and "teacher a: " in text
+    weights = sum(s.argument_bytes for s in scoring.values()) / GIB
+    assert f"the 2 teachers share the scoring chips: weights and inputs {weights:.2f} GiB" in text

@@ -104,9 +104,9 @@ def test_make_plan_compiles_each_stage_at_the_reduced_depth_and_the_shared_vocab
             _timed(f"sampler {n}", rows, rows, s) for n, s in (("prefill", 0.5), ("decode", 0.01), ("recompute", 9.0))
         ]
 
-    def scoring(cfg, config, devices, shapes, rows, vocab_limit=None):
+    def scoring(cfg, config, devices, shapes, rows, vocab_limit=None, source=None, stage="teacher scoring"):
         seen["scoring"] = (config.num_hidden_layers, config.vocab_size, rows, vocab_limit)
-        return _timed("teacher scoring", rows, rows, 0.25)
+        return _timed(stage, rows, rows, 0.25)
 
     monkeypatch.setattr(plan_module, "compile_learner_step", learner)
     monkeypatch.setattr(plan_module, "compile_sampler", sampler)

@@ -188,7 +188,8 @@ def test_the_scoring_stage_scores_only_the_columns_answers_reach():
     widths = []
     score = teacher.score
     teacher.score = lambda b, k: widths.append(b.response_tokens.shape[1]) or score(b, k)  # type: ignore[method-assign]
-    scored, cache = Scorers(teacher, reference).score(batch, key)
+    result = Scorers({"teacher": teacher}, reference).score(batch, key)
+    scored, cache = result.batch, result.cache
     assert widths == [16]
     assert [scored_columns(9, 64, 4), scored_columns(3, 64, 8), scored_columns(9, 12, 16)] == [16, 8, 12]
     mask = np.asarray(batch.response_mask)

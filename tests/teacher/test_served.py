@@ -339,7 +339,7 @@ SERVED = ["teacher.path=''", f"teacher.server.url={URL}"]
         ),
         (
             ["estimator.name=forward_kl_topk", "scoring.topk=8", "train.diagnostics_every=5"],
-            "train.diagnostics_every = 5 needs an in-process teacher (teacher.path)",
+            "train.diagnostics_every = 5 needs one in-process teacher (teacher.path)",
         ),
         (["teacher.server.url=teacher:8000"], "teacher.server.url = 'teacher:8000' is invalid; allowed: http://"),
         (["teacher.server.in_flight=0"], "teacher.server.in_flight must be >= 1, got 0"),
@@ -372,3 +372,90 @@ def test_the_guide_lists_the_estimators_a_vllm_teacher_serves():
     row = next(line for line in guide.splitlines() if line.startswith("| vLLM |"))
     listed = set(re.findall(r"`([a-z0-9_]+)`", row.split("the estimators that read only those:")[1]))
     assert listed == {name for name, spec in ESTIMATORS.items() if set(spec.needs) <= SERVES["vllm"]}
+
+
+# --- SGLang's native /generate (its documented format: asyncopd_jax/teacher/wire.py) -------------
+
+
+def sglang_answer(body: dict, noise: float = 0.0) -> list:
+    """What SGLang answers ``body``: per row, ``meta_info.input_token_logprobs`` (one
+    ``[logprob, id, text]`` per input position, logprob None at 0) and ``input_top_logprobs``
+    (None at 0, then the top-K entries, best first)."""
+    assert body["sampling_params"] == {"max_new_tokens": 0, "temperature": 1.0} and body["logprob_start_len"] == 0
+    k = body["top_logprobs_num"]
+    out = []
+    for sequence in body["input_ids"]:
+        logp = oracle_logp(sequence) + noise
+        tokens: list = [[None, sequence[0], None]]
+        tops: list = [None]
+        for i in range(1, len(sequence)):
+            tokens.append([float(logp[i, sequence[i]]), sequence[i], None])
+            order = np.argsort(-logp[i], kind="stable")[:k]
+            tops.append([[float(logp[i, t]), int(t), None] for t in order])
+        meta = {"input_token_logprobs": tokens, "input_top_logprobs": tops, "output_token_logprobs": []}
+        out.append({"text": "", "output_ids": [], "meta_info": meta})
+    return out
+
+
+def sglang(server: FakeServer, topk: int = 4) -> ServedTeacher:
+    return served(server, topk=topk, api="sglang")
+
+
+def test_sglang_scores_every_row_prefill_only_and_fills_the_cache_as_vllm():
+    server = FakeServer(answer=sglang_answer)
+    cache = sglang(server).score(batch())
+    assert [len(b["input_ids"]) for b in server.bodies] in ([2, 2, 1], [2, 1, 2], [1, 2, 2])  # no /v1/models
+    want = served(FakeServer(), topk=4).score(batch())  # the vLLM dialect, same NumPy teacher
+    for field in ("token_logp", "topk_ids", "topk_logp"):
+        np.testing.assert_array_equal(np.asarray(getattr(cache, field)), np.asarray(getattr(want, field)), field)
+
+
+def _garble(how: str):
+    def answer(body, noise=0.0):
+        out = sglang_answer(body)
+        meta = out[0]["meta_info"]
+        if how == "rows":
+            return out[:-1]
+        if how == "positions":
+            meta["input_top_logprobs"] = meta["input_top_logprobs"][:-1]
+        if how == "token":
+            meta["input_token_logprobs"][-1][1] += 1
+        if how == "k":
+            meta["input_top_logprobs"][-1] = meta["input_top_logprobs"][-1][:2]
+        if how == "positive":
+            meta["input_token_logprobs"][-1][0] = 0.5
+        if how == "no meta":
+            del out[0]["meta_info"]
+        return out
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ("rows", r"/generate answered 1 rows; expected a list of the 2 rows sent$"),
+        ("positions", r"/generate, row 0: input_top_logprobs has \d+ positions; expected \d+ \(prompt \+ response\)$"),
+        ("token", r"/generate, row 0, response position \d: input_token_logprobs names id \[\d+\], not the token \d+$"),
+        ("k", r"/generate, row 0, response position \d: 2 log-probs; asked for the top 4 \(K smaller than asked\)$"),
+        ("positive", r"/generate, row 0, response position \d: log-prob 0.5 of id \d+ is not a log-prob"),
+        ("no meta", r"/generate, row 0: no meta_info.input_token_logprobs / input_top_logprobs$"),
+    ],
+)
+def test_sglang_answers_that_are_not_what_was_asked_are_one_line_naming_row_and_position(how, expected):
+    with pytest.raises(ServerError, match=rf"^teacher server {URL}{expected}") as err:
+        sglang(FakeServer(answer=_garble(how))).score(batch())
+    assert "\n" not in str(err.value)
+
+
+def test_sglang_serves_what_vllm_serves_and_no_more():
+    served_sglang = ["teacher.path=''", f"teacher.server.url={URL}", "teacher.server.api=sglang"]
+    cfg = load_config("demo", served_sglang)
+    assert cfg.teacher.server.api == "sglang"
+    with pytest.raises(ConfigError, match=r"teacher.server.api = sglang teacher cannot score"):
+        load_config("demo", [*served_sglang, "estimator.name=reverse_kl_mc", "sampling.num_candidates=4"])
+    with pytest.raises(ConfigError, match=r"^scoring.temperature = 0.7 is invalid with teacher.server.api = sglang"):
+        load_config("demo", [*served_sglang, "scoring.temperature=0.7"])
+    # serve-teacher scores at its own temperature: the run's is sent, the server refuses another
+    asyncopd = load_config("demo", [*SERVED, "teacher.server.api=asyncopd", "scoring.temperature=0.7"])
+    assert asyncopd.scoring.temperature == 0.7

@@ -24,6 +24,7 @@ from asyncopd_jax.teacher import ScoringParams, TeacherScorer
 from asyncopd_jax.teacher.served import ServedTeacher, ServerParams
 from asyncopd_jax.teacher.server import make_app
 from asyncopd_jax.teacher.service import BatchScorer, ServerSettings
+from asyncopd_jax.teacher.wire import ServerError
 from tests.teacher.vllm_server import free_port
 
 SETTINGS = ServerSettings(max_topk=8, max_rows=8, max_wait_ms=20, queue_rows=12, max_request_rows=8)
@@ -280,3 +281,21 @@ def test_requests_that_cannot_share_a_batch_are_scored_apart(teacher):
     assert [r.status_code for r in results] == [200, 200, 200]
     widths = [np.shape(r.json()["choices"][0]["asyncopd"].get("candidate_logprobs", [[]] * 2)) for r in results]
     assert widths == [(2, 2), (2, 3), (2, 0)]
+
+
+def test_a_run_at_the_servers_temperature_gets_its_scores_and_one_at_another_a_400(teacher, rollouts):
+    """``serve-teacher --temperature 0.7``: a client at 0.7 gets the in-process scorer's
+    scores at 0.7; a client at 1.0 is refused in one line naming the server's temperature."""
+    settings = dataclasses.replace(SETTINGS, temperature=0.7)
+    params = ScoringParams(topk=4, temperature=0.7, chunk_size=64)
+    with running(BatchScorer(teacher, settings), settings) as (url, _, _):
+        server = ServerParams(url=url, api="asyncopd")
+        remote = ServedTeacher(server, params, 32).score(rollouts)
+        with pytest.raises(ServerError, match=r"HTTP 400: .*temperature 1.0: this server scores at temperature 0.7 only"):
+            ServedTeacher(server, dataclasses.replace(params, temperature=1.0), 32).score(rollouts)
+    local = TeacherScorer(teacher, params).score(rollouts)
+    mask = np.asarray(rollouts.response_mask)
+    for field in ("token_logp", "topk_logp", "candidate_logp"):
+        np.testing.assert_allclose(
+            np.asarray(getattr(remote, field))[mask], np.asarray(getattr(local, field))[mask], atol=1e-5, err_msg=field
+        )

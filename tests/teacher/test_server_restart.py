@@ -9,38 +9,28 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-import httpx2
 import pytest
 
 from asyncopd_jax.config import load_config
 from asyncopd_jax.pipeline.trace import load_spans
 from asyncopd_jax.pipeline.trainer import Trainer
-from tests.teacher.vllm_server import free_port
+from asyncopd_jax.teacher import launch
+from asyncopd_jax.teacher.launch import free_port
 from tests.waits import SHORT_WAIT_SETS
 
 pytestmark = pytest.mark.e2e
 
 
 def start_server(port: int, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "asyncopd_jax.entry", "serve-teacher", "--model", "builtin:teacher"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    with log.open("ab") as out:
-        process = subprocess.Popen([*command, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log.read_text()[-2000:]
-        try:
-            if httpx2.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process
-        except httpx2.TransportError:
-            time.sleep(0.2)
-    process.kill()
-    raise AssertionError(f"serve-teacher did not come up: {log.read_text()[-2000:]}")
+    """``asyncopd serve-teacher`` for the built-in teacher, up and answering on ``port``."""
+    command = launch.serve_teacher_command("builtin:teacher", port)
+    process = launch.start(command, log, {**os.environ, "JAX_PLATFORMS": "cpu"})
+    launch.wait_until_healthy(f"http://127.0.0.1:{port}", process, log, launch.SERVE_TEACHER_START_S)
+    return process
 
 
 def steps_logged(metrics: Path) -> int:
