@@ -191,9 +191,11 @@ class ServedTeacher:
         seed = 0 if key is None else int(jax.random.randint(key, (), 0, np.iinfo(np.int32).max))
         self._calls.wait_s, self._calls.requests = 0.0, 0
         rows = _rows(batch)
-        scores = self._score_rows(rows, seed)
+        # the batch's own widths: serve-teacher scores at them, as the in-process scorer would
+        widths = (int(np.shape(batch.prompt_tokens)[1]), int(np.shape(batch.response_tokens)[1]))
+        scores = self._score_rows(rows, seed, widths)
         if not self._checked:
-            self._check_determinism(scores, self._score_rows(rows, seed))
+            self._check_determinism(scores, self._score_rows(rows, seed, widths))
             self._checked = True
         t = np.shape(batch.response_tokens)[1]
         return _cache(scores, t, self.params.store_dtype)
@@ -210,27 +212,33 @@ class ServedTeacher:
 
     # --- requests -------------------------------------------------------------------------------
 
-    def _score_rows(self, rows: list[Row], seed: int) -> list[RowScores]:
+    def _score_rows(self, rows: list[Row], seed: int, widths: tuple[int, int] | None = None) -> list[RowScores]:
         """Every row's scores, ``rows_per_request`` rows a request, ``in_flight`` at once."""
         model = self._model_name()
         size = self.server.rows_per_request
         waited_before = self.stats.wait_s
-        with concurrent.futures.ThreadPoolExecutor(self.server.in_flight) as pool:
-            parts = pool.map(
-                lambda i: self._score_request(model, rows[i : i + size], seed + i), range(0, len(rows), size)
-            )
-            scores = [row for part in parts for row in part]
+        starts = range(0, len(rows), size)
+        if len(starts) == 1:  # one request: no thread to hand it to
+            scores = self._score_request(model, rows, seed, widths)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(min(self.server.in_flight, len(starts))) as pool:
+                parts = pool.map(lambda i: self._score_request(model, rows[i : i + size], seed + i, widths), starts)
+                scores = [row for part in parts for row in part]
         # the waits of this call's requests (another thread's calls may add theirs meanwhile:
         # an overlap is counted in both, a bound the metric states)
         self._calls.wait_s = getattr(self._calls, "wait_s", 0.0) + self.stats.wait_s - waited_before
         self._calls.requests = getattr(self._calls, "requests", 0) + -(-len(rows) // size)
         return scores
 
-    def _score_request(self, model: str, rows: Sequence[Row], seed: int) -> list[RowScores]:
+    def _score_request(
+        self, model: str, rows: Sequence[Row], seed: int, widths: tuple[int, int] | None = None
+    ) -> list[RowScores]:
+        """One request's rows scored (``widths``: the batch's prompt and response widths,
+        which ``serve-teacher`` scores at)."""
         topk, server = self.params.topk, self.server.url
         if self.server.api == "asyncopd":
             samples = self.params.num_samples
-            body = wire.asyncopd_request(model, rows, topk, samples, seed, self.params.temperature)
+            body = wire.asyncopd_request(model, rows, topk, samples, seed, self.params.temperature, widths)
             answer = self._post("/v1/completions", body)
             return wire.parse_asyncopd(answer, rows, topk, samples, self.vocab_size, server)
         if self.server.api == "sglang":

@@ -87,7 +87,14 @@ class Batcher:
                 rows = [row for p in taken for row in p.request.rows]
                 first = taken[0].request
                 try:
-                    scores = await asyncio.to_thread(self.scorer.score, rows, first.num_samples, first.seed)
+                    scores = await asyncio.to_thread(
+                        self.scorer.score,
+                        rows,
+                        first.num_samples,
+                        first.seed,
+                        max(p.request.topk for p in taken),
+                        _widest([p.request.pad_to for p in taken]),
+                    )
                 except Exception as err:  # a failure of the scoring itself: every waiter learns it
                     for p in taken:
                         if not p.done.done():
@@ -185,3 +192,11 @@ def serve(scorer: BatchScorer, settings: ServerSettings, host: str, port: int) -
     import uvicorn
 
     uvicorn.run(make_app(scorer, settings), host=host, port=port, log_level="warning", timeout_graceful_shutdown=60)
+
+
+def _widest(widths: list[tuple[int, int] | None]) -> tuple[int, int] | None:
+    """The widths a batch of requests is padded to: the largest each asked (None: any of them
+    asked none, and the powers of two serve all)."""
+    if any(w is None for w in widths):
+        return None
+    return max(w[0] for w in widths if w), max(w[1] for w in widths if w)

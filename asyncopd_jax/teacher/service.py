@@ -13,16 +13,27 @@ the actual token; ``rank`` is null for an actual token outside the top-K, and
     "asyncopd": {"response_start": [P_0, …],         # row i's response starts at position P_i
                  "candidate_ids": [[[id, …], …], …],  # per row, per response position: N ids
                  "student_topk_ids": …,               # the same for the student's top-K
-                 "num_samples": M, "seed": s}         # M ids sampled from the teacher
+                 "num_samples": M, "seed": s,         # M ids sampled from the teacher
+                 "encoding": "base64",                # arrays as base64 (default "json": lists)
+                 "pad_to": [P, T]}                    # pad prompts to P, responses to T positions
 
 and each choice then carries ``"asyncopd"`` in place of ``prompt_logprobs``:
 ``token_logprobs`` ``[t]``, ``topk_ids`` / ``topk_logprobs`` ``[t, K]``,
 ``candidate_logprobs`` ``[t, N]``, ``student_topk_logprobs`` ``[t, Ks]``, ``sample_ids`` /
-``sample_logprobs`` ``[t, M]`` (those asked for).
+``pad_to`` lets a client whose batches have fixed widths (the scoring stage's prompt slots
+and scored columns) have them scored at those widths rather than at the powers of two the
+server otherwise pads to (one compiled program per width: the client's to bound).
+
+Each choice's arrays are ``[t]`` / ``[t, n]`` as listed above: ``token_logprobs``,
+``topk_ids`` / ``topk_logprobs``, and the others asked for,
+"base64"`` an object ``{"dtype": "<f4" | "<i4", "shape", "data"}``: the array's
+little-endian bytes in base64 (:func:`encode_array`; float32 log-probs are what the score
+cache stores, so nothing is lost).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import functools
@@ -41,7 +52,15 @@ from asyncopd_jax.models.partitioning import mesh_context
 from asyncopd_jax.teacher.scorer import ScoringParams, teacher_score_function
 
 #: The body fields of the extension a request may carry.
-EXTENSION_FIELDS = ("response_start", "candidate_ids", "student_topk_ids", "num_samples", "seed")
+EXTENSION_FIELDS = (
+    "response_start",
+    "candidate_ids",
+    "student_topk_ids",
+    "num_samples",
+    "seed",
+    "encoding",
+    "pad_to",
+)
 
 
 class BadRequest(ValueError):
@@ -100,10 +119,14 @@ class Request:
     seed: int
     extension: bool  # answer in the extension's dense form (else vLLM's prompt_logprobs)
 
+    binary: bool = False  # the extension's arrays answered as base64 (``asyncopd.encoding``)
+    pad_to: tuple[int, int] | None = None  # the widths prompts and responses are padded to (None: powers of two)
+
     @property
-    def signature(self) -> tuple[int | None, int | None, int, int]:
-        """What must agree for rows to share a batch: the id counts per position, and the
-        number of teacher samples and their seed (one key draws a batch's samples)."""
+    def signature(self) -> tuple[int | None, int | None, int, int, int]:
+        """What must agree for rows to share a batch: the id counts per position, the
+        number of teacher samples and their seed (one key draws a batch's samples), and
+        the top-K computed (K rounded up to a power of two)."""
         first = self.rows[0]
         candidates, topk = first.candidate_ids, first.student_topk_ids
         return (
@@ -111,6 +134,7 @@ class Request:
             None if topk is None else topk.shape[1],
             self.num_samples,
             self.seed if self.num_samples else 0,
+            _bucket(max(self.topk, 1)),
         )
 
 
@@ -162,7 +186,27 @@ def parse_request(body: Any, settings: ServerSettings, vocab_size: int, context:
         widths = {None if getattr(r, field) is None else getattr(r, field).shape[1] for r in rows}
         if len(widths) > 1:
             raise BadRequest(f"asyncopd.{field} must give every row the same number of ids per position")
-    return Request(rows, topk, num_samples, seed, extension=bool(extension))
+    encoding = extension.get("encoding", "json")
+    if encoding not in ("json", "base64"):
+        raise BadRequest(f"asyncopd.encoding must be json or base64, got {encoding!r}")
+    pad_to = extension.get("pad_to")
+    if pad_to is not None:
+        longest = (max(r.start for r in rows), max(len(r.ids) - r.start for r in rows))
+        if (
+            not isinstance(pad_to, list)
+            or len(pad_to) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in pad_to)
+            or pad_to[0] < longest[0]
+            or pad_to[1] < longest[1]
+            or sum(pad_to) > context
+        ):
+            raise BadRequest(
+                f"asyncopd.pad_to must be [prompt, response] widths of at least {list(longest)} (the longest "
+                f"prompt and response sent) and at most {context} together, got {pad_to!r}"
+            )
+        pad_to = tuple(pad_to)
+    binary = encoding == "base64"
+    return Request(rows, topk, num_samples, seed, extension=bool(extension), binary=binary, pad_to=pad_to)
 
 
 def _int_field(extension: dict, name: str, default: int, low: int, high: int) -> int:
@@ -231,32 +275,45 @@ class BatchScorer:
             raise ValueError(f"--max-topk {settings.max_topk} is more than the model's {self.vocab_size} ids")
 
     @functools.cache  # noqa: B019 (one scorer per server, alive as long as the server)
-    def _function(self, num_samples: int):
+    def _function(self, num_samples: int, topk: int):
         params = ScoringParams(
-            topk=self.settings.max_topk,
+            topk=topk,
             num_samples=num_samples,
             temperature=self.settings.temperature,
             chunk_size=self.settings.chunk_size,
         )
         return jax.jit(teacher_score_function(self.graphdef, params))
 
-    def score(self, rows: Sequence[Row], num_samples: int, seed: int) -> list[dict[str, np.ndarray]]:
-        """Each row's scores at its positions ``start`` … ``L − 1`` (``[t]`` / ``[t, n]`` arrays)."""
-        batch, lengths = _as_batch(rows)
+    def score(
+        self,
+        rows: Sequence[Row],
+        num_samples: int,
+        seed: int,
+        topk: int | None = None,
+        pad_to: tuple[int, int] | None = None,
+    ) -> list[dict[str, np.ndarray]]:
+        """Each row's scores at its positions ``start`` … ``L − 1`` (``[t]`` / ``[t, n]`` arrays),
+        with the top ``topk`` (rounded up to a power of two, at most ``max_topk``; None:
+        ``max_topk``), prompts and responses padded to ``pad_to`` (None: powers of two)."""
+        k = self.settings.max_topk if topk is None else min(_bucket(max(topk, 1)), self.settings.max_topk)
+        batch, lengths = _as_batch(rows, pad_to)
         with mesh_context(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             if self.mesh is not None:  # the rows replicated on the teacher's mesh; its weights lie as the rules say
                 batch = jax.device_put(batch, NamedSharding(self.mesh, PartitionSpec()))
-            cache: TeacherScoreCache = self._function(num_samples)(self.state, batch, jax.random.key(seed))
+            cache: TeacherScoreCache = self._function(num_samples, k)(self.state, batch, jax.random.key(seed))
         host = {k: np.asarray(v) for k, v in dataclasses.asdict(cache).items() if v is not None}
         return [{k: v[i, :t] for k, v in host.items()} for i, t in enumerate(lengths)]
 
 
-def _as_batch(rows: Sequence[Row]) -> tuple[RolloutBatch, list[int]]:
+def _as_batch(rows: Sequence[Row], pad_to: tuple[int, int] | None = None) -> tuple[RolloutBatch, list[int]]:
     """Rows as a :class:`RolloutBatch`: each row's ``ids[:start]`` a left-padded prompt,
-    ``ids[start:]`` a right-padded response, the id sets per response position padded with
-    id 0 (positions past a response's end are never read back)."""
+    ``ids[start:]`` a right-padded response (to ``pad_to``'s widths, else powers of two),
+    the id sets per response position padded with id 0 (positions past a response's end are
+    never read back)."""
     lengths = [len(r.ids) - r.start for r in rows]
     b, p, t = _bucket(len(rows)), _bucket(max(r.start for r in rows)), _bucket(max(max(lengths), 1))
+    if pad_to is not None:
+        p, t = pad_to
     prompt = np.zeros((b, p), np.int32)
     prompt_mask = np.zeros((b, p), bool)
     response = np.zeros((b, t), np.int32)
@@ -300,18 +357,19 @@ def answer(request: Request, scores: list[dict[str, np.ndarray]], model_name: st
     for index, (row, score) in enumerate(zip(request.rows, scores, strict=True)):
         choice: dict[str, Any] = {"index": index, "text": "", "finish_reason": "length", "logprobs": None}
         if request.extension:
-            choice["asyncopd"] = _dense(score, request.topk)
+            choice["asyncopd"] = _dense(score, request.topk, request.binary)
         else:
             choice["prompt_logprobs"] = [None] * row.start + _vllm_positions(row, score, request.topk)
         choices.append(choice)
     return {"object": "text_completion", "model": model_name, "choices": choices}
 
 
-def _dense(score: dict[str, np.ndarray], topk: int) -> dict[str, list]:
-    out = {
-        "token_logprobs": score["token_logp"].tolist(),
-        "topk_ids": score["topk_ids"][:, :topk].tolist(),
-        "topk_logprobs": score["topk_logp"][:, :topk].tolist(),
+def _dense(score: dict[str, np.ndarray], topk: int, binary: bool) -> dict[str, Any]:
+    """The extension's arrays of one row: nested lists, or (``binary``) :func:`encode_array`'s."""
+    arrays = {
+        "token_logprobs": score["token_logp"],
+        "topk_ids": score["topk_ids"][:, :topk],
+        "topk_logprobs": score["topk_logp"][:, :topk],
     }
     for field, key in (
         ("candidate_logp", "candidate_logprobs"),
@@ -320,8 +378,17 @@ def _dense(score: dict[str, np.ndarray], topk: int) -> dict[str, list]:
         ("sample_logp", "sample_logprobs"),
     ):
         if field in score:
-            out[key] = score[field].tolist()
-    return out
+            arrays[key] = score[field]
+    return {key: encode_array(a) if binary else a.tolist() for key, a in arrays.items()}
+
+
+def encode_array(array: np.ndarray) -> dict[str, Any]:
+    """``{"dtype": "<f4" | "<i4", "shape": […], "data": base64 of its little-endian bytes}``:
+    float32 log-probs and int32 ids exactly, ~4× smaller and ~20× faster to write and read
+    than the same numbers as JSON text."""
+    dtype = np.dtype("<i4") if np.issubdtype(array.dtype, np.integer) else np.dtype("<f4")
+    data = np.ascontiguousarray(array, dtype)
+    return {"dtype": dtype.str, "shape": list(data.shape), "data": base64.b64encode(data.tobytes()).decode("ascii")}
 
 
 def _vllm_positions(row: Row, score: dict[str, np.ndarray], topk: int) -> list[dict]:

@@ -35,6 +35,8 @@ only):
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import functools
 import json
@@ -142,13 +144,27 @@ def sglang_request(rows: Sequence[Row], topk: int) -> dict:
 
 
 def asyncopd_request(
-    model: str, rows: Sequence[Row], topk: int, num_samples: int, seed: int, temperature: float = 1.0
+    model: str,
+    rows: Sequence[Row],
+    topk: int,
+    num_samples: int,
+    seed: int,
+    temperature: float = 1.0,
+    pad_to: tuple[int, int] | None = None,
 ) -> dict:
     """:func:`vllm_request` at ``temperature`` (the server's own, or it answers 400) with the
     extension: the response positions only, the ids the student chose, ``num_samples``
-    teacher samples drawn with ``seed``."""
+    teacher samples drawn with ``seed``, arrays answered in base64, and the widths
+    ``pad_to`` (the batch's own) to score at."""
     body = {**vllm_request(model, rows, topk), "temperature": temperature}
-    extension: dict = {"response_start": [len(r.prompt) for r in rows], "num_samples": num_samples, "seed": seed}
+    extension: dict = {
+        "response_start": [len(r.prompt) for r in rows],
+        "num_samples": num_samples,
+        "seed": seed,
+        "encoding": "base64",
+    }
+    if pad_to is not None:
+        extension["pad_to"] = list(pad_to)
     for field in ("candidate_ids", "student_topk_ids"):
         if getattr(rows[0], field) is not None:
             extension[field] = [np.asarray(getattr(r, field)).tolist() for r in rows]
@@ -252,10 +268,13 @@ def _dense(
     student's vocabulary (``integer``) or of log-probs, else a :class:`ServerError`."""
     shape = (t,) if width is None else (t, width)
     try:
-        array = np.asarray(scores[key], np.int64 if integer else np.float64).reshape(shape)
+        value = scores[key]
+        if isinstance(value, dict):  # base64 (asyncopd.encoding)
+            value = np.frombuffer(base64.b64decode(value["data"], validate=True), np.dtype(value["dtype"]))
+        array = np.asarray(value, np.int64 if integer else np.float64).reshape(shape)
     except KeyError:
         raise ServerError(f"{where}: the answer has no {key}") from None
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, binascii.Error):
         raise ServerError(f"{where}: {key} is not {list(shape)} numbers ({t} response positions)") from None
     if integer and array.size and (array.min() < 0 or array.max() >= vocab_size):
         raise ServerError(f"{where}: {key} holds an id outside the student's vocabulary (0-{vocab_size - 1})")

@@ -5,6 +5,7 @@ is retried by the client, and shutdown answers the requests in flight."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import threading
@@ -23,7 +24,7 @@ from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.teacher import ScoringParams, TeacherScorer
 from asyncopd_jax.teacher.served import ServedTeacher, ServerParams
 from asyncopd_jax.teacher.server import make_app
-from asyncopd_jax.teacher.service import BatchScorer, ServerSettings
+from asyncopd_jax.teacher.service import BatchScorer, ServerSettings, parse_request
 from asyncopd_jax.teacher.wire import ServerError
 from tests.teacher.vllm_server import free_port
 
@@ -150,6 +151,19 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_rows(served_teache
             },
             "asyncopd.candidate_ids[0] must hold 2 lists of ids (one per response position), got shape [1, 1]",
         ),
+        (
+            {"prompt": [[2, 3, 4]], "prompt_logprobs": 2, "asyncopd": {"encoding": "msgpack"}},
+            "asyncopd.encoding must be json or base64, got 'msgpack'",
+        ),
+        (
+            {"prompt": [[2, 3, 4]], "prompt_logprobs": 2, "asyncopd": {"response_start": [2], "pad_to": [1, 4]}},
+            "asyncopd.pad_to must be [prompt, response] widths of at least [2, 1] (the longest prompt and response "
+            "sent) and at most 128 together, got [1, 4]",
+        ),
+        (
+            {"prompt": [[2, 3, 4]], "prompt_logprobs": 2, "asyncopd": {"pad_to": [64, 65]}},
+            "asyncopd.pad_to must be [prompt, response] widths",
+        ),
     ],
 )
 def test_a_bad_request_is_answered_400_in_one_line(served_teacher, body, says):
@@ -183,9 +197,9 @@ class Gated(BatchScorer):
         super().__init__(model, settings)
         self.gate = threading.Event()
 
-    def score(self, rows, num_samples, seed):
+    def score(self, *args, **kwargs):
         assert self.gate.wait(60)
-        return super().score(rows, num_samples, seed)
+        return super().score(*args, **kwargs)
 
 
 def test_a_full_queue_is_answered_503_with_retry_after_and_the_rest_is_scored(teacher):
@@ -291,7 +305,7 @@ def test_a_run_at_the_servers_temperature_gets_its_scores_and_one_at_another_a_4
     with running(BatchScorer(teacher, settings), settings) as (url, _, _):
         server = ServerParams(url=url, api="asyncopd")
         remote = ServedTeacher(server, params, 32).score(rollouts)
-        with pytest.raises(ServerError, match=r"HTTP 400: .*temperature 1.0: this server scores at temperature 0.7 only"):
+        with pytest.raises(ServerError, match=r"HTTP 400: .*this server scores at temperature 0.7 only"):
             ServedTeacher(server, dataclasses.replace(params, temperature=1.0), 32).score(rollouts)
     local = TeacherScorer(teacher, params).score(rollouts)
     mask = np.asarray(rollouts.response_mask)
@@ -299,3 +313,42 @@ def test_a_run_at_the_servers_temperature_gets_its_scores_and_one_at_another_a_4
         np.testing.assert_allclose(
             np.asarray(getattr(remote, field))[mask], np.asarray(getattr(local, field))[mask], atol=1e-5, err_msg=field
         )
+
+
+def test_base64_arrays_are_the_json_numbers_exactly_and_pad_to_sets_the_scored_widths(served_teacher, teacher):
+    """The extension's ``encoding: base64`` answers each array as its float32 / int32 bytes:
+    decoded, the same numbers as the JSON lists; ``pad_to`` scores at the widths asked
+    (the batch the scorer runs has them), with the same values as powers of two."""
+    url, _ = served_teacher
+    body = {
+        "prompt": [[2, 5, 12, 6, 13, 7, 8, 9], [2, 6, 12, 7, 13, 9]],
+        "prompt_logprobs": 3,
+        "asyncopd": {"response_start": [5, 5]},
+    }
+    as_json = httpx2.post(f"{url}/v1/completions", json=body).json()["choices"]
+    as_bytes = httpx2.post(
+        f"{url}/v1/completions", json={**body, "asyncopd": {**body["asyncopd"], "encoding": "base64"}}
+    ).json()["choices"]
+    for j, b in zip(as_json, as_bytes):
+        for key, value in j["asyncopd"].items():
+            encoded = b["asyncopd"][key]
+            assert encoded["dtype"] == ("<i4" if key.endswith("ids") else "<f4")
+            decoded = np.frombuffer(base64.b64decode(encoded["data"]), encoded["dtype"]).reshape(encoded["shape"])
+            np.testing.assert_array_equal(decoded, np.asarray(value, decoded.dtype), err_msg=key)
+    widths = []
+    scorer = BatchScorer(teacher, SETTINGS)
+    function = scorer._function
+
+    def spy(num_samples, k):
+        score = function(num_samples, k)
+        return lambda state, batch, key: (
+            widths.append((batch.prompt_tokens.shape[1], batch.response_tokens.shape[1])) or score(state, batch, key)
+        )
+
+    scorer._function = spy
+    rows = parse_request(body, SETTINGS, 32, 128).rows
+    padded, bucketed = scorer.score(rows, 0, 0, 3, pad_to=(6, 5)), scorer.score(rows, 0, 0, 3)
+    assert widths == [(6, 5), (8, 4)]  # as asked; else powers of two (5 prompt tokens, 3 answer tokens)
+    for p, q in zip(padded, bucketed):
+        for key in p:
+            np.testing.assert_allclose(p[key], q[key], atol=1e-5, err_msg=key)
