@@ -403,13 +403,13 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
             share = weights[source.name] / sum(weights.values())
             seconds += float("nan") if scoring.error else share * scoring.roofline_seconds(chips)
         balance["scoring"] = -(-groups // scorers) * seconds
-    notes = []
+    notes: list[str] = []
     shared = [f for f in stages if f.stage.startswith("scoring ") and not f.error]
     if len(shared) > 1:  # each row counts its own teacher's weights; all of them lie on the scoring chips
-        weights = sum(f.argument_bytes for f in shared)
-        peak = weights + max(f.temp_bytes for f in shared)
+        held = sum(f.argument_bytes for f in shared)
+        peak = held + max(f.temp_bytes for f in shared)
         notes.append(
-            f"the {len(shared)} teachers share the scoring chips: weights and inputs {weights / GIB:.2f} GiB + the "
+            f"the {len(shared)} teachers share the scoring chips: weights and inputs {held / GIB:.2f} GiB + the "
             f"largest scoring's temporaries = {peak / GIB:.2f} GiB per chip ({peak / chips.hbm_bytes:.0%} of HBM)"
         )
     return Plan(topology, shapes, stages, sources, balance, notes)
