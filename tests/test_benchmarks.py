@@ -1,5 +1,6 @@
 """The sampler benchmark (both workloads) still runs against today's samplers (it reaches into the prefill, a
-private method: the benchmark broke unnoticed once when the sampler was rewritten)."""
+private method: the benchmark broke unnoticed once when the sampler was rewritten), and the scoring benchmark
+against today's three teachers (in the vLLM step)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,24 @@ def test_bench_sampler_long_tailed_runs_at_a_tiny_size():
     """The continuous engine against the static one and `transformers` on the long-tailed task."""
     out = _bench_sampler("--long-tailed", "--prompts", "8", "--hf-prompts", "4", "--slots", "4", "--repeats", "1")
     assert "continuous / static" in out and "KV cache per sequence" in out
+
+
+@pytest.mark.served  # starts vLLM: the vLLM step (-m served), where ASYNCOPD_VLLM_PYTHON is set
+def test_bench_scoring_compares_the_three_teachers_in_one_run():
+    """``benchmarks/bench_scoring.py`` scores a small demo batch in-process, behind
+    ``serve-teacher`` and behind vLLM (from ``ASYNCOPD_VLLM_PYTHON``), and reports each one's
+    positions/s and ratio to the in-process scorer."""
+    from tests.teacher.vllm_server import vllm_python
+
+    vllm_python()  # skips, saying why, without vLLM
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_scoring.py"), "--batch", "8", "--repeats", "1"]
+        + ["--skip-train"],
+        capture_output=True,
+        text=True,
+        timeout=900,  # vLLM starts in 1-6 minutes here
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = {line.split("  ")[0].strip(): line for line in done.stdout.splitlines()}
+    assert {"in-process", "asyncopd serve-teacher", "vLLM"} <= lines.keys(), done.stdout
+    assert lines["in-process"].split()[-1] == "1.00", done.stdout
