@@ -137,7 +137,8 @@ def batch_stats(groups: list[RolloutGroup], version: int) -> dict[str, Any]:
 def teacher_stats(groups: list[RolloutGroup]) -> dict[str, float]:
     """Each teacher's share of a batch: ``teacher/NAME/rows``, ``…/score_s`` (its scoring's
     wall time), ``…/requests``, ``…/kl`` (E[log μ − log q] over its rows' sampled tokens: the
-    behaviour policy's reverse KL to it, estimated), and for a served teacher ``…/wait_s``
+    behaviour policy's reverse KL to it, estimated, over the rows whose scores are finite),
+    and for a served teacher ``…/wait_s``
     (seconds waited to retry it), summed over all of them in ``teacher_wait_s``."""
     stats: dict[str, float] = {}
     names = list(dict.fromkeys(name for g in groups for name in g.teacher_uses))
@@ -147,9 +148,10 @@ def teacher_stats(groups: list[RolloutGroup]) -> dict[str, float]:
             continue
         mask = np.asarray(g.batch.response_mask)
         ratio = np.where(mask, np.asarray(g.batch.behavior_logp) - np.asarray(g.cache.token_logp, np.float32), 0.0)
+        finite = np.isfinite(ratio).all(axis=1)  # a row with a non-finite score is dropped by the learner: here too
         teacher = np.zeros(g.size, np.int32) if g.route is None else g.route.teacher
         for k, name in enumerate(g.teacher_uses):
-            rows = teacher == k
+            rows = (teacher == k) & finite
             gap[name][0] += float(ratio[rows].sum())
             gap[name][1] += int(mask[rows].sum())
     waits = []

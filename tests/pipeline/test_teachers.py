@@ -61,6 +61,7 @@ def _check_routed(summary: dict, records: list[dict]) -> list[tuple[float, float
     return rows
 
 
+@pytest.mark.e2e  # a whole run (3 steps) beside a server: the end-to-end step (-m e2e)
 def test_two_teachers_one_in_process_one_served_each_score_their_own_rows(tmp_path):
     """``a`` in-process, ``b`` behind ``asyncopd serve-teacher`` (in a thread): local and served mixed."""
     student = from_pretrained(resolve_model_path("builtin:student"))
@@ -88,6 +89,7 @@ def test_two_teachers_route_the_same_rows_in_stage_processes(tmp_path):
     assert summary["teacher_accuracy/b"] < summary["teacher_accuracy/a"]
 
 
+@pytest.mark.e2e  # three whole runs: the end-to-end step (-m e2e)
 def test_a_teacher_prompt_is_what_the_teacher_scores_under(tmp_path):
     """``{prompt}`` renders the student's own prompt: the same scores as no template. One
     more token before it (``+{prompt}``) moves every score: the template reaches the teacher."""
