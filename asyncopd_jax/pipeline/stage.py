@@ -136,7 +136,7 @@ def make_router(cfg: RunConfig, task: PromptTask, tokenizer: Any) -> Router:
         routed,
         cfg.routing,
         fields=task.fields,
-        items=task.bounding_items() if len(routed) > 1 or any(t.template for t in routed) else [],
+        items=task.bounding_items,
         where=task.where,
         pad_id=task.pad_id,
         student_slots=task.prompt_slots,

@@ -88,8 +88,9 @@ class Router:
       routing: how prompts pick one.
       fields: an item's fields (:meth:`~asyncopd_jax.tasks.prompt_task.PromptTask.fields`).
       items: every item the task can draw, or items whose fields are the longest it has
-        (:meth:`~asyncopd_jax.tasks.prompt_task.PromptTask.bounding_items`): routing
-        fields are checked on them at start-up, and the teacher prompts' width is theirs.
+        (:meth:`~asyncopd_jax.tasks.prompt_task.PromptTask.bounding_items`), asked only
+        when a route is needed: routing fields are checked on them at start-up, and the
+        teacher prompts' width is theirs.
       where: names a list of items in an error (``data.jsonl: rows 3, 7``).
       pad_id: the prompts' padding.
       student_slots: the student's prompt width (``PromptTask.prompt_slots``): a row that
@@ -102,7 +103,7 @@ class Router:
         routing: RoutingParams,
         *,
         fields: Callable[[Any], Mapping[str, Any]],
-        items: Sequence[Any],
+        items: Callable[[], Sequence[Any]],
         where: Callable[[Sequence[Any]], str],
         pad_id: int,
         student_slots: int,
@@ -118,9 +119,10 @@ class Router:
         self.p = weights / weights.sum()
         self.by_name = {t.name: k for k, t in enumerate(self.teachers)}
         self._prompts: dict[tuple[int, str], list[int]] = {}  # (teacher, text) → ids
+        bounding = items() if self.needed else []
         if self.by_field:
-            self._check_fields(items)
-        own = max((len(self._prompt(k, item)) for item in items for k in self._own()), default=0)
+            self._check_fields(bounding)
+        own = max((len(self._prompt(k, item)) for item in bounding for k in self._own()), default=0)
         # one width for every group (one compiled shape): the longest teacher prompt or student prompt
         self.prompt_slots = max(own, student_slots)
 

@@ -176,7 +176,7 @@ class TeacherScorer:
         b = batch.response_tokens.shape[0]
         if not self.pad_rows or b & (b - 1) == 0:
             return self._score(self.state, batch, key)
-        padded = jnp.minimum(jnp.arange(1 << (b - 1).bit_length()), b - 1)
+        padded = jnp.minimum(jnp.arange(power_of_two(b)), b - 1)
         cache = self._score(self.state, take_rows(batch, padded), key)
         return take_rows(cache, jnp.arange(b))
 
@@ -328,11 +328,17 @@ def take_rows(tree: Any, rows: Array) -> Any:
     return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0), tree)
 
 
+def power_of_two(n: int) -> int:
+    """The smallest power of two ≥ ``n`` (1 for ``n`` ≤ 1): the padded sizes that keep the
+    compiled shapes few."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def scored_columns(longest: int, t: int, chunk: int) -> int:
     """Response columns to score for answers of at most ``longest`` tokens out of ``t``: a
     power of two (few compiled shapes), a whole number of ``chunk`` s when ``t`` holds one
     (the chunks, and so the teacher's samples, stay those of the whole batch), at most ``t``."""
-    columns = 1 << max(longest - 1, 0).bit_length()
+    columns = power_of_two(longest)
     if t >= chunk:
         columns = -(-columns // chunk) * chunk
     return min(columns, t)

@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.models.decoder import Decoder
 from asyncopd_jax.models.partitioning import mesh_context
-from asyncopd_jax.teacher.scorer import ScoringParams, teacher_score_function
+from asyncopd_jax.teacher.scorer import ScoringParams, power_of_two, teacher_score_function
 
 #: The body fields of the extension a request may carry.
 EXTENSION_FIELDS = (
@@ -134,7 +134,7 @@ class Request:
             None if topk is None else topk.shape[1],
             self.num_samples,
             self.seed if self.num_samples else 0,
-            _bucket(max(self.topk, 1)),
+            power_of_two(max(self.topk, 1)),
         )
 
 
@@ -257,11 +257,6 @@ def _per_position_ids(extension: dict, field: str, i: int, row: Row, vocab_size:
 # --- scoring --------------------------------------------------------------------------------------
 
 
-def _bucket(n: int) -> int:
-    """The power of two ≥ ``n`` (a few compiled shapes)."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
 class BatchScorer:
     """Scores lists of :class:`Row` with one jitted call per batch (its shapes padded to
     powers of two; one compiled program per shape and number of samples)."""
@@ -295,7 +290,7 @@ class BatchScorer:
         """Each row's scores at its positions ``start`` … ``L − 1`` (``[t]`` / ``[t, n]`` arrays),
         with the top ``topk`` (rounded up to a power of two, at most ``max_topk``; None:
         ``max_topk``), prompts and responses padded to ``pad_to`` (None: powers of two)."""
-        k = self.settings.max_topk if topk is None else min(_bucket(max(topk, 1)), self.settings.max_topk)
+        k = self.settings.max_topk if topk is None else min(power_of_two(max(topk, 1)), self.settings.max_topk)
         batch, lengths = _as_batch(rows, pad_to)
         with mesh_context(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             if self.mesh is not None:  # the rows replicated on the teacher's mesh; its weights lie as the rules say
@@ -311,7 +306,7 @@ def _as_batch(rows: Sequence[Row], pad_to: tuple[int, int] | None = None) -> tup
     the id sets per response position padded with id 0 (positions past a response's end are
     never read back)."""
     lengths = [len(r.ids) - r.start for r in rows]
-    b, p, t = _bucket(len(rows)), _bucket(max(r.start for r in rows)), _bucket(max(max(lengths), 1))
+    b, p, t = power_of_two(len(rows)), power_of_two(max(r.start for r in rows)), power_of_two(max(max(lengths), 1))
     if pad_to is not None:
         p, t = pad_to
     prompt = np.zeros((b, p), np.int32)

@@ -34,7 +34,7 @@ def router(teachers, by="mixture", items=ITEMS, student_slots=4) -> Router:
         teachers,
         RoutingParams(by=by),
         fields=lambda item: item,
-        items=items,
+        items=lambda: items,
         where=where,
         pad_id=0,
         student_slots=student_slots,
