@@ -35,6 +35,7 @@ from flax import nnx
 from asyncopd_jax import configs
 from asyncopd_jax.config import ConfigError, OptimConfig, TaskConfig, check_resume_changes, load_config
 from asyncopd_jax.studies.training_runs import default_jobs
+from asyncopd_jax.teacher import wire
 
 if TYPE_CHECKING:
     from asyncopd_jax.models import Decoder
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     served.add_argument("--mesh", default="", help="how the devices split the teacher, e.g. data=1,tensor=4")
     served.add_argument("--max-topk", type=int, default=32, help="the largest top-K a request may ask")
     served.add_argument("--temperature", type=float, default=1.0, help="the teacher's distribution softmax(z / T)")
-    served.add_argument("--max-rows", type=int, default=64, help="rows scored in one batch")
+    served.add_argument("--max-rows", type=int, default=wire.BATCH_ROWS, help="rows scored in one batch")
     served.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for more rows")
     served.add_argument("--queue-rows", type=int, default=1024, help="rows queued at most (then 503)")
     served.add_argument("--max-request-rows", type=int, default=256, help="rows in one request at most (then 413)")

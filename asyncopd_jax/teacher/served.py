@@ -23,15 +23,16 @@ Wire formats (``teacher.server.api``), in :mod:`asyncopd_jax.teacher.wire`:
   request with an extension that also sends the ids the student chose and asks for
   teacher samples, so it fills every field of the cache and serves every estimator.
 
-The client: rows go out ``rows_per_request`` to a request, ``in_flight`` requests at once;
-a request that fails to connect, times out, or gets a 429 / 5xx answer is retried with
-exponential backoff and full jitter (a 503's ``Retry-After`` is honoured) until
-``give_up_after`` seconds have passed since it was first sent, so a server that is
-restarted mid-run costs a wait, not the run. Any other failure (a 4xx answer, an answer that
-is not what was asked) raises :class:`ServerError`: one line naming the server and what was
-wrong. Before its first batch is used the scorer scores it twice and refuses to train when
-the two differ by more than ``determinism_tolerance`` (a server whose batching changes its
-numbers gives the learner noise in place of the teacher's signal).
+The client: rows go out ``rows_per_request`` to a request (by default 64, the rows
+``serve-teacher`` scores in a batch, and 8 to vLLM / SGLang: :attr:`ServerParams.request_rows`),
+``in_flight`` requests at once; a request that fails to connect, times out, or gets a 429 /
+5xx answer is retried with exponential backoff and full jitter (a 503's ``Retry-After`` is
+honoured) until ``give_up_after`` seconds have passed since it was first sent, so a server
+that is restarted mid-run costs a wait, not the run. Any other failure (a 4xx answer, an
+answer that is not what was asked) raises :class:`ServerError`: one line naming the server
+and what was wrong. Before its first batch is used the scorer scores it twice and refuses
+to train when the two differ by more than ``determinism_tolerance`` (a server whose
+batching changes its numbers gives the learner noise in place of the teacher's signal).
 
 Temperature: vLLM's prompt log-probs are the model's raw distribution (its logits at
 temperature 1, before any sampling parameter), and SGLang's are asked at sampling
@@ -82,7 +83,7 @@ class ServerParams:
         (``asyncopd serve-teacher``: vLLM's, with the extension).
       model: the served model's name ('' : the server's only model, asked from ``/v1/models``;
         SGLang's ``/generate`` takes none).
-      rows_per_request: rollout rows per request.
+      rows_per_request: rollout rows per request (None: by ``api``, :attr:`request_rows`).
       in_flight: requests sent at once.
       timeout: seconds one request may take before it is retried.
       give_up_after: seconds a request may keep failing (retried) before the run stops.
@@ -95,7 +96,7 @@ class ServerParams:
     url: str = ""
     api: Literal["vllm", "sglang", "asyncopd"] = "vllm"
     model: str = ""
-    rows_per_request: int = 8
+    rows_per_request: int | None = None
     in_flight: int = 4
     timeout: float = 120.0
     give_up_after: float = 600.0
@@ -106,11 +107,22 @@ class ServerParams:
         if self.url and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"teacher.server.url = {self.url!r} is invalid; allowed: http://host:port, https://…")
         for field in ("rows_per_request", "in_flight"):
-            if getattr(self, field) < 1:
+            if getattr(self, field) is not None and getattr(self, field) < 1:
                 raise ValueError(f"teacher.server.{field} must be >= 1, got {getattr(self, field)}")
         for field in ("timeout", "give_up_after", "backoff"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"teacher.server.{field} must be > 0 seconds, got {getattr(self, field)}")
+
+    @property
+    def request_rows(self) -> int:
+        """Rows in one request: ``rows_per_request`` where set; else, for ``serve-teacher``,
+        the rows it scores in one batch (:data:`~asyncopd_jax.teacher.wire.BATCH_ROWS`:
+        a group that fits is scored at its own widths, the same numbers every run, at the
+        least cost), and for vLLM / SGLang 8, the AsyncOPD reference's scoring batch (their
+        JSON answers grow as rows × positions × K, and they batch concurrent requests)."""
+        if self.rows_per_request is not None:
+            return self.rows_per_request
+        return wire.BATCH_ROWS if self.api == "asyncopd" else 8
 
     @property
     def serves(self) -> frozenset[str]:
@@ -213,9 +225,9 @@ class ServedTeacher:
     # --- requests -------------------------------------------------------------------------------
 
     def _score_rows(self, rows: list[Row], seed: int, widths: tuple[int, int] | None = None) -> list[RowScores]:
-        """Every row's scores, ``rows_per_request`` rows a request, ``in_flight`` at once."""
+        """Every row's scores, ``request_rows`` rows a request, ``in_flight`` at once."""
         model = self._model_name()
-        size = self.server.rows_per_request
+        size = self.server.request_rows
         waited_before = self.stats.wait_s
         starts = range(0, len(rows), size)
         if len(starts) == 1:  # one request: no thread to hand it to

@@ -49,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.models.decoder import Decoder
 from asyncopd_jax.models.partitioning import mesh_context
+from asyncopd_jax.teacher import wire
 from asyncopd_jax.teacher.scorer import ScoringParams, power_of_two, teacher_score_function
 
 #: The body fields of the extension a request may carry.
@@ -91,7 +92,7 @@ class ServerSettings:
     model_name: str = "teacher"
     max_topk: int = 32
     temperature: float = 1.0
-    max_rows: int = 64
+    max_rows: int = wire.BATCH_ROWS
     max_wait_ms: float = 5.0
     queue_rows: int = 1024
     max_request_rows: int = 256

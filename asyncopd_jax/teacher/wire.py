@@ -54,6 +54,13 @@ class ServerError(RuntimeError):
     """A served teacher failed or answered what was not asked: one line naming the server."""
 
 
+#: Rows ``asyncopd serve-teacher`` scores in one batch unless told otherwise (its
+#: ``--max-rows``), and so the rows a client sends it in one request unless told otherwise
+#: (``teacher.server.rows_per_request``): a rollout group that fits is scored as one batch at
+#: the group's own widths, with the same numbers every time.
+BATCH_ROWS = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class RowScores:
     """One row's scores at its real response positions (t of them).

@@ -21,7 +21,7 @@ import pytest
 
 from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.config import ConfigError, load_config
-from asyncopd_jax.teacher import ScoringParams
+from asyncopd_jax.teacher import ScoringParams, wire
 from asyncopd_jax.teacher.served import ServedTeacher, ServerParams
 from asyncopd_jax.teacher.wire import ServerError
 
@@ -150,6 +150,18 @@ def test_the_cache_equals_the_numpy_teacher_at_each_response_position():
         np.testing.assert_array_equal(cache.token_logp[row, t:], np.full(T - t, cache.token_logp[row, t - 1]))
         np.testing.assert_array_equal(cache.topk_ids[row, t:], np.broadcast_to(cache.topk_ids[row, t - 1], (T - t, 4)))
     assert cache.token_logp.dtype == np.float32 and cache.topk_ids.dtype == np.int32
+
+
+def test_rows_per_request_defaults_to_serve_teachers_batch_and_to_8_for_vllm_and_sglang():
+    """serve-teacher gets a group of up to its batch in one request (scored at the group's
+    widths, the same numbers every run); vLLM / SGLang the reference's 8; a setting wins."""
+    assert ServerParams(url=URL, api="asyncopd").request_rows == wire.BATCH_ROWS == 64
+    assert ServerParams(url=URL, api="vllm").request_rows == 8
+    assert ServerParams(url=URL, api="sglang").request_rows == 8
+    assert ServerParams(url=URL, api="asyncopd", rows_per_request=3).request_rows == 3
+    server = FakeServer()
+    served(server, rows_per_request=None, api="vllm").score(batch())
+    assert [len(b["prompt"]) for b in server.bodies] == [5]  # 5 rows ≤ 8: one request
 
 
 def test_no_topk_asks_for_the_actual_tokens_only_and_bf16_storage_is_honoured():
