@@ -9,11 +9,13 @@ in turn, round after round (``--repeats``), after a warm-up each, so a load on t
 falls on all of them; reported: scored positions/s (answer tokens scored per second,
 median over the rounds) and each one's ratio to the in-process scorer. Both servers run
 in their own process on this machine, float32, the client sending ``teacher.server``'s
-default ``rows_per_request`` (8) with ``in_flight`` (4) requests at once (``--rows``,
-``--in-flight`` change them).
+defaults: ``rows_per_request`` by API (the batch in one request to ``serve-teacher``, 8 rows
+a request to vLLM) with ``in_flight`` (4) requests at once (``--rows``, ``--in-flight``
+change them).
 
-Then (unless ``--skip-train``) the demo itself with each teacher for ``--steps`` steps,
-its ``samples_per_s`` (samples trained on per second, from ``metrics.jsonl``).
+Then (unless ``--skip-train``) the demo itself with each teacher for ``--steps`` steps:
+samples trained on per second after its first ``--warmup-steps`` (which compile), from
+``metrics.jsonl``.
 
 vLLM runs when ``ASYNCOPD_VLLM_PYTHON`` names an interpreter with vLLM's CPU build
 (``.ci/run`` builds one; docs/testing.md), else it is left out and the report says so.
@@ -74,24 +76,32 @@ def scoring_rounds(scorers: dict[str, Callable[[], object]], repeats: int) -> di
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def demo_samples_per_s(steps: int, output: Path, name: str, sets: list[str]) -> float:
-    """The demo's samples trained on per second over ``steps`` steps with these overrides."""
+def demo_samples_per_s(steps: int, warmup: int, output: Path, name: str, sets: list[str]) -> float:
+    """The demo's samples trained on per second with these overrides, between its step
+    ``warmup`` and its step ``steps`` (the first steps compile)."""
     cfg = load_config(
         "demo",
         [f"output_dir={output}", f"name={name}", f"train.steps={steps}", "train.eval_every=100000", *sets],
     )
     Trainer(cfg, progress=False).run()
-    records = (output / name / "metrics.jsonl").read_text().splitlines()
-    return float(json.loads(records[-1])["samples_per_s"])
+    records = [json.loads(line) for line in (output / name / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "samples_per_s" in r]
+    # each record's rate is since the run started: samples = rate × time
+    first, last = records[warmup - 1], records[-1]
+    samples = last["samples_per_s"] * last["time"] - first["samples_per_s"] * first["time"]
+    return samples / (last["time"] - first["time"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=8, help="rows per request (teacher.server.rows_per_request)")
+    parser.add_argument(
+        "--rows", type=int, default=None, help="rows per request (teacher.server.rows_per_request; default by API)"
+    )
     parser.add_argument("--in-flight", type=int, default=4, help="requests at once (teacher.server.in_flight)")
     parser.add_argument("--batch", type=int, default=64, help="rollouts per batch (the demo's learner.batch_size)")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=40, help="demo steps per teacher")
+    parser.add_argument("--steps", type=int, default=60, help="demo steps per teacher")
+    parser.add_argument("--warmup-steps", type=int, default=20, help="demo steps left out of its rate (compiles)")
     parser.add_argument("--skip-train", action="store_true", help="scoring only, no demo runs")
     args = parser.parse_args()
 
@@ -105,7 +115,7 @@ def main() -> None:
     vllm_python = os.environ.get(VLLM_PYTHON, "")
     print(
         f"demo batch: {args.batch} answers, {positions} answer tokens; top-{params.topk}, float32; "
-        f"{args.rows} rows a request, {args.in_flight} in flight"
+        f"rows a request: {args.rows or 'by API'}, {args.in_flight} in flight"
     )
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:
@@ -153,13 +163,16 @@ def main() -> None:
 
         if args.skip_train:
             return
-        print(f"\nthe demo, {args.steps} steps with each teacher (samples trained on per second)")
+        print(f"\nthe demo with each teacher: samples trained on per second, steps {args.warmup_steps} to {args.steps}")
         runs = {"in-process": []}
         runs["asyncopd serve-teacher"] = ["teacher.path=''", f"teacher.server.url={urls['asyncopd']}"]
         runs["asyncopd serve-teacher"].append("teacher.server.api=asyncopd")
         if "vllm" in urls:
             runs["vLLM"] = ["teacher.path=''", f"teacher.server.url={urls['vllm']}"]
-        rates = {name: demo_samples_per_s(args.steps, root, name.split()[0], sets) for name, sets in runs.items()}
+        rates = {
+            name: demo_samples_per_s(args.steps, args.warmup_steps, root, name.split()[0], sets)
+            for name, sets in runs.items()
+        }
         for name, rate in rates.items():
             print(f"{name:<24}{rate:>9.1f} samples/s  {rate / rates['in-process']:.2f} × in-process")
 

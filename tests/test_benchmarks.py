@@ -42,18 +42,22 @@ def test_bench_sampler_long_tailed_runs_at_a_tiny_size():
 def test_bench_scoring_compares_the_three_teachers_in_one_run():
     """``benchmarks/bench_scoring.py`` scores a small demo batch in-process, behind
     ``serve-teacher`` and behind vLLM (from ``ASYNCOPD_VLLM_PYTHON``), and reports each one's
-    positions/s and ratio to the in-process scorer."""
+    positions/s and ratio to the in-process scorer; then the demo's samples/s with each."""
     from tests.teacher.vllm_server import vllm_python
 
     vllm_python()  # skips, saying why, without vLLM
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_scoring.py"), "--batch", "8", "--repeats", "1"]
-        + ["--skip-train"],
+        + ["--steps", "6", "--warmup-steps", "2"],
         capture_output=True,
         text=True,
         timeout=900,  # vLLM starts in 1-6 minutes here
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = {line.split("  ")[0].strip(): line for line in done.stdout.splitlines()}
-    assert {"in-process", "asyncopd serve-teacher", "vLLM"} <= lines.keys(), done.stdout
-    assert lines["in-process"].split()[-1] == "1.00", done.stdout
+    scoring, _, training = done.stdout.partition("the demo with each teacher")
+    teachers = {"in-process", "asyncopd serve-teacher", "vLLM"}
+    for table, ratio in ((scoring, -1), (training, -3)):  # "… 1.00" / "… 1.00 × in-process"
+        lines = {line.split("  ")[0].strip(): line.split() for line in table.splitlines()}
+        assert teachers <= lines.keys(), done.stdout
+        assert lines["in-process"][ratio] == "1.00", done.stdout
+        assert all(float(lines[name][ratio]) > 0 for name in teachers), done.stdout
