@@ -258,12 +258,14 @@ def assert_learner_matches_sampler(temperature: float, batch: RolloutBatch, cach
 
 # CI time: the processes and threads-continuous placements at temperature 0.7 run with -m
 # slow (the other placements cover the temperature, these at 1.0 the placement); the
-# processes placement (stage processes started) runs in the end-to-end step (-m e2e).
+# placements with a rollout stage (threads, stage processes) run in the end-to-end step
+# (-m e2e), the fast suite keeping the direct rollout with each engine.
 SLOW_AT = {("processes", 0.7), ("threads-continuous", 0.7)}
+STAGED = {"threads", "threads-continuous", "processes"}
 
 
 def _placement_marks(placement: str, slow: bool = False) -> list[pytest.MarkDecorator]:
-    return [pytest.mark.slow] * slow + [pytest.mark.e2e] * (placement == "processes")
+    return [pytest.mark.slow] * slow + [pytest.mark.e2e] * (placement in STAGED)
 
 
 @pytest.mark.parametrize(
