@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from asyncopd_jax.sampling.engine import Calls, Engine
+from asyncopd_jax.sampling.engine import Calls, Engine, ProgramShapes
 from asyncopd_jax.sampling.paged import Admission, PagedPrograms, slots_axes
-from asyncopd_jax.sampling.stream import ContinuousStream
+from asyncopd_jax.sampling.stream import ContinuousStream, buckets
 
 
 class ContinuousSampler(PagedPrograms, Engine):
@@ -46,6 +46,24 @@ class ContinuousSampler(PagedPrograms, Engine):
 
     def decode_rows(self, rows: int) -> int:
         return self.params.slots or rows
+
+    @property
+    def programs(self) -> dict[str, Any]:
+        return {"prefill": self.admit, "decode": self.decode, "recompute": self.recompute, "evict": self.evict}
+
+    def program_shapes(self, rows: int, prompt_slots: int) -> ProgramShapes:
+        """With ``S`` slots and ``M`` pages per sequence: the prefill at ``(R, C)``, R prompts
+        admitted at once and C page-table columns read (each a power of two below S or M,
+        or S or M: :func:`~asyncopd_jax.sampling.stream.bucket`); the decode at ``(W, C)``,
+        W slots decoded; the recompute at ``(C,)``; the eviction at ``(S,)``."""
+        widths = buckets(self.decode_rows(rows))
+        columns = buckets(self.pages_per_sequence(prompt_slots))
+        return {
+            "prefill": tuple((r, c) for r in widths for c in columns),
+            "decode": tuple((w, c) for w in widths for c in columns),
+            "recompute": tuple((c,) for c in columns),
+            "evict": ((self.decode_rows(rows),),),
+        }
 
     def abstract_calls(self, abstract_state: Any, rows: int, prompt_slots: int) -> Calls:
         """For :meth:`lower`: :meth:`decode_rows` slots over a pool of :meth:`pool_pages`

@@ -44,6 +44,10 @@ WeightSource = Callable[[int], "tuple[int, nnx.State] | None"]
 # static keyword arguments (Engine.abstract_calls).
 Calls = dict[str, tuple[Any, tuple, dict[str, Any]]]
 
+# Every shape an engine's programs may compile for, by program: each shape the tuple of the
+# sizes it is compiled at (Engine.program_shapes says which sizes).
+ProgramShapes = dict[str, tuple[tuple[int, ...], ...]]
+
 
 @dataclasses.dataclass
 class EngineStats:
@@ -225,6 +229,17 @@ class Engine(Programs, abc.ABC):
     def decode_rows(self, rows: int) -> int:
         """Rows one decode call holds when groups have ``rows`` prompts."""
 
+    @property
+    @abc.abstractmethod
+    def programs(self) -> dict[str, Any]:
+        """The engine's jitted programs, by the names :meth:`program_shapes` uses."""
+
+    @abc.abstractmethod
+    def program_shapes(self, rows: int, prompt_slots: int) -> ProgramShapes:
+        """Every shape each program may be compiled at, for groups of ``rows`` prompts of up
+        to ``prompt_slots`` tokens (at one set of weights' layout): the bound on what a
+        stream compiles, whatever its prompts, answers and swaps."""
+
     @abc.abstractmethod
     def abstract_calls(self, abstract_state: Any, rows: int, prompt_slots: int) -> Calls:
         """:meth:`lower`'s programs: by name, the jitted function, its abstract arguments and
@@ -276,6 +291,11 @@ class Engine(Programs, abc.ABC):
         ((_, batch),) = run_stream(stream, weight_source)
         self.last_stats = stream.stats
         return batch
+
+    @property
+    def compiled(self) -> dict[str, int]:
+        """Shapes each program has been compiled at so far, by name (the jit caches)."""
+        return {name: fn._cache_size() for name, fn in self.programs.items()}
 
     @property
     def last_steps(self) -> int:

@@ -44,7 +44,7 @@ from asyncopd_jax.models.decoder import Decoder, KVCache
 from asyncopd_jax.models.partitioning import Logical, constrain, mesh_context
 from asyncopd_jax.sampling.decode import sample_token
 from asyncopd_jax.sampling.distribution import SamplingParams
-from asyncopd_jax.sampling.engine import Calls, Engine, EngineStats
+from asyncopd_jax.sampling.engine import Calls, Engine, EngineStats, ProgramShapes
 from asyncopd_jax.sampling.records import Records, left_pad, rollout_batch
 
 Array = jax.Array
@@ -177,6 +177,15 @@ class Sampler(Engine):
 
     def decode_rows(self, rows: int) -> int:
         return rows
+
+    @property
+    def programs(self) -> dict[str, Any]:
+        return {"prefill": self.prefill, "decode": self.decode, "recompute": self.recompute}
+
+    def program_shapes(self, rows: int, prompt_slots: int) -> ProgramShapes:
+        """One shape each: every group decodes as one batch of its ``rows`` rows at
+        ``prompt_slots + max_new_tokens`` slots."""
+        return {name: ((rows, prompt_slots),) for name in self.programs}
 
     def put_rows(self, x: np.ndarray | Array) -> Array:
         """Rows onto the mesh, split by rows where they divide."""

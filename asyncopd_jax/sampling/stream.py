@@ -74,6 +74,12 @@ def bucket(n: int, limit: int) -> int:
     return min(1 << max(n - 1, 0).bit_length(), limit)
 
 
+def buckets(limit: int) -> tuple[int, ...]:
+    """Every value :func:`bucket` takes for ``n`` in ``1 .. limit``: the powers of two below
+    ``limit``, and ``limit``."""
+    return tuple(sorted({bucket(n, limit) for n in range(1, limit + 1)}))
+
+
 @dataclasses.dataclass
 class _Group:
     """A submitted group: its stream rows, its prompts as the batch records them, and its

@@ -40,7 +40,8 @@ from asyncopd_jax.models.decoder import Remat, abstract_decoder
 from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
 from asyncopd_jax.pipeline.placement import Role, device_ids, plan_layout
 from asyncopd_jax.pipeline.stage import stage_mesh, with_shardings
-from asyncopd_jax.sampling import make_sampler
+from asyncopd_jax.sampling import SamplingParams, make_sampler
+from asyncopd_jax.sampling.engine import ProgramShapes
 from asyncopd_jax.scale.chips import GIB, Chip, Topology
 from asyncopd_jax.scale.flops import matmul_flops, transformer_flops
 from asyncopd_jax.tasks.assets import resolve_model_path
@@ -286,6 +287,18 @@ def compile_teacher_scoring(
     )
 
 
+def rollout_sampling(cfg: RunConfig, shapes: Shapes) -> SamplingParams:
+    """The rollout engine's sampling parameters at the planned answer length."""
+    return dataclasses.replace(cfg.sampling, max_new_tokens=shapes.response_tokens)
+
+
+def sampler_programs(cfg: RunConfig, config: DecoderConfig, shapes: Shapes, rows: int) -> ProgramShapes:
+    """Every shape the rollout engine's programs may compile at for groups of ``rows``
+    prompts (:meth:`~asyncopd_jax.sampling.Engine.program_shapes`)."""
+    graphdef, _ = abstract_decoder(config, cfg.student.dtype)
+    return make_sampler(graphdef, rollout_sampling(cfg, shapes)).program_shapes(rows, shapes.prompt_tokens)
+
+
 def compile_sampler(
     cfg: RunConfig, config: DecoderConfig, devices: list, shapes: Shapes, rows: int, vocab_limit: int | None = None
 ) -> list[StageFigures]:
@@ -296,7 +309,7 @@ def compile_sampler(
     weights as the rollout stage receives them (``student.dtype``, by the partition rules)."""
     mesh = stage_mesh(devices, cfg.stages.rollout_mesh)
     graphdef, params = abstract_decoder(config, cfg.student.dtype, vocab_limit)
-    sampling = dataclasses.replace(cfg.sampling, max_new_tokens=shapes.response_tokens)
+    sampling = rollout_sampling(cfg, shapes)
     weights = with_shardings(params, parameter_shardings(params, mesh))
     # the rows one decode call holds: the group's (static), or ``sampling.slots`` over the
     # paged pool (continuous: its prefill admits a whole set of slots at once, the worst
@@ -403,7 +416,11 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
             share = weights[source.name] / sum(weights.values())
             seconds += float("nan") if scoring.error else share * scoring.roofline_seconds(chips)
         balance["scoring"] = -(-groups // scorers) * seconds
-    notes: list[str] = []
+    programs = sampler_programs(cfg, student, shapes, group)
+    notes = [
+        f"the rollout engine ({cfg.sampling.engine}) compiles {sum(map(len, programs.values()))} programs at most "
+        f"for these shapes: " + ", ".join(f"{name} {len(listed)}" for name, listed in programs.items())
+    ]
     shared = [f for f in stages if f.stage.startswith("scoring ") and not f.error]
     if len(shared) > 1:  # each row counts its own teacher's weights; all of them lie on the scoring chips
         held = sum(f.argument_bytes for f in shared)

@@ -60,6 +60,60 @@ def test_a_stream_hands_back_each_group_as_generate_samples_it(engine):
     assert set(versions.tolist()) == {0, 1}  # group 0 straddles the swap
 
 
+# The shape each program is called at, read from its arguments as `program_shapes` states it.
+CALL_SHAPES = {
+    "static": {
+        "prefill": lambda args, kw: args[1].shape,  # the prompts [B, P]
+        "decode": lambda args, kw: (args[1].prompt_tokens.shape[0], args[1].prompt_slots),
+        "recompute": lambda args, kw: (args[1].prompt_tokens.shape[0], args[1].prompt_slots),
+    },
+    "continuous": {
+        "prefill": lambda args, kw: (args[2].slot.shape[0], kw["columns"]),  # admitted rows, columns
+        "decode": lambda args, kw: (args[3].shape[0], kw["columns"]),  # decoded rows, columns
+        "recompute": lambda args, kw: (kw["columns"],),
+        "evict": lambda args, kw: args[1].shape,  # [S]
+    },
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_stream_compiles_only_the_shapes_its_engine_lists(engine, monkeypatch):
+    """Groups of 3 through a stream (on the continuous engine 5 slots, 5 pages per sequence:
+    3 slots decoding, then 5, then fewer as answers drain), a swap between chunks: each
+    program is called only at shapes `program_shapes` lists (the bound `asyncopd plan`
+    states), and compiled at most once per shape."""
+    params = dataclasses.replace(_params(), slots=5)
+    if engine == "static":
+        params = dataclasses.replace(params, engine="static", slots=0)
+    e = make_sampler(MODEL[0], params)  # a fresh engine: its compiles are this test's
+    called: dict[str, set] = {name: set() for name in e.programs}
+    for name, program in e.programs.items():
+
+        def recorded(*args, _name=name, _program=program, **kw):
+            called[_name].add(tuple(CALL_SHAPES[engine][_name](args, kw)))
+            return _program(*args, **kw)
+
+        attribute = {"prefill": "admit"}.get(name, name) if engine == "continuous" else name
+        monkeypatch.setattr(e, attribute, recorded)
+    groups = [PROMPTS[0:3], PROMPTS[3:6], PROMPTS[6:9]]
+    stream = e.open_stream(MODEL[1], version=0, prompt_slots=PROMPT_SLOTS, slots=e.decode_rows(3))
+    stream.submit(0, groups[0], prompt_keys(jax.random.key(40), 3))
+    done = stream.step()  # 3 slots of 5 decoding
+    for g in (1, 2):
+        stream.submit(g, groups[g], prompt_keys(jax.random.key(40 + g), 3))
+    done += stream.step()
+    stream.swap(1, MODEL[1])
+    done += run_stream(stream)
+    assert sorted(tag for tag, _ in done) == [0, 1, 2]
+    monkeypatch.undo()
+    listed = e.program_shapes(3, PROMPT_SLOTS)
+    assert sorted(listed) == sorted(e.programs)
+    for name, shapes in called.items():
+        assert shapes <= set(listed[name]), (name, shapes - set(listed[name]))
+        assert e.compiled[name] <= len(shapes), (name, e.compiled[name], shapes)
+    assert len(called["decode"]) >= (4 if engine == "continuous" else 1), called  # the bound is met, not vacuous
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_both_engines_lower_the_same_programs(engine):
     """`asyncopd plan` asks either engine the same: rows per decode, and three programs."""
