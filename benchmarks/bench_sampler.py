@@ -26,15 +26,34 @@ sequence, paged against dense.
     python benchmarks/bench_sampler.py --batch 4 --new 32    # quicker
     python benchmarks/bench_sampler.py --long-tailed          # 2048 prompts, 32 slots
     python benchmarks/bench_sampler.py --skip-transformers    # our engines only (minutes faster)
+
+vLLM as the peer (issue 38): when ``ASYNCOPD_VLLM_PYTHON`` names an interpreter with vLLM's
+CPU build (docs/testing.md), ``--long-tailed`` also runs vLLM's offline engine
+(``benchmarks/vllm_peer.py``, kept running in its own process) on the same model directory
+and prompts (token ids), ``--slots`` sequences at a time (``max_num_seqs``), interleaved
+with ours round after round; vLLM's answers are its own draws of the same model, so each
+engine's rate is of its own answers. ``--shape qwen3-0.6b`` answers ``--prompts`` random
+prompts (16–128 tokens) with a Qwen3-0.6B-shaped model at its real widths and random
+weights (written to a temporary directory for vLLM), up to ``--new`` tokens each::
+
+    ASYNCOPD_VLLM_PYTHON=… python benchmarks/bench_sampler.py --long-tailed --model builtin:teacher_long \
+        --prompts 512 --skip-transformers
+    ASYNCOPD_VLLM_PYTHON=… python benchmarks/bench_sampler.py --long-tailed --shape qwen3-0.6b \
+        --prompts 64 --new 256 --slots 64 --skip-transformers
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import json
+import os
 import statistics
+import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +83,82 @@ def small_qwen3(vocab: int) -> DecoderConfig:
     )
 
 
+VLLM_PYTHON = "ASYNCOPD_VLLM_PYTHON"
+
+
+class VLLMPeer:
+    """vLLM's offline engine in its own interpreter (``benchmarks/vllm_peer.py``), kept
+    running between rounds so that its start-up (a minute or more) is paid once.
+
+    Args:
+      python: the interpreter of an environment with vLLM.
+      model: the model directory.
+      slots: sequences vLLM decodes at once (``max_num_seqs``).
+      max_len: prompt + answer tokens at most (``max_model_len``).
+      log: where vLLM's logs go.
+      kv_gib: GiB of memory vLLM's CPU backend reserves for its KV cache.
+    """
+
+    def __init__(self, python: str, model: Path, slots: int, max_len: int, log: Path, kv_gib: int = 1):
+        from asyncopd_jax.teacher import launch
+
+        self.log = log.open("w")
+        command = [python, str(Path(__file__).with_name("vllm_peer.py")), str(model)]
+        command += ["--max-num-seqs", str(slots), "--max-model-len", str(max_len)]
+        env = {**launch.vllm_env(), "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
+        )
+        self.path = log
+        self._answer()  # ready
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, stop: int) -> tuple[float, int]:
+        """Seconds of one ``LLM.generate`` over ``prompts`` at temperature 1, and the answer
+        tokens it sampled."""
+        request = {"prompts": prompts, "max_tokens": max_tokens, "stop_token_ids": [stop], "temperature": 1.0}
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        answer = self._answer()
+        return answer["seconds"], sum(answer["lengths"])
+
+    def _answer(self) -> dict:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith("PEER "):
+                return json.loads(line[5:])
+        self.log.flush()
+        raise RuntimeError(f"the vLLM peer exited with {self.process.wait()}; its log: {self.path}")
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+def qwen3_06b_workload(args: argparse.Namespace, directory: Path) -> tuple[Decoder, list[list[int]], int, int, int]:
+    """A Qwen3-0.6B-shaped model at its real widths with random weights, written to
+    ``directory`` (float32 safetensors, for vLLM), and ``--prompts`` random prompts of 16–128
+    tokens: (model, prompts, eos id, pad id, prompt slots)."""
+    from asyncopd_jax.models.config import read_hf_config
+    from asyncopd_jax.scale.plan import ARCHITECTURES
+
+    config = json.loads((ARCHITECTURES / "Qwen3-0.6B" / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
+    shape, _ = read_hf_config(directory)
+    model = Decoder(shape, rngs=nnx.Rngs(args.seed))
+    save_pretrained(model, directory, dtype="float32")
+    rng = np.random.default_rng(args.seed)
+    assert isinstance(shape.eos_token_id, int)
+    eos, pad = shape.eos_token_id, shape.pad_token_id or 0
+    prompts = [rng.integers(3, 150_000, size=int(n)).tolist() for n in rng.integers(16, 129, size=args.prompts)]
+    return model, prompts, eos, pad, 128
+
+
 def timed(fn, repeats: int) -> float:
     fn()  # warm-up (compiles)
     times = []
@@ -83,15 +178,23 @@ def long_tailed(args: argparse.Namespace) -> None:
     from asyncopd_jax.pipeline.stage import load_model_and_tokenizer, resolve_model_path
     from asyncopd_jax.tasks.builtin import TaskData
 
-    cfg = load_config("long_tailed")
-    model, tokenizer = load_model_and_tokenizer(args.model, "float32")
-    task = TaskData(cfg.task, tokenizer)
-    prompts, _ = task.train_prompts(np.random.default_rng(args.seed), args.prompts)
+    stack = contextlib.ExitStack()
+    if args.shape == "qwen3-0.6b":
+        directory = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        model, prompts, eos, pad, p_slots = qwen3_06b_workload(args, directory)
+        t, what = args.new, f"Qwen3-0.6B shape, random weights, {args.prompts} random prompts"
+    else:
+        cfg = load_config("long_tailed")
+        model, tokenizer = load_model_and_tokenizer(args.model, "float32")
+        task = TaskData(cfg.task, tokenizer)
+        prompts, _ = task.train_prompts(np.random.default_rng(args.seed), args.prompts)
+        directory, eos, pad = resolve_model_path(args.model), task.eos_id, task.pad_id
+        t, p_slots, what = task.max_new_tokens, task.prompt_slots, f"long-tailed task ({args.model})"
     graphdef, state = nnx.split(model)
-    s, t, p_slots = args.slots, task.max_new_tokens, task.prompt_slots
-    base = SamplingParams(temperature=1.0, max_new_tokens=t, stop_token_ids=(task.eos_id,), chunk_steps=args.chunk)
+    s = args.slots
+    base = SamplingParams(temperature=1.0, max_new_tokens=t, stop_token_ids=(eos,), chunk_steps=args.chunk)
     # the static sampler at its fastest: one chunk (no weight source to poll between chunks)
-    static = Sampler(graphdef, dataclasses.replace(base, chunk_steps=t), pad_id=task.pad_id)
+    static = Sampler(graphdef, dataclasses.replace(base, chunk_steps=t), pad_id=pad)
     dense_pages = s * -(-(p_slots + t) // args.page_size)
     kv_pages = int(args.kv_fraction * dense_pages)
     continuous = ContinuousSampler(
@@ -99,7 +202,7 @@ def long_tailed(args: argparse.Namespace) -> None:
         SamplingParams(
             **{**base.__dict__, "engine": "continuous", "slots": s, "page_size": args.page_size, "kv_pages": kv_pages}
         ),
-        pad_id=task.pad_id,
+        pad_id=pad,
     )
 
     # both engines key each prompt alike (prompt i: fold_in(key, i)), so they sample the same
@@ -122,7 +225,7 @@ def long_tailed(args: argparse.Namespace) -> None:
 
     hf = None
     if not args.skip_transformers:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), local_files_only=True)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
         hf = hf.eval()
     torch.manual_seed(0)
 
@@ -130,7 +233,7 @@ def long_tailed(args: argparse.Namespace) -> None:
         assert hf is not None
         tokens = steps = 0
         for i in range(0, args.hf_prompts, s):
-            ids, mask = left_pad(prompts[i : i + s], task.pad_id, p_slots)
+            ids, mask = left_pad(prompts[i : i + s], pad, p_slots)
             with torch.no_grad():
                 out = hf.generate(
                     torch.as_tensor(ids, dtype=torch.long),
@@ -140,22 +243,47 @@ def long_tailed(args: argparse.Namespace) -> None:
                     top_k=0,
                     top_p=1.0,
                     max_new_tokens=t,
-                    eos_token_id=task.eos_id,
-                    pad_token_id=task.pad_id,
+                    eos_token_id=eos,
+                    pad_token_id=pad,
                 )
             answers = out[:, p_slots:].numpy()
-            ended = answers == task.eos_id
+            ended = answers == eos
             lengths = np.where(ended.any(1), ended.argmax(1) + 1, answers.shape[1])
             tokens += int(lengths.sum())
             steps += answers.shape[1] * len(answers)
         return tokens, steps
 
+    peer = None
+    if os.environ.get(VLLM_PYTHON):
+        log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "vllm.log"
+        start = time.perf_counter()
+        peer = VLLMPeer(os.environ[VLLM_PYTHON], directory, s, p_slots + t, log, args.vllm_kv_gib)
+        stack.callback(peer.close)
+        print(f"vLLM up in {time.perf_counter() - start:.0f} s", flush=True)
+
+    def run_vllm() -> tuple[int, None]:
+        assert peer is not None
+        _, tokens = peer.generate(prompts, t, eos)
+        return tokens, None
+
     results = {}
-    engines = [("static", run_static), ("continuous", run_continuous)]
+    engines: list = [("static", run_static), ("continuous", run_continuous)]
     if hf is not None:
         engines.append(("transformers", run_hf))
-    for _, fn in engines:
+    if peer is not None:
+        engines.append(("vLLM", run_vllm))
+    compiles: list[tuple[str, float]] = []
+
+    def compiled(event: str, seconds: float, **meta) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append((str(meta.get("fun_name", "?")), seconds))
+
+    for name, fn in engines:
+        if name == "continuous":  # its compiles, timed by XLA's own event
+            jax.monitoring.register_event_duration_secs_listener(compiled)
         fn()  # warm-up: compiles every shape the timed run meets (same prompts, same keys)
+        if name == "continuous":
+            jax.monitoring.unregister_event_duration_listener(compiled)
     for _ in range(args.repeats):  # interleaved: the machine's drift hits every engine alike
         for name, fn in engines:
             start = time.perf_counter()
@@ -167,7 +295,7 @@ def long_tailed(args: argparse.Namespace) -> None:
         return statistics.median(tokens / seconds for seconds, tokens, _ in results[name])
 
     print(
-        f"workload: long-tailed task ({args.model}, H={model.config.hidden_size} L={model.config.num_hidden_layers}), "
+        f"workload: {what}, H={model.config.hidden_size} L={model.config.num_hidden_layers}, "
         f"{len(prompts)} prompts through {s} slots, up to {t} new tokens after up to {p_slots} prompt tokens, "
         f"temperature 1, stop at EOS | jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
         f"({torch.get_num_threads()} threads) | medians of {args.repeats} interleaved runs"
@@ -180,14 +308,29 @@ def long_tailed(args: argparse.Namespace) -> None:
             if name == "continuous"
             else ""
         )
+        used = f", slot utilisation {tokens / slot_steps:.2f}{steady}" if slot_steps is not None else ""
         print(
             f"{name:14} {statistics.median(r[0] for r in results[name]):7.2f} s {rate(name):8.0f} answer tokens/s | "
-            f"{tokens} tokens, slot utilisation {tokens / slot_steps:.2f}{steady}"
+            f"{tokens} tokens{used}"
         )
     versus_hf = f"{rate('continuous') / rate('transformers'):.2f}x" if hf is not None else "(not run)"
+    versus_vllm = f"{rate('continuous') / rate('vLLM'):.2f}x" if peer is not None else f"(not run: {VLLM_PYTHON} unset)"
     print(
         f"continuous / static: {rate('continuous') / rate('static'):.2f}x (target >= 2.5) | continuous / "
-        f"transformers: {versus_hf} (target >= 3)"
+        f"transformers: {versus_hf} (target >= 3) | continuous / vLLM: {versus_vllm} (target >= 1)"
+    )
+    listed = continuous.program_shapes(s, p_slots)
+    per_fn: dict[str, list[float]] = {}
+    for fun, seconds in compiles:
+        per_fn.setdefault(fun, []).append(seconds)
+    print(
+        f"continuous engine compiles: {sum(continuous.compiled.values())} programs in the warm-up "
+        f"({', '.join(f'{k} {v}' for k, v in continuous.compiled.items())}) of at most "
+        f"{sum(map(len, listed.values()))} listed; XLA compile s per program: "
+        + ", ".join(
+            f"{fun} {len(ts)}× {statistics.mean(ts):.2f} s" for fun, ts in sorted(per_fn.items()) if fun.endswith("_fn")
+        )
+        + f"; {sum(ts for _, ts in compiles):.1f} s in all"
     )
     c = model.config
     token_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4  # keys + values, fp32
@@ -199,6 +342,7 @@ def long_tailed(args: argparse.Namespace) -> None:
         f"(target <= 0.5); {stats.preemptions} preemptions; most pages in use at once {stats.peak_pages} "
         f"({stats.peak_pages * args.page_size * token_bytes / s / dense:.2f}x dense per sequence)"
     )
+    stack.close()
 
 
 def main() -> None:
@@ -219,6 +363,10 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=16, help="--long-tailed: decode steps per chunk at most")
     parser.add_argument("--page-size", type=int, default=16, help="--long-tailed: tokens per page")
     parser.add_argument("--kv-fraction", type=float, default=0.4, help="--long-tailed: pool pages / dense pages")
+    parser.add_argument(
+        "--shape", choices=["task", "qwen3-0.6b"], default="task", help="--long-tailed: the model's shape"
+    )
+    parser.add_argument("--vllm-kv-gib", type=int, default=4, help="GiB vLLM's CPU backend reserves for its KV cache")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.long_tailed:

@@ -15,13 +15,15 @@ pytestmark = pytest.mark.e2e  # the benchmarks run end to end: the end-to-end st
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench_sampler(*args: str) -> str:
-    """``benchmarks/bench_sampler.py`` run with ``args``: its output (it must succeed)."""
+def _bench_sampler(*args: str, timeout: float = 240) -> str:
+    """``benchmarks/bench_sampler.py`` run with ``args``: its output (it must succeed).
+    The default ``timeout``: healthy ~30 s, under the per-test limit (pyproject.toml), so
+    that a failure shows the output."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_sampler.py"), *args],
         capture_output=True,
         text=True,
-        timeout=240,  # healthy ~30 s; under the per-test limit (pyproject.toml): the failure shows the output
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -36,6 +38,43 @@ def test_bench_sampler_long_tailed_runs_at_a_tiny_size():
     """The continuous engine against the static one and `transformers` on the long-tailed task."""
     out = _bench_sampler("--long-tailed", "--prompts", "8", "--hf-prompts", "4", "--slots", "4", "--repeats", "1")
     assert "continuous / static" in out and "KV cache per sequence" in out
+
+
+def test_bench_kv_precision_reports_each_cache_dtype_at_a_tiny_size():
+    """bf16 against fp32 KV cache: each one's rate, bytes per token and learner gap."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_kv_precision.py"), "--prompts", "8", "--slots", "4"]
+        + ["--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.split()}
+    assert {"float32", "bfloat16"} <= rows.keys(), done.stdout
+    # bytes per token: 2 · layers · kv heads · head dim · 4 (teacher_long: 4 · 2 · 32), halved
+    assert (rows["float32"][3], rows["bfloat16"][3]) == ("2,048", "1,024"), done.stdout
+    assert float(rows["float32"][6]) < float(rows["bfloat16"][6]), done.stdout  # the rounding shows in the gap
+
+
+@pytest.mark.served  # starts vLLM: the vLLM step (-m served), where ASYNCOPD_VLLM_PYTHON is set
+@pytest.mark.timeout(1200)
+def test_bench_sampler_long_tailed_times_vllm_on_the_same_weights_and_prompts():
+    """With ``ASYNCOPD_VLLM_PYTHON`` set, vLLM's offline engine (benchmarks/vllm_peer.py)
+    answers the same prompts with the same model directory, interleaved with ours, and the
+    continuous engine's ratio to it is reported."""
+    from tests.teacher.vllm_server import vllm_python
+
+    vllm_python()  # skips, saying why, without vLLM
+    out = _bench_sampler(
+        "--long-tailed", "--model", "builtin:teacher_long", "--prompts", "16", "--slots", "8", "--skip-transformers",
+        "--repeats", "1", "--vllm-kv-gib", "1", timeout=900,
+    )  # fmt: skip
+    rows = {line.split()[0]: line for line in out.splitlines() if "answer tokens/s" in line}
+    assert {"static", "continuous", "vLLM"} <= rows.keys(), out
+    assert float(rows["vLLM"].split()[3]) > 0, out  # "vLLM  <s> s  <rate> answer tokens/s | …"
+    ratio = out.split("continuous / vLLM: ")[1].split("x")[0]
+    assert float(ratio) > 0, out
 
 
 @pytest.mark.served  # starts vLLM: the vLLM step (-m served), where ASYNCOPD_VLLM_PYTHON is set

@@ -160,11 +160,14 @@ class Attention(nnx.Module):
 
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(b, s, self.num_kv_heads, groups, self.head_dim)
-        scores = jnp.einsum("bskgd,bkcd->bkgsc", q, keys, preferred_element_type=jnp.float32)
+        # read in the compute dtype: a cache narrower than it (sampling.kv_dtype) rounds
+        # what is stored, not the arithmetic
+        cached_keys, cached_values = keys.astype(q.dtype), values.astype(q.dtype)
+        scores = jnp.einsum("bskgd,bkcd->bkgsc", q, cached_keys, preferred_element_type=jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-        out = jnp.einsum("bkgsc,bkcd->bskgd", probs, values).reshape(b, s, self.num_heads * self.head_dim)
+        probs = jax.nn.softmax(scores, axis=-1).astype(cached_values.dtype)
+        out = jnp.einsum("bkgsc,bkcd->bskgd", probs, cached_values).reshape(b, s, self.num_heads * self.head_dim)
         return self.o_proj(out.astype(x.dtype)), keys, values
 
     def paged(

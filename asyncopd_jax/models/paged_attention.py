@@ -170,7 +170,8 @@ def _reference(q: Array, pages: Array, where: PagedWrite) -> Array:
         blocks = which[where.page_table]  # [S, M, N_kv, page, D]
         return blocks.transpose(0, 2, 1, 3, 4).reshape(s, n_kv, length, d)
 
-    keys, values = gathered(pages[0]), gathered(pages[1])
+    # read in the compute dtype (the query's): a narrower pool rounds what is stored only
+    keys, values = gathered(pages[0]).astype(q.dtype), gathered(pages[1]).astype(q.dtype)
     # a key/value head's queries: its group of query heads at each of the Q positions
     grouped = q.reshape(s, nq_len, n_kv, group, d).transpose(0, 2, 1, 3, 4).reshape(s, n_kv, nq_len * group, d)
     scores = jnp.einsum("skqd,skld->skql", grouped, keys, preferred_element_type=jnp.float32)

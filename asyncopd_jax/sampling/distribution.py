@@ -31,6 +31,12 @@ class SamplingParams:
         bf16 with a bf16 KV cache (half the cache's bytes). The recorded behaviour
         log-probs (fp32) are then those of the bf16 model: of the distribution actually
         sampled, which is what the estimators need.
+      kv_dtype: the KV cache's dtype (None: the compute dtype's). "bfloat16" under fp32
+        compute halves the cache's bytes, and so a decode step's reads of it, at the cost of
+        the keys' and values' rounding: the recorded behaviour log-probs are those of the
+        model that read the rounded cache, the distribution actually sampled, which the
+        learner's fp32 recompute of the same tokens differs from by that rounding
+        (``docs/results.md`` measures the gap).
       recompute_chunk: cache slots per chunk of the prefill and of the KV cache's in-place
         recompute after a weight swap: each chunk's attention holds ``[B, N_q, chunk, P + T]``
         fp32 scores (per device: its rows), and each chunk reads all the weights once.
@@ -61,6 +67,7 @@ class SamplingParams:
     chunk_steps: int = 32
     allow_truncated_mc: bool = False
     compute_dtype: Literal["float32", "bfloat16"] | None = None
+    kv_dtype: Literal["float32", "bfloat16"] | None = None
     recompute_chunk: int = 256
     engine: Literal["static", "continuous"] = "static"
     slots: int = 0
@@ -87,6 +94,7 @@ class SamplingParams:
                 self.compute_dtype,
                 "null, float32 or bfloat16",
             ),
+            (self.kv_dtype in (None, "float32", "bfloat16"), "kv_dtype", self.kv_dtype, "null, float32 or bfloat16"),
         ]
         for ok, field, value, allowed in checks:
             if not ok:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -181,6 +182,10 @@ class Programs:
         """The decoder of ``state``, in ``params.compute_dtype`` when set (cast inside the
         compiled functions: the caller's weights stay as they are)."""
         return nnx.merge(self.graphdef, cast_floating(state, self.params.compute_dtype))
+
+    def cache_dtype(self, compute: jnp.dtype) -> jnp.dtype:
+        """The KV cache's dtype: ``params.kv_dtype``, else ``compute`` (the model's)."""
+        return jnp.dtype(self.params.kv_dtype) if self.params.kv_dtype else jnp.dtype(compute)
 
     def _sharding(self, axes: Logical, shape: Sequence[int]) -> NamedSharding | None:
         """Where an array of ``shape`` laid out as ``axes`` lies on the mesh (None: no mesh)."""

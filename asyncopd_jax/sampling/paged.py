@@ -199,7 +199,7 @@ class PagedPrograms(Programs):
                 c.head_dim,
                 pool,
                 p.page_size,
-                head.dtype,
+                self.cache_dtype(head.dtype),
             ),
             prompts=jnp.zeros((slots, prompt_slots), jnp.int32),
             prompt_len=jnp.zeros((slots,), jnp.int32),

@@ -199,7 +199,7 @@ class Sampler(Engine):
         model = self._model(state)
         (b, slots_p), t = prompt_tokens.shape, self.params.max_new_tokens
         empty = DecodeState(
-            cache=KVCache.empty(model.config, b, slots_p + t, model.compute_dtype),
+            cache=KVCache.empty(model.config, b, slots_p + t, self.cache_dtype(model.compute_dtype)),
             prompt_tokens=prompt_tokens,
             prompt_mask=prompt_mask,
             prompt_lengths=prompt_mask.sum(axis=1).astype(jnp.int32),

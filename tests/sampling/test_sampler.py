@@ -14,7 +14,7 @@ from flax import nnx
 from scipy import stats
 
 from asyncopd_jax.models import Decoder
-from asyncopd_jax.sampling import Sampler, SamplingParams, make_sampler, sampling_logprobs
+from asyncopd_jax.sampling import Sampler, SamplingParams, make_sampler, run_stream, sampling_logprobs
 from tests.tiny_models import tiny_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12]]  # different lengths: left padding matters
@@ -54,6 +54,30 @@ def test_greedy_equals_argmax_teacher_forcing(engine):
     np.testing.assert_array_equal(np.asarray(batch.response_tokens), forced.argmax(-1))
     assert len(np.unique(np.asarray(batch.response_tokens))) > 3  # a non-degenerate model
     np.testing.assert_array_equal(batch.behavior_logp, 0.0)  # a point mass
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_bf16_kv_cache_under_fp32_compute_rounds_the_cache_only(engine):
+    """sampling.kv_dtype=bfloat16 over an fp32 student: the cache is bf16, the weights and
+    the records fp32, and the behaviour log-probs are within bf16 rounding of the fp32
+    learner's on the same tokens (a plain forward), not equal to them."""
+    model = tiny_decoder(1)
+    graphdef, state = nnx.split(model)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, chunk_steps=4, kv_dtype="bfloat16")
+    sampler = make_sampler(graphdef, _engine(params, engine))
+    stream = sampler.open_stream(state, version=0, prompt_slots=5, slots=sampler.decode_rows(3))
+    stream.submit(None, PROMPTS, jax.random.split(jax.random.key(2), 3))
+    ((_, batch),) = run_stream(stream)
+    cache = stream.carry.cache
+    arrays = cache.keys + cache.values if engine == "static" else cache.pages
+    assert {x.dtype for x in arrays} == {jnp.dtype(jnp.bfloat16)}
+    assert batch.behavior_logp.dtype == jnp.float32
+    assert {x.dtype for x in jax.tree_util.tree_leaves(state)} == {jnp.dtype(jnp.float32)}
+    forced = jax.nn.log_softmax(teacher_forced_logits(model, batch), axis=-1)
+    learner = np.take_along_axis(forced, np.asarray(batch.response_tokens)[..., None], axis=-1)[..., 0]
+    mask = np.asarray(batch.response_mask)
+    gap = np.abs(np.asarray(batch.behavior_logp) - learner)[mask]
+    assert 1e-5 < gap.max() < 0.05, gap.max()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
