@@ -188,6 +188,7 @@ class ServedTeacher:
         self._sleep, self._clock = sleep, clock
         self._random = random.Random()
         self._model = server.model
+        self._models: Any = None  # the server's GET /v1/models answer, once asked
         self._checked = server.determinism_tolerance < 0
         self._calls = threading.local()  # each scoring thread's own last call
 
@@ -227,7 +228,7 @@ class ServedTeacher:
     def _score_rows(self, rows: list[Row], seed: int, widths: tuple[int, int] | None = None) -> list[RowScores]:
         """Every row's scores, ``request_rows`` rows a request, ``in_flight`` at once."""
         model = self._model_name()
-        size = self.server.request_rows
+        size = self._request_rows()
         waited_before = self.stats.wait_s
         starts = range(0, len(rows), size)
         if len(starts) == 1:  # one request: no thread to hand it to
@@ -263,8 +264,25 @@ class ServedTeacher:
         """``server.model``, else the one model ``/v1/models`` lists (SGLang's ``/generate``
         needs none)."""
         if not self._model and self.server.api != "sglang":
-            self._model = wire.only_model(self._request("GET", "/v1/models", None), self.server.url)
+            self._model = wire.only_model(self._listed_models(), self.server.url)
         return self._model
+
+    def _request_rows(self) -> int:
+        """Rows in one request: ``server.request_rows``, the default held to the rows
+        ``serve-teacher`` takes in one request (``--max-request-rows``, which its
+        ``/v1/models`` card states), so that a server started with a lower limit gets
+        more requests, not a 413."""
+        rows = self.server.request_rows
+        if self.server.rows_per_request is None and self.server.api == "asyncopd":
+            limit = wire.max_request_rows(self._listed_models(), self.server.url)
+            rows = min(rows, limit) if limit is not None else rows
+        return rows
+
+    def _listed_models(self) -> Any:
+        """The server's ``GET /v1/models`` answer (asked once)."""
+        if self._models is None:
+            self._models = self._request("GET", "/v1/models", None)
+        return self._models
 
     def _post(self, path: str, body: dict) -> Any:
         return self._request("POST", path, body)

@@ -147,7 +147,13 @@ def make_app(scorer: BatchScorer, settings: ServerSettings) -> Any:
         return JSONResponse({"status": "ok", "batches": batcher.batches, "queued_rows": batcher.queued_rows})
 
     async def models(_: HttpRequest) -> JSONResponse:
-        card = {"id": settings.model_name, "object": "model", "owned_by": "asyncopd", "max_model_len": scorer.context}
+        card = {
+            "id": settings.model_name,
+            "object": "model",
+            "owned_by": "asyncopd",
+            "max_model_len": scorer.context,
+            "asyncopd": {"max_request_rows": settings.max_request_rows},  # the client's default request size
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def completions(http: HttpRequest) -> JSONResponse:

@@ -127,6 +127,18 @@ def only_model(answer: Any, server: str) -> str:
     return names[0]
 
 
+def max_request_rows(answer: Any, server: str) -> int | None:
+    """The rows one request may hold, as ``serve-teacher``'s ``/v1/models`` card states
+    them (``"asyncopd": {"max_request_rows": n}``; None: a card without it)."""
+    try:
+        limit = answer["data"][0].get("asyncopd", {}).get("max_request_rows")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise ServerError(f"teacher server {server}/v1/models answered {str(answer)[:120]}, not a model list") from None
+    if limit is not None and not (isinstance(limit, int) and limit >= 1):
+        raise ServerError(f"teacher server {server}/v1/models: max_request_rows = {limit!r}; expected an int >= 1")
+    return limit
+
+
 def vllm_request(model: str, rows: Sequence[Row], topk: int) -> dict:
     """The ``/v1/completions`` body that scores each row's prompt + response."""
     return {

@@ -83,6 +83,23 @@ def test_every_field_equals_the_in_process_scorer(served_teacher, teacher, rollo
     np.testing.assert_array_equal(np.asarray(remote.topk_ids)[mask], np.asarray(local.topk_ids)[mask])
 
 
+def test_the_clients_default_request_holds_no_more_rows_than_the_server_takes(teacher, rollouts):
+    """A server started with --max-request-rows 4 states it in its /v1/models card; a client
+    at the default request size (64 rows) sends the 6 rows as two requests, not one that
+    the server answers 413. A size set explicitly is sent as set (and refused by name)."""
+    settings = dataclasses.replace(SETTINGS, max_request_rows=4)
+    params = ScoringParams(topk=8, chunk_size=64)
+    with running(BatchScorer(teacher, settings), settings) as (url, _, _):
+        client = ServedTeacher(ServerParams(url=url, api="asyncopd", determinism_tolerance=-1.0), params, 32)
+        remote = client.score(rollouts)
+        assert client.last_requests == 2
+        with pytest.raises(ServerError, match="HTTP 413: 6 prompts in one request; at most 4"):
+            ServedTeacher(ServerParams(url=url, api="asyncopd", rows_per_request=6), params, 32).score(rollouts)
+    mask = np.asarray(rollouts.response_mask)
+    local = TeacherScorer(teacher, params).score(rollouts)
+    np.testing.assert_allclose(np.asarray(remote.token_logp)[mask], np.asarray(local.token_logp)[mask], atol=1e-5)
+
+
 def test_teacher_samples_are_scored_by_the_teacher(served_teacher, rollouts):
     """The ids the server samples carry their own log-probs: scored again as candidates they
     give the same values; and they follow the teacher (its top id is drawn most)."""
