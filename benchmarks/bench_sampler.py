@@ -321,7 +321,7 @@ def long_tailed(args: argparse.Namespace) -> None:
     )
     listed = continuous.program_shapes(s, p_slots)
     per_fn: dict[str, list[float]] = {}  # the engine's programs (by their functions' names), not small ops
-    programs = {"_admit_fn": "prefill", "_decode_fn": "decode", "_recompute_fn": "recompute"}
+    programs = {"_run_fn": "run", "_recompute_fn": "recompute"}
     for fun, seconds in compiles:
         for name, program in programs.items():
             if name in fun:

@@ -24,9 +24,10 @@ is garbage that no caller reads.
 
 Two implementations, tested equal:
 
-* ``"reference"``: plain JAX for any backend. It gathers each sequence's ``M`` pages into a
-  ``[S, N_kv, M·page_size, D]`` view and masks the softmax, the cost of a dense cache of
-  ``M·page_size`` slots per sequence (what the CPU demo and tests run).
+* ``"reference"``: plain JAX for any backend. It gathers each sequence's pages in blocks,
+  only those its own length covers, into ``[N_kv, L, D]`` views and merges the blocks'
+  softmaxes per sequence: the cost of a dense cache as long as each sequence (what the CPU
+  demo and tests run).
 * ``"ragged"``: the Pallas TPU kernel, which reads only the pages a sequence's length covers;
   TPU only (Pallas's interpret modes fail inside this kernel on JAX 0.10.2), so the tests
   hold the reference to the kernel's own pure-JAX reference and compile the kernel for TPU
@@ -156,31 +157,76 @@ def paged_attention(
     )
 
 
+# Tokens of a block the reference reads at once: its work follows the longest sequence in
+# the call to within a block, in one program whatever the lengths.
+# Tokens of a block the reference reads at once: its work follows each sequence's length to
+# within a block, in one program whatever the lengths.
+REFERENCE_BLOCK_TOKENS = 64
+
+
 def _reference(q: Array, pages: Array, where: PagedWrite) -> Array:
-    """Gather each sequence's ``M`` pages into ``[S, N_kv, L, D]`` keys and values (``L =
-    M·page_size``, heads-major: the scores and the weighted sum are one batched matmul per
-    sequence and head, which XLA:CPU runs 1.5-2x faster than the same contraction over the
-    gathered ``[S, M, N_kv, page, D]`` blocks) and mask: key ``j`` is visible to query ``i``
-    iff ``j ≤ start + i``."""
+    """Each sequence's pages read in blocks of :data:`REFERENCE_BLOCK_TOKENS` tokens, only
+    the blocks its own length covers (split-K, as FlashDecoding): the ``W`` (sequence, block)
+    items of the call are worked through ``S`` at a time in a loop of dynamic trip count,
+    each giving its block's softmax max, sum and weighted values, and then merged per
+    sequence. An item gathers its pages into ``[N_kv, L, D]`` keys and values (heads-major:
+    the scores and the weighted sum are one batched matmul per item and head, which XLA:CPU
+    runs 1.5-2x faster than the same contraction over the gathered ``[B, N_kv, page, D]``
+    pages) and masks: key ``j`` is visible to query ``i`` iff ``j ≤ start + i``."""
     s, nq_len, n_q, d = q.shape
     n_kv, page_size = pages.shape[2], pages.shape[3]
-    group, length = n_q // n_kv, where.page_table.shape[1] * page_size
-
-    def gathered(which: Array) -> Array:
-        blocks = which[where.page_table]  # [S, M, N_kv, page, D]
-        return blocks.transpose(0, 2, 1, 3, 4).reshape(s, n_kv, length, d)
-
-    # read in the compute dtype (the query's): a narrower pool rounds what is stored only
-    keys, values = gathered(pages[0]).astype(q.dtype), gathered(pages[1]).astype(q.dtype)
+    group, columns = n_q // n_kv, where.page_table.shape[1]
+    per_block = max(1, min(REFERENCE_BLOCK_TOKENS // page_size, columns))  # pages a block reads
+    blocks = -(-columns // per_block)
+    # the last block's columns past the table repeat its last page: read under the mask only
+    table = jnp.pad(where.page_table, ((0, 0), (0, blocks * per_block - columns)), mode="edge")
+    length, rows = per_block * page_size, nq_len * group
     # a key/value head's queries: its group of query heads at each of the Q positions
-    grouped = q.reshape(s, nq_len, n_kv, group, d).transpose(0, 2, 1, 3, 4).reshape(s, n_kv, nq_len * group, d)
-    scores = jnp.einsum("skqd,skld->skql", grouped, keys, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(d))
+    grouped = q.reshape(s, nq_len, n_kv, group, d).transpose(0, 2, 1, 3, 4).reshape(s, n_kv, rows, d)
     query = where.start[:, None] + jnp.repeat(jnp.arange(nq_len), group)[None]  # [S, Q·g] each row's position
-    visible = jnp.arange(length)[None, None] <= query[..., None]  # [S, Q·g, L]
-    scores = jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("skql,skld->skqd", probs, values, preferred_element_type=jnp.float32)
+    floor = jnp.finfo(jnp.float32).min
+    # the items: sequence r's blocks 0 .. covers[r] − 1, sequence by sequence
+    covers = jnp.clip((where.start + nq_len + length - 1) // length, 1, blocks)  # [S]
+    ends = jnp.cumsum(covers)
+    capacity = s * blocks  # items at most
+    item = jnp.arange(capacity)
+    owner = jnp.searchsorted(ends, item, side="right").astype(jnp.int32)  # [capacity], S past the last item
+    block_of = item - (ends - covers)[jnp.minimum(owner, s - 1)]
+
+    def gathered(which: Array, ids: Array) -> Array:
+        blocks_of = which[ids]  # [S, B, N_kv, page, D]
+        # read in the compute dtype (the query's): a narrower pool rounds what is stored only
+        return blocks_of.transpose(0, 2, 1, 3, 4).reshape(s, n_kv, length, d).astype(q.dtype)
+
+    def body(step: Array, parts: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        tops, totals, sums = parts  # per item: [capacity, N_kv, Q·g] max and sum, [.., D] weighted sum
+        at = step * s
+        mine = jax.lax.dynamic_slice_in_dim(jnp.minimum(owner, s - 1), at, s)  # [S] the items' sequences
+        block = jax.lax.dynamic_slice_in_dim(block_of, at, s)
+        ids = jnp.take_along_axis(table[mine], block[:, None] * per_block + jnp.arange(per_block)[None], axis=1)
+        ids = jnp.minimum(ids, pages.shape[1] - 1)
+        keys, values = gathered(pages[0], ids), gathered(pages[1], ids)
+        scores = jnp.einsum("skqd,skld->skql", grouped[mine], keys, preferred_element_type=jnp.float32)
+        scores = scores / jnp.sqrt(jnp.float32(d))
+        visible = (block[:, None, None] * length + jnp.arange(length)[None, None]) <= query[mine][..., None]
+        visible = visible[:, None]  # [S, 1, Q·g, L]
+        top = jnp.where(visible, scores, floor).max(-1)
+        probs = jnp.where(visible, jnp.exp(scores - top[..., None]), 0.0)  # a query that sees none: 0
+        weighted = jnp.einsum("skql,skld->skqd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+        put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=at, axis=0)
+        return put(tops, top), put(totals, probs.sum(-1)), put(sums, weighted)
+
+    parts = (
+        jnp.full((capacity, n_kv, rows), floor, jnp.float32),
+        jnp.zeros((capacity, n_kv, rows), jnp.float32),
+        jnp.zeros((capacity, n_kv, rows, d), jnp.float32),
+    )
+    tops, totals, sums = jax.lax.fori_loop(0, -(-ends[-1] // s), body, parts)
+    # merge each sequence's items (items past the last belong to sequence S: dropped)
+    top = jax.ops.segment_max(tops, owner, num_segments=s)  # [S, N_kv, Q·g]
+    scale = jnp.exp(tops - top[jnp.minimum(owner, s - 1)])
+    total = jax.ops.segment_sum(totals * scale, owner, num_segments=s)
+    out = jax.ops.segment_sum(sums * scale[..., None], owner, num_segments=s) / total[..., None]
     return out.reshape(s, n_kv, nq_len, group, d).transpose(0, 2, 1, 3, 4).reshape(s, nq_len, n_q, d)
 
 

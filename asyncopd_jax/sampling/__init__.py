@@ -13,8 +13,10 @@ Layout::
                      per-prompt keys
     engine.py        Engine (generate, lower) and the RolloutStream protocol; EngineStats
     static.py        Sampler: a batch in lockstep over a dense KV cache; StaticStream
-    paged.py         PagedPrograms: the continuous engine's compiled programs over a paged cache
-    stream.py        ContinuousStream: the continuous engine's host scheduler (slots, pages)
+    paged.py         PagedPrograms: the continuous engine's compiled programs over a paged cache,
+                     which admit, page, preempt and decode on the device
+    schedule.py      its bookkeeping as pure functions: the queue, the free-page stack, the table
+    stream.py        ContinuousStream: the continuous engine's host side (prompts in, answers out)
     continuous.py    ContinuousSampler: the paged programs driven by a ContinuousStream
 """
 

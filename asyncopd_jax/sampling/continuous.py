@@ -4,10 +4,11 @@ as soon as its answer ends, over a paged KV cache.
 The static :class:`~asyncopd_jax.sampling.Sampler` decodes a batch until its longest answer
 ends; on long-tailed answer lengths most of its decode work is padding. Here ``S`` slots
 decode in one compiled loop, each its own sequence, their keys and values in pages of one
-shared pool. The engine is two halves: the compiled programs
-(:class:`~asyncopd_jax.sampling.paged.PagedPrograms`: prefill into pages, a chunk of decode
-steps, the rewrite of the pages in flight after a weight swap) and the host loop that hands
-out slots and pages, refills finished slots and keeps going across groups of prompts
+shared pool. The engine is two halves: the compiled programs, which schedule the slots and
+pages on the device (:class:`~asyncopd_jax.sampling.paged.PagedPrograms`: a call of many
+decode steps that admits queued prompts, takes and frees pages and preempts as it goes; the
+rewrite of the pages in flight after a weight swap), and the host loop that hands prompts
+in, reads finished answers out and keeps going across groups of prompts
 (:class:`~asyncopd_jax.sampling.stream.ContinuousStream`). ``generate`` runs one group
 through a fresh stream.
 
@@ -26,8 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from asyncopd_jax.sampling.engine import Calls, Engine, ProgramShapes
-from asyncopd_jax.sampling.paged import Admission, PagedPrograms, slots_axes
-from asyncopd_jax.sampling.stream import ContinuousStream, buckets
+from asyncopd_jax.sampling.paged import PagedPrograms, slots_axes
+from asyncopd_jax.sampling.stream import ContinuousStream
 
 
 class ContinuousSampler(PagedPrograms, Engine):
@@ -49,50 +50,28 @@ class ContinuousSampler(PagedPrograms, Engine):
 
     @property
     def programs(self) -> dict[str, Any]:
-        return {"prefill": self.admit, "decode": self.decode, "recompute": self.recompute, "evict": self.evict}
+        return {"run": self.run, "recompute": self.recompute}
 
     def program_shapes(self, rows: int, prompt_slots: int) -> ProgramShapes:
-        """With ``S`` slots and ``M`` pages per sequence: the prefill at ``(R, C)``, R prompts
-        admitted at once and C page-table columns read (each a power of two below S or M,
-        or S or M: :func:`~asyncopd_jax.sampling.stream.bucket`); the decode at ``(W, C)``,
-        W slots decoded; the recompute at ``(C,)``; the eviction at ``(S,)``."""
-        widths = buckets(self.decode_rows(rows))
-        columns = buckets(self.pages_per_sequence(prompt_slots))
-        return {
-            "prefill": tuple((r, c) for r in widths for c in columns),
-            "decode": tuple((w, c) for w in widths for c in columns),
-            "recompute": tuple((c,) for c in columns),
-            "evict": ((self.decode_rows(rows),),),
-        }
+        """One shape each, ``(S,)`` slots: the run's admission widths and the attention's
+        page-table widths are branches of one program (``lax.switch``), not shapes."""
+        slots = (self.decode_rows(rows),)
+        return {"run": (slots,), "recompute": (slots,)}
 
     def abstract_calls(self, abstract_state: Any, rows: int, prompt_slots: int) -> Calls:
         """For :meth:`lower`: :meth:`decode_rows` slots over a pool of :meth:`pool_pages`
-        pages, the page table at full width (the worst case of the attention's reads), the
-        prefill admitting a whole set of slots at once and the decode running every slot."""
+        pages, their queue full; the prefill admitting a whole set of slots at once, one
+        decode step of every slot over the full page table (the worst case of the
+        attention's reads), and the recompute."""
         slots = self.decode_rows(rows)
-        columns = self.pages_per_sequence(prompt_slots)
         pool = self.pool_pages(slots, prompt_slots)
-        whole = lambda path, x: (None,) * len(x.shape)  # noqa: E731
         carry = self.placed(
             jax.eval_shape(lambda s: self.empty(s, slots, prompt_slots, pool), abstract_state), slots_axes
         )
-        table = self.placed(jax.ShapeDtypeStruct((slots, columns), jnp.int32), whole)
-        new = self.placed(
-            jax.eval_shape(
-                lambda: Admission(
-                    slot=jnp.zeros((slots,), jnp.int32),
-                    prompts=jnp.zeros((slots, prompt_slots), jnp.int32),
-                    prompt_len=jnp.zeros((slots,), jnp.int32),
-                    keys=jax.random.split(jax.random.key(0), slots),
-                )
-            ),
-            whole,
-        )
-        scalar = self.placed(jax.ShapeDtypeStruct((), jnp.int32), whole)
-        every = self.placed(jax.ShapeDtypeStruct((slots,), jnp.int32), whole)  # every slot: the widest decode
-        static = {"columns": columns}
+        whole = lambda path, x: (None,) * len(x.shape)  # noqa: E731
+        version = self.placed(jax.ShapeDtypeStruct((), jnp.int32), whole)
         return {
-            "prefill": (self.admit, (abstract_state, carry, new, table), static),
-            "decode": (self.decode, (abstract_state, carry, table, every, scalar, scalar), static),
-            "recompute": (self.recompute, (abstract_state, carry, table), static),
+            "prefill": (self.prefill, (abstract_state, carry), {}),
+            "decode": (self.step, (abstract_state, carry, version), {}),
+            "recompute": (self.recompute, (abstract_state, carry), {}),
         }

@@ -1,6 +1,6 @@
 """The interface both engines offer (``Engine``, ``RolloutStream``) and the lean host loop
-behind it: one device-to-host read per decode chunk, the static engine's next chunk
-dispatched before the last one is read, the page table sent only when it changed."""
+behind it: one device-to-host read per decode call, the next call dispatched before the
+last one is read, prompts uploaded only with the call that hands them in."""
 
 from __future__ import annotations
 
@@ -68,10 +68,8 @@ CALL_SHAPES = {
         "recompute": lambda args, kw: (args[1].prompt_tokens.shape[0], args[1].prompt_slots),
     },
     "continuous": {
-        "prefill": lambda args, kw: (args[2].slot.shape[0], kw["columns"]),  # admitted rows, columns
-        "decode": lambda args, kw: (args[3].shape[0], kw["columns"]),  # decoded rows, columns
-        "recompute": lambda args, kw: (kw["columns"],),
-        "evict": lambda args, kw: args[1].shape,  # [S]
+        "run": lambda args, kw: args[1].slots.active.shape,  # [S]
+        "recompute": lambda args, kw: args[1].slots.active.shape,
     },
 }
 
@@ -81,7 +79,7 @@ def test_a_stream_compiles_only_the_shapes_its_engine_lists(engine, monkeypatch)
     """Groups of 3 through a stream (on the continuous engine 5 slots, 5 pages per sequence:
     3 slots decoding, then 5, then fewer as answers drain), a swap between chunks: each
     program is called only at shapes `program_shapes` lists (the bound `asyncopd plan`
-    states), and compiled at most once per shape."""
+    states), and compiled at most once per shape: on the continuous engine, once."""
     params = dataclasses.replace(_params(), slots=5)
     if engine == "static":
         params = dataclasses.replace(params, engine="static", slots=0)
@@ -93,8 +91,7 @@ def test_a_stream_compiles_only_the_shapes_its_engine_lists(engine, monkeypatch)
             called[_name].add(tuple(CALL_SHAPES[engine][_name](args, kw)))
             return _program(*args, **kw)
 
-        attribute = {"prefill": "admit"}.get(name, name) if engine == "continuous" else name
-        monkeypatch.setattr(e, attribute, recorded)
+        monkeypatch.setattr(e, name, recorded)
     groups = [PROMPTS[0:3], PROMPTS[3:6], PROMPTS[6:9]]
     stream = e.open_stream(MODEL[1], version=0, prompt_slots=PROMPT_SLOTS, slots=e.decode_rows(3))
     stream.submit(0, groups[0], prompt_keys(jax.random.key(40), 3))
@@ -111,7 +108,10 @@ def test_a_stream_compiles_only_the_shapes_its_engine_lists(engine, monkeypatch)
     for name, shapes in called.items():
         assert shapes <= set(listed[name]), (name, shapes - set(listed[name]))
         assert e.compiled[name] <= len(shapes), (name, e.compiled[name], shapes)
-    assert len(called["decode"]) >= (4 if engine == "continuous" else 1), called  # the bound is met, not vacuous
+    if engine == "continuous":  # admissions of 3 and of 1, 2 pages and 5 read: branches, not shapes
+        assert e.compiled == {"run": 1, "recompute": 1}, e.compiled
+    else:
+        assert len(called["decode"]) >= 1, called  # the bound is met, not vacuous
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -162,7 +162,8 @@ def counted_reads(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_chunk_costs_one_device_to_host_read(engine, monkeypatch):
-    """A stream reads each chunk with one explicit ``jax.device_get``, and nothing else."""
+    """A stream reads each call (a chunk) with one explicit ``jax.device_get``, and nothing
+    else: the continuous engine's admissions, pages and preemptions happen on the device."""
     e = _engine(engine)
     stream = e.open_stream(MODEL[1], version=0, prompt_slots=PROMPT_SLOTS, slots=e.decode_rows(4))
     for g in range(3):
@@ -175,8 +176,7 @@ def test_a_chunk_costs_one_device_to_host_read(engine, monkeypatch):
 
 def test_the_static_stream_dispatches_the_next_chunk_before_it_reads_the_last(monkeypatch):
     """A static stream's step dispatches chunk k + 1, then reads chunk k (the device never
-    waits for the host); the continuous stream must read first (its next chunk's slots
-    follow from the last one's) and dispatches right after."""
+    waits for the host); the continuous stream's order: tests/sampling/test_stream.py."""
     e = _engine("static")
     events: list[str] = []
     decode, device_get = e.decode, jax.device_get
@@ -194,19 +194,27 @@ def test_the_static_stream_dispatches_the_next_chunk_before_it_reads_the_last(mo
     assert events[0] == "dispatch" and rest == ["dispatch", "read"] * (len(rest) // 2), events
 
 
-def test_the_page_table_is_sent_when_it_changed_only(monkeypatch):
-    """A slot per prompt, pages of 8 tokens, one step a chunk: the table changes when the
-    prompts enter and when a sequence grows past 8 tokens, and goes to the device then only;
-    the answers are the static engine's (which has no pages)."""
-    e = make_sampler(MODEL[0], _params(slots=9, page_size=8, chunk_steps=1))
-    sent: list[bool] = []  # per array put on the device: whether it is the page table
-    put = e.put
-    monkeypatch.setattr(e, "put", lambda x, *axes: sent.append(x is stream.table) or put(x, *axes))
+def test_prompts_go_to_the_device_only_with_the_call_that_hands_them_in(monkeypatch):
+    """9 prompts through 3 slots (a queue of 6 on the device), one step a call: the host
+    uploads prompts in the calls that hand some in (the first 6, then the other 3 once 3
+    answers were read) and nothing in the others, and the answers are the static engine's
+    (which has no queue)."""
+    e = make_sampler(MODEL[0], _params(chunk_steps=1))
     stream = e.open_stream(MODEL[1], version=0, prompt_slots=PROMPT_SLOTS)
     stream.submit(0, PROMPTS, prompt_keys(jax.random.key(0), len(PROMPTS)))
-    ((_, batch),) = run_stream(stream)
-    assert stream.stats.chunks == 12
-    assert 1 < sum(sent) < 12, sent  # sent when it changed: the prompts in, then some sequences grow
+    uploads: list[int] = []  # per step: arrays put on the device
+    put = e.put
+    monkeypatch.setattr(e, "put", lambda x, *axes: uploads.__setitem__(-1, uploads[-1] + 1) or put(x, *axes))
+    handed: list[int] = []  # per step: prompts handed in
+    done = []
+    while not stream.idle:
+        uploads.append(0)
+        backlog = len(stream.backlog)
+        done += stream.step()
+        handed.append(backlog - len(stream.backlog))
+    assert handed[0] == 6 and sum(handed) == 9 and stream.stats.chunks > 3, handed
+    assert [u > 0 for u in uploads] == [h > 0 for h in handed], (uploads, handed)
+    ((_, batch),) = done
     alone = _engine("static").generate(MODEL[1], PROMPTS, jax.random.key(0), prompt_slots=PROMPT_SLOTS)
     for row in range(len(PROMPTS)):
         _assert_same_answer(batch, row, alone, row)

@@ -73,7 +73,7 @@ def test_a_bf16_kv_cache_under_fp32_compute_rounds_the_cache_only(engine):
     stream = sampler.open_stream(state, version=0, prompt_slots=5, slots=sampler.decode_rows(3))
     stream.submit(None, PROMPTS, jax.random.split(jax.random.key(2), 3))
     ((_, batch),) = run_stream(stream)
-    cache = stream.carry.cache
+    cache = stream.carry.cache if engine == "static" else stream.carry.slots.cache
     arrays = cache.keys + cache.values if engine == "static" else cache.pages
     assert {x.dtype for x in arrays} == {jnp.dtype(jnp.bfloat16)}
     assert batch.behavior_logp.dtype == jnp.float32

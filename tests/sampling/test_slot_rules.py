@@ -1,5 +1,5 @@
-"""The sampling core's rules that the end-to-end sampler tests do not reach: which slots a
-decode runs, the recompute after a swap while the last answers drain.
+"""The sampling core's rules that the end-to-end sampler tests do not reach: the recompute
+after a swap while the last answers drain, the programs the plan lowers.
 
 Written for mutants of ``asyncopd_jax/sampling/`` that survived the sampled mutation run of
 2026-11-26 (docs/testing.md, "Sampled scores of the newer areas").
@@ -15,7 +15,6 @@ import pytest
 from flax import nnx
 
 from asyncopd_jax.sampling import ContinuousSampler, SamplingParams
-from asyncopd_jax.sampling.stream import ContinuousStream
 from tests.tiny_models import slot_sampling, tiny_decoder
 
 # Prompts of 1 to 5 tokens whose answers (this student, stop tokens 51 and 54) end after 3
@@ -41,34 +40,6 @@ def _drain_engine() -> ContinuousSampler:
     """3 slots, pages of 4 tokens, 2-step chunks: one engine (its compiled programs) for every key."""
     params = slot_sampling()
     return ContinuousSampler(MODEL[0], params)
-
-
-def _stream_with(row_of: list[int | None]) -> ContinuousStream:
-    """A stream's slot bookkeeping alone (no engine, nothing compiled): slot s holds stream
-    row ``row_of[s]``, or nothing."""
-    stream = ContinuousStream.__new__(ContinuousStream)
-    stream.slots, stream.row_of = len(row_of), list(row_of)
-    return stream
-
-
-@pytest.mark.parametrize(
-    ("row_of", "want"),
-    [
-        ([None, 5, None, None, 7, None, None, 9], [1, 4, 7, 0]),  # 3 occupied: 4 rows
-        ([None, None, 2, None, None, None, None, None], [2]),  # 1 occupied: 1 row
-        ([None, 4, None, None, 6, None, None, None], [1, 4]),  # 2 occupied: 2 rows
-        ([0, 1, 2, None, 4, 5, None, 7], list(range(8))),  # 6 occupied: every slot
-    ],
-)
-def test_a_decode_runs_the_occupied_slots_and_idle_ones_up_to_a_power_of_two(row_of, want):
-    """Bug guarded: the rows that pad a narrowed decode to a power of two taken from the
-    occupied slots instead of the idle ones (``is not None``): an occupied slot then decodes
-    in two rows at once, which counts its tokens twice in the stream's statistics and ends
-    a chunk early (its finished rows count twice towards the refill)."""
-    rows = _stream_with(row_of).decode_rows()
-    assert rows.dtype == np.int32
-    assert rows.tolist() == want
-    assert len(set(rows.tolist())) == len(rows)
 
 
 @pytest.mark.parametrize("seed", [2, 5])
@@ -98,8 +69,8 @@ def test_one_slot_per_prompt_lowers_the_programs_for_a_groups_rows():
     engine = ContinuousSampler(graphdef, SamplingParams(max_new_tokens=8, engine="continuous", slots=0, page_size=4))
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     calls = engine.abstract_calls(abstract, 5, 6)
-    _, (_, carry, table, rows, _, _), static = calls["decode"]
-    _, (_, _, new, _), _ = calls["prefill"]
-    # 5 slots (one per prompt), each up to 6 + 8 tokens: 4 pages of 4 tokens a sequence
-    shapes = (carry.prompts.shape, table.shape, rows.shape, new.prompts.shape)
-    assert (shapes, static) == (((5, 6), (5, 4), (5,), (5, 6)), {"columns": 4})
+    _, (_, carry, _), _ = calls["decode"]
+    # 5 slots (one per prompt), each up to 6 + 8 tokens: 4 pages of 4 tokens a sequence; a
+    # queue of 10
+    shapes = (carry.slots.prompts.shape, carry.pages.table.shape, carry.queue.prompts.shape)
+    assert shapes == ((5, 6), (5, 4), (10, 6))

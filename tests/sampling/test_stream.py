@@ -1,5 +1,5 @@
 """A stream of groups through the continuous engine: each group answers as it would alone,
-is handed back as soon as its last answer ends, and the decode narrows as slots empty."""
+is handed back as soon as its last answer ends, and the device refills its slots itself."""
 
 from __future__ import annotations
 
@@ -55,31 +55,44 @@ def test_a_group_is_handed_back_by_the_step_after_its_last_answer_ends():
     assert len(set(longest.values())) > 1, longest  # the groups end at different steps
 
 
+def test_the_device_refills_a_slot_in_the_step_after_its_answer_ends():
+    """6 prompts through 3 slots, all handed in with the first call (a queue of 6), a pool
+    with room for all: inside that one call, while prompts wait, every slot decodes at
+    every step (an answer that ends is replaced at the next step, without the host)."""
+    stream = _stream(chunk_steps=100)
+    stream.submit(0, PROMPTS[3:], prompt_keys(jax.random.key(0), 9)[3:])  # uneven answers (test_continuous)
+    stream.step()
+    stream.step()  # reads the first call
+    s = stream.stats
+    assert s.chunks == 1 and s.refills > 0 and s.waiting_row_steps > 0, s
+    assert s.waiting_tokens == s.waiting_row_steps, s
+    ((_, batch),) = run_stream(stream)
+    assert stream.stats.refills == 3
+
+
 def test_the_decode_narrows_to_the_slots_in_flight():
-    """As the last answers drain, the decode runs the occupied slots (a power of two), not all."""
-    stream = _stream(slots=8, chunk_steps=1)
+    """8 prompts in 8 slots, all admitted at the first step: at step k the busy slots are the
+    answers longer than k, and the step decodes them in the narrowest power of two that
+    holds them (not all 8), so the rows decoded are the sum of those widths."""
+    stream = _stream(slots=8)
     stream.submit(0, PROMPTS[:8], prompt_keys(jax.random.key(0), 9)[:8])  # uneven answers (test_continuous)
-    widths = []
-    while not stream.idle:
-        stream.step()
-        if stream.unread is not None:  # the chunk just dispatched: the slots it decoded for, its rows
-            widths.append((int(np.count_nonzero(stream.unread.tenants)), len(stream.unread.rows)))
-    assert all(rows == 1 << (n - 1).bit_length() for n, rows in widths), widths
-    # one step per chunk (none in a chunk whose slots all ended in the chunk before it)
-    assert stream.stats.row_steps <= sum(rows for _, rows in widths)
-    assert stream.stats.row_steps < 8 * stream.stats.decode_steps
+    ((_, batch),) = run_stream(stream)
+    lengths = np.asarray(batch.response_mask).sum(1)
+    busy = [int((lengths > k).sum()) for k in range(int(lengths.max()))]
+    assert len(set(busy)) > 2, busy
+    assert stream.stats.decode_steps == len(busy)
+    assert stream.stats.row_steps == sum(1 << (n - 1).bit_length() for n in busy), busy
 
 
 def test_a_busy_device_gets_the_next_chunk_before_the_last_is_read(chunk_order, monkeypatch):
-    """A device still decoding has the next chunk queued before the host reads the last one;
-    a device done with it waits on the host either way, so the step reads first and plans
-    from the slots it left. One read per step (refills and the drain included)."""
+    """A device still decoding has the next call queued before the host reads the last one;
+    a device done with it is read first. One read per step (refills and the drain included)."""
     stream = _stream(slots=4, chunk_steps=2)
     for g, group in enumerate(GROUPS):
         stream.submit(g, group, prompt_keys(jax.random.key(30 + g), len(group)))
     events: list[str] = []
-    decode, device_get = stream.engine.decode, jax.device_get
-    monkeypatch.setattr(stream.engine, "decode", lambda *a, **k: (events.append("dispatch"), decode(*a, **k))[1])
+    run, device_get = stream.engine.run, jax.device_get
+    monkeypatch.setattr(stream.engine, "run", lambda *a, **k: (events.append("dispatch"), run(*a, **k))[1])
     monkeypatch.setattr(jax, "device_get", lambda x: (events.append("read"), device_get(x))[1])
     steps = []
     while not stream.idle:
@@ -90,7 +103,7 @@ def test_a_busy_device_gets_the_next_chunk_before_the_last_is_read(chunk_order, 
     assert steps[0] == ("dispatch",), steps
     assert set(steps[1:-1]) == {order}, steps
     assert steps[-1] in {order, ("read",)}, steps
-    assert stream.stats.refills > 0  # slots were refilled between chunks
+    assert stream.stats.refills > 0  # slots were refilled
 
 
 def test_a_chunk_the_device_finished_is_not_busy():
@@ -98,7 +111,7 @@ def test_a_chunk_the_device_finished_is_not_busy():
     stream.submit(0, GROUPS[0], prompt_keys(jax.random.key(0), len(GROUPS[0])))
     stream.step()
     assert stream.unread is not None
-    jax.block_until_ready(stream.unread.progress)
+    jax.block_until_ready(stream.unread)
     assert not ContinuousStream.device_busy(stream.unread)
 
 
