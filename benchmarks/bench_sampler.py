@@ -192,7 +192,13 @@ def long_tailed(args: argparse.Namespace) -> None:
         t, p_slots, what = task.max_new_tokens, task.prompt_slots, f"long-tailed task ({args.model})"
     graphdef, state = nnx.split(model)
     s = args.slots
-    base = SamplingParams(temperature=1.0, max_new_tokens=t, stop_token_ids=(eos,), chunk_steps=args.chunk)
+    base = SamplingParams(
+        temperature=1.0,
+        max_new_tokens=t,
+        stop_token_ids=(eos,),
+        chunk_steps=args.chunk,
+        recompute_chunk=args.recompute_chunk,
+    )
     # the static sampler at its fastest: one chunk (no weight source to poll between chunks)
     static = Sampler(graphdef, dataclasses.replace(base, chunk_steps=t), pad_id=pad)
     dense_pages = s * -(-(p_slots + t) // args.page_size)
@@ -363,6 +369,12 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=32, help="--long-tailed: sequences decoded at once")
     parser.add_argument("--chunk", type=int, default=16, help="--long-tailed: decode steps per chunk at most")
     parser.add_argument("--page-size", type=int, default=16, help="--long-tailed: tokens per page")
+    parser.add_argument(
+        "--recompute-chunk",
+        type=int,
+        default=16,
+        help="--long-tailed: prompt tokens per prefill chunk (sampling.recompute_chunk; long_tailed.yaml's)",
+    )
     parser.add_argument("--kv-fraction", type=float, default=0.4, help="--long-tailed: pool pages / dense pages")
     parser.add_argument(
         "--shape", choices=["task", "qwen3-0.6b"], default="task", help="--long-tailed: the model's shape"

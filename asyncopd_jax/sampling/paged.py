@@ -74,6 +74,12 @@ def buckets(limit: int) -> tuple[int, ...]:
     return tuple(sorted({bucket(n, limit) for n in range(1, limit + 1)}))
 
 
+def admission_widths(slots: int) -> tuple[int, ...]:
+    """The prefill widths an admission into ``slots`` slots is made of, widest first: the
+    powers of two up to ``slots`` (any ``n ≤ slots`` is a sum of distinct ones)."""
+    return tuple(1 << i for i in reversed(range(slots.bit_length())))
+
+
 def slots_axes(path: Sequence[Any], x: Any) -> Logical:
     """The layout of a leaf of :class:`Scheduled`: the pool's key/value heads over ``tensor``
     (either layout: the head axis is the third), every other array whole on each device."""
@@ -357,7 +363,7 @@ class PagedPrograms(Programs):
     def _admission(self, model: Decoder, carry: Scheduled, counts: Counts) -> tuple[Scheduled, Counts]:
         """As many queued prompts as there are idle slots and free pages for (beside a page
         for each busy slot whose next token starts one), admitted in prefills of the widths
-        :func:`buckets` lists, widest first (``n = 5`` of 8 slots: 4, then 1), so that no
+        :func:`admission_widths` lists, widest first (``n = 5``: 4, then 1), so that no
         prefill row is padding. Each width is a loop of at most one trip, not a branch: a
         ``lax.cond`` or ``lax.switch`` copies the pool it passes on (XLA:CPU, 4 MiB a layer
         at the long-tailed task's 32 slots), a loop updates it in place."""
@@ -369,7 +375,7 @@ class PagedPrograms(Programs):
         offer = jnp.arange(slots)
         need = jnp.minimum(pages_for(q.prompt_len[q.at(offer)] + 1, p.page_size), per_sequence)
         n = prefix_within(jnp.where(offer < room, need, carry.pages.free.shape[0] + 1), budget)
-        for width in reversed(buckets(slots)):  # after the wider ones, fewer than twice `width` are left
+        for width in admission_widths(slots):  # after the wider ones, fewer than twice `width` are left
 
             def admit(loop: tuple[Scheduled, Counts, Array], width: int = width) -> tuple[Scheduled, Counts, Array]:
                 carry, counts, left = loop
@@ -426,8 +432,11 @@ class PagedPrograms(Programs):
     def decode_widths(self, slots: int) -> tuple[int, ...]:
         """The rows a decode step may run: the busy slots, rounded up to one of these (the
         powers of two from ``S / 8`` and ``S``), so that the last answers of a stream drain
-        at a fraction of the full width's cost."""
-        return tuple(w for w in buckets(slots) if w >= max(slots // 8, 1))
+        at a fraction of the full width's cost. Below 8 slots the saving is small beside
+        the compile of another decode: every step runs all ``S``."""
+        if slots < 8:
+            return (slots,)
+        return tuple(w for w in buckets(slots) if w >= slots // 8)
 
     def decode_width(self, active: Array) -> Array:
         """The narrowest of :meth:`decode_widths` that holds the busy slots ``active [S]``."""

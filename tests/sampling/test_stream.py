@@ -71,10 +71,10 @@ def test_the_device_refills_a_slot_in_the_step_after_its_answer_ends():
 
 
 def test_the_decode_narrows_to_the_slots_in_flight():
-    """8 prompts in 8 slots, all admitted at the first step: at step k the busy slots are the
+    """8 prompts in 9 slots, all admitted at the first step: at step k the busy slots are the
     answers longer than k, and the step decodes them in the narrowest power of two that
-    holds them (not all 8), so the rows decoded are the sum of those widths."""
-    stream = _stream(slots=8)
+    holds them (not all 9), so the rows decoded are the sum of those widths."""
+    stream = _stream(slots=len(PROMPTS), chunk_steps=1)  # the engine of the test above
     stream.submit(0, PROMPTS[:8], prompt_keys(jax.random.key(0), 9)[:8])  # uneven answers (test_continuous)
     ((_, batch),) = run_stream(stream)
     lengths = np.asarray(batch.response_mask).sum(1)
