@@ -78,7 +78,7 @@ def test_the_continuous_engine_compiles_the_ragged_paged_kernel_for_v5e_chips():
     carry = jax.eval_shape(
         lambda s: engine.empty(s, slots, PROMPT_SLOTS, engine.pool_pages(slots, PROMPT_SLOTS)), abstract
     )
-    pool_per_chip = sum(x.size * x.dtype.itemsize for x in carry.cache.pages) // 4
+    pool_per_chip = sum(x.size * x.dtype.itemsize for x in carry.slots.cache.pages) // 4
     rest = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(carry)) - 4 * pool_per_chip  # whole
     assert abs(pool_per_chip / dense_per_chip - 0.5) < 0.01, (pool_per_chip, dense_per_chip)
     # the carry, donated: the pool's quarter and the records, logits and slot state (whole);
