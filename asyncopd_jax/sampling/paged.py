@@ -131,7 +131,6 @@ class Counts:
     sampled: Array  # tokens sampled (every busy slot's, each step)
     waiting_steps: Array  # steps with prompts still queued after admission
     waiting_sampled: Array  # tokens sampled in those steps
-    admitted: Array
     refills: Array  # admissions into a slot an earlier sequence had held
     preemptions: Array
     prefill_tokens: Array
@@ -304,17 +303,6 @@ class PagedPrograms(Programs):
             admissions=jnp.int32(0),
         )
 
-    def incoming(self, slots: int, prompt_slots: int) -> Incoming:
-        """No prompts handed in (the shapes :meth:`run` takes)."""
-        queue = 2 * slots
-        return Incoming(
-            prompts=jnp.zeros((queue, prompt_slots), jnp.int32),
-            prompt_len=jnp.zeros((queue,), jnp.int32),
-            keys=jax.random.split(jax.random.key(0), queue),
-            row=jnp.full((queue,), -1, jnp.int32),
-            count=jnp.int32(0),
-        )
-
     # --- one step's parts -----------------------------------------------------------------
 
     def _admit(
@@ -358,7 +346,7 @@ class PagedPrograms(Programs):
             queue=dataclasses.replace(q, head=q.head + n),
             admissions=carry.admissions + n,
         )
-        return carry, counts.add(admitted=n, refills=refills, prefill_tokens=jnp.sum(prompt_len, dtype=jnp.int32))
+        return carry, counts.add(refills=refills, prefill_tokens=jnp.sum(prompt_len, dtype=jnp.int32))
 
     def _admission(self, model: Decoder, carry: Scheduled, counts: Counts) -> tuple[Scheduled, Counts]:
         """As many queued prompts as there are idle slots and free pages for (beside a page
