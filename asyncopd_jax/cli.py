@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -57,7 +58,22 @@ def _plan(args: argparse.Namespace) -> None:
     cfg = load_config(args.config or DEMO_CONFIG, args.set)
     response = args.response_tokens or cfg.sampling.max_new_tokens
     shapes = Shapes(prompt_tokens=args.prompt_tokens, response_tokens=response, layers=args.layers)
-    print(format_plan(make_plan(cfg, get_topology(args.topology), shapes)))
+    if args.storage_gbps <= 0:
+        raise ValueError(f"--storage-gbps {args.storage_gbps:g} is invalid; expected GB/s > 0")
+    settings = {"mean_response_tokens": args.mean_response_tokens, "storage_bytes_per_s": args.storage_gbps * 1e9}
+    topology = get_topology(args.topology)
+    if args.balance:
+        from asyncopd_jax.scale.split import balance_split, format_balanced
+
+        start = time.monotonic()
+
+        def progress(line: str) -> None:
+            print(f"[balance {time.monotonic() - start:5.0f} s] {line}", file=sys.stderr, flush=True)
+
+        found = balance_split(cfg, topology, shapes, **settings, progress=progress, chips_per_host=args.chips_per_host)
+        print(format_balanced(found))
+    else:
+        print(format_plan(make_plan(cfg, topology, shapes, **settings)))
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -363,6 +379,29 @@ def main(argv: list[str] | None = None) -> int:
         "--response-tokens", type=int, default=0, help="response slots T (default: sampling.max_new_tokens)"
     )
     plan.add_argument("--layers", type=int, default=None, help="compile this many layers (a quick, reduced plan)")
+    plan.add_argument(
+        "--balance",
+        action="store_true",
+        help="search the split of the topology's chips among learner, sampler and teacher that samples fastest",
+    )
+    plan.add_argument(
+        "--mean-response-tokens",
+        type=float,
+        default=None,
+        help="answer tokens expected per sample, for the continuous engine's decode (default: every answer to T)",
+    )
+    plan.add_argument(
+        "--chips-per-host",
+        type=int,
+        default=None,
+        help="--balance: chips one host holds (default: all); a stage off the learner's host swaps through storage",
+    )
+    plan.add_argument(
+        "--storage-gbps",
+        type=float,
+        default=1.0,
+        help="GB/s a snapshot is written and read at when it goes through storage (stage processes; default 1)",
+    )
     plan.set_defaults(fn=_plan)
 
     served = sub.add_parser(

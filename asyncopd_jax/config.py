@@ -865,5 +865,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return _from_dict(RunConfig, apply_overrides(data, list(overrides)), "")
 
 
+def with_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
+    """``cfg`` with ``--set``-style overrides applied, validated as :func:`load_config` does."""
+    return _from_dict(RunConfig, apply_overrides(to_dict(cfg), list(overrides)), "")
+
+
 def save_config(cfg: RunConfig, path: str | Path) -> None:
     write_text_atomically(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

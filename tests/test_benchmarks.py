@@ -4,6 +4,7 @@ against today's three teachers (in the vLLM step)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,21 @@ def test_bench_scoring_compares_the_three_teachers_in_one_run():
         assert teachers <= lines.keys(), done.stdout
         assert lines["in-process"][ratio] == "1.00", done.stdout
         assert all(float(lines[name][ratio]) > 0 for name in teachers), done.stdout
+
+
+def test_bench_swaps_times_every_route_of_a_shipped_students_swap(tmp_path):
+    """``benchmarks/bench_swaps.py`` publishes and loads the demo's student by each route the
+    runs use and prints each one's seconds and GB/s."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_swaps.py"), "--configs", "demo", "--repeats", "1"]
+        + ["--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row[2]: row for row in (line.split() for line in done.stdout.splitlines()) if row[:1] == ["demo"]}
+    assert set(rows) == {"in-memory", "orbax", "safetensors"}, done.stdout
+    assert all(float(row[1]) > 0 and float(row[3]) > 0 for row in rows.values()), done.stdout  # MB, seconds
+    assert not list(tmp_path.iterdir())  # every snapshot directory removed

@@ -8,8 +8,10 @@ chip's. A GPU node (``h100-8``) has no such description here: its devices are XL
 devices standing in for the GPUs (``--xla_force_host_platform_device_count``), so its
 figures are XLA:CPU's (which overstate a TPU's memory about 2x), stated as a proxy.
 
-Peak rates are the vendors' dense bf16 matmul throughput and HBM bandwidth; HBM is what
-XLA may use (v5e: 15.75 GiB of the 16 GiB, as its compiler reports).
+Peak rates are the vendors' dense bf16 matmul throughput, HBM bandwidth and chip-to-chip
+interconnect bandwidth (ICI on TPUs, NVLink on GPUs: the figure of a chip's links in both
+directions together); HBM is what XLA may use (v5e: 15.75 GiB of the 16 GiB, as its
+compiler reports).
 """
 
 from __future__ import annotations
@@ -29,14 +31,23 @@ class Chip:
     hbm_bytes: float  # memory XLA may allocate on one chip
     peak_flops: float  # dense bf16 matmul FLOP/s
     hbm_bytes_per_s: float
+    interconnect_bytes_per_s: float  # chip-to-chip, both directions together (vendor's figure)
+
+    @property
+    def copy_bytes_per_s(self) -> float:
+        """What one chip receives (or sends) per second over its links: half the vendor's
+        both-directions figure, the rate of a one-way copy such as a weight hand-over."""
+        return self.interconnect_bytes_per_s / 2
 
 
 CHIPS: dict[str, Chip] = {
-    "v5e": Chip("TPU v5e", 15.75 * GIB, 197e12, 819e9),
-    "v6e": Chip("TPU v6e", 31.25 * GIB, 918e12, 1640e9),
-    "v5p": Chip("TPU v5p", 95.0e9, 459e12, 2765e9),
-    "h100": Chip("NVIDIA H100 SXM 80 GB", 80.0e9, 989e12, 3350e9),
-    "h200": Chip("NVIDIA H200 141 GB", 141.0e9, 989e12, 4800e9),
+    # ICI: 1,600 / 3,584 / 4,800 Gbit/s per chip (Cloud TPU's v5e, v6e and v5p pages);
+    # NVLink 4: 900 GB/s per GPU
+    "v5e": Chip("TPU v5e", 15.75 * GIB, 197e12, 819e9, 200e9),
+    "v6e": Chip("TPU v6e", 31.25 * GIB, 918e12, 1640e9, 448e9),
+    "v5p": Chip("TPU v5p", 95.0e9, 459e12, 2765e9, 600e9),
+    "h100": Chip("NVIDIA H100 SXM 80 GB", 80.0e9, 989e12, 3350e9, 900e9),
+    "h200": Chip("NVIDIA H200 141 GB", 141.0e9, 989e12, 4800e9, 900e9),
 }
 
 # Cloud TPU names count chips (v5e, v6e) or TensorCores (v5p: two per chip).

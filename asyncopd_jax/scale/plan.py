@@ -36,14 +36,16 @@ from asyncopd_jax.learner.step import (
 )
 from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.config import DecoderConfig, read_hf_config
-from asyncopd_jax.models.decoder import Remat, abstract_decoder
+from asyncopd_jax.models.decoder import Remat, abstract_decoder, cast_floating
 from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
-from asyncopd_jax.pipeline.placement import Role, device_ids, plan_layout
+from asyncopd_jax.pipeline.placement import Layout, Role, device_ids, plan_layout
 from asyncopd_jax.pipeline.stage import stage_mesh, with_shardings
 from asyncopd_jax.sampling import SamplingParams, make_sampler
 from asyncopd_jax.sampling.engine import ProgramShapes
+from asyncopd_jax.scale.balance import Answers, DecodeBytes, RolloutCost, rollout_seconds
 from asyncopd_jax.scale.chips import GIB, Chip, Topology
 from asyncopd_jax.scale.flops import matmul_flops, transformer_flops
+from asyncopd_jax.scale.swaps import DEFAULT_STORAGE_BYTES_PER_S, SwapFigures, bytes_per_device, swap_figures
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.teacher.scorer import teacher_score_function
 
@@ -204,6 +206,32 @@ def target_platform(devices: list) -> str:
     return "gpu" if platform == "cpu" else platform
 
 
+def abstract_train_state(cfg: RunConfig, params: Any) -> TrainState:
+    """The learner's state (parameters, optimizer state, step) as shapes."""
+    optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+    return jax.eval_shape(lambda p: TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)), params)
+
+
+def learner_state_bytes(cfg: RunConfig, config: DecoderConfig, devices: list, vocab_limit: int | None = None) -> int:
+    """The learner's state (parameters, optimizer state) on its busiest chip of ``learner.mesh``
+    over ``devices``: shapes placed by the run's shardings, nothing compiled. A lower bound of
+    the step's peak, which rules a chip count out before a compile would."""
+    mesh = make_mesh(cfg.learner.mesh, devices)
+    _, params = abstract_decoder(config, cfg.student.dtype, vocab_limit)
+    state = abstract_train_state(cfg, params)
+    return bytes_per_device(with_shardings(state, state_shardings(state, mesh)))
+
+
+def teacher_weight_bytes(
+    cfg: RunConfig, source: TeacherSource, config: DecoderConfig, devices: list, vocab_limit: int | None = None
+) -> int:
+    """A teacher's weights on its busiest chip of ``stages.scoring_mesh`` over ``devices``
+    (as :func:`learner_state_bytes`: a lower bound of its scoring's peak)."""
+    mesh = stage_mesh(devices, cfg.stages.scoring_mesh)
+    _, params = abstract_decoder(config, source.dtype, vocab_limit)
+    return bytes_per_device(with_shardings(params, parameter_shardings(params, mesh)))
+
+
 def compile_learner_step(
     cfg: RunConfig, config: DecoderConfig, devices: list, shapes: Shapes, vocab_limit: int | None = None
 ) -> StageFigures:
@@ -213,7 +241,7 @@ def compile_learner_step(
     attention = resolve_implementation(cfg.student.attention, target_platform(devices))
     graphdef, params = abstract_decoder(config, cfg.student.dtype, vocab_limit, attention)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
-    state = jax.eval_shape(lambda p: TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)), params)
+    state = abstract_train_state(cfg, params)
     rows = cfg.learner.batch_size // cfg.learner.mini_batches
     batch = abstract_learner_batch(cfg, rows, shapes, (graphdef, params))
     loss = PolicyLoss.from_config(cfg)
@@ -339,6 +367,36 @@ def compile_sampler(
     return figures
 
 
+def sampler_weights(cfg: RunConfig, config: DecoderConfig, devices: list, vocab_limit: int | None = None) -> Any:
+    """The student's parameters as a rollout stage receives them (``student.dtype``, placed
+    by the partition rules on ``stages.rollout_mesh`` over ``devices``): shapes only."""
+    mesh = stage_mesh(devices, cfg.stages.rollout_mesh)
+    _, params = abstract_decoder(config, cfg.student.dtype, vocab_limit)
+    return with_shardings(params, parameter_shardings(params, mesh))
+
+
+def decode_bytes(
+    cfg: RunConfig, config: DecoderConfig, devices: list, shapes: Shapes, vocab_limit: int | None = None
+) -> DecodeBytes:
+    """What one continuous decode step reads per chip of the rollout stage on ``devices``:
+    the weights in ``sampling.compute_dtype`` and the paged KV cache per token, as the
+    engine's own carry places them (shapes only: nothing compiled or allocated)."""
+    mesh = stage_mesh(devices, cfg.stages.rollout_mesh)
+    graphdef, _ = abstract_decoder(config, cfg.student.dtype, vocab_limit)
+    weights = sampler_weights(cfg, config, devices, vocab_limit)
+    engine = make_sampler(graphdef, rollout_sampling(cfg, shapes), mesh=mesh)
+    slots = engine.decode_rows(cfg.group_size)
+    _, (_, carry, _), _ = engine.abstract_calls(weights, slots, shapes.prompt_tokens)["decode"]
+    pool = carry.slots.cache.pages
+    tokens = engine.pool_pages(slots, shapes.prompt_tokens) * cfg.sampling.page_size
+    computed = jax.tree_util.tree_map(
+        lambda x, c: jax.ShapeDtypeStruct(x.shape, c.dtype, sharding=x.sharding),
+        weights,
+        jax.eval_shape(lambda w: cast_floating(w, cfg.sampling.compute_dtype), weights),
+    )
+    return DecodeBytes(weights=bytes_per_device(computed), kv_per_token=bytes_per_device(pool) / tokens)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Every stage's figures on one topology."""
@@ -349,15 +407,35 @@ class Plan:
     sources: dict[str, str]  # model → the config.json it was read from
     balance: dict[str, float] = dataclasses.field(default_factory=dict)  # stage → roofline s per rollout batch
     notes: list[str] = dataclasses.field(default_factory=list)  # what the per-stage rows leave out
+    answers: Answers | None = None  # the answer lengths the balance assumes
+    rollout: RolloutCost | None = None  # one sampler's share of the balance, split
+    swap: SwapFigures | None = None  # one published version's cost
 
 
-def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
-    """Compile every stage of ``cfg`` on ``topology`` (see the module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class Models:
+    """The architectures a plan compiles: the student, each in-process teacher (its source,
+    architecture and stage name), the ids both embed, and where each came from."""
+
+    student: DecoderConfig
+    teachers: list[tuple[TeacherSource, DecoderConfig, str]]
+    vocab_limit: int | None
+    sources: dict[str, str]
+
+    def scoring_shares(self, cfg: RunConfig) -> dict[str, float]:
+        """Each teacher's share of a group's rows (its mixture weight, or equal shares)."""
+        weights = {s.name: s.weight if cfg.routing.by == "mixture" else 1.0 for s in cfg.teacher_sources}
+        return {name: w / sum(weights.values()) for name, w in weights.items()}
+
+
+def read_models(cfg: RunConfig, shapes: Shapes) -> Models:
+    """``cfg``'s student and teachers (their ``config.json`` only; served teachers are
+    named, not planned), at ``shapes.layers`` where set."""
     student, student_source = architecture(cfg.student, shapes.layers)
     sources = {"student": student_source}
     vocab_limit = None
     several = len(cfg.teacher_sources) > 1
-    in_process: list[tuple[TeacherSource, DecoderConfig, str]] = []  # (teacher, architecture, stage name)
+    in_process: list[tuple[TeacherSource, DecoderConfig, str]] = []
     for source in cfg.teacher_sources:
         name = f"teacher {source.name}" if several else "teacher"
         if source.served:  # on the server's own hardware: nothing of it runs on these chips
@@ -374,11 +452,34 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
             if cfg.routing.by == "mixture"
             else f"by the dataset's {cfg.routing.field!r}: equal shares assumed"
         )
+    return Models(student, in_process, vocab_limit, sources)
+
+
+def layout_of(cfg: RunConfig) -> Layout:
+    """Where each stage of ``cfg`` runs, as the run itself would place it."""
+    return plan_layout(cfg, run_path=Path(cfg.output_dir) / cfg.name, available_cores=())
+
+
+def make_plan(
+    cfg: RunConfig,
+    topology: Topology,
+    shapes: Shapes,
+    mean_response_tokens: float | None = None,
+    storage_bytes_per_s: float = DEFAULT_STORAGE_BYTES_PER_S,
+) -> Plan:
+    """Compile every stage of ``cfg`` on ``topology`` (see the module docstring), and balance
+    them per rollout batch (:mod:`asyncopd_jax.scale.balance`) with answers of
+    ``mean_response_tokens`` expected (None: every answer to the limit) and a weight swap per
+    published version (:mod:`asyncopd_jax.scale.swaps`; ``storage_bytes_per_s``: the storage
+    route's rate)."""
+    models = read_models(cfg, shapes)
+    student, vocab_limit, in_process = models.student, models.vocab_limit, models.teachers
+    sources = dict(models.sources)
     count = len(topology.devices)
     chips = topology.chip
 
     # where each stage runs on the topology's chips, as the run itself would place it
-    layout = plan_layout(cfg, run_path=Path(cfg.output_dir) / cfg.name, available_cores=())
+    layout = layout_of(cfg)
 
     def devices_of(role: Role) -> list:
         """The first ``role`` stage's chips (each of the role's stages holds as many)."""
@@ -389,14 +490,37 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
     group = layout.group_size
     groups = cfg.learner.batch_size // group  # rollout groups per batch
     sampler = compile_sampler(cfg, student, devices_of("rollout"), shapes, group, vocab_limit)
-    prefill, decode = sampler[0].roofline_seconds(chips), sampler[1].roofline_seconds(chips)
-    # calls of prefill + T decode steps per batch, each stage's in parallel: a group each
-    # (static), or a wave of `slots` prompts through a stream (continuous; at answers of
-    # T tokens: shorter ones take their share of the steps)
-    waves = -(-cfg.learner.batch_size // (sampler[1].rows * rollouts))
+    answers = Answers(shapes.prompt_tokens, shapes.response_tokens, mean_response_tokens or shapes.response_tokens)
+    continuous = cfg.sampling.engine == "continuous"
+    held = decode_bytes(cfg, student, devices_of("rollout"), shapes, vocab_limit) if continuous else None
+    _, published = abstract_decoder(student, cfg.student.dtype, vocab_limit)
+    swap = swap_figures(
+        layout.snapshots,
+        published,
+        sampler_weights(cfg, student, devices_of("rollout"), vocab_limit),
+        learner_chips=len(devices_of("learner")),
+        samplers=rollouts,
+        chip=chips,
+        storage_bytes_per_s=storage_bytes_per_s,
+    )
+    prefill, decode, recompute = (f.roofline_seconds(chips) for f in sampler)
+    rollout = rollout_seconds(
+        cfg,
+        dataclasses.replace(student, vocab_size=vocab_limit or student.vocab_size),
+        answers,
+        samplers=rollouts,
+        rows=sampler[1].rows,
+        chips=sampler[1].devices,
+        prefill=prefill,
+        decode=decode,
+        recompute=recompute,
+        held=held,
+        swap=swap,
+        chip=chips,
+    )
     balance = {  # a stage that does not compile has no time (NaN)
-        "rollout": waves * (prefill + shapes.response_tokens * decode),
-        "learning": cfg.learner.mini_batches * learner.roofline_seconds(chips),
+        "rollout": rollout.total,
+        "learning": cfg.learner.mini_batches * learner.roofline_seconds(chips) + swap.publish_seconds,
     }
     if any(s.error for s in sampler):
         balance["rollout"] = float("nan")
@@ -405,7 +529,7 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
     stages = [learner, *sampler]
     if in_process and cfg.needs_teacher_scores:
         scorers = len(layout.of_role("scoring"))  # one per scoring process, or per rollout process that scores
-        weights = {s.name: s.weight if cfg.routing.by == "mixture" else 1.0 for s in cfg.teacher_sources}
+        shares = models.scoring_shares(cfg)
         seconds = 0.0
         for source, teacher, stage in in_process:
             scoring = compile_teacher_scoring(
@@ -413,8 +537,7 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
             )
             stages.append(scoring)
             # a teacher scores its share of each group's rows: that share of a whole group's time
-            share = weights[source.name] / sum(weights.values())
-            seconds += float("nan") if scoring.error else share * scoring.roofline_seconds(chips)
+            seconds += float("nan") if scoring.error else shares[source.name] * scoring.roofline_seconds(chips)
         balance["scoring"] = -(-groups // scorers) * seconds
     programs = sampler_programs(cfg, student, shapes, group)
     notes = [
@@ -423,13 +546,38 @@ def make_plan(cfg: RunConfig, topology: Topology, shapes: Shapes) -> Plan:
     ]
     shared = [f for f in stages if f.stage.startswith("scoring ") and not f.error]
     if len(shared) > 1:  # each row counts its own teacher's weights; all of them lie on the scoring chips
-        held = sum(f.argument_bytes for f in shared)
-        peak = held + max(f.temp_bytes for f in shared)
+        inputs = sum(f.argument_bytes for f in shared)
+        peak = inputs + max(f.temp_bytes for f in shared)
         notes.append(
-            f"the {len(shared)} teachers share the scoring chips: weights and inputs {held / GIB:.2f} GiB + the "
+            f"the {len(shared)} teachers share the scoring chips: weights and inputs {inputs / GIB:.2f} GiB + the "
             f"largest scoring's temporaries = {peak / GIB:.2f} GiB per chip ({peak / chips.hbm_bytes:.0%} of HBM)"
         )
-    return Plan(topology, shapes, stages, sources, balance, notes)
+    return Plan(topology, shapes, stages, sources, balance, notes, answers, rollout, swap)
+
+
+def balance_header(plan: Plan) -> list[str]:
+    """What the balance lines assume (:mod:`asyncopd_jax.scale.balance`)."""
+    answers, lines = plan.answers, []
+    if answers is not None:
+        expected = "every answer to the limit" if answers.mean == answers.limit else f"{answers.mean:g} expected"
+        lines.append(f"answers: {expected} of {answers.limit} tokens, after {answers.prompt} prompt slots")
+    if plan.swap is not None:
+        lines.append(plan.swap.describe())
+    return [
+        *lines,
+        "per rollout batch, at the roofline (asyncopd_jax/scale/balance.py; the sampler: prefill +",
+        "decode + a weight swap's load and recompute): the slowest stage sets the pace, the others idle the rest",
+    ]
+
+
+def stage_detail(plan: Plan, name: str) -> str:
+    """The parts of a balance line's time: the rollout's prefill / decode / swap, the learner's publish."""
+    if name == "rollout" and plan.rollout is not None:
+        r = plan.rollout
+        return f"  (prefill {r.prefill:.2f} + decode {r.decode:.2f} + swap {r.swap:.2f})"
+    if name == "learning" and plan.swap is not None:
+        return f"  (publish {plan.swap.publish_seconds:.2f})"
+    return ""
 
 
 def format_plan(plan: Plan) -> str:
@@ -465,15 +613,10 @@ def format_plan(plan: Plan) -> str:
     times = [t for t in plan.balance.values() if t == t]  # the stages that compile
     if times:
         slowest = max(times)
-        lines += [
-            "",
-            "per rollout batch, at the roofline (the sampler: prefill + T decode steps per group, or per",
-            "wave of slots on the continuous engine; weight swaps add a recompute each): the slowest",
-            "stage sets the pace, the others idle the rest",
-        ]
+        lines += ["", *balance_header(plan)]
         for name, seconds in plan.balance.items():
             if seconds != seconds:
                 lines.append(f"  {name:<10}  (does not compile)")
             else:
-                lines.append(f"  {name:<10}{seconds:>9.2f} s  busy {seconds / slowest:>4.0%}")
+                lines.append(f"  {name:<10}{seconds:>9.2f} s  busy {seconds / slowest:>4.0%}{stage_detail(plan, name)}")
     return "\n".join(lines)

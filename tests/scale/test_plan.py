@@ -21,6 +21,8 @@ from asyncopd_jax.learner.step import PolicyLoss, TrainState, train_step_functio
 from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.pipeline.learner_stage import LearnerStage
 from asyncopd_jax.pipeline.trainer import Trainer
+from asyncopd_jax.scale import plan as plan_module
+from asyncopd_jax.scale.balance import Answers
 from asyncopd_jax.scale.chips import GIB, get_topology
 from asyncopd_jax.scale.flops import matmul_flops, transformer_flops
 from asyncopd_jax.scale.plan import (
@@ -138,27 +140,48 @@ def test_the_learner_steps_flops_are_the_textbooks_at_real_shapes():
     assert 1.2 < remat / model < 4 / 3
 
 
-def test_the_continuous_engine_balance_counts_waves_of_slots_not_groups():
-    """64 prompts a batch through a stream of 16 slots: 4 waves of prefill + T decode steps
-    (the static sampler: one group of 64 rows). The teacher is served: named external, it
-    is neither compiled nor in the balance."""
+def test_the_continuous_engine_balance_decodes_the_expected_answers_through_its_slots():
+    """64 prompts a batch through a stream of 16 slots, answers of 10 tokens expected of 24:
+    64 · 10 / 16 = 40 decode steps of 16 slots over the mean context 16 + 5, each at the
+    roofline of its weights' and that context's KV bytes; 64 / 16 = 4 prefills of a full set
+    of slots; a swap's load and the recompute of the live slots' share of the worst case
+    (21 of 40 tokens). The teacher is served: named external, it is neither compiled nor in
+    the balance."""
     served = ["teacher.path=''", "teacher.server.url=http://teacher:8000"]
     cfg = load_config(
         configs.DEMO, ["sampling.engine=continuous", "sampling.slots=16", "learner.batch_size=64", *served]
     )
     shapes = Shapes(prompt_tokens=16, response_tokens=24)
-    plan = make_plan(cfg, get_topology("h100-4"), shapes)
+    plan = make_plan(cfg, get_topology("h100-4"), shapes, mean_response_tokens=10)
     assert [s.stage for s in plan.stages] == ["learner step", "sampler prefill", "sampler decode", "sampler recompute"]
     assert set(plan.balance) == {"rollout", "learning"}
-    assert "teacher: external, served at http://teacher:8000 (not planned on these chips)" in format_plan(plan)
-    prefill, decode = plan.stages[1], plan.stages[2]
+    text = format_plan(plan)
+    assert "teacher: external, served at http://teacher:8000 (not planned on these chips)" in text
+    assert "answers: 10 expected of 24 tokens, after 16 prompt slots" in text
+    prefill, decode, recompute = plan.stages[1:]
     assert (prefill.rows, decode.rows) == (16, 16)
     chip = plan.topology.chip
-    want = 4 * (prefill.roofline_seconds(chip) + 24 * decode.roofline_seconds(chip))
+    student, _ = architecture(cfg.student)
+    layer_bytes = 2 * student.num_key_value_heads * student.head_dim * 4  # K and V, fp32, one layer
+    held = plan_module.decode_bytes(cfg, student, [get_topology("h100-4").devices[0]], shapes)
+    assert held.kv_per_token == student.num_hidden_layers * layer_bytes
+    weights = sum(x.size * 4 for x in jax.tree_util.tree_leaves(abstract_decoder(student, "float32")[1]))
+    assert held.weights == weights
+    q = student.num_attention_heads * student.head_dim
+    flops = transformer_flops(student, 16, 1, 1, backward=False) + 16 * student.num_hidden_layers * 4 * 21 * q
+    step = max(flops / chip.peak_flops, (weights + 16 * 21 * held.kv_per_token) / chip.hbm_bytes_per_s)
+    swap = plan.swap.load_seconds + recompute.roofline_seconds(chip) * 21 / 40
+    want = 4 * prefill.roofline_seconds(chip) + 40 * step + swap
     assert plan.balance["rollout"] == pytest.approx(want)
+    assert plan.rollout.decode == pytest.approx(40 * step)
     # admission and decode widths are loops inside the one call program: two programs in all
     want = "the rollout engine (continuous) compiles 2 programs at most for these shapes: run 1, recompute 1"
-    assert want in format_plan(plan)
+    assert want in text
+
+
+def test_a_mean_answer_longer_than_the_limit_is_one_line():
+    with pytest.raises(ValueError, match="--mean-response-tokens 30 is invalid; expected 0 < it <= the response"):
+        Answers(16, 24, 30)
 
 
 def test_several_teachers_each_compiled_their_share_in_the_balance_and_their_weights_summed():
@@ -180,3 +203,17 @@ def test_several_teachers_each_compiled_their_share_in_the_balance_and_their_wei
     assert "teacher c: external, served at http://teacher:8000" in text and "teacher a: " in text
     weights = sum(s.argument_bytes for s in scoring.values()) / GIB
     assert f"the 2 teachers share the scoring chips: weights and inputs {weights:.2f} GiB" in text
+
+
+def test_a_decode_step_reads_the_weights_and_cache_in_the_samplers_compute_dtype():
+    """bf16 compute over an fp32 student: the weights a step reads and its KV cache per
+    token are half the fp32 ones (shapes only: nothing compiled)."""
+    student, _ = architecture(load_config(configs.DEMO).student)
+    devices = [get_topology("h100-1").devices[0]]
+    shapes = Shapes(prompt_tokens=16, response_tokens=24)
+    sets = ["sampling.engine=continuous", "sampling.slots=8"]
+    fp32 = plan_module.decode_bytes(load_config(configs.DEMO, sets), student, devices, shapes)
+    bf16 = plan_module.decode_bytes(
+        load_config(configs.DEMO, [*sets, "sampling.compute_dtype=bfloat16"]), student, devices, shapes
+    )
+    assert (bf16.weights * 2, bf16.kv_per_token * 2) == (fp32.weights, fp32.kv_per_token)

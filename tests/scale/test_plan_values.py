@@ -25,6 +25,7 @@ from asyncopd_jax.learner.step import create_train_state
 from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.decoder import Decoder, abstract_decoder
 from asyncopd_jax.scale import plan as plan_module
+from asyncopd_jax.scale.balance import Answers, RolloutCost
 from asyncopd_jax.scale.chips import CHIPS, Topology, get_topology
 from asyncopd_jax.scale.flops import transformer_flops
 from asyncopd_jax.scale.plan import (
@@ -37,6 +38,7 @@ from asyncopd_jax.scale.plan import (
     format_plan,
     make_plan,
 )
+from asyncopd_jax.scale.swaps import SwapFigures
 
 
 class _Refused:
@@ -129,9 +131,26 @@ def test_make_plan_compiles_each_stage_at_the_reduced_depth_and_the_shared_vocab
         "student": str(ARCHITECTURES / "Qwen3-1.7B" / "config.json"),
         "teacher": str(teacher / "config.json"),
     }
-    # rollout: ⌈8 / (4 rows × 2 stages)⌉ = 1 wave of prefill + 96 decode steps; learning: 2
-    # mini-batches; scoring: 8 / 4 = 2 groups on the one scoring stage
-    assert plan.balance == pytest.approx({"rollout": 0.5 + 96 * 0.01, "learning": 2 * 1.0, "scoring": 2 * 0.25})
+    # rollout: ⌈8 / (4 rows × 2 stages)⌉ = 1 wave of prefill + 96 decode steps, then the
+    # version's load and (fully_async: interruptible) the recompute of the group; learning: 2
+    # mini-batches + the publish; scoring: 8 / 4 = 2 groups on the one scoring stage
+    swap = plan.swap
+    assert swap is not None and swap.route.startswith("in memory") and swap.load_seconds > 0
+    assert plan.balance == pytest.approx(
+        {
+            "rollout": 0.5 + 96 * 0.01 + swap.load_seconds + 9.0,
+            "learning": 2 * 1.0 + swap.publish_seconds,
+            "scoring": 2 * 0.25,
+        }
+    )
+    # the student's parameters at the shared vocabulary, fp32 (student.dtype), both rollout
+    # stages' copies sent by the learner's 4 chips, each received whole (no rollout mesh)
+    _, published = abstract_decoder(plan_module.read_models(cfg, Shapes(32, 96, 1)).student, "float32", 151000)
+    size = sum(x.size * 4 for x in jax.tree_util.tree_leaves(published))
+    rate = CHIPS["h100"].interconnect_bytes_per_s / 2
+    assert (swap.published_bytes, swap.reader_chip_bytes) == (size, size)
+    assert swap.publish_seconds == pytest.approx(2 * size / 4 / rate)
+    assert swap.load_seconds == pytest.approx(size / rate)
 
 
 GOLDEN = (
@@ -151,11 +170,13 @@ learner step         4     8      3.00      5.00      9.00     12%    30.0    40
 sampler decode       4     8      0.50      0.00      0.50      1%     0.0     0.0      -     1.0       0.200    0%
 teacher scoring      4     8  does not compile: RESOURCE_EXHAUSTED: out of memory
 
-per rollout batch, at the roofline (the sampler: prefill + T decode steps per group, or per
-wave of slots on the continuous engine; weight swaps add a recompute each): the slowest
-stage sets the pace, the others idle the rest
-  rollout        2.50 s  busy 100%
-  learning       1.25 s  busy  50%
+answers: 40 expected of 96 tokens, after 32 prompt slots
+a weight swap per published version (in memory: device to device over the chips' links): 3.40 GB published, \
+learner 0.019 s, each sampler 0.004 s to load (0.85 GB)
+per rollout batch, at the roofline (asyncopd_jax/scale/balance.py; the sampler: prefill +
+decode + a weight swap's load and recompute): the slowest stage sets the pace, the others idle the rest
+  rollout        2.50 s  busy 100%  (prefill 0.50 + decode 1.50 + swap 0.50)
+  learning       1.25 s  busy  50%  (publish 0.02)
   scoring     (does not compile)
 """
 )
@@ -195,6 +216,11 @@ def test_the_plan_table_prints_every_figure_per_chip():
         stages,
         {"student": "/a/config.json", "teacher": "/b/config.json"},
         {"rollout": 2.5, "learning": 1.25, "scoring": float("nan")},
+        answers=Answers(32, 96, 40),
+        rollout=RolloutCost(prefill=0.5, decode=1.5, swap=0.5),
+        swap=SwapFigures(
+            "in memory: device to device over the chips' links", 3_400_000_000, 850_000_000, 0.019, 0.0038
+        ),
     )
     assert format_plan(plan) == GOLDEN.rstrip("\n")
 

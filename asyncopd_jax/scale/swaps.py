@@ -1,0 +1,121 @@
+"""Weight swaps in a plan: what one published policy version costs the learner that
+publishes it and each sampler that loads it, on a topology's links.
+
+A run publishes one version per rollout batch (``pipeline/trainer.py``: after the batch's
+M optimizer steps), and every rollout stage loads it between two engine calls
+(``pipeline/rollout.py``) and then, where generation is interruptible, rewrites its live
+sequences' KV cache under the new weights (the sampler's ``recompute``, which the plan
+compiles with the sampler). The run's snapshot channel (``pipeline/placement.py:
+snapshot_channel``) decides the route:
+
+* **in memory** (``threads`` placement): ``jax.device_put`` of the learner's parameters
+  onto the sampler's shardings. Each sampler chip receives its own shard over its links:
+  ``bytes per sampler chip / (interconnect / 2)``; the learner's chips send one copy per
+  sampler: ``samplers · bytes / learner chips / (interconnect / 2)``, counted against the
+  learner (the copy reads the buffers the next step donates).
+* **through storage** (stage processes): the learner writes the version (Orbax's shards or
+  one safetensors file) and every rollout process reads all of it back, each at
+  ``storage_bytes_per_s``: a setting (``asyncopd plan --storage-gbps``), since a pod's
+  storage is not this machine's; ``benchmarks/bench_swaps.py`` measures this machine's.
+  The write is counted against the learner in full, an upper bound: Orbax writes in the
+  background and the learner waits for it only at the next publish.
+
+Bytes are those of the published parameters: ``student.dtype`` (the learner's master
+copy), which the sampler casts to ``sampling.compute_dtype`` inside its programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from asyncopd_jax.pipeline.placement import SnapshotChannel
+from asyncopd_jax.scale.chips import Chip
+
+DEFAULT_STORAGE_BYTES_PER_S = 1e9  # --storage-gbps 1: a cloud VM's persistent disk or object store, roughly
+
+
+def bytes_per_device(tree: Any) -> int:
+    """The bytes the busiest device holds of ``tree``: ``ShapeDtypeStruct`` s (or arrays)
+    placed by their ``sharding`` (none: whole on one device)."""
+    held: dict[Any, int] = {}
+    for x in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        size = np.dtype(x.dtype).itemsize
+        if sharding is None:
+            held[None] = held.get(None, 0) + math.prod(x.shape) * size
+            continue
+        for device, index in sharding.devices_indices_map(tuple(x.shape)).items():
+            shard = math.prod(len(range(*i.indices(n))) for i, n in zip(index, x.shape))
+            held[device] = held.get(device, 0) + shard * size
+    return max(held.values(), default=0)
+
+
+def total_bytes(tree: Any) -> int:
+    """The bytes of ``tree``'s arrays, each counted once."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapFigures:
+    """One published version's cost, at the roofline of the links it travels over.
+
+    ``publish_seconds`` delays the learner once per version; ``load_seconds`` delays each
+    sampler once per version, before its recompute."""
+
+    route: str
+    published_bytes: int  # the version: every parameter, in student.dtype
+    reader_chip_bytes: int  # what the busiest sampler chip receives (in memory) or a sampler process reads
+    publish_seconds: float
+    load_seconds: float
+
+    def describe(self) -> str:
+        return (
+            f"a weight swap per published version ({self.route}): {self.published_bytes / 1e9:.2f} GB published, "
+            f"learner {self.publish_seconds:.3f} s, each sampler {self.load_seconds:.3f} s to load "
+            f"({self.reader_chip_bytes / 1e9:.2f} GB)"
+        )
+
+
+def swap_figures(
+    channel: SnapshotChannel,
+    params: Any,
+    sampler_params: Any,
+    *,
+    learner_chips: int,
+    samplers: int,
+    chip: Chip,
+    storage_bytes_per_s: float = DEFAULT_STORAGE_BYTES_PER_S,
+) -> SwapFigures:
+    """The cost of one version on ``channel`` (module docstring).
+
+    Args:
+      params: the published parameters (``ShapeDtypeStruct`` s; their shardings unused).
+      sampler_params: the same, placed as one sampler receives them (its mesh's shardings).
+      learner_chips: the chips that send an in-memory copy.
+      samplers: rollout stages, each loading every version.
+      chip: the topology's chip (its interconnect).
+      storage_bytes_per_s: the storage route's rate, each way.
+    """
+    published = total_bytes(params)
+    if channel.in_memory:
+        per_chip = bytes_per_device(sampler_params)
+        rate = chip.copy_bytes_per_s
+        return SwapFigures(
+            route="in memory: device to device over the chips' links",
+            published_bytes=published,
+            reader_chip_bytes=per_chip,
+            publish_seconds=samplers * published / learner_chips / rate,
+            load_seconds=per_chip / rate,
+        )
+    return SwapFigures(
+        route=f"{channel.format} through storage at {storage_bytes_per_s / 1e9:.2f} GB/s",
+        published_bytes=published,
+        reader_chip_bytes=published,
+        publish_seconds=published / storage_bytes_per_s,
+        load_seconds=published / storage_bytes_per_s,
+    )
