@@ -472,6 +472,7 @@ def make_plan(
     ``mean_response_tokens`` expected (None: every answer to the limit) and a weight swap per
     published version (:mod:`asyncopd_jax.scale.swaps`; ``storage_bytes_per_s``: the storage
     route's rate)."""
+    answers = Answers(shapes.prompt_tokens, shapes.response_tokens, mean_response_tokens or shapes.response_tokens)
     models = read_models(cfg, shapes)
     student, vocab_limit, in_process = models.student, models.vocab_limit, models.teachers
     sources = dict(models.sources)
@@ -490,7 +491,6 @@ def make_plan(
     group = layout.group_size
     groups = cfg.learner.batch_size // group  # rollout groups per batch
     sampler = compile_sampler(cfg, student, devices_of("rollout"), shapes, group, vocab_limit)
-    answers = Answers(shapes.prompt_tokens, shapes.response_tokens, mean_response_tokens or shapes.response_tokens)
     continuous = cfg.sampling.engine == "continuous"
     held = decode_bytes(cfg, student, devices_of("rollout"), shapes, vocab_limit) if continuous else None
     _, published = abstract_decoder(student, cfg.student.dtype, vocab_limit)

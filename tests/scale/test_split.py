@@ -177,6 +177,7 @@ def test_bad_balance_settings_are_one_line(capsys, argv, says):
     assert says in err and "\n" not in err
 
 
+@pytest.mark.e2e  # every stage compiled at each chip count: the end-to-end step
 def test_plan_balance_from_the_command_line_compiles_and_prints_the_chosen_split(capsys):
     """The real path: every stage compiled by XLA:CPU for the demo's models on a 4-GPU proxy."""
     assert main(["plan", "--config", "demo", "--topology", "h100-4", "--balance", "--mean-response-tokens", "8"]) == 0
