@@ -327,6 +327,21 @@ def sampler_programs(cfg: RunConfig, config: DecoderConfig, shapes: Shapes, rows
     return make_sampler(graphdef, rollout_sampling(cfg, shapes)).program_shapes(rows, shapes.prompt_tokens)
 
 
+def sampler_work(config: DecoderConfig, rows: int, shapes: Shapes) -> dict[str, int]:
+    """The sampler's FLOPs per call of ``rows`` rows, by the textbook (its loops hide them from
+    both the compiler, which counts a loop's body once, and a count of its jaxpr): a forward
+    over the tokens written, the LM head on each row's next token only; a decode step's
+    attention reads all P + T slots of its row's cache. ``config``: at the vocabulary used."""
+    p, t = shapes.prompt_tokens, shapes.response_tokens
+    q = config.num_attention_heads * config.head_dim
+    return {
+        "prefill": transformer_flops(config, rows, p, 1, backward=False),
+        "decode": transformer_flops(config, rows, 1, 1, backward=False)
+        + rows * config.num_hidden_layers * 4 * (p + t) * q,
+        "recompute": transformer_flops(config, rows, p + t, 1, backward=False),
+    }
+
+
 def compile_sampler(
     cfg: RunConfig, config: DecoderConfig, devices: list, shapes: Shapes, rows: int, vocab_limit: int | None = None
 ) -> list[StageFigures]:
@@ -347,17 +362,7 @@ def compile_sampler(
     lowered = engine.lower(weights, rows, shapes.prompt_tokens)
     n, p, t = len(mesh.devices.flat), shapes.prompt_tokens, shapes.response_tokens
     head = dataclasses.replace(config, vocab_size=vocab_limit or config.vocab_size)
-    # The work per call, by the textbook (the sampler's loops hide it from both the compiler,
-    # which counts a loop's body once, and a count of its jaxpr): a forward over the tokens
-    # written, the LM head on each row's next token only; a decode step's attention reads
-    # all P + T slots of its row's cache.
-    q = config.num_attention_heads * config.head_dim
-    work = {
-        "prefill": transformer_flops(head, rows, p, 1, backward=False),
-        "decode": transformer_flops(head, rows, 1, 1, backward=False)
-        + rows * config.num_hidden_layers * 4 * (p + t) * q,
-        "recompute": transformer_flops(head, rows, p + t, 1, backward=False),
-    }
+    work = sampler_work(head, rows, shapes)
     tokens = {"prefill": rows * p, "decode": rows, "recompute": rows * (p + t)}
     figures = []
     for name, low in lowered.items():

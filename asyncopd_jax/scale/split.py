@@ -38,7 +38,6 @@ from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.pipeline.placement import SnapshotChannel
 from asyncopd_jax.scale.balance import Answers, RolloutCost, rollout_seconds
 from asyncopd_jax.scale.chips import Chip, Topology
-from asyncopd_jax.scale.flops import transformer_flops
 from asyncopd_jax.scale.plan import (
     Models,
     Plan,
@@ -52,6 +51,7 @@ from asyncopd_jax.scale.plan import (
     make_plan,
     read_models,
     sampler_weights,
+    sampler_work,
     teacher_weight_bytes,
 )
 from asyncopd_jax.scale.swaps import DEFAULT_STORAGE_BYTES_PER_S, bytes_per_device, swap_figures
@@ -125,11 +125,12 @@ class Split:
 
     def overrides(self, models: Models, devices: Sequence) -> list[str]:
         """The ``--set`` lines that place a config so on ``devices`` (a topology's, in its order)."""
-        placement = ["stages.placement=processes"] if self.processes else ["stages.placement=threads"]
-        placement += ["stages.scoring_processes=1"] if self.processes and self.scoring else []
+        if self.processes:  # stage processes: the weights go through the snapshot store
+            placement = ["stages.placement=processes", *(["stages.scoring_processes=1"] if self.scoring else [])]
+        else:
+            placement = ["stages.placement=threads", "stages.snapshot_in_memory=true"]
         sets = [
             *placement,
-            "stages.snapshot_in_memory=true",
             "stages.rollouts=1",
             f"stages.learner_devices={positions(devices, 0, self.learner)}",
             f"learner.mesh={{data: 1, fsdp: {self.learner}}}",
@@ -308,12 +309,10 @@ def balance_split(
             continue
         trial = with_overrides(cfg, ["stages.rollouts=1", *sampler_overrides(count, fit.slots, fit.kv_pages, models)])
         received = sampler_weights(trial, models.student, sampler_devices, models.vocab_limit)
-        # a whole set of slots' prompts, and the recompute of S whole sequences: the textbook FLOPs
-        # (compute-bound calls: their roofline is their FLOPs)
-        rate = count * chip.peak_flops
-        prefill = transformer_flops(head, fit.slots, shapes.prompt_tokens, 1, backward=False) / rate
-        whole = shapes.prompt_tokens + shapes.response_tokens
-        recompute = transformer_flops(head, fit.slots, whole, 1, backward=False) / rate
+        # a whole set of slots' prompts, and the recompute of S whole sequences: compute-bound
+        # calls, whose roofline is their textbook FLOPs
+        work = sampler_work(head, fit.slots, shapes)
+        prefill, recompute = (work[name] / (count * chip.peak_flops) for name in ("prefill", "recompute"))
         held = decode_bytes(trial, models.student, sampler_devices, shapes, models.vocab_limit)
         samplers[count] = (fit, trial, received, prefill, recompute, held)
 
