@@ -42,6 +42,7 @@ from asyncopd_jax.pipeline.placement import Layout, Role, device_ids, plan_layou
 from asyncopd_jax.pipeline.stage import stage_mesh, with_shardings
 from asyncopd_jax.sampling import SamplingParams, make_sampler
 from asyncopd_jax.sampling.engine import ProgramShapes
+from asyncopd_jax.sampling.paged import PagedPrograms
 from asyncopd_jax.scale.balance import Answers, DecodeBytes, RolloutCost, rollout_seconds
 from asyncopd_jax.scale.chips import GIB, Chip, Topology
 from asyncopd_jax.scale.flops import matmul_flops, transformer_flops
@@ -390,6 +391,8 @@ def decode_bytes(
     graphdef, _ = abstract_decoder(config, cfg.student.dtype, vocab_limit)
     weights = sampler_weights(cfg, config, devices, vocab_limit)
     engine = make_sampler(graphdef, rollout_sampling(cfg, shapes), mesh=mesh)
+    if not isinstance(engine, PagedPrograms):
+        raise ValueError(f"decode_bytes is the continuous engine's figure; sampling.engine is {cfg.sampling.engine}")
     slots = engine.decode_rows(cfg.group_size)
     _, (_, carry, _), _ = engine.abstract_calls(weights, slots, shapes.prompt_tokens)["decode"]
     pool = carry.slots.cache.pages

@@ -32,11 +32,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from asyncopd_jax.config import RunConfig, with_overrides
 from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.pipeline.placement import SnapshotChannel
-from asyncopd_jax.scale.balance import Answers, RolloutCost, rollout_seconds
+from asyncopd_jax.scale.balance import Answers, DecodeBytes, RolloutCost, rollout_seconds
 from asyncopd_jax.scale.chips import Chip, Topology
 from asyncopd_jax.scale.plan import (
     Models,
@@ -198,6 +199,18 @@ def sampler_fit(
 
 
 @dataclasses.dataclass(frozen=True)
+class SamplerFigures:
+    """A sampler's figures on one count of chips, found once and tried in every split."""
+
+    fit: SamplerFit
+    config: RunConfig  # the run's config with the sampler's mesh, slots and pages
+    received: Any  # the weights as the sampler receives them: a pytree of ShapeDtypeStruct
+    prefill: float  # seconds: a whole set of slots' prompts at the roofline
+    recompute: float  # seconds: S whole sequences' recompute at the roofline
+    held: DecodeBytes  # what one decode step reads per chip
+
+
+@dataclasses.dataclass(frozen=True)
 class Balanced:
     """What ``--balance`` found: the candidates that fit (best first), the chosen one's
     overrides and full plan, the chip counts dropped, and why a stage stays under half busy."""
@@ -239,7 +252,7 @@ def balance_split(
     most = n - (stages_needed - 1)  # the others need a chip each
     dropped: list[str] = []
 
-    def too_big(stage: str, count: int, held: int) -> bool:
+    def too_big(stage: str, count: int, held: float) -> bool:
         """Whether the inputs alone pass FIT of a chip (then nothing is compiled)."""
         if held <= FIT * chip.hbm_bytes:
             return False
@@ -284,8 +297,8 @@ def balance_split(
                 cfg, [f"stages.scoring_mesh={{data: {data}, tensor: {tensor}}}", "stages.rollouts=1"]
             )
             seconds = 0.0
-            held = sum(teacher_weight_bytes(trial, *t[:2], devices[:count], models.vocab_limit) for t in teachers)
-            if too_big("teacher scoring", count, held):
+            weights = sum(teacher_weight_bytes(trial, *t[:2], devices[:count], models.vocab_limit) for t in teachers)
+            if too_big("teacher scoring", count, weights):
                 continue
             for source, teacher, stage in teachers:
                 f = compile_teacher_scoring(
@@ -300,7 +313,7 @@ def balance_split(
 
     head = dataclasses.replace(models.student, vocab_size=models.vocab_limit or models.student.vocab_size)
     _, published = abstract_decoder(models.student, cfg.student.dtype, models.vocab_limit)
-    samplers: dict[int, tuple[SamplerFit, RunConfig, object, float, float, object]] = {}
+    samplers: dict[int, SamplerFigures] = {}
     for count in powers_of_two(most):
         sampler_devices = devices[:count]
         fit = sampler_fit(cfg, models, sampler_devices, shapes, answers, chip)
@@ -314,7 +327,7 @@ def balance_split(
         work = sampler_work(head, fit.slots, shapes)
         prefill, recompute = (work[name] / (count * chip.peak_flops) for name in ("prefill", "recompute"))
         held = decode_bytes(trial, models.student, sampler_devices, shapes, models.vocab_limit)
-        samplers[count] = (fit, trial, received, prefill, recompute, held)
+        samplers[count] = SamplerFigures(fit, trial, received, prefill, recompute, held)
 
     channels = {
         False: SnapshotChannel(in_memory=True, directory="", format="", keep=0, temporary=False),
@@ -323,7 +336,7 @@ def balance_split(
     host_size = chips_per_host or n
     candidates = []
     for l_chips, seconds in learners.items():
-        for r_chips, (fit, trial, received, prefill, recompute, held) in samplers.items():
+        for r_chips, sampler in samplers.items():
             for c_chips in scorers if teachers else [0]:
                 spans = [(0, l_chips), (l_chips, r_chips), (l_chips + r_chips, c_chips)]
                 if sum(c for _, c in spans) > n:
@@ -335,27 +348,27 @@ def balance_split(
                 swap = swap_figures(
                     channels[processes],
                     published,
-                    received,
+                    sampler.received,
                     learner_chips=l_chips,
                     samplers=1,
                     chip=chip,
                     storage_bytes_per_s=storage_bytes_per_s,
                 )
                 cost = rollout_seconds(
-                    trial,
+                    sampler.config,
                     head,
                     answers,
                     samplers=1,
-                    rows=fit.slots,
+                    rows=sampler.fit.slots,
                     chips=r_chips,
-                    prefill=prefill,
+                    prefill=sampler.prefill,
                     decode=0.0,
-                    recompute=recompute,
-                    held=held,
+                    recompute=sampler.recompute,
+                    held=sampler.held,
                     swap=swap,
                     chip=chip,
                 )
-                split = Split(l_chips, r_chips, c_chips, fit.slots, fit.kv_pages, processes)
+                split = Split(l_chips, r_chips, c_chips, sampler.fit.slots, sampler.fit.kv_pages, processes)
                 scoring = scorers[c_chips] if teachers else None
                 candidates.append(
                     Candidate(split, seconds + swap.publish_seconds, cost, scoring, cfg.learner.batch_size)
