@@ -120,6 +120,7 @@ def test_mc_without_recompute_or_is_is_measurably_biased(kwargs):
     assert z.max() > 20, z
 
 
+@pytest.mark.extended  # 10 s of sampling: CI's second step
 def test_mc_variance_falls_like_one_over_n():
     """On-policy draws are i.i.d., so Var[N-sample estimate] = σ² / N."""
     n_positions = 40_000
@@ -219,6 +220,7 @@ def test_hybrid_is_unbiased_under_staleness():
     _assert_unbiased(*_per_position(lambda z: _hybrid(z, teacher, support, ids, mu_logp), student))
 
 
+@pytest.mark.extended  # 9 s of sampling: CI's second step
 def test_hybrid_has_a_fraction_of_the_mc_variance_when_the_support_holds_most_mass():
     """On-policy, support = π_θ's top-2 (48 % of its mass): the same candidates through
     plain MC have more than twice the gradient and value variance (measured 0.40×)."""

@@ -56,7 +56,9 @@ def _assert_params_close(a, b, **tol):
         np.testing.assert_allclose(x, y, **tol)
 
 
-@pytest.mark.parametrize("estimator", ["reverse_kl_mc", "forward_kl_topk"])
+# CI time: forward_kl_topk at 4 micro-batches runs in CI's second step (-m extended); the
+# aggregation test below splits it into 4 too.
+@pytest.mark.parametrize("estimator", ["reverse_kl_mc", pytest.param("forward_kl_topk", marks=pytest.mark.extended)])
 def test_micro_batch_split_does_not_change_the_step(learner_batch, estimator):
     loss = PolicyLoss(EstimatorConfig(estimator))
     one, m1 = _run(loss, learner_batch, micro_batches=1, optimizer=optax.sgd(1.0))
@@ -100,7 +102,8 @@ def test_each_metric_combines_over_micro_batches_by_its_reduction(learner_batch,
         pytest.param("reverse_kl_hybrid", 24, 2, 1, marks=pytest.mark.slow),
         ("forward_kl_topk", 40, 8, 1),
         pytest.param("decoupled_ppo", 24, 2, 1, marks=pytest.mark.slow),
-        ("reverse_kl_hybrid", 120, 4, 4),  # on a data 4 × fsdp 2 mesh: micro-batches of a multiple of 8 rows
+        # on a data 4 × fsdp 2 mesh: micro-batches of a multiple of 8 rows (CI's second step)
+        pytest.param("reverse_kl_hybrid", 120, 4, 4, marks=pytest.mark.extended),
     ],
 )
 def test_token_budget_micro_batches_do_not_change_the_step(learner_batch, estimator, budget, bucket, data):
@@ -127,7 +130,10 @@ def test_token_budget_micro_batches_do_not_change_the_step(learner_batch, estima
     assert m_packed[0]["micro_batches"] > (1 if data == 1 else 0) and 0 <= m_packed[0]["padding_fraction"] < 1
 
 
-@pytest.mark.parametrize("data, fsdp, tensor", [(4, 2, 1), (2, 1, 4)])
+@pytest.mark.parametrize(
+    "data, fsdp, tensor",
+    [(4, 2, 1), pytest.param(2, 1, 4, marks=pytest.mark.extended)],  # tensor: CI's second step
+)
 def test_sharded_step_equals_single_device(learner_batch, data, fsdp, tensor):
     """FSDP; and tensor parallelism: heads and MLP over 4 devices (the 61-id vocabulary
     does not divide and stays whole), the 8 rows over only 2."""
@@ -208,7 +214,9 @@ def test_parameters_and_moments_are_fsdp_sharded():
     assert all(len(leaf.sharding.device_set) == 8 for leaf in jax.tree_util.tree_leaves(state))
 
 
-@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "aggregation", ["seq-mean-token-mean", pytest.param("seq-mean-token-sum-norm", marks=pytest.mark.extended)]
+)
 def test_aggregation_modes_are_exact_over_micro_batches_and_packing(learner_batch, aggregation):
     """A sequence-level aggregation gives the same step whole, in 4 micro-batches and packed
     into token-budget micro-batches trimmed to their own length; its loss is the oracle's
@@ -238,7 +246,7 @@ def test_aggregation_modes_are_exact_over_micro_batches_and_packing(learner_batc
     )
 
 
-@pytest.mark.parametrize("token_budget", [0, 40])
+@pytest.mark.parametrize("token_budget", [0, pytest.param(40, marks=pytest.mark.extended)])
 def test_check_inputs_stops_a_step_fed_raw_logits(learner_batch, token_budget):
     """estimator.check_inputs: the step (plain, and packed into token-budget micro-batches)
     runs the estimator's checkify checks and raises on the host, naming the field; a clean

@@ -86,7 +86,7 @@ def test_a_bf16_kv_cache_under_fp32_compute_rounds_the_cache_only(engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("temperature", [pytest.param(1.0, marks=pytest.mark.extended), 0.7])  # 1.0: CI's second step
 def test_behaviour_logprobs_are_those_of_the_sampling_distribution(temperature, engine):
     model = tiny_decoder(1)
     params = SamplingParams(temperature=temperature, max_new_tokens=10, num_candidates=6, student_topk=4, chunk_steps=4)

@@ -36,6 +36,7 @@ def test_each_group_of_a_stream_answers_as_it_would_alone(chunk_order):
             _assert_same_answer(done[g], row, alone, row)
 
 
+@pytest.mark.extended  # one call per decode step, 18 s: CI's second step
 def test_a_group_is_handed_back_by_the_step_after_its_last_answer_ends():
     """With a slot per prompt and one decode step per chunk, every prompt starts at step 0:
     a group comes back from the step after the chunk of its longest answer (which dispatches

@@ -117,6 +117,7 @@ def test_plan_errors_are_one_line(capsys, argv, says):
     assert says in err and "\n" not in err
 
 
+@pytest.mark.extended  # 28 layers traced twice, 20 s: CI's second step
 def test_the_learner_steps_flops_are_the_textbooks_at_real_shapes():
     """Qwen3-1.7B, 2 rows × (512 + 3,584) tokens (counted from the program, nothing
     compiled): the model's matmul FLOPs are 6 · weights · tokens + attention to within

@@ -24,6 +24,7 @@ TOPK, MC, STALE = (
 )
 
 
+@pytest.mark.extended  # 13 s: CI's second step
 def test_statistics_separate_bias_from_variance():
     rng = np.random.default_rng(0)
     P, V = 64, 12
