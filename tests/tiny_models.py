@@ -26,6 +26,24 @@ def tiny_config(family: str = "qwen3", vocab: int = 61, tied: bool = True) -> De
     )
 
 
+def tiny_moe_config(**fields) -> DecoderConfig:
+    """A tiny Qwen3-MoE: 2 layers of 6 experts, 2 a token (``fields`` override)."""
+    base = dict(
+        model_type="qwen3_moe",
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=12,
+    )
+    return DecoderConfig(**{**base, **fields})
+
+
 def tiny_decoder(seed: int = 0, family: str = "qwen3", vocab: int = 61, scale: float = 1.0) -> Decoder:
     """A decoder whose weights have fan-in scaled variance (×``scale``), so logits differ
     clearly between positions instead of the near-uniform output of a 0.02 init."""

@@ -9,6 +9,10 @@ SwiGLU MLP) and differ in a few switches, which is all this dataclass records:
 | Llama 2/3 | ``llama`` | optional Llama 3 RoPE scaling; optional ``attention_bias`` / ``mlp_bias`` |
 | Qwen2 / 2.5 | ``qwen2`` | bias on q, k, v projections |
 | Qwen3 (dense) | ``qwen3`` | RMSNorm on each head of q and k before RoPE; explicit ``head_dim`` |
+| Qwen3-MoE | ``qwen3_moe`` | Qwen3's, but the MLP of a sparse layer is a mixture of experts |
+
+A Qwen3-MoE layer is sparse when :meth:`DecoderConfig.is_sparse` says so (every
+``decoder_sparse_step``-th layer not in ``mlp_only_layers``); :mod:`asyncopd_jax.models.moe`.
 """
 
 from __future__ import annotations
@@ -21,15 +25,22 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 _ROPE_TYPES = ("default", "llama3")
 _ROPE_REQUIRED = {"llama3": ("factor", "original_max_position_embeddings")}
 # Fields without which the shapes of the model are unknown.
 _REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
-# Mixture-of-experts switches: a config that sets one describes layers this dense decoder lacks.
+# Mixture-of-experts switches: in another family's config they describe layers its decoder
+# lacks (Qwen3-MoE's are read; Mixtral's and DeepSeek's are other families).
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok")
+_MOE_INTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
 _ACTIVATIONS = ("silu", "swish")  # the SwiGLU gate; transformers treats both names alike
 _ROPE_FIELDS = ("rope_scaling", "rope_parameters")  # transformers >= 5 writes the latter
 
@@ -52,7 +63,8 @@ def _check_rope(scaling: dict[str, Any], field: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """Hyper-parameters of a Llama / Qwen2 / Qwen3 decoder (names follow Hugging Face)."""
+    """Hyper-parameters of a Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder (names follow
+    Hugging Face; the expert fields are Qwen3-MoE's, 0 / empty for the dense families)."""
 
     model_type: str
     vocab_size: int
@@ -72,6 +84,12 @@ class DecoderConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    num_experts: int = 0  # E
+    num_experts_per_tok: int = 0  # k
+    moe_intermediate_size: int = 0  # an expert's width I
+    norm_topk_prob: bool = False  # renormalise the k chosen probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer l is sparse when (l + 1) % step == 0 …
+    mlp_only_layers: tuple[int, ...] = ()  # … and l is not listed here
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -85,6 +103,26 @@ class DecoderConfig:
             )
         if self.rope_scaling is not None:
             _check_rope(self.rope_scaling, "rope_scaling")
+        if self.model_type == "qwen3_moe":
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok = {self.num_experts_per_tok} is invalid; allowed: 1 … num_experts "
+                    f"({self.num_experts})"
+                )
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+                raise ValueError(
+                    f"moe_intermediate_size = {self.moe_intermediate_size} and decoder_sparse_step = "
+                    f"{self.decoder_sparse_step} are invalid; allowed: positive integers"
+                )
+        elif self.num_experts:
+            raise ValueError(f"num_experts = {self.num_experts} is invalid for {self.model_type}; allowed: 0")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer`` (from 0) has a mixture of experts for its MLP (transformers'
+        ``Qwen3MoeDecoderLayer``'s rule)."""
+        return (
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def qkv_bias(self) -> bool:
@@ -94,12 +132,12 @@ class DecoderConfig:
     @property
     def o_proj_bias(self) -> bool:
         """Llama's ``attention_bias`` covers o_proj too; Qwen2 biases only q, k, v."""
-        return self.attention_bias and self.model_type in ("llama", "qwen3")
+        return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe")
 
     @property
     def qk_norm(self) -> bool:
         """Qwen3 normalises each head of q and k (RMSNorm over D) before RoPE."""
-        return self.model_type == "qwen3"
+        return self.model_type in ("qwen3", "qwen3_moe")
 
     def to_hf_dict(self, dtype: str = "float32") -> dict[str, Any]:
         """The ``config.json`` content ``transformers`` expects for this family."""
@@ -128,10 +166,19 @@ class DecoderConfig:
         if self.model_type == "llama":
             out["attention_bias"] = self.attention_bias
             out["mlp_bias"] = self.mlp_bias
-        if self.model_type in ("qwen2", "qwen3"):
+        if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
             out["use_sliding_window"] = False
-        if self.model_type == "qwen3":
+        if self.model_type in ("qwen3", "qwen3_moe"):
             out["attention_bias"] = self.attention_bias
+        if self.model_type == "qwen3_moe":
+            out |= {
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": self.decoder_sparse_step,
+                "mlp_only_layers": list(self.mlp_only_layers),
+            }
         return out
 
     @property
@@ -153,7 +200,7 @@ def _check_file(raw: Any, source: Path) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{source}: unsupported architecture: model_type={model_type!r} architectures={arch!r}; "
-            f"allowed model_type: {', '.join(SUPPORTED_MODEL_TYPES)} (dense decoders)"
+            f"allowed model_type: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     # Another head or body under a supported model_type (a classifier, an MoE variant)
     # has weights this decoder would not load.
@@ -168,7 +215,7 @@ def _check_file(raw: Any, source: Path) -> None:
                 f"{source}: missing field {name!r} (a positive integer); is this the config.json "
                 "of a Hugging Face model?"
             )
-    for name in _REQUIRED_INTS + _OPTIONAL_INTS:
+    for name in _REQUIRED_INTS + _OPTIONAL_INTS + (_MOE_INTS if model_type == "qwen3_moe" else ()):
         value = raw.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ValueError(f"{source}: {name} = {value!r} is invalid; allowed: a positive integer")
@@ -220,10 +267,10 @@ def _check_fields(fields: dict[str, Any], source: Path) -> None:
     """Settings this decoder would otherwise silently ignore, as AutoConfig read them:
     mixture-of-experts layers, another activation, sliding-window attention."""
     for name in _MOE_FIELDS:
-        if fields.get(name):
+        if fields.get(name) and fields["model_type"] != "qwen3_moe":
             raise ValueError(
-                f"{source}: {name} = {fields[name]!r} describes mixture-of-experts layers, which this "
-                "decoder does not implement; allowed: absent, null or 0 (dense models only)"
+                f"{source}: {name} = {fields[name]!r} describes mixture-of-experts layers, which a "
+                f"{fields['model_type']} decoder does not have; allowed: absent, null or 0 (qwen3_moe has experts)"
             )
     act = fields.get("hidden_act") or "silu"
     if act not in _ACTIVATIONS:
@@ -249,6 +296,20 @@ def _check_fields(fields: dict[str, Any], source: Path) -> None:
         )
 
 
+def _moe_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields as AutoConfig filled them in (transformers 5 names
+    ``num_experts`` ``num_local_experts`` in its dict)."""
+    layers = fields.get("mlp_only_layers") or []
+    return {
+        "num_experts": fields.get("num_experts", fields.get("num_local_experts")),
+        "num_experts_per_tok": fields["num_experts_per_tok"],
+        "moe_intermediate_size": fields["moe_intermediate_size"],
+        "norm_topk_prob": bool(fields.get("norm_topk_prob")),
+        "decoder_sparse_step": fields.get("decoder_sparse_step") or 1,
+        "mlp_only_layers": tuple(int(layer) for layer in layers),
+    }
+
+
 def read_hf_config(directory: str | Path) -> tuple[DecoderConfig, str | None]:
     """The decoder config of a local Hugging Face checkpoint directory, and the dtype its
     weights were saved in (``torch_dtype`` / ``dtype``; None: not recorded).
@@ -256,8 +317,8 @@ def read_hf_config(directory: str | Path) -> tuple[DecoderConfig, str | None]:
     ``config.json`` is read by ``transformers.AutoConfig`` (local files only, no remote
     code), so that its defaults and legacy keys mean what they mean to transformers; our
     checks come after it, each a one-line ``ValueError`` naming the file, the field, its
-    value and what is allowed. Refused: another architecture, mixture-of-experts layers,
-    sliding-window attention, a RoPE scaling this decoder does not implement, another
+    value and what is allowed. Refused: another architecture, mixture-of-experts fields
+    outside Qwen3-MoE, sliding-window attention, a RoPE scaling this decoder does not implement, another
     activation. Fields that do not change the forward pass (``torch_dtype``,
     ``initializer_range``, ``use_cache``, …) are ignored.
 
@@ -299,6 +360,7 @@ def read_hf_config(directory: str | Path) -> tuple[DecoderConfig, str | None]:
             bos_token_id=fields.get("bos_token_id"),
             eos_token_id=fields.get("eos_token_id"),
             pad_token_id=fields.get("pad_token_id"),
+            **(_moe_fields(fields) if model_type == "qwen3_moe" else {}),
         )
     except ValueError as err:  # the dataclass's own checks, which cannot know the file
         raise ValueError(f"{source}: {err}") from None

@@ -1,4 +1,4 @@
-"""The Llama / Qwen2 / Qwen3 decoder in Flax NNX, with a functional KV cache.
+"""The Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder in Flax NNX, with a functional KV cache.
 
 Two paths share the layers' weights: :meth:`Decoder.forward` writes tokens into KV-cache
 slots ``[write_slot, write_slot + S)``, where they attend, causally by slot, to every valid
@@ -28,6 +28,7 @@ from flax import nnx
 
 from asyncopd_jax.models.attention import Implementation, causal_attention
 from asyncopd_jax.models.config import DecoderConfig, rope_inverse_frequencies
+from asyncopd_jax.models.moe import SparseMoE
 from asyncopd_jax.models.paged_attention import PagedImplementation, PagedKVCache, PagedWrite, paged_attention
 from asyncopd_jax.models.partitioning import constrain
 
@@ -196,13 +197,16 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; the MLP of a
+    sparse layer (:meth:`DecoderConfig.is_sparse`) is a mixture of experts."""
 
-    def __init__(self, config: DecoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, config: DecoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs, index: int = 0):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype, rngs)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config, dtype, rngs) if config.is_sparse(index) else MLP(config, dtype, rngs)
+        )
 
     def __call__(self, x, cos, sin, keys, values, mask, write_slot):
         attn, keys, values = self.self_attn(self.input_layernorm(x), cos, sin, keys, values, mask, write_slot)
@@ -237,7 +241,7 @@ def _rematerialised(layer: DecoderLayer, remat: Remat, method: str = "__call__",
 
 
 class Decoder(nnx.Module):
-    """A causal language model of the Llama / Qwen2 / Qwen3 family.
+    """A causal language model of the Llama / Qwen2 / Qwen3 / Qwen3-MoE family.
 
     ``model(input_ids)`` returns fp32 logits ``[B, S, V]``; row s is the distribution of
     token s + 1. Use :meth:`forward` for the KV-cache path and :meth:`hidden_states` +
@@ -269,7 +273,7 @@ class Decoder(nnx.Module):
             embedding_init=nnx.initializers.normal(0.02),
             rngs=rngs,
         )
-        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(config, dtype, rngs, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if not config.tie_word_embeddings:
             self.lm_head = _dense(config.hidden_size, config.vocab_size, False, dtype, rngs)

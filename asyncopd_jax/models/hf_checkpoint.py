@@ -4,7 +4,10 @@ No PyTorch: tensors are read and written with ``safetensors``' JAX backend, bf16
 included. Our parameter paths follow Hugging Face module names, so the mapping is
 mechanical: ``layers.3.self_attn.q_proj.kernel`` ↔ ``model.layers.3.self_attn.q_proj.weight``
 (transposed: torch stores ``[out, in]``), ``embed_tokens.embedding`` ↔
-``model.embed_tokens.weight``, ``lm_head.kernel`` ↔ ``lm_head.weight``.
+``model.embed_tokens.weight``, ``lm_head.kernel`` ↔ ``lm_head.weight``. A mixture of experts'
+weights are stacked over the experts here and one tensor per expert there:
+``layers.3.mlp.experts.gate_proj [E, H, I]`` ↔ ``model.layers.3.mlp.experts.{e}.gate_proj.weight
+[I, H]`` for e = 0 … E − 1 (the layout of Qwen3-MoE's checkpoints, which transformers reads).
 """
 
 from __future__ import annotations
@@ -32,13 +35,21 @@ INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _hf_name(path: tuple) -> tuple[str, bool]:
-    """Our parameter path → (Hugging Face tensor name, whether to transpose)."""
+def _hf_names(path: tuple, shape: tuple[int, ...]) -> tuple[list[str], bool]:
+    """Our parameter path → (its Hugging Face tensor names, whether each is transposed):
+    one name, or for stacked experts (``…experts.gate_proj``, ``shape [E, …]``) one per
+    expert, each the transpose of its slice."""
     *module, leaf = (str(p) for p in path)
+    if module[-1] == "experts":
+        return [f"model.{'.'.join(module)}.{e}.{leaf}.weight" for e in range(shape[0])], True
     prefix = "" if module[0] == "lm_head" else "model."
     transpose = leaf == "kernel"
     leaf = {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
-    return prefix + ".".join([*module, leaf]), transpose
+    return [prefix + ".".join([*module, leaf])], transpose
+
+
+def _stacked(path: tuple) -> bool:
+    return str(path[-2]) == "experts"
 
 
 def _unreadable(file: Path, err: Exception) -> ValueError:
@@ -90,7 +101,7 @@ def from_pretrained(
     dtype: jnp.dtype | str | None = None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> Decoder:
-    """Load a Llama / Qwen2 / Qwen3 decoder from a local Hugging Face directory.
+    """Load a Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder from a local Hugging Face directory.
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` (or shards listed in
@@ -127,31 +138,35 @@ def from_pretrained(
     with contextlib.ExitStack() as stack:
         handles = {f: _open(f, stack) for f in sorted(set(files.values()))}
         for key, variable in nnx.to_flat_state(state):
-            name, transpose = _hf_name(key)
-            if name not in files:
-                raise ValueError(
-                    f"{path}: the weights have no tensor {name!r}, which config.json ({config.model_type}) needs; "
-                    "weights and config.json do not match (check num_hidden_layers, tie_word_embeddings, "
-                    "attention_bias, mlp_bias)"
-                )
-            try:
-                tensor = handles[files[name]].get_tensor(name)
-            except SafetensorError as err:
-                raise _unreadable(files[name], err) from None
-            expected = tuple(variable.shape[::-1]) if transpose else tuple(variable.shape)
-            if tuple(tensor.shape) != expected:
-                raise ValueError(
-                    f"{files[name]}: tensor {name!r} has shape {list(tensor.shape)}, but "
-                    f"{path / 'config.json'} implies "
-                    f"{list(expected)}; weights and config.json belong to different models"
-                )
-            value = np.asarray(tensor.T if transpose else tensor, dtype)
+            names, transpose = _hf_names(key, variable.shape)
+            shape = tuple(variable.shape[1:] if _stacked(key) else variable.shape)  # of each tensor
+            tensors = []
+            for name in names:
+                if name not in files:
+                    raise ValueError(
+                        f"{path}: the weights have no tensor {name!r}, which config.json ({config.model_type}) "
+                        "needs; weights and config.json do not match (check num_hidden_layers, "
+                        "tie_word_embeddings, attention_bias, mlp_bias, num_experts, mlp_only_layers)"
+                    )
+                try:
+                    tensor = handles[files[name]].get_tensor(name)
+                except SafetensorError as err:
+                    raise _unreadable(files[name], err) from None
+                expected = shape[::-1] if transpose else shape
+                if tuple(tensor.shape) != expected:
+                    raise ValueError(
+                        f"{files[name]}: tensor {name!r} has shape {list(tensor.shape)}, but "
+                        f"{path / 'config.json'} implies "
+                        f"{list(expected)}; weights and config.json belong to different models"
+                    )
+                tensors.append(np.asarray(tensor.T if transpose else tensor, dtype))
+                used.add(name)
+            value = np.stack(tensors) if _stacked(key) else tensors[0]
             loaded[key] = (
                 jax.device_put(value, NamedSharding(mesh, parameter_spec(key, value.shape, mesh)))
                 if mesh is not None
                 else jnp.asarray(value)
             )
-            used.add(name)
     # A tensor nothing reads means config.json describes a different model (fewer layers,
     # no biases where the weights have them): loading would silently drop it.
     unused = _unused(set(files) - used, config)
@@ -160,7 +175,7 @@ def from_pretrained(
         raise ValueError(
             f"{path}: the weights hold tensor(s) that config.json does not account for: "
             f"{', '.join(map(repr, unused[:5]))}{more}; weights and config.json do not match (check "
-            "num_hidden_layers, attention_bias, mlp_bias)"
+            "num_hidden_layers, attention_bias, mlp_bias, num_experts, mlp_only_layers)"
         )
     flat = [(key, variable.replace(loaded[key])) for key, variable in nnx.to_flat_state(state)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
@@ -185,9 +200,10 @@ def save_pretrained(
 
     tensors: dict[str, jax.Array] = {}
     for key, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name, transpose = _hf_name(key)
+        names, transpose = _hf_names(key, variable.shape)
         value = jnp.asarray(variable[...], dtype)
-        tensors[name] = jnp.asarray(value.T if transpose else value)  # contiguous copy
+        for name, part in zip(names, value if _stacked(key) else [value]):
+            tensors[name] = jnp.asarray(part.T if transpose else part)  # contiguous copy
 
     shards: list[dict[str, jax.Array]] = [{}]
     size = 0

@@ -47,6 +47,11 @@ PARAMETER_AXES: dict[tuple[str, ...], Logical] = {
     ("up_proj", "kernel"): ("embed", "mlp"),
     ("up_proj", "bias"): ("mlp",),
     ("down_proj", "kernel"): ("mlp", "embed"),  # [I, H]
+    # a mixture of experts (models/moe.py): the router, and the experts' stacked weights
+    ("gate", "kernel"): ("embed", None),  # [H, E]
+    ("experts", "gate_proj"): ("expert", "embed", "mlp"),  # [E, H, I]
+    ("experts", "up_proj"): ("expert", "embed", "mlp"),
+    ("experts", "down_proj"): ("expert", "mlp", "embed"),  # [E, I, H]
 }
 
 #: Logical axis → the mesh axes it is split over (absent: replicated). Activations name
@@ -62,6 +67,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "vocab": ("tensor",),
     "act_heads": ("tensor",),
     "positions": ("tensor",),
+    # "expert" (the experts' axis) is split over no mesh axis yet: each expert's weights are
+    # laid out as a dense MLP's (embed over fsdp, mlp over tensor) and every expert is on
+    # every device of the fsdp × tensor grid, in shards
 }
 
 

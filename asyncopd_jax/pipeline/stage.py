@@ -87,6 +87,13 @@ def run_models(cfg: RunConfig) -> RunModels:
     """The task, shared vocabulary, stop tokens and teacher routing of ``cfg``'s student and
     teachers."""
     student = model_config(cfg.student)  # first: a missing directory is named as a model's
+    if student.num_experts:
+        # its router's load-balancing loss is not in the learner's loss yet: without it a
+        # distilled MoE student's routing may collapse onto a few experts, silently
+        raise ValueError(
+            f"student.path = {cfg.student.path!r} is a mixture-of-experts model ({student.model_type}), which the "
+            "learner does not train yet (no router load-balancing loss); allowed: a dense student (a MoE teacher is)"
+        )
     tokenizer = load_tokenizer(resolve_model_path(cfg.student.path))
     context, vocab_limit = student.max_position_embeddings, None
     contexts = {}  # in-process teacher → its context

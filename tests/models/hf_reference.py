@@ -26,8 +26,9 @@ TINY = dict(
 )
 
 
-def tiny_config(family: str, *, tied: bool = False) -> transformers.PretrainedConfig:
-    """A tiny config of each family, exercising that family's peculiarities."""
+def tiny_config(family: str, *, tied: bool = False, **moe) -> transformers.PretrainedConfig:
+    """A tiny config of each family, exercising that family's peculiarities; ``moe``: Qwen3-MoE
+    fields in place of its defaults here."""
     if family == "llama":
         return transformers.LlamaConfig(
             **TINY,
@@ -45,19 +46,24 @@ def tiny_config(family: str, *, tied: bool = False) -> transformers.PretrainedCo
         return transformers.Qwen2Config(**TINY, tie_word_embeddings=tied, rope_theta=1_000_000.0)
     if family == "qwen3":
         return transformers.Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=tied, rope_theta=1_000_000.0)
+    if family == "qwen3_moe":  # layer 0 sparse (4 experts, 2 a token), layer 1 dense
+        experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1])
+        return transformers.Qwen3MoeConfig(
+            **TINY, head_dim=16, tie_word_embeddings=tied, rope_theta=1_000_000.0, **{**experts, **moe}
+        )
     raise ValueError(family)
 
 
-def make_checkpoint(family: str, path: Path, *, tied: bool = False, seed: int = 0) -> torch.nn.Module:
+def make_checkpoint(family: str, path: Path, *, tied: bool = False, seed: int = 0, **moe) -> torch.nn.Module:
     """Random-init a tiny torch model (non-trivial norms and biases too) and save it in HF layout."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, tied=tied))
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, tied=tied, **moe))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 2:
+            if p.ndim in (2, 3):  # 3: the experts' stacked [E, out, in] weights
                 # Fan-in scaled weights (not the 0.02 init): peaked attention and logits of
                 # order one, so a wrong position (RoPE) or scale shows in the logits.
-                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
             elif name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):

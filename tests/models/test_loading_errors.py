@@ -231,7 +231,7 @@ UNSUPPORTED = {
     "gpt2": (
         {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
         "unsupported architecture: model_type='gpt2' architectures=['GPT2LMHeadModel']; "
-        "allowed model_type: llama, qwen2, qwen3 (dense decoders)",
+        "allowed model_type: llama, qwen2, qwen3, qwen3_moe",
     ),
     "mixtral-head": (
         {"architectures": ["MixtralForCausalLM"]},
@@ -239,8 +239,8 @@ UNSUPPORTED = {
     ),
     "experts": (
         {"num_experts": 8},
-        "num_experts = 8 describes mixture-of-experts layers, which this decoder does not "
-        "implement; allowed: absent, null or 0 (dense models only)",
+        "num_experts = 8 describes mixture-of-experts layers, which a qwen3 decoder does not "
+        "have; allowed: absent, null or 0 (qwen3_moe has experts)",
     ),
     "local-experts": (
         {"num_local_experts": 8, "num_experts_per_tok": 2},

@@ -69,8 +69,33 @@ def test_every_table_entry_names_a_parameter_of_the_decoder():
         for path, _ in nnx.to_flat_state(params)
         if tuple(str(k) for k in path)[-2:] == key
     }
-    # tied embeddings (no lm_head) and no biases in Qwen3: the rest are named
-    assert found == {k for k in PARAMETER_AXES if k[-1] != "bias" and k[0] != "lm_head"}
+    # tied embeddings (no lm_head), no biases and no experts in Qwen3: the rest are named
+    moe = {("gate", "kernel"), ("experts", "gate_proj"), ("experts", "up_proj"), ("experts", "down_proj")}
+    assert found == {k for k in PARAMETER_AXES if k[-1] != "bias" and k[0] != "lm_head" and k not in moe}
+    assert {path[-2:] for path, _ in nnx.to_flat_state(_moe_params()) if parameter_axes(path)} >= moe
+
+
+def _moe_params():
+    import dataclasses
+
+    dense, _ = architecture(ModelSource(path="/nowhere/Qwen3-0.6B"))
+    config = dataclasses.replace(
+        dense, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256
+    )
+    return abstract_decoder(config, "float32")[1]
+
+
+def test_the_experts_are_laid_out_as_a_dense_mlp_each_and_the_router_over_fsdp(mesh):
+    """[E, H, I] / [E, I, H]: H over fsdp, I over tensor, every expert on every shard (the
+    expert axis is not split yet); the router [H, E] over fsdp."""
+    specs = {
+        tuple(str(k) for k in path)[-2:]: tuple(s.spec)
+        for path, s in nnx.to_flat_state(parameter_shardings(_moe_params(), mesh))
+        if "layers" in path and path[1] == 0
+    }
+    assert specs[("experts", "gate_proj")] == (None, "fsdp", "tensor")
+    assert specs[("experts", "down_proj")] == (None, "tensor", "fsdp")
+    assert specs[("gate", "kernel")] == ("fsdp",)
 
 
 def test_constrain_applies_only_under_a_mesh(mesh):

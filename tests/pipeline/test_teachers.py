@@ -121,3 +121,18 @@ def test_a_dataset_field_routes_each_row_and_a_row_naming_no_teacher_is_refused(
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ValueError, match=rf"^{data}: row 8: teacher_id = 'c' names no teacher; allowed: a, b$"):
         run_models(load_config("demo", sets))
+
+
+def test_a_mixture_of_experts_student_is_refused_in_one_line(tmp_path):
+    """The learner has no router load-balancing loss yet: a Qwen3-MoE student is refused in
+    one line naming it, before any weights are read."""
+    from asyncopd_jax.models import DecoderConfig
+
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    config = DecoderConfig(
+        "qwen3_moe", 61, 16, 24, 1, 2, 1, 8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8
+    )
+    (moe / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    with pytest.raises(ValueError, match=rf"^student.path = '{moe}' is a mixture-of-experts model \(qwen3_moe\)"):
+        run_models(load_config("demo", [f"student.path={moe}"]))

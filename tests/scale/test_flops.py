@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from asyncopd_jax.scale.flops import matmul_flops
-from tests.tiny_models import tiny_config, tiny_decoder
+from tests.tiny_models import tiny_config, tiny_decoder, tiny_moe_config
 
 
 def test_a_matmul_and_a_scan_of_them():
@@ -46,3 +46,29 @@ def test_the_backward_pass_doubles_the_matmuls_and_remat_recomputes_the_forward(
     assert matmul_flops(jax.grad(loss("none")), params) == 3 * forward
     # rematerialised: the backward pass recomputes (most of) each layer's forward first
     assert 3.5 * forward < matmul_flops(jax.grad(loss("layer")), params) <= 4 * forward
+
+
+def test_a_mixture_of_experts_counts_its_active_experts_only():
+    """A grouped matmul is 2 · M · K · N for its M rows (each meets one expert's [K, N], not
+    all E); a Qwen3-MoE forward is the textbook count with the router's H · E and k experts'
+    3 · H · I per sparse layer (layer 1 here; layer 0 is dense), forward and backward."""
+    from asyncopd_jax.models.decoder import Decoder
+    from asyncopd_jax.scale.flops import transformer_flops
+
+    rows, weights, sizes = jnp.ones((7, 5)), jnp.ones((4, 5, 6)), jnp.array([2, 0, 4, 1], jnp.int32)
+    assert matmul_flops(lambda x, w, g: jax.lax.ragged_dot(x, w, g), rows, weights, sizes) == 2 * 7 * 5 * 6
+
+    config = tiny_moe_config(
+        vocab_size=40, num_experts=8, num_experts_per_tok=3, decoder_sparse_step=2, tie_word_embeddings=True
+    )
+    graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
+    b, s = 2, 6
+    tokens = jnp.ones((b, s), jnp.int32)
+    counted = matmul_flops(lambda p, t: nnx.merge(graphdef, p)(t), params, tokens)
+    h, q, kv = 16, 32, 16
+    attention = h * q + 2 * h * kv + q * h
+    weights_used = 2 * attention + 3 * h * 24 + (h * 8 + 3 * 3 * h * 12) + h * 40
+    assert counted == b * (2 * weights_used * s + 2 * 2 * 2 * s * s * q)
+    assert counted == transformer_flops(config, b, s, s, backward=False)
+    loss = lambda p: jnp.sum(nnx.merge(graphdef, p).hidden_states(tokens) ** 2)  # noqa: E731
+    assert matmul_flops(jax.grad(loss), params) == 3 * matmul_flops(loss, params)

@@ -1,0 +1,309 @@
+"""Qwen3-MoE: the router and the grouped experts against NumPy oracles, the whole model
+against transformers' ``Qwen3MoeForCausalLM`` (routing ties included), the round trip
+through a Hugging Face directory, and the config's checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from asyncopd_jax.models import DecoderConfig, from_pretrained, save_pretrained
+from asyncopd_jax.models.decoder import KVCache
+from asyncopd_jax.models.moe import Experts, SparseMoE, route
+from tests.models.hf_reference import left_padded_batch, make_checkpoint, torch_logits
+from tests.tiny_models import tiny_moe_config
+
+# Measured: float32 logits agree with transformers to ~3e-6 (the dense families' margin).
+PARITY_ATOL = 2e-5
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _route_oracle(logits: np.ndarray, k: int, normalise: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per token: the k most probable experts, of equal probabilities the lower id first."""
+    probs = _softmax(logits.astype(np.float64))
+    ids = np.stack([sorted(range(len(p)), key=lambda e: (-p[e], e))[:k] for p in probs])
+    top = np.take_along_axis(probs, ids, axis=1)
+    return (top / top.sum(1, keepdims=True) if normalise else top), ids
+
+
+@pytest.mark.parametrize("normalise", [False, True])
+def test_the_router_picks_the_k_most_probable_experts_lower_id_first_on_ties(normalise):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(40, 6)).astype(np.float32)
+    logits[:10, 3] = logits[:10, 1]  # ties: experts 1 and 3 equally probable
+    logits[10:20] = 0.0  # every expert equally probable
+    weights, experts = route(jnp.asarray(logits), 3, normalise)
+    want_w, want_ids = _route_oracle(logits, 3, normalise)
+    np.testing.assert_array_equal(np.asarray(experts), want_ids)
+    np.testing.assert_allclose(np.asarray(weights), want_w, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(experts)[10:20], np.tile([0, 1, 2], (10, 1)))
+    if normalise:
+        np.testing.assert_allclose(np.asarray(weights).sum(1), 1.0, rtol=1e-6)
+
+
+def test_the_grouped_experts_equal_each_tokens_experts_run_one_by_one():
+    """Tokens sorted by expert through ragged matmuls, then back: each token's output is
+    Σ_j w_j · down_e(silu(gate_e x) · up_e x) over its own experts, whatever their order,
+    and an expert no token chose (here 5) contributes nothing."""
+    config = tiny_moe_config()
+    experts = Experts(config, jnp.float32, nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(9, 16)).astype(np.float32)
+    ids = np.array([[0, 1], [1, 0], [2, 2], [4, 0], [3, 1], [0, 4], [2, 3], [1, 1], [4, 2]], np.int32)
+    w = rng.uniform(size=(9, 2)).astype(np.float32)
+    got = np.asarray(experts(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ids)))
+    gate, up, down = (np.asarray(p[...], np.float64) for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
+
+    def silu(a):
+        return a / (1 + np.exp(-a))
+
+    want = np.zeros((9, 16))
+    for t in range(9):
+        for j in range(2):
+            e = ids[t, j]
+            want[t] += w[t, j] * (silu(x[t] @ gate[e]) * (x[t] @ up[e])) @ down[e]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_sparse_block_is_the_router_then_the_experts():
+    config = tiny_moe_config(norm_topk_prob=True)
+    block = SparseMoE(config, jnp.float32, nnx.Rngs(2))
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 5, 16)), jnp.float32)
+    flat = x.reshape(10, 16)
+    weights, experts = route(block.router_logits(flat), 2, True)
+    want = block.experts(flat, weights, experts).reshape(2, 5, 16)
+    np.testing.assert_array_equal(np.asarray(block(x)), np.asarray(want))
+
+
+def _torch_router_ties(model: torch.nn.Module) -> int:
+    """Tokens of the left-padded batch whose k-th and (k+1)-th router probabilities tie in
+    layer 0 (so a tie-break decides which expert runs)."""
+    captured = []
+    gate = model.model.layers[0].mlp.gate
+    handle = gate.register_forward_hook(lambda _m, _i, out: captured.append(out[0]))
+    ids, mask, positions = left_padded_batch()
+    torch_logits(model, ids, mask, positions)
+    handle.remove()
+    probs = torch.softmax(captured[0].float(), -1).numpy()
+    top = -np.sort(-probs, axis=1)
+    k = model.config.num_experts_per_tok
+    return int(np.sum(top[:, k - 1] == top[:, k]))
+
+
+ROUTINGS = {
+    # layer 0 sparse (4 experts, 2 a token), layer 1 dense; the chosen probabilities as they are
+    "k2-of-4": dict(),
+    # renormalised, 3 of 5 experts, every layer sparse
+    "k3-of-5-normalised": dict(num_experts=5, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[]),
+    # layer 1 sparse only (decoder_sparse_step 2), one expert a token
+    "k1-step2": dict(num_experts_per_tok=1, decoder_sparse_step=2, mlp_only_layers=[]),
+}
+
+
+@pytest.mark.parametrize("routing", ROUTINGS.values(), ids=ROUTINGS.keys())
+def test_logits_match_transformers(tmp_path, routing):
+    reference = make_checkpoint("qwen3_moe", tmp_path / "hf", **routing)
+    ids, mask, positions = left_padded_batch()
+    want = torch_logits(reference, ids, mask, positions)
+    model = from_pretrained(tmp_path / "hf")
+    c = model.config
+    assert (c.model_type, c.num_experts_per_tok, c.norm_topk_prob) == (
+        "qwen3_moe",
+        routing.get("num_experts_per_tok", 2),
+        routing.get("norm_topk_prob", False),
+    )
+    sparse = [isinstance(layer.mlp, SparseMoE) for layer in model.layers]
+    assert sparse == [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in reference.model.layers]
+    got = np.asarray(model(jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask)))
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(got[valid], want[valid], atol=PARITY_ATOL, rtol=0)
+
+
+def test_logits_match_transformers_when_the_router_ties_at_the_kth_expert(tmp_path):
+    """Expert 2 a copy of expert 1, router row and weights (an upcycled MoE starts so): for
+    every token the two tie, and where they tie for the last place a tie-break picks one.
+    Ours takes the lower id (:func:`jax.lax.top_k`); transformers takes what ``torch.topk``
+    returns, whose order among equal values is not defined (on this CPU it took the higher
+    id for most of these tokens). With equal experts either choice gives the same output, so
+    the logits must agree: neither both copies chosen nor a weight lost at a tie."""
+    reference = make_checkpoint("qwen3_moe", tmp_path / "hf")
+    with torch.no_grad():
+        mlp = reference.model.layers[0].mlp
+        for weight in (mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj):
+            weight[2].copy_(weight[1])
+    reference.save_pretrained(tmp_path / "hf")
+    assert _torch_router_ties(reference) > 10
+    ids, mask, positions = left_padded_batch()
+    want = torch_logits(reference, ids, mask, positions)
+    model = from_pretrained(tmp_path / "hf")
+    got = np.asarray(model(jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask)))
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(got[valid], want[valid], atol=PARITY_ATOL, rtol=0)
+
+
+def test_save_pretrained_writes_one_tensor_per_expert_that_transformers_loads(tmp_path):
+    make_checkpoint("qwen3_moe", tmp_path / "hf", seed=1, norm_topk_prob=True)
+    model = from_pretrained(tmp_path / "hf")
+    save_pretrained(model, tmp_path / "ours")
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["norm_topk_prob"] is True
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", local_files_only=True).eval()
+    ids, mask, positions = left_padded_batch(seed=2)
+    ours = np.asarray(model(jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask)))
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(torch_logits(reloaded, ids, mask, positions)[valid], ours[valid], atol=PARITY_ATOL)
+    again = from_pretrained(tmp_path / "ours")
+    np.testing.assert_array_equal(np.asarray(again(jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask))), ours)
+
+
+def test_a_missing_expert_tensor_is_named(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    make_checkpoint("qwen3_moe", tmp_path / "hf")
+    file = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(file)
+    del tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"no tensor 'model.layers.0.mlp.experts.3.up_proj.weight'.*num_experts"):
+        from_pretrained(tmp_path / "hf")
+
+
+def test_the_kv_cache_forward_equals_the_plain_forward():
+    """The sampler's path (:meth:`Decoder.forward` over a KV cache, a prompt then one token
+    at a time) runs the same experts as the learner's."""
+    from asyncopd_jax.models.decoder import Decoder
+
+    model = Decoder(tiny_moe_config(num_experts_per_tok=3, norm_topk_prob=True), rngs=nnx.Rngs(4))
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 50, size=(2, 7)), jnp.int32)
+    whole = np.asarray(model.logits(model.hidden_states(tokens)))
+    cache = KVCache.empty(model.config, 2, 7, jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    valid = jnp.ones((2, 7), bool)
+    hidden, cache = model.forward(tokens[:, :4], positions[:, :4], valid[:, :4], cache, 0)
+    steps = [hidden]
+    for t in range(4, 7):
+        hidden, cache = model.forward(tokens[:, t : t + 1], positions[:, t : t + 1], valid[:, t : t + 1], cache, t)
+        steps.append(hidden)
+    np.testing.assert_allclose(np.asarray(model.logits(jnp.concatenate(steps, 1))), whole, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        (dict(num_experts_per_tok=7), "num_experts_per_tok = 7 is invalid; allowed: 1 … num_experts (6)"),
+        (dict(moe_intermediate_size=0), "moe_intermediate_size = 0 and decoder_sparse_step = 1 are invalid"),
+    ],
+)
+def test_bad_expert_settings_are_one_line(fields, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        tiny_moe_config(**fields)
+
+
+def test_a_bad_expert_field_in_config_json_names_the_file(tmp_path):
+    make_checkpoint("qwen3_moe", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 9}))
+    with pytest.raises(ValueError, match=r"config.json: num_experts_per_tok = 9 is invalid; allowed: 1 … num_experts"):
+        from_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": -1}))
+    with pytest.raises(ValueError, match=r"config.json: moe_intermediate_size = -1 is invalid; allowed: a positive"):
+        from_pretrained(tmp_path / "hf")
+
+
+def test_a_dense_family_with_experts_is_refused():
+    with pytest.raises(ValueError, match="num_experts = 4 is invalid for qwen3; allowed: 0"):
+        DecoderConfig("qwen3", 10, 8, 8, 1, 2, 1, 4, num_experts=4)
+
+
+def test_jit_and_grad_flow_through_the_experts():
+    """The learner differentiates through the router's weights and the experts' (ragged
+    matmuls have gradients): every expert that a token chose gets one."""
+    model = SparseMoE(tiny_moe_config(), jnp.float32, nnx.Rngs(6))
+    graphdef, state = nnx.split(model)
+    x = jnp.asarray(np.random.default_rng(7).normal(size=(12, 16)), jnp.float32)
+
+    @jax.jit
+    def loss(state):
+        return jnp.sum(nnx.merge(graphdef, state)(x) ** 2)
+
+    grads = jax.grad(loss)(state)
+    _, chosen = route(model.router_logits(x), 2, False)
+    used = np.unique(np.asarray(chosen))
+    per_expert = np.abs(np.asarray(grads["experts"]["gate_proj"][...])).sum(axis=(1, 2))
+    assert np.all(per_expert[used] > 0) and np.all(per_expert[np.setdiff1d(np.arange(6), used)] == 0)
+    assert np.abs(np.asarray(grads["gate"]["kernel"][...])).sum() > 0
+
+
+def test_a_model_on_a_mesh_gives_the_one_device_logits():
+    """Experts laid out over fsdp × tensor (each expert's H over fsdp, I over tensor), rows
+    over data: the logits of the single device."""
+    from asyncopd_jax.config import MeshConfig
+    from asyncopd_jax.learner import make_mesh
+    from asyncopd_jax.models.decoder import Decoder
+    from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
+
+    model = Decoder(tiny_moe_config(num_experts_per_tok=3), rngs=nnx.Rngs(8))
+    graphdef, state = nnx.split(model)
+    tokens = jnp.asarray(np.random.default_rng(9).integers(0, 50, size=(4, 6)), jnp.int32)
+    want = np.asarray(model(tokens))
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    placed = jax.device_put(state, parameter_shardings(state, mesh))
+    assert "tensor" in str(placed["layers"][0]["mlp"]["experts"]["gate_proj"].sharding.spec)
+    with mesh_context(mesh):
+        got = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(placed, tokens)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+def test_either_engine_samples_a_moe_model_and_the_scorer_scores_its_answers(engine):
+    """A Qwen3-MoE model through each sampler (the static engine's KV cache, the continuous
+    engine's paged one) and the teacher scorer (a whole-sequence forward): the behaviour
+    log-probs are the model's own log-probs of the tokens it drew, and so are the scores of
+    the same model as the teacher."""
+    from asyncopd_jax.models.decoder import Decoder
+    from asyncopd_jax.sampling import SamplingParams, make_sampler
+    from asyncopd_jax.teacher import ScoringParams, TeacherScorer
+
+    model = Decoder(tiny_moe_config(num_experts_per_tok=2, norm_topk_prob=True), rngs=nnx.Rngs(10))
+    graphdef, state = nnx.split(model)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, chunk_steps=4)
+    if engine == "continuous":
+        params = dataclasses.replace(params, engine="continuous", slots=2, page_size=4)
+    prompts = [[5, 9, 3], [7, 1], [2, 8, 4, 6]]
+    batch = make_sampler(graphdef, params).generate(state, prompts, jax.random.key(11))
+    cache = TeacherScorer(model, ScoringParams()).score(batch)
+    mask = np.asarray(batch.response_mask)
+    assert mask.sum() > 12
+    np.testing.assert_allclose(np.asarray(cache.token_logp)[mask], np.asarray(batch.behavior_logp)[mask], atol=2e-5)
+
+
+def test_the_shipped_qwen3_30b_a3b_has_the_model_cards_parameter_counts():
+    """Qwen's model card for Qwen3-30B-A3B-Instruct-2507: 30.5B parameters in total, 3.3B
+    activated, 29.9B without the embeddings (input and output, untied). The abstract model
+    of the shipped config.json has those counts, so layers, experts and widths are its."""
+    import math
+
+    from asyncopd_jax.models.config import read_hf_config
+    from asyncopd_jax.models.decoder import abstract_decoder
+    from asyncopd_jax.scale.plan import ARCHITECTURES
+
+    c, _ = read_hf_config(ARCHITECTURES / "Qwen3-30B-A3B-Instruct-2507")
+    _, params = abstract_decoder(c, "bfloat16")
+    total = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
+    idle = c.num_hidden_layers * (c.num_experts - c.num_experts_per_tok) * 3 * c.hidden_size * c.moe_intermediate_size
+    assert round(total / 1e9, 1) == 30.5
+    assert 3.3 <= (total - idle) / 1e9 < 3.4  # 3.35: the card truncates
+    assert round((total - 2 * c.vocab_size * c.hidden_size) / 1e9, 1) == 29.9
