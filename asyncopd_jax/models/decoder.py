@@ -200,7 +200,7 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; the MLP of a
     sparse layer (:meth:`DecoderConfig.is_sparse`) is a mixture of experts."""
 
-    def __init__(self, config: DecoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs, index: int = 0):
+    def __init__(self, config: DecoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs, index: int):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

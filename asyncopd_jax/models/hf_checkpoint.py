@@ -35,21 +35,17 @@ INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _hf_names(path: tuple, shape: tuple[int, ...]) -> tuple[list[str], bool]:
-    """Our parameter path → (its Hugging Face tensor names, whether each is transposed):
-    one name, or for stacked experts (``…experts.gate_proj``, ``shape [E, …]``) one per
-    expert, each the transpose of its slice."""
+def _hf_names(path: tuple, shape: tuple[int, ...]) -> tuple[list[str], bool, bool]:
+    """Our parameter path → (its Hugging Face tensor names, whether each is transposed,
+    whether they are stacked on our axis 0): one name, or for stacked experts
+    (``…experts.gate_proj``, ``shape [E, …]``) one per expert, each the transpose of its slice."""
     *module, leaf = (str(p) for p in path)
     if module[-1] == "experts":
-        return [f"model.{'.'.join(module)}.{e}.{leaf}.weight" for e in range(shape[0])], True
+        return [f"model.{'.'.join(module)}.{e}.{leaf}.weight" for e in range(shape[0])], True, True
     prefix = "" if module[0] == "lm_head" else "model."
     transpose = leaf == "kernel"
     leaf = {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
-    return [prefix + ".".join([*module, leaf])], transpose
-
-
-def _stacked(path: tuple) -> bool:
-    return str(path[-2]) == "experts"
+    return [prefix + ".".join([*module, leaf])], transpose, False
 
 
 def _unreadable(file: Path, err: Exception) -> ValueError:
@@ -138,8 +134,8 @@ def from_pretrained(
     with contextlib.ExitStack() as stack:
         handles = {f: _open(f, stack) for f in sorted(set(files.values()))}
         for key, variable in nnx.to_flat_state(state):
-            names, transpose = _hf_names(key, variable.shape)
-            shape = tuple(variable.shape[1:] if _stacked(key) else variable.shape)  # of each tensor
+            names, transpose, stacked = _hf_names(key, variable.shape)
+            shape = tuple(variable.shape[1:] if stacked else variable.shape)  # of each tensor
             tensors = []
             for name in names:
                 if name not in files:
@@ -161,7 +157,7 @@ def from_pretrained(
                     )
                 tensors.append(np.asarray(tensor.T if transpose else tensor, dtype))
                 used.add(name)
-            value = np.stack(tensors) if _stacked(key) else tensors[0]
+            value = np.stack(tensors) if stacked else tensors[0]
             loaded[key] = (
                 jax.device_put(value, NamedSharding(mesh, parameter_spec(key, value.shape, mesh)))
                 if mesh is not None
@@ -200,9 +196,9 @@ def save_pretrained(
 
     tensors: dict[str, jax.Array] = {}
     for key, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        names, transpose = _hf_names(key, variable.shape)
+        names, transpose, stacked = _hf_names(key, variable.shape)
         value = jnp.asarray(variable[...], dtype)
-        for name, part in zip(names, value if _stacked(key) else [value]):
+        for name, part in zip(names, value if stacked else [value]):
             tensors[name] = jnp.asarray(part.T if transpose else part)  # contiguous copy
 
     shards: list[dict[str, jax.Array]] = [{}]
