@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import PartitionSpec
 
+from asyncopd_jax.models.partitioning import target_platform
+
 Implementation = Literal["xla", "blockwise", "splash"]
 AttentionSetting = Literal["auto", "xla", "blockwise", "splash"]
 
@@ -106,19 +108,9 @@ def causal_attention(
         if block_size % _LANES:
             raise ValueError(f"block_size={block_size}: splash attention tiles are multiples of {_LANES}")
         if interpret is None:
-            interpret = _target_platform() != "tpu"
+            interpret = target_platform() != "tpu"
         return _splash_attention(q, k, v, segment_ids, min(block_size, SPLASH_MAX_BLOCK), interpret)
     raise ValueError(f"attention implementation {implementation!r}: expected one of {list(IMPLEMENTATIONS)}")
-
-
-def _target_platform() -> str:
-    """Where the computation being traced will run: the platform of the context mesh's
-    devices (a plan compiles for TPU chips on a CPU host, whose default backend is "cpu"),
-    else JAX's default backend."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else mesh.abstract_device
-    platform = getattr(device, "platform", None)
-    return platform if platform else jax.default_backend()
 
 
 def _check_shapes(q: Array, k: Array, v: Array, segment_ids: Array) -> None:

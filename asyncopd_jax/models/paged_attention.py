@@ -45,6 +45,8 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import PartitionSpec
 
+from asyncopd_jax.models.partitioning import target_platform
+
 PagedImplementation = Literal["reference", "ragged"]
 PAGED_IMPLEMENTATIONS: tuple[PagedImplementation, ...] = ("reference", "ragged")
 
@@ -157,19 +159,32 @@ def paged_attention(
     )
 
 
-# Tokens of a block the reference reads at once: its work follows the longest sequence in
-# the call to within a block, in one program whatever the lengths.
 # Tokens of a block the reference reads at once: its work follows each sequence's length to
 # within a block, in one program whatever the lengths.
 REFERENCE_BLOCK_TOKENS = 64
+
+# On a CPU, the keys and values one iteration of the reference's loop gathers: a few items
+# at a time, so that what the gather writes is still in cache when the two matmuls read it.
+# At Qwen3-0.6B's widths (8 key/value heads of 128, fp32: 512 KiB an item) and 64 slots at a
+# mean context of 200, a decode step's attention takes 8 ms a layer at 2 MiB against 32 ms
+# with every slot's item in one iteration (16 MiB) (docs/results.md). Other backends take
+# ``S`` items an iteration: they want the width, and their caches are not the CPU's.
+REFERENCE_CPU_ITERATION_BYTES = 2 << 20
+
+
+def items_per_iteration(slots: int, item_bytes: int) -> int:
+    """How many (sequence, block) items one iteration of the reference's loop works on."""
+    if target_platform() != "cpu":
+        return slots
+    return max(1, min(slots, REFERENCE_CPU_ITERATION_BYTES // item_bytes))
 
 
 def _reference(q: Array, pages: Array, where: PagedWrite) -> Array:
     """Each sequence's pages read in blocks of :data:`REFERENCE_BLOCK_TOKENS` tokens, only
     the blocks its own length covers (split-K, as FlashDecoding): the ``W`` (sequence, block)
-    items of the call are worked through ``S`` at a time in a loop of dynamic trip count,
-    each giving its block's softmax max, sum and weighted values, and then merged per
-    sequence. An item gathers its pages into ``[N_kv, L, D]`` keys and values (heads-major:
+    items of the call are worked through ``n`` at a time (:func:`items_per_iteration`) in a
+    loop of dynamic trip count, each giving its block's softmax max, sum and weighted
+    values, and then merged per sequence. An item gathers its pages into ``[N_kv, L, D]`` keys and values (heads-major:
     the scores and the weighted sum are one batched matmul per item and head, which XLA:CPU
     runs 1.5-2x faster than the same contraction over the gathered ``[B, N_kv, page, D]``
     pages) and masks: key ``j`` is visible to query ``i`` iff ``j ≤ start + i``."""
@@ -188,28 +203,29 @@ def _reference(q: Array, pages: Array, where: PagedWrite) -> Array:
     # the items: sequence r's blocks 0 .. covers[r] − 1, sequence by sequence
     covers = jnp.clip((where.start + nq_len + length - 1) // length, 1, blocks)  # [S]
     ends = jnp.cumsum(covers)
-    capacity = s * blocks  # items at most
+    n = items_per_iteration(s, 2 * n_kv * length * d * pages.dtype.itemsize)
+    capacity = -(-s * blocks // n) * n  # items at most, in whole iterations
     item = jnp.arange(capacity)
     owner = jnp.searchsorted(ends, item, side="right").astype(jnp.int32)  # [capacity], S past the last item
     block_of = item - (ends - covers)[jnp.minimum(owner, s - 1)]
 
     def gathered(which: Array, ids: Array) -> Array:
-        blocks_of = which[ids]  # [S, B, N_kv, page, D]
+        blocks_of = which[ids]  # [n, B, N_kv, page, D]
         # read in the compute dtype (the query's): a narrower pool rounds what is stored only
-        return blocks_of.transpose(0, 2, 1, 3, 4).reshape(s, n_kv, length, d).astype(q.dtype)
+        return blocks_of.transpose(0, 2, 1, 3, 4).reshape(n, n_kv, length, d).astype(q.dtype)
 
     def body(step: Array, parts: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         tops, totals, sums = parts  # per item: [capacity, N_kv, Q·g] max and sum, [.., D] weighted sum
-        at = step * s
-        mine = jax.lax.dynamic_slice_in_dim(jnp.minimum(owner, s - 1), at, s)  # [S] the items' sequences
-        block = jax.lax.dynamic_slice_in_dim(block_of, at, s)
+        at = step * n
+        mine = jax.lax.dynamic_slice_in_dim(jnp.minimum(owner, s - 1), at, n)  # [n] the items' sequences
+        block = jax.lax.dynamic_slice_in_dim(block_of, at, n)
         ids = jnp.take_along_axis(table[mine], block[:, None] * per_block + jnp.arange(per_block)[None], axis=1)
         ids = jnp.minimum(ids, pages.shape[1] - 1)
         keys, values = gathered(pages[0], ids), gathered(pages[1], ids)
         scores = jnp.einsum("skqd,skld->skql", grouped[mine], keys, preferred_element_type=jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(d))
         visible = (block[:, None, None] * length + jnp.arange(length)[None, None]) <= query[mine][..., None]
-        visible = visible[:, None]  # [S, 1, Q·g, L]
+        visible = visible[:, None]  # [n, 1, Q·g, L]
         top = jnp.where(visible, scores, floor).max(-1)
         probs = jnp.where(visible, jnp.exp(scores - top[..., None]), 0.0)  # a query that sees none: 0
         weighted = jnp.einsum("skql,skld->skqd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
@@ -221,7 +237,7 @@ def _reference(q: Array, pages: Array, where: PagedWrite) -> Array:
         jnp.zeros((capacity, n_kv, rows), jnp.float32),
         jnp.zeros((capacity, n_kv, rows, d), jnp.float32),
     )
-    tops, totals, sums = jax.lax.fori_loop(0, -(-ends[-1] // s), body, parts)
+    tops, totals, sums = jax.lax.fori_loop(0, -(-ends[-1] // n), body, parts)
     # merge each sequence's items (items past the last belong to sequence S: dropped)
     top = jax.ops.segment_max(tops, owner, num_segments=s)  # [S, N_kv, Q·g]
     scale = jnp.exp(tops - top[jnp.minimum(owner, s - 1)])

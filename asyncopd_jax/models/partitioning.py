@@ -138,3 +138,13 @@ def constrain(x: jax.Array, axes: Logical) -> jax.Array:
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_spec(axes, x.shape, mesh))
+
+
+def target_platform() -> str:
+    """Where the computation being traced will run: the platform of the context mesh's
+    devices (a plan compiles for TPU chips on a CPU host, whose default backend is "cpu"),
+    else JAX's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    platform = getattr(device, "platform", None)
+    return platform if platform else jax.default_backend()
