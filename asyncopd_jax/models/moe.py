@@ -26,11 +26,15 @@ over E (``experts.gate_proj [E, H, I]``), where a checkpoint stores one tensor p
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from asyncopd_jax.models.config import DecoderConfig
+from asyncopd_jax.models.partitioning import PARAMETER_AXES, logical_spec, mesh_axes
 
 Array = jax.Array
 
@@ -66,19 +70,150 @@ class Experts(nnx.Module):
         self.down_proj = nnx.Param(init(rngs.params(), (e, i, h), dtype))  # [E, I, H]
 
     def __call__(self, x: Array, weights: Array, experts: Array) -> Array:
-        """``x [T, H]``, each token's ``experts [T, k]`` and ``weights [T, k]`` → ``[T, H]``."""
+        """``x [T, H]``, each token's ``experts [T, k]`` and ``weights [T, k]`` → ``[T, H]``;
+        expert-parallel (:func:`expert_parallel`) where the stage's mesh splits the experts."""
+        weights_ = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        parallel = expert_parallel(x, weights, experts, *weights_)
+        return parallel if parallel is not None else _grouped(x, weights, experts, *weights_)
+
+
+def _grouped(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array) -> Array:
+    """Every assignment on this device: ``x [T, H]`` through the experts ``gate, up [E, H, I]``,
+    ``down [E, I, H]`` its ``experts [T, k]`` name, weighted by ``weights [T, k]`` → ``[T, H]``."""
+    t, k = experts.shape
+    flat = experts.reshape(-1)  # [T·k]: assignment a is token a // k's j = a % k-th choice
+    order = jnp.argsort(flat, stable=True)  # the assignments grouped by expert
+    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)  # [E] rows per expert
+    out = _swiglu(jnp.take(x, order // k, axis=0), sizes, gate, up, down)  # [T·k, H]
+    # back to (token, choice) order, then each token's k outputs weighted and summed (the
+    # weights in the compute dtype, as transformers multiplies them)
+    return _combine(jnp.zeros_like(out).at[order].set(out), weights)
+
+
+def _swiglu(rows: Array, sizes: Array, gate: Array, up: Array, down: Array) -> Array:
+    """``rows [M, H]`` grouped by expert (``sizes [E]`` rows each, rows past them unread)
+    through their experts' SwiGLU MLPs → ``[M, H]``."""
+    hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
+    return jax.lax.ragged_dot(hidden, down, sizes)
+
+
+def _combine(outputs: Array, weights: Array) -> Array:
+    """``outputs [T·k, H]`` in (token, choice) order weighted by ``weights [T, k]`` and summed
+    per token → ``[T, H]``."""
+    t, k = weights.shape
+    return jnp.sum(outputs.reshape(t, k, -1) * weights.astype(outputs.dtype)[..., None], axis=1)
+
+
+def expert_axes(shape: tuple[int, ...], mesh: Mesh | AbstractMesh) -> tuple[str, ...]:
+    """The mesh axes that split the experts ``[E, H, I]`` of ``shape`` (the partition rules',
+    where they divide E): those the tokens are exchanged over; () for none."""
+    spec = logical_spec(PARAMETER_AXES[("experts", "gate_proj")], shape, mesh)
+    split = spec[0] if len(spec) else None
+    return () if split is None else (split if isinstance(split, tuple) else (split,))
+
+
+def exchange_bytes(config: DecoderConfig, tokens: int, devices: int, itemsize: int) -> float:
+    """Bytes one device sends over its links in a forward of its ``tokens`` tokens on an
+    expert-parallel mesh of ``devices`` (:func:`expert_parallel`): in each sparse layer, two
+    all-to-alls (there and back) each send ``D − 1`` of the ``D`` chunks of a ``[D, c·k, H]``
+    buffer per exchange of ``c`` tokens. Whole chunks travel, padding included: ``D`` times
+    the rows a device's tokens send on average, the price of never dropping one."""
+    if devices <= 1:
+        return 0.0
+    sparse = sum(config.is_sparse(i) for i in range(config.num_hidden_layers))
+    return float(sparse * 2 * (devices - 1) * tokens * config.num_experts_per_tok * config.hidden_size * itemsize)
+
+
+# Tokens a device sends to the experts in one exchange (the rest wait for the next): its
+# buffers are ``D·k·512·H`` each, 134 MB at Qwen3-30B-A3B's widths on 8 devices in bf16,
+# where a whole 4,096-token row at once would take 1 GiB each.
+EXPERT_CHUNK_TOKENS = 512
+
+
+def expert_parallel(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array) -> Array | None:
+    """The experts run where their weights lie, on a mesh whose rules split the expert axis
+    (``RULES["expert"]``, the fsdp axis: ``D`` devices holding ``E / D`` experts each); None
+    where the stage's mesh does not split them (one device, or ``D`` not dividing ``E``).
+
+    Under :func:`jax.shard_map`, each device holds its share of the tokens (the batch is
+    split over fsdp too) and, per token, the ``k`` choices of the router:
+
+    1. its ``a = c·k`` assignments of a chunk of ``c`` tokens (:data:`EXPERT_CHUNK_TOKENS`,
+       the chunks one after another), sorted by expert, go to the devices that hold
+       their experts: one ``all_to_all`` of a ``[D, a, H]`` buffer, chunk ``d`` holding the
+       rows for device ``d`` first, with each chunk's counts per expert;
+    2. each device runs its ``E / D`` experts on the ``D·a`` rows it received, grouped by
+       expert (the grouped matmul of :func:`_swiglu`), a tensor axis splitting each expert's
+       MLP width as in a dense MLP;
+    3. a second ``all_to_all`` brings the outputs back to the rows they came from, where
+       they are weighted and summed per token (and summed over the tensor axis).
+
+    No token is dropped, whatever the routing: a chunk holds all ``a`` rows, the case of
+    every assignment on one device sent to one expert device. The price is ``2·D·a·H`` of
+    buffers per device and a grouped matmul compiled for ``D·a`` rows (GShard's capacity
+    factor would bound both and drop the overflow, changing a teacher's scores).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    e = gate.shape[0]
+    gate_spec = logical_spec(PARAMETER_AXES[("experts", "gate_proj")], gate.shape, mesh)
+    down_spec = logical_spec(PARAMETER_AXES[("experts", "down_proj")], down.shape, mesh)
+    ep = expert_axes(gate.shape, mesh)
+    if not ep:
+        return None
+    batch = mesh_axes("batch", mesh)
+    # the layout the exchange is written for (partitioning.RULES): tokens split over the
+    # expert axes too, each expert's H whole
+    assert set(ep) <= set(batch) and (len(gate_spec) < 2 or gate_spec[1] is None), (ep, batch, gate_spec)
+    sizes = dict(mesh.shape)
+    devices, shards = math.prod(sizes[a] for a in ep), math.prod(sizes[a] for a in batch)
+    # the tensor axes an expert's MLP width is split over: partial sums to add up
+    width = gate_spec[2] if len(gate_spec) > 2 else None
+    partial = () if width is None else (width if isinstance(width, tuple) else (width,))
+    t = x.shape[0]
+    own = -(-t // shards)  # tokens per device, in exchanges of ``chunk`` at most 512
+    exchanges = -(-own // EXPERT_CHUNK_TOKENS)
+    chunk = -(-own // exchanges)
+    padded = shards * exchanges * chunk  # padding tokens (zeros) are cut off after
+    pad = ((0, padded - t), (0, 0))
+    rows = PartitionSpec(batch)
+
+    def exchange(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array) -> Array:
+        """One chunk of this device's tokens through the experts, wherever they are."""
         t, k = experts.shape
-        flat = experts.reshape(-1)  # [T·k]: assignment a is token a // k's j = a % k-th choice
-        order = jnp.argsort(flat, stable=True)  # the assignments grouped by expert
-        sizes = jnp.bincount(flat, length=self.gate_proj.shape[0]).astype(jnp.int32)  # [E] rows per expert
-        rows = jnp.take(x, order // k, axis=0)  # [T·k, H]
-        gate = jax.lax.ragged_dot(rows, self.gate_proj[...], sizes)
-        up = jax.lax.ragged_dot(rows, self.up_proj[...], sizes)
-        out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...], sizes)  # [T·k, H]
-        # back to (token, choice) order, then each token's k outputs weighted and summed (the
-        # weights in the compute dtype, as transformers multiplies them)
-        back = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
-        return jnp.sum(back * weights.astype(x.dtype)[..., None], axis=1)
+        a, h, mine = t * k, x.shape[-1], gate.shape[0]  # mine: experts on this device
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        owner = flat[order] // mine  # [a] the device each sorted assignment goes to
+        counts = jnp.bincount(flat, length=e).astype(jnp.int32).reshape(devices, mine)  # [D, E/D]
+        per_device = jnp.sum(counts, axis=1)
+        slot = jnp.arange(a) - (jnp.cumsum(per_device) - per_device)[owner]  # its row in owner's chunk
+        send = jnp.zeros((devices, a, h), x.dtype).at[owner, slot].set(jnp.take(x, order // k, axis=0))
+        received = jax.lax.all_to_all(send, ep, 0, 0)  # [D, a, H]: chunk s from device s
+        arrived = jax.lax.all_to_all(counts, ep, 0, 0)  # [D, E/D]: device s's rows per expert of mine
+        # each received row's expert (rows past a chunk's count: E/D, grouped last and unread)
+        ends = jnp.cumsum(arrived, axis=1)  # [D, E/D]
+        expert_of = jax.vmap(lambda end: jnp.searchsorted(end, jnp.arange(a), side="right"))(ends)
+        grouped = jnp.argsort(expert_of.reshape(-1), stable=True)
+        out = _swiglu(received.reshape(devices * a, h)[grouped], jnp.sum(arrived, axis=0), gate, up, down)
+        out = jnp.zeros_like(out).at[grouped].set(out).reshape(devices, a, h)
+        returned = jax.lax.all_to_all(out, ep, 0, 0)  # [D, a, H]: chunk d from device d, my rows
+        assignments = jnp.zeros((a, h), out.dtype).at[order].set(returned[owner, slot])
+        return _combine(assignments, weights)
+
+    def local(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array) -> Array:
+        """This device's tokens, ``chunk`` at a time (their buffers bounded), summed over tensor."""
+        chunked = [v.reshape(-1, chunk, *v.shape[1:]) for v in (x, weights, experts)]
+        y = jax.lax.map(lambda c: exchange(c[0], c[1], c[2], gate, up, down), tuple(chunked)).reshape(x.shape)
+        return jax.lax.psum(y, partial) if partial else y
+
+    y = jax.shard_map(
+        local,
+        in_specs=(rows, rows, rows, gate_spec, gate_spec, down_spec),
+        out_specs=rows,
+    )(jnp.pad(x, pad), jnp.pad(weights, pad), jnp.pad(experts, pad), gate, up, down)
+    return y[:t]
 
 
 class SparseMoE(nnx.Module):

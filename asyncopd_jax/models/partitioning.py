@@ -12,6 +12,9 @@ has the same three axes:
 * ``tensor``: attention heads, the MLP's hidden units and the vocabulary (Megatron tensor
   parallelism: no weight is ever whole on one device, and batch rows need not divide it).
 
+A mixture of experts' experts split over ``fsdp`` (expert parallelism: a device holds whole
+experts, and the tokens, split over fsdp as rows, are sent to them: :mod:`asyncopd_jax.models.moe`).
+
 A dimension is split only where the mesh axes' sizes divide it; otherwise it is replicated
 (the demo's 61-token vocabulary on a 2-way ``tensor`` axis). Axes of size 1 change nothing.
 """
@@ -67,10 +70,19 @@ RULES: dict[str, tuple[str, ...]] = {
     "vocab": ("tensor",),
     "act_heads": ("tensor",),
     "positions": ("tensor",),
-    # "expert" (the experts' axis) is split over no mesh axis yet: each expert's weights are
-    # laid out as a dense MLP's (embed over fsdp, mlp over tensor) and every expert is on
-    # every device of the fsdp × tensor grid, in shards
+    # expert parallelism: the devices that split the batch over fsdp hold E / fsdp whole
+    # experts each (their embed dimension, fsdp being taken, is not split) and the tokens
+    # travel to their experts by all-to-all (models/moe.py), where FSDP would all-gather
+    # every expert's weights for every layer; an expert's MLP width still splits over tensor
+    "expert": ("fsdp",),
 }
+
+
+def mesh_axes(name: str, mesh: Mesh | Any) -> tuple[str, ...]:
+    """The axes of ``mesh`` (more than one device each) that :data:`RULES` split the logical
+    axis ``name`` over, whatever a dimension's size."""
+    sizes = dict(mesh.shape)
+    return tuple(a for a in RULES.get(name, ()) if sizes.get(a, 1) > 1)
 
 
 def _names(path: Sequence[Any]) -> tuple[str, ...]:
@@ -101,10 +113,10 @@ def logical_spec(axes: Logical, shape: Sequence[int], mesh: Mesh | Any) -> Parti
     used: set[str] = set()
     spec: list[Any] = []
     for name, size in zip(axes, shape):
-        mesh_axes = tuple(a for a in RULES.get(name, ()) if sizes.get(a, 1) > 1 and a not in used) if name else ()
-        if mesh_axes and size % math.prod(sizes[a] for a in mesh_axes) == 0:
-            used.update(mesh_axes)
-            spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+        split = tuple(a for a in mesh_axes(name, mesh) if a not in used) if name else ()
+        if split and size % math.prod(sizes[a] for a in split) == 0:
+            used.update(split)
+            spec.append(split[0] if len(split) == 1 else split)
         else:
             spec.append(None)
     while spec and spec[-1] is None:

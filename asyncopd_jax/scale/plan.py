@@ -14,13 +14,14 @@ Shapes: B rows per call, P prompt slots, T response slots, S = P + T, V vocabula
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.config import ModelSource, RunConfig, TeacherSource
@@ -37,7 +38,8 @@ from asyncopd_jax.learner.step import (
 from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.config import DecoderConfig, read_hf_config
 from asyncopd_jax.models.decoder import Remat, abstract_decoder, cast_floating
-from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
+from asyncopd_jax.models.moe import exchange_bytes, expert_axes
+from asyncopd_jax.models.partitioning import mesh_axes, mesh_context, parameter_shardings
 from asyncopd_jax.pipeline.placement import Layout, Role, device_ids, plan_layout
 from asyncopd_jax.pipeline.stage import stage_mesh, with_shardings
 from asyncopd_jax.sampling import SamplingParams, make_sampler
@@ -88,6 +90,9 @@ class StageFigures:
     executed_flops: float = 0.0
     model_flops: float = 0.0
     textbook_flops: float = 0.0
+    # Bytes one chip sends over its links per call where the program exchanges activations
+    # (a mixture of experts' all-to-alls: models/moe.py's exchange_bytes); 0: none counted
+    interconnect_bytes: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -95,10 +100,15 @@ class StageFigures:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
     def roofline_seconds(self, chip: Chip) -> float:
-        """``max(FLOPs / peak, bytes / bandwidth)``: the executed matmul FLOPs where counted
-        (the compiler's otherwise), the compiler's bytes (a lower bound: loops once)."""
+        """``max(FLOPs / peak, bytes / bandwidth, link bytes / link bandwidth)``: the executed
+        matmul FLOPs where counted (the compiler's otherwise), the compiler's bytes (a lower
+        bound: loops once), the bytes sent to other chips at one direction's rate."""
         flops = max(self.executed_flops, self.flops)
-        return max(flops / chip.peak_flops, self.bytes_accessed / chip.hbm_bytes_per_s)
+        return max(
+            flops / chip.peak_flops,
+            self.bytes_accessed / chip.hbm_bytes_per_s,
+            self.interconnect_bytes / chip.copy_bytes_per_s,
+        )
 
     def mfu(self, chip: Chip) -> float:
         """Model-FLOPs utilisation if the call ran at its roofline time."""
@@ -312,8 +322,25 @@ def compile_teacher_scoring(
         head, rows, shapes.prompt_tokens + shapes.response_tokens, shapes.response_tokens, backward=False
     )
     return dataclasses.replace(
-        figures, executed_flops=counted, model_flops=counted, textbook_flops=textbook / len(devices)
+        figures,
+        executed_flops=counted,
+        model_flops=counted,
+        textbook_flops=textbook / len(devices),
+        interconnect_bytes=teacher_exchange_bytes(config, mesh, tokens, jnp.dtype(source.dtype).itemsize),
     )
+
+
+def teacher_exchange_bytes(config: DecoderConfig, mesh: Mesh, tokens: int, itemsize: int) -> float:
+    """What one chip of ``mesh`` sends to the others in a forward of ``tokens`` tokens (all
+    chips together) of a mixture of experts split over it: :func:`~asyncopd_jax.models.moe.exchange_bytes`
+    at its share of the tokens; 0 for a dense model or experts not split."""
+    if not config.num_experts:
+        return 0.0
+    shape = (config.num_experts, config.hidden_size, config.moe_intermediate_size)
+    sizes = dict(mesh.shape)
+    devices = math.prod(sizes[a] for a in expert_axes(shape, mesh))
+    shards = math.prod(sizes[a] for a in mesh_axes("batch", mesh))
+    return exchange_bytes(config, -(-tokens // shards), devices, itemsize)
 
 
 def rollout_sampling(cfg: RunConfig, shapes: Shapes) -> SamplingParams:
@@ -618,6 +645,12 @@ def format_plan(plan: Plan) -> str:
             f"{s.executed_flops / 1e12:>8.1f}{book:>7}{s.flops / 1e12:>8.1f}{s.roofline_seconds(chip):>12.3f}"
             f"{s.mfu(chip):>6.0%}"
         )
+    for s in plan.stages:
+        if s.interconnect_bytes and not s.error:
+            lines.append(
+                f"{s.stage}: the experts' all-to-alls send {s.interconnect_bytes / 1e9:.1f} GB per chip and call, "
+                f"{s.interconnect_bytes / chip.copy_bytes_per_s:.3f} s over its links (in its roofline)"
+            )
     times = [t for t in plan.balance.values() if t == t]  # the stages that compile
     if times:
         slowest = max(times)

@@ -11,7 +11,8 @@ chips, ``L + R + C ≤ N``, by consecutive chip ids (learner, sampler, teacher):
   most (a power of two, at most one batch's prompts) whose weights (as received and as
   computed in) and paged KV cache fit :data:`SAMPLER_FIT` of a chip, the pool sized for
   every slot's prompt and expected answer (at most its longest);
-* the teacher on C chips, split as the sampler is (``stages.scoring_mesh``).
+* the teacher on C chips, split as the sampler is, or a mixture of experts' experts over
+  fsdp (expert parallelism; ``stages.scoring_mesh``: :func:`scoring_mesh_split`).
 
 With every chip on one host (the default) the stages are threads of the learner's process
 and each version is handed over in memory. Given ``chips_per_host``, a stage keeps to one
@@ -35,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from asyncopd_jax.config import RunConfig, with_overrides
+from asyncopd_jax.models.config import DecoderConfig
 from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.pipeline.placement import SnapshotChannel
 from asyncopd_jax.scale.balance import Answers, DecodeBytes, RolloutCost, rollout_seconds
@@ -78,6 +80,26 @@ def mesh_split(chips: int, kv_heads: int) -> tuple[int, int]:
     dividing both counts (each chip then holds whole key-value heads), rows over the rest."""
     tensor = math.gcd(chips, kv_heads)
     return chips // tensor, tensor
+
+
+def scoring_mesh_split(chips: int, teachers: Sequence[DecoderConfig]) -> tuple[int, int, int]:
+    """``(data, fsdp, tensor)`` for the teachers' stage on ``chips`` chips. A mixture of
+    experts splits its experts over fsdp (expert parallelism, models/moe.py: each chip holds
+    whole experts, its tokens sent to them), over the most chips dividing every teacher's
+    expert count, with no tensor axis; dense teachers alone split their heads over tensor
+    (:func:`mesh_split`). Rows over the rest."""
+    experts = [t.num_experts for t in teachers if t.num_experts]
+    if experts:
+        fsdp = math.gcd(chips, *experts)
+        return chips // fsdp, fsdp, 1
+    data, tensor = mesh_split(chips, min(t.num_key_value_heads for t in teachers))
+    return data, 1, tensor
+
+
+def scoring_mesh_line(chips: int, teachers: Sequence[DecoderConfig]) -> str:
+    """The ``--set`` line of :func:`scoring_mesh_split`."""
+    data, fsdp, tensor = scoring_mesh_split(chips, teachers)
+    return f"stages.scoring_mesh={{data: {data}, fsdp: {fsdp}, tensor: {tensor}}}"
 
 
 def by_id(devices: Sequence) -> list:
@@ -139,10 +161,9 @@ class Split:
             *sampler_overrides(self.rollout, self.slots, self.kv_pages, models),
         ]
         if self.scoring:
-            c_data, c_tensor = mesh_split(self.scoring, min(t.num_key_value_heads for _, t, _ in models.teachers))
             sets += [
                 f"stages.scoring_devices={positions(devices, self.learner + self.rollout, self.scoring)}",
-                f"stages.scoring_mesh={{data: {c_data}, tensor: {c_tensor}}}",
+                scoring_mesh_line(self.scoring, [t for _, t, _ in models.teachers]),
             ]
         return sets
 
@@ -288,14 +309,12 @@ def balance_split(
     scorers: dict[int, float] = {}
     if teachers:
         shares = models.scoring_shares(cfg)
-        kv = min(t.num_key_value_heads for _, t, _ in teachers)
+        configs = [t for _, t, _ in teachers]
         for count in powers_of_two(most):
-            data, tensor = mesh_split(count, kv)
-            if cfg.learner.batch_size % data:
+            data, fsdp, _ = scoring_mesh_split(count, configs)
+            if cfg.learner.batch_size % (data * fsdp):
                 continue
-            trial = with_overrides(
-                cfg, [f"stages.scoring_mesh={{data: {data}, tensor: {tensor}}}", "stages.rollouts=1"]
-            )
+            trial = with_overrides(cfg, [scoring_mesh_line(count, configs), "stages.rollouts=1"])
             seconds = 0.0
             weights = sum(teacher_weight_bytes(trial, *t[:2], devices[:count], models.vocab_limit) for t in teachers)
             if too_big("teacher scoring", count, weights):

@@ -247,24 +247,75 @@ def test_jit_and_grad_flow_through_the_experts():
     assert np.abs(np.asarray(grads["gate"]["kernel"][...])).sum() > 0
 
 
-def test_a_model_on_a_mesh_gives_the_one_device_logits():
-    """Experts laid out over fsdp × tensor (each expert's H over fsdp, I over tensor), rows
-    over data: the logits of the single device."""
+def _mesh(data: int, fsdp: int, tensor: int):
     from asyncopd_jax.config import MeshConfig
     from asyncopd_jax.learner import make_mesh
+
+    return make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
+
+
+# (data, fsdp, tensor), experts, and how many experts a device holds: fsdp splits the experts
+# where it divides them (expert parallelism), else each expert's H as a dense MLP's (FSDP)
+MESHES = {
+    "ep8": ((1, 8, 1), 8, 1),
+    "ep2-tensor2-data2": ((2, 2, 2), 8, 4),
+    "ep4-tensor2": ((1, 4, 2), 8, 2),
+    "fsdp8-experts-not-divisible": ((1, 8, 1), 6, 6),
+    "tensor8-no-ep": ((1, 1, 8), 8, 8),
+}
+
+
+@pytest.mark.parametrize("mesh_shape, experts, held", MESHES.values(), ids=MESHES.keys())
+@pytest.mark.parametrize("rows, columns", [(4, 6), (3, 5)])  # 15 tokens: padded to the batch shards
+def test_a_model_on_a_mesh_gives_the_one_device_logits(mesh_shape, experts, held, rows, columns):
+    """Experts split over fsdp (expert parallelism: tokens to their experts by all-to-all),
+    or laid out as dense MLPs where fsdp does not divide them: the single device's logits."""
     from asyncopd_jax.models.decoder import Decoder
     from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
 
-    model = Decoder(tiny_moe_config(num_experts_per_tok=3), rngs=nnx.Rngs(8))
+    model = Decoder(tiny_moe_config(num_experts=experts, num_experts_per_tok=3), rngs=nnx.Rngs(8))
     graphdef, state = nnx.split(model)
-    tokens = jnp.asarray(np.random.default_rng(9).integers(0, 50, size=(4, 6)), jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(9).integers(0, 50, size=(rows, columns)), jnp.int32)
     want = np.asarray(model(tokens))
-    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    mesh = _mesh(*mesh_shape)
     placed = jax.device_put(state, parameter_shardings(state, mesh))
-    assert "tensor" in str(placed["layers"][0]["mlp"]["experts"]["gate_proj"].sharding.spec)
+    assert placed["layers"][0]["mlp"]["experts"]["gate_proj"].addressable_shards[0].data.shape[0] == held
+    forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
     with mesh_context(mesh):
-        got = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(placed, tokens)
+        got = forward(placed, tokens)
+        hlo = forward.lower(placed, tokens).as_text()
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+    # two all-to-alls of rows and one of counts per sparse layer, only where experts are split
+    assert hlo.count("all_to_all") == (3 * 2 if held < experts else 0), hlo.count("all_to_all")
+
+
+@pytest.mark.parametrize("mesh_shape, chunk", [((1, 4, 2), 512), ((2, 4, 1), 512), ((1, 8, 1), 1)])
+def test_expert_parallel_drops_no_token_when_every_assignment_goes_to_one_device(mesh_shape, chunk, monkeypatch):
+    """The worst case of the all-to-all's buffers: every token of every device routed to
+    experts 6 and 7, which one device holds. Equal to the grouped experts on one device,
+    a device's tokens in one exchange or in two (1 token each: 16 tokens on 8 devices)."""
+    from asyncopd_jax.models import moe
+    from asyncopd_jax.models.moe import _grouped, expert_parallel
+
+    monkeypatch.setattr(moe, "EXPERT_CHUNK_TOKENS", chunk)
+    from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
+
+    rng = np.random.default_rng(12)
+    e, h, i, t = 8, 16, 12, 16
+    gate, up = (jnp.asarray(rng.normal(size=(e, h, i)), jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.normal(size=(e, i, h)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(t, h)), jnp.float32)
+    weights = jnp.asarray(rng.uniform(size=(t, 2)), jnp.float32)
+    for chosen in (np.tile([7, 6], (t, 1)), rng.integers(0, e, size=(t, 2))):
+        chosen = jnp.asarray(chosen, jnp.int32)
+        want = _grouped(x, weights, chosen, gate, up, down)
+        mesh = _mesh(*mesh_shape)
+        tree = {"experts": {"gate_proj": gate, "up_proj": up, "down_proj": down}}
+        placed = jax.device_put(tree, parameter_shardings(tree, mesh))["experts"]
+        stacked = [placed[name] for name in ("gate_proj", "up_proj", "down_proj")]
+        with mesh_context(mesh):
+            got = jax.jit(expert_parallel)(x, weights, chosen, *stacked)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("engine", ["static", "continuous"])
@@ -307,3 +358,24 @@ def test_the_shipped_qwen3_30b_a3b_has_the_model_cards_parameter_counts():
     assert round(total / 1e9, 1) == 30.5
     assert 3.3 <= (total - idle) / 1e9 < 3.4  # 3.35: the card truncates
     assert round((total - 2 * c.vocab_size * c.hidden_size) / 1e9, 1) == 29.9
+
+
+def test_the_exchange_bytes_are_whole_chunks_there_and_back_in_every_sparse_layer():
+    """Qwen3-30B-A3B (48 sparse layers, k 8, H 2,048) on 4 expert devices, 65,536 bf16 tokens
+    a device: each layer sends 3 of 4 chunks of [4, 4,096, 2,048] per 512 tokens, twice."""
+    from asyncopd_jax.models.config import read_hf_config
+    from asyncopd_jax.models.moe import exchange_bytes
+    from asyncopd_jax.scale.plan import ARCHITECTURES, teacher_exchange_bytes
+
+    config, _ = read_hf_config(ARCHITECTURES / "Qwen3-30B-A3B-Instruct-2507")
+    per_exchange = 3 * 512 * 8 * 2048 * 2  # D − 1 chunks of c·k rows of H bf16
+    want = 48 * 2 * (65536 // 512) * per_exchange
+    assert exchange_bytes(config, 65536, 4, 2) == want
+    assert exchange_bytes(config, 65536, 1, 2) == 0.0
+    every_other = dataclasses.replace(config, decoder_sparse_step=2)  # layers 1, 3, …: 24 sparse
+    assert exchange_bytes(every_other, 65536, 4, 2) == want / 2
+    # on a mesh: the expert devices are those fsdp puts the experts on, the tokens each's share
+    assert teacher_exchange_bytes(config, _mesh(2, 4, 1), 8 * 65536, 2) == want
+    assert teacher_exchange_bytes(config, _mesh(1, 1, 8), 8 * 65536, 2) == 0.0  # experts not split
+    dense, _ = read_hf_config(ARCHITECTURES / "Qwen3-8B")
+    assert teacher_exchange_bytes(dense, _mesh(2, 4, 1), 8 * 65536, 2) == 0.0

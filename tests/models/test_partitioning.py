@@ -75,27 +75,35 @@ def test_every_table_entry_names_a_parameter_of_the_decoder():
     assert {path[-2:] for path, _ in nnx.to_flat_state(_moe_params()) if parameter_axes(path)} >= moe
 
 
-def _moe_params():
+def _moe_params(experts: int = 8):
     import dataclasses
 
     dense, _ = architecture(ModelSource(path="/nowhere/Qwen3-0.6B"))
     config = dataclasses.replace(
-        dense, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256
+        dense, model_type="qwen3_moe", num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=256
     )
     return abstract_decoder(config, "float32")[1]
 
 
-def test_the_experts_are_laid_out_as_a_dense_mlp_each_and_the_router_over_fsdp(mesh):
-    """[E, H, I] / [E, I, H]: H over fsdp, I over tensor, every expert on every shard (the
-    expert axis is not split yet); the router [H, E] over fsdp."""
-    specs = {
-        tuple(str(k) for k in path)[-2:]: tuple(s.spec)
-        for path, s in nnx.to_flat_state(parameter_shardings(_moe_params(), mesh))
-        if "layers" in path and path[1] == 0
-    }
-    assert specs[("experts", "gate_proj")] == (None, "fsdp", "tensor")
-    assert specs[("experts", "down_proj")] == (None, "tensor", "fsdp")
-    assert specs[("gate", "kernel")] == ("fsdp",)
+def test_the_experts_split_over_fsdp_whole_each_and_the_router_over_fsdp(mesh):
+    """[E, H, I] / [E, I, H]: E over fsdp (expert parallelism: a device holds whole experts,
+    their H not split) and I over tensor; the router [H, E] over fsdp. Where fsdp does not
+    divide E, each expert is laid out as a dense MLP (H over fsdp)."""
+
+    def specs(params):
+        return {
+            tuple(str(k) for k in path)[-2:]: tuple(s.spec)
+            for path, s in nnx.to_flat_state(parameter_shardings(params, mesh))
+            if "layers" in path and path[1] == 0
+        }
+
+    split = specs(_moe_params())
+    assert split[("experts", "gate_proj")] == ("fsdp", None, "tensor")
+    assert split[("experts", "down_proj")] == ("fsdp", "tensor")
+    assert split[("gate", "kernel")] == ("fsdp",)
+    dense = specs(_moe_params(experts=7))
+    assert dense[("experts", "gate_proj")] == (None, "fsdp", "tensor")
+    assert dense[("experts", "down_proj")] == (None, "tensor", "fsdp")
 
 
 def test_constrain_applies_only_under_a_mesh(mesh):

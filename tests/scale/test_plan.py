@@ -218,3 +218,14 @@ def test_a_decode_step_reads_the_weights_and_cache_in_the_samplers_compute_dtype
         load_config(configs.DEMO, [*sets, "sampling.compute_dtype=bfloat16"]), student, devices, shapes
     )
     assert (bf16.weights * 2, bf16.kv_per_token * 2) == (fp32.weights, fp32.kv_per_token)
+
+
+def test_a_stage_whose_link_bytes_dominate_has_them_as_its_roofline():
+    """The experts' all-to-alls count in a stage's roofline at one direction of its links."""
+    from asyncopd_jax.scale.chips import CHIPS
+
+    chip = CHIPS["v6e"]
+    figures = plan_module.StageFigures("teacher scoring", 8, 64, 64 * 4096, flops=1e12, bytes_accessed=1e9)
+    assert figures.roofline_seconds(chip) == pytest.approx(1e12 / chip.peak_flops)
+    linked = dataclasses.replace(figures, interconnect_bytes=448e9)
+    assert linked.roofline_seconds(chip) == pytest.approx(448e9 / (chip.interconnect_bytes_per_s / 2)) == 2.0

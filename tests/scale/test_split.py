@@ -19,7 +19,15 @@ from asyncopd_jax.scale import split as split_module
 from asyncopd_jax.scale.balance import Answers
 from asyncopd_jax.scale.chips import CHIPS, get_topology
 from asyncopd_jax.scale.plan import Shapes, StageFigures, decode_bytes, read_models, sampler_weights
-from asyncopd_jax.scale.split import Split, balance_split, by_id, mesh_split, positions, sampler_fit
+from asyncopd_jax.scale.split import (
+    Split,
+    balance_split,
+    by_id,
+    mesh_split,
+    positions,
+    sampler_fit,
+    scoring_mesh_split,
+)
 from asyncopd_jax.scale.swaps import bytes_per_device
 
 SHAPES = Shapes(prompt_tokens=16, response_tokens=24)
@@ -137,6 +145,16 @@ def test_a_stage_takes_the_chips_of_consecutive_ids_wherever_the_topology_lists_
 @pytest.mark.parametrize(("chips", "kv", "want"), [(8, 8, (1, 8)), (16, 8, (2, 8)), (4, 2, (2, 2)), (6, 4, (3, 2))])
 def test_heads_split_over_the_chips_that_hold_whole_key_value_heads(chips, kv, want):
     assert mesh_split(chips, kv) == want
+
+
+def test_a_mixture_of_experts_teacher_splits_its_experts_over_fsdp_and_a_dense_one_its_heads():
+    from tests.tiny_models import tiny_config, tiny_moe_config
+
+    moe, dense = tiny_moe_config(num_experts=128), tiny_config("qwen3", 61)
+    assert scoring_mesh_split(8, [moe]) == (1, 8, 1)  # 16 experts a chip, tokens by all-to-all
+    assert scoring_mesh_split(8, [tiny_moe_config(num_experts=12)]) == (2, 4, 1)  # the most chips dividing 12
+    assert scoring_mesh_split(4, [moe, dense]) == (1, 4, 1)  # the dense teacher FSDP beside it
+    assert scoring_mesh_split(4, [dense]) == (4 // mesh_split(4, 2)[1], 1, mesh_split(4, 2)[1])
 
 
 def test_the_sampler_takes_the_most_slots_whose_weights_and_cache_fit():

@@ -131,15 +131,22 @@ def test_scoring_params_errors():
         ScoringParams(store_dtype="float16")
 
 
-@pytest.mark.parametrize("data, fsdp, tensor", [(1, 1, 4), (2, 2, 2)])
-def test_a_sharded_teacher_scores_as_one_device_does(data, fsdp, tensor):
+@pytest.mark.parametrize(
+    "data, fsdp, tensor, moe", [(1, 1, 4, False), (2, 2, 2, False), (1, 8, 1, True), (2, 2, 2, True)]
+)
+def test_a_sharded_teacher_scores_as_one_device_does(data, fsdp, tensor, moe):
     """The teacher's heads, MLP and vocabulary split over ``tensor`` (and its embed
-    dimension over ``fsdp``), rows over what divides them: the same cache (to fp32 rounding)."""
+    dimension over ``fsdp``; a mixture of experts' experts over ``fsdp``, expert-parallel),
+    rows over what divides them: the same cache (to fp32 rounding)."""
     from asyncopd_jax.config import MeshConfig
     from asyncopd_jax.learner import make_mesh
+    from asyncopd_jax.models.decoder import Decoder
     from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
+    from tests.tiny_models import tiny_moe_config
 
-    teacher = tiny_decoder(1, vocab=64, scale=0.7)  # 64 ids: the vocabulary divides the tensor axis
+    # 64 ids: the vocabulary divides the tensor axis; 8 experts: they divide the fsdp axis
+    config = tiny_moe_config(vocab_size=64, num_experts=8, num_experts_per_tok=2)
+    teacher = Decoder(config, rngs=nnx.Rngs(1)) if moe else tiny_decoder(1, vocab=64, scale=0.7)
     graphdef, state = nnx.split(teacher)
     params = SamplingParams(max_new_tokens=7, num_candidates=4, student_topk=3)
     prompts = PROMPTS + [[3, 4]]  # 4 rows
@@ -151,8 +158,12 @@ def test_a_sharded_teacher_scores_as_one_device_does(data, fsdp, tensor):
 
     mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
     sharded = nnx.merge(graphdef, jax.device_put(state, parameter_shardings(state, mesh)))
-    kernel = sharded.layers[0].mlp.up_proj.kernel[...]
-    assert "tensor" in tuple(kernel.sharding.spec) and kernel.addressable_shards[0].data.shape[1] == 64 // tensor
+    if moe:  # each device holds 8 / fsdp whole experts
+        experts = sharded.layers[0].mlp.experts.up_proj[...]
+        assert experts.addressable_shards[0].data.shape[0] == 8 // fsdp
+    else:
+        kernel = sharded.layers[0].mlp.up_proj.kernel[...]
+        assert "tensor" in tuple(kernel.sharding.spec) and kernel.addressable_shards[0].data.shape[1] == 64 // tensor
     with mesh_context(mesh):
         got = TeacherScorer(sharded, scoring).score(batch, key)
     for name in ("token_logp", "candidate_logp", "student_topk_logp", "topk_logp", "sample_logp"):
