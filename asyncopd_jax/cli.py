@@ -327,9 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     sft.add_argument(
         "--model",
-        choices=["teacher", "student", "teacher_long", "student_long"],
+        choices=["teacher", "student", "teacher_long", "student_long", "teacher_moe"],
         required=True,
-        help="a built-in size (the _long ones: a context of 1024 positions, for task.lengths=long_tailed)",
+        help="a built-in size (the _long ones: a context of 1024 positions, for task.lengths=long_tailed; "
+        "teacher_moe: the teacher's widths with a mixture of 8 experts in each layer)",
     )
     sft.add_argument("--steps", type=int, default=1000)
     sft.add_argument("--batch-size", type=int, default=64)

@@ -23,3 +23,12 @@ def test_demo_distils_the_student_to_ninety_percent_of_the_teacher(tmp_path, pla
         spans = {(s["process"], s["name"]) for s in load_spans(tmp_path / "demo" / "trace.json")}
         assert {("rollout-0", "rollout"), ("rollout-0", "score"), ("learner", "learn")} <= spans, sorted(spans)
         assert ("learner", "rollout") not in spans and ("learner", "score") not in spans
+
+
+@pytest.mark.slow
+def test_demo_moe_distils_the_student_to_94_percent_of_its_mixture_of_experts_teacher(tmp_path):
+    """Issue 39's acceptance: the demo with builtin:teacher_moe (~7 min here)."""
+    cfg = load_config("demo_moe", [f"output_dir={tmp_path}", *SHORT_WAIT_SETS])
+    assert cfg.teacher.path == "builtin:teacher_moe"
+    summary = Trainer(cfg, progress=False).run()
+    assert summary["student_after"] >= 0.94 * summary["teacher_accuracy"], summary

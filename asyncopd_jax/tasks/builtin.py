@@ -44,7 +44,14 @@ MODEL_SIZES = {
     "student": (64, 2, 192, 16, 128),
     "teacher_long": (128, 4, 384, 32, 1024),
     "student_long": (64, 2, 192, 16, 1024),
+    "teacher_moe": (128, 4, 384, 32, 128),
 }
+
+# (experts, experts per token, an expert's MLP width) of the mixtures of experts among
+# them: the teacher's widths with 8 experts of 96 in each layer's MLP, 2 a token (an active
+# MLP of 192 where the dense teacher's is 384, and 768 in all), as Qwen3-MoE routes them
+# (norm_topk_prob)
+EXPERT_SIZES = {"teacher_moe": (8, 2, 96)}
 
 
 def model_config(size: str) -> DecoderConfig:
@@ -54,8 +61,13 @@ def model_config(size: str) -> DecoderConfig:
     if size not in MODEL_SIZES:
         raise ValueError(f"built-in model {size!r} is invalid; allowed: {', '.join(MODEL_SIZES)}")
     hidden, layers, mlp, head_dim, context = MODEL_SIZES[size]
+    experts, per_token, expert_mlp = EXPERT_SIZES.get(size, (0, 0, 0))
     return DecoderConfig(
-        model_type="qwen3",
+        model_type="qwen3_moe" if experts else "qwen3",
+        num_experts=experts,
+        num_experts_per_tok=per_token,
+        moe_intermediate_size=expert_mlp,
+        norm_topk_prob=bool(experts),
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden,
         intermediate_size=mlp,
@@ -216,4 +228,4 @@ def length_buckets(minimum: int, maximum: int) -> list[tuple[int, int]]:
     return out
 
 
-__all__ = ["MODEL_SIZES", "TaskData", "VOCAB_SIZE", "length_buckets", "model_config", "new_model"]
+__all__ = ["EXPERT_SIZES", "MODEL_SIZES", "TaskData", "VOCAB_SIZE", "length_buckets", "model_config", "new_model"]

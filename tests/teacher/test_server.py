@@ -369,3 +369,18 @@ def test_base64_arrays_are_the_json_numbers_exactly_and_pad_to_sets_the_scored_w
     for p, q in zip(padded, bucketed):
         for key in p:
             np.testing.assert_allclose(p[key], q[key], atol=1e-5, err_msg=key)
+
+
+def test_a_mixture_of_experts_teacher_is_served_as_it_scores_in_process(rollouts):
+    """builtin:teacher_moe (8 experts a layer, 2 a token) behind the server: the scores of the
+    in-process scorer."""
+    moe = from_pretrained(resolve_model_path("builtin:teacher_moe"))
+    assert moe.config.num_experts == 8
+    params = ScoringParams(topk=8, chunk_size=64)
+    with running(BatchScorer(moe, SETTINGS)) as (url, _, _):
+        remote = ServedTeacher(ServerParams(url=url, api="asyncopd", rows_per_request=4), params, 32).score(rollouts)
+    local = TeacherScorer(moe, params).score(rollouts)
+    mask = np.asarray(rollouts.response_mask)
+    for field in ("token_logp", "topk_logp", "candidate_logp", "student_topk_logp"):
+        got, want = np.asarray(getattr(remote, field))[mask], np.asarray(getattr(local, field))[mask]
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=field)

@@ -48,12 +48,12 @@ def rollouts():
     return sampler.generate(state, prompts, jax.random.key(0), prompt_slots=models.task.prompt_slots), cfg
 
 
-@pytest.mark.timeout(START_S + 300)
-def test_vllm_scores_equal_the_in_process_scorer_on_the_same_weights(server, rollouts):
+def _scores_agree(model: str, url: str, rollouts) -> None:
+    """vLLM at ``url`` scores ``rollouts`` as the in-process scorer does on ``model``'s weights."""
     batch, cfg = rollouts
     params = dataclasses.replace(cfg.scoring, topk=8)
-    local = TeacherScorer(from_pretrained(resolve_model_path("builtin:teacher")), params).score(batch)
-    remote = ServedTeacher(ServerParams(url=server, rows_per_request=8, in_flight=2), params, 32).score(batch)
+    local = TeacherScorer(from_pretrained(resolve_model_path(model)), params).score(batch)
+    remote = ServedTeacher(ServerParams(url=url, rows_per_request=8, in_flight=2), params, 32).score(batch)
     mask = np.asarray(batch.response_mask)
     assert mask.sum() > 200 and (mask.sum(1) < mask.shape[1]).any()  # many positions; some answers end early
     np.testing.assert_allclose(np.asarray(remote.token_logp)[mask], np.asarray(local.token_logp)[mask], atol=TOLERANCE)
@@ -67,6 +67,19 @@ def test_vllm_scores_equal_the_in_process_scorer_on_the_same_weights(server, rol
     tied[:, :-1] |= close
     assert np.array_equal(got_ids[~tied], want_ids[~tied])
     assert tied.mean() < 0.05
+
+
+@pytest.mark.timeout(START_S + 300)
+def test_vllm_scores_equal_the_in_process_scorer_on_the_same_weights(server, rollouts):
+    _scores_agree("builtin:teacher", server, rollouts)
+
+
+@pytest.mark.timeout(START_S + 300)
+def test_vllm_serves_the_mixture_of_experts_teacher_as_we_score_it(rollouts, tmp_path):
+    """vLLM's CPU build loads builtin:teacher_moe (Qwen3MoeForCausalLM: 8 experts, 2 a token)
+    and its scores are ours."""
+    with vllm_server(resolve_model_path("builtin:teacher_moe"), tmp_path / "server.log") as url:
+        _scores_agree("builtin:teacher_moe", url, rollouts)
 
 
 @pytest.mark.slow  # the whole demo through vLLM: minutes (docs/results.md); -m "served and slow"
