@@ -71,8 +71,8 @@ def rollouts():
     return Sampler(graphdef, params).generate(state, prompts, jax.random.key(0))
 
 
-def test_every_field_equals_the_in_process_scorer(served_teacher, teacher, rollouts):
-    url, _ = served_teacher
+def _served_equals_in_process(url: str, teacher, rollouts) -> None:
+    """The server at ``url`` fills every field of the cache as ``teacher`` in process does."""
     params = ScoringParams(topk=8, chunk_size=64)
     remote = ServedTeacher(ServerParams(url=url, api="asyncopd", rows_per_request=4), params, 32).score(rollouts)
     local = TeacherScorer(teacher, params).score(rollouts)
@@ -81,6 +81,10 @@ def test_every_field_equals_the_in_process_scorer(served_teacher, teacher, rollo
         got, want = np.asarray(getattr(remote, field))[mask], np.asarray(getattr(local, field))[mask]
         np.testing.assert_allclose(got, want, atol=1e-5, err_msg=field)
     np.testing.assert_array_equal(np.asarray(remote.topk_ids)[mask], np.asarray(local.topk_ids)[mask])
+
+
+def test_every_field_equals_the_in_process_scorer(served_teacher, teacher, rollouts):
+    _served_equals_in_process(served_teacher[0], teacher, rollouts)
 
 
 def test_the_clients_default_request_holds_no_more_rows_than_the_server_takes(teacher, rollouts):
@@ -376,11 +380,5 @@ def test_a_mixture_of_experts_teacher_is_served_as_it_scores_in_process(rollouts
     in-process scorer."""
     moe = from_pretrained(resolve_model_path("builtin:teacher_moe"))
     assert moe.config.num_experts == 8
-    params = ScoringParams(topk=8, chunk_size=64)
     with running(BatchScorer(moe, SETTINGS)) as (url, _, _):
-        remote = ServedTeacher(ServerParams(url=url, api="asyncopd", rows_per_request=4), params, 32).score(rollouts)
-    local = TeacherScorer(moe, params).score(rollouts)
-    mask = np.asarray(rollouts.response_mask)
-    for field in ("token_logp", "topk_logp", "candidate_logp", "student_topk_logp"):
-        got, want = np.asarray(getattr(remote, field))[mask], np.asarray(getattr(local, field))[mask]
-        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=field)
+        _served_equals_in_process(url, moe, rollouts)
