@@ -26,6 +26,7 @@ over E (``experts.gate_proj [E, H, I]``), where a checkpoint stores one tensor p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -104,12 +105,41 @@ def _combine(outputs: Array, weights: Array) -> Array:
     return jnp.sum(outputs.reshape(t, k, -1) * weights.astype(outputs.dtype)[..., None], axis=1)
 
 
-def expert_axes(shape: tuple[int, ...], mesh: Mesh | AbstractMesh) -> tuple[str, ...]:
-    """The mesh axes that split the experts ``[E, H, I]`` of ``shape`` (the partition rules',
-    where they divide E): those the tokens are exchanged over; () for none."""
+def _axes(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
+    """The mesh axes ``spec`` splits dimension ``dim`` over (() for none)."""
+    entry = spec[dim] if len(spec) > dim else None
+    return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """How a mesh splits a mixture of experts' experts and its tokens (:func:`expert_layout`)."""
+
+    experts: tuple[str, ...]  # the axes splitting E: the tokens are exchanged over them
+    batch: tuple[str, ...]  # the axes splitting the tokens (the experts' among them)
+    width: tuple[str, ...]  # the axes splitting an expert's MLP width: partial sums to add up
+    devices: int  # D: devices the experts are spread over
+    shards: int  # devices the tokens are spread over
+
+
+def expert_layout(shape: tuple[int, ...], mesh: Mesh | AbstractMesh) -> ExpertLayout | None:
+    """The layout the partition rules give experts ``[E, H, I]`` of ``shape`` on ``mesh``;
+    None where no axis splits E (one device, or no fsdp axis dividing E)."""
     spec = logical_spec(PARAMETER_AXES[("experts", "gate_proj")], shape, mesh)
-    split = spec[0] if len(spec) else None
-    return () if split is None else (split if isinstance(split, tuple) else (split,))
+    experts, batch = _axes(spec, 0), mesh_axes("batch", mesh)
+    if not experts:
+        return None
+    # the layout the exchange is written for (partitioning.RULES): tokens split over the
+    # expert axes too, each expert's H whole
+    assert set(experts) <= set(batch) and not _axes(spec, 1), (experts, batch, spec)
+    sizes = dict(mesh.shape)
+    return ExpertLayout(
+        experts=experts,
+        batch=batch,
+        width=_axes(spec, 2),
+        devices=math.prod(sizes[a] for a in experts),
+        shards=math.prod(sizes[a] for a in batch),
+    )
 
 
 def exchange_bytes(config: DecoderConfig, tokens: int, devices: int, itemsize: int) -> float:
@@ -156,28 +186,19 @@ def expert_parallel(x: Array, weights: Array, experts: Array, gate: Array, up: A
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    e = gate.shape[0]
-    gate_spec = logical_spec(PARAMETER_AXES[("experts", "gate_proj")], gate.shape, mesh)
-    down_spec = logical_spec(PARAMETER_AXES[("experts", "down_proj")], down.shape, mesh)
-    ep = expert_axes(gate.shape, mesh)
-    if not ep:
+    layout = expert_layout(gate.shape, mesh)
+    if layout is None:
         return None
-    batch = mesh_axes("batch", mesh)
-    # the layout the exchange is written for (partitioning.RULES): tokens split over the
-    # expert axes too, each expert's H whole
-    assert set(ep) <= set(batch) and (len(gate_spec) < 2 or gate_spec[1] is None), (ep, batch, gate_spec)
-    sizes = dict(mesh.shape)
-    devices, shards = math.prod(sizes[a] for a in ep), math.prod(sizes[a] for a in batch)
-    # the tensor axes an expert's MLP width is split over: partial sums to add up
-    width = gate_spec[2] if len(gate_spec) > 2 else None
-    partial = () if width is None else (width if isinstance(width, tuple) else (width,))
+    e, ep, devices, partial = gate.shape[0], layout.experts, layout.devices, layout.width
     t = x.shape[0]
-    own = -(-t // shards)  # tokens per device, in exchanges of ``chunk`` at most 512
+    own = -(-t // layout.shards)  # tokens per device, in exchanges of ``chunk`` at most 512
     exchanges = -(-own // EXPERT_CHUNK_TOKENS)
     chunk = -(-own // exchanges)
-    padded = shards * exchanges * chunk  # padding tokens (zeros) are cut off after
+    padded = layout.shards * exchanges * chunk  # padding tokens (zeros) are cut off after
     pad = ((0, padded - t), (0, 0))
-    rows = PartitionSpec(batch)
+    rows = PartitionSpec(layout.batch)
+    stacked = {"gate_proj": gate, "up_proj": up, "down_proj": down}  # each where the rules put it
+    specs = tuple(logical_spec(PARAMETER_AXES["experts", name], w.shape, mesh) for name, w in stacked.items())
 
     def exchange(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array) -> Array:
         """One chunk of this device's tokens through the experts, wherever they are."""
@@ -210,9 +231,9 @@ def expert_parallel(x: Array, weights: Array, experts: Array, gate: Array, up: A
 
     y = jax.shard_map(
         local,
-        in_specs=(rows, rows, rows, gate_spec, gate_spec, down_spec),
+        in_specs=(rows, rows, rows, *specs),
         out_specs=rows,
-    )(jnp.pad(x, pad), jnp.pad(weights, pad), jnp.pad(experts, pad), gate, up, down)
+    )(jnp.pad(x, pad), jnp.pad(weights, pad), jnp.pad(experts, pad), *stacked.values())
     return y[:t]
 
 

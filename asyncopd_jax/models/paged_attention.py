@@ -184,10 +184,11 @@ def _reference(q: Array, pages: Array, where: PagedWrite) -> Array:
     the blocks its own length covers (split-K, as FlashDecoding): the ``W`` (sequence, block)
     items of the call are worked through ``n`` at a time (:func:`items_per_iteration`) in a
     loop of dynamic trip count, each giving its block's softmax max, sum and weighted
-    values, and then merged per sequence. An item gathers its pages into ``[N_kv, L, D]`` keys and values (heads-major:
-    the scores and the weighted sum are one batched matmul per item and head, which XLA:CPU
-    runs 1.5-2x faster than the same contraction over the gathered ``[B, N_kv, page, D]``
-    pages) and masks: key ``j`` is visible to query ``i`` iff ``j ≤ start + i``."""
+    values, and then merged per sequence. An item gathers its pages into ``[N_kv, L, D]``
+    keys and values (heads-major: the scores and the weighted sum are one batched matmul per
+    item and head, which XLA:CPU runs 1.5-2x faster than the same contraction over the
+    gathered ``[B, N_kv, page, D]`` pages) and masks: key ``j`` is visible to query ``i`` iff
+    ``j ≤ start + i``."""
     s, nq_len, n_q, d = q.shape
     n_kv, page_size = pages.shape[2], pages.shape[3]
     group, columns = n_q // n_kv, where.page_table.shape[1]

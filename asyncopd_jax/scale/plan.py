@@ -14,7 +14,6 @@ Shapes: B rows per call, P prompt slots, T response slots, S = P + T, V vocabula
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +37,8 @@ from asyncopd_jax.learner.step import (
 from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.config import DecoderConfig, read_hf_config
 from asyncopd_jax.models.decoder import Remat, abstract_decoder, cast_floating
-from asyncopd_jax.models.moe import exchange_bytes, expert_axes
-from asyncopd_jax.models.partitioning import mesh_axes, mesh_context, parameter_shardings
+from asyncopd_jax.models.moe import exchange_bytes, expert_layout
+from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
 from asyncopd_jax.pipeline.placement import Layout, Role, device_ids, plan_layout
 from asyncopd_jax.pipeline.stage import stage_mesh, with_shardings
 from asyncopd_jax.sampling import SamplingParams, make_sampler
@@ -336,11 +335,10 @@ def teacher_exchange_bytes(config: DecoderConfig, mesh: Mesh, tokens: int, items
     at its share of the tokens; 0 for a dense model or experts not split."""
     if not config.num_experts:
         return 0.0
-    shape = (config.num_experts, config.hidden_size, config.moe_intermediate_size)
-    sizes = dict(mesh.shape)
-    devices = math.prod(sizes[a] for a in expert_axes(shape, mesh))
-    shards = math.prod(sizes[a] for a in mesh_axes("batch", mesh))
-    return exchange_bytes(config, -(-tokens // shards), devices, itemsize)
+    layout = expert_layout((config.num_experts, config.hidden_size, config.moe_intermediate_size), mesh)
+    if layout is None:
+        return 0.0
+    return exchange_bytes(config, -(-tokens // layout.shards), layout.devices, itemsize)
 
 
 def rollout_sampling(cfg: RunConfig, shapes: Shapes) -> SamplingParams:
