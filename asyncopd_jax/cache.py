@@ -148,6 +148,14 @@ class TeacherScoreCache:
       topk_logp: ``[B, T, Kq]`` or None, their log q.
       sample_ids: ``[B, T, M]`` or None, ids sampled from q (forward-KL MC).
       sample_logp: ``[B, T, M]`` or None, their log q.
+      span_end: ``[B, T]`` bool or None. None: the teacher shares the student's
+        tokenizer, and every field is per student token as above. Set: a teacher of another
+        tokenizer, aligned by text spans (:mod:`asyncopd_jax.teacher.spans`); True on the
+        last student token of each span the teacher scored. ``token_logp`` then holds log q
+        of the whole span on that token (0 elsewhere), and ``topk_ids`` / ``topk_logp`` the
+        teacher's next-token top-K at each span's first token, mapped to the student ids of
+        the same text (log q −inf: none; −inf off the span starts). The estimators read
+        it through :mod:`asyncopd_jax.estimators.spans`.
     """
 
     token_logp: Array
@@ -157,12 +165,13 @@ class TeacherScoreCache:
     topk_logp: Array | None = None
     sample_ids: Array | None = None
     sample_logp: Array | None = None
+    span_end: Array | None = None
 
     def __post_init__(self) -> None:
         _check_shapes(
             self,
             "token_logp",
-            (),
+            ("span_end",),
             (("candidate_logp",), ("student_topk_logp",), ("topk_ids", "topk_logp"), ("sample_ids", "sample_logp")),
         )
 

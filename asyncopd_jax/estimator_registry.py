@@ -428,6 +428,13 @@ class EstimatorSpec:
         stabiliser): the reward's in reward-driven RL, which only these estimators can
         train on, else the teacher's reverse-KL reward.
       description: one line for the docs.
+      spans: how it compares a student and a teacher of different tokenizers
+        (:mod:`asyncopd_jax.estimators.spans`): ``"sum"``, on the sampled tokens' log-probs
+        summed over each span (exact: a span is one action); ``"start"``, on the
+        teacher's top-K at each span's first token mapped to student ids; None: it cannot
+        be made exact across tokenizers (it reads the teacher's log-probs of ids the
+        student chose: MC candidates, the student's top-K; or samples the teacher), and a
+        run with such a teacher refuses it (:func:`check_cross_tokenizer`).
     """
 
     name: str
@@ -436,6 +443,7 @@ class EstimatorSpec:
     needs_proximal: bool = False
     needs_advantage: bool = False
     description: str = ""
+    spans: Literal["sum", "start"] | None = None
 
     def needs_teacher_scores(self, *, rl: bool, distill_coef: float = 0.0) -> bool:
         """Whether it reads the teacher's scores (a :class:`TeacherScoreCache`): always,
@@ -611,12 +619,14 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
             _forward_kl_topk,
             ("teacher_topk",),
             description="KL(teacher‖student) on the teacher's top-K ids",
+            spans="start",
         ),
         EstimatorSpec(
             "forward_kl_topk_renormalized",
             _forward_kl_topk_renormalized,
             ("teacher_topk",),
             description="KL(teacher‖student), both renormalised over the teacher's top-K ids (Tunix's distill_top_k)",
+            spans="start",
         ),
         EstimatorSpec(
             "forward_kl_mc",
@@ -658,17 +668,20 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
             "reverse_kl_pg",
             _reverse_kl_pg,
             description="KL(student‖teacher), 1 sample (the emitted token), recompute + IS",
+            spans="sum",
         ),
         EstimatorSpec(
             "reverse_kl_pg_stale",
             _reverse_kl_pg_stale,
             description="as reverse_kl_pg with the stale signal log μ − log q",
+            spans="sum",
         ),
         EstimatorSpec(
             "ppo_clip",
             _ppo_clip,
             needs_advantage=True,
             description="PPO clip on the emitted token, reward log q − log μ",
+            spans="sum",
         ),
         EstimatorSpec(
             "decoupled_ppo",
@@ -676,42 +689,63 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
             needs_proximal=True,
             needs_advantage=True,
             description="AReaL decoupled PPO (needs proximal log-probs)",
+            spans="sum",
         ),
         EstimatorSpec(
             "gspo",
             _gspo_at("sequence"),
             needs_advantage=True,
             description="GSPO: PPO clip on the response's geometric-mean ratio (aggregate with seq-mean-token-mean)",
+            spans="sum",
         ),
         EstimatorSpec(
             "gspo_token",
             _gspo_at("token"),
             needs_advantage=True,
             description="GSPO-token: GSPO's sequence ratio with per-token advantages",
+            spans="sum",
         ),
         EstimatorSpec(
             "truncated_is",
             _truncated_is,
             needs_advantage=True,
             description="policy gradient with truncated importance weights",
+            spans="sum",
         ),
         EstimatorSpec(
             "m2po",
             _m2po,
             needs_advantage=True,
             description="M2PO: mask the largest squared log-ratios until the batch's second moment is in budget",
+            spans="sum",
         ),
         EstimatorSpec(
             "second_moment_clip",
             _second_moment_clip,
             needs_advantage=True,
             description="PPO surrogate with a clip range set by a second-moment budget (not M2PO; E2's earlier arm)",
+            spans="sum",
         ),
     ]
 }
 
 # The estimators reward-driven RL can train with: those weighting an advantage.
 RL_ESTIMATORS: tuple[str, ...] = tuple(name for name, spec in ESTIMATORS.items() if spec.needs_advantage)
+
+
+# The estimators a teacher of another tokenizer can train with (spec.spans set).
+CROSS_TOKENIZER_ESTIMATORS: tuple[str, ...] = tuple(name for name, spec in ESTIMATORS.items() if spec.spans)
+
+
+def check_cross_tokenizer(name: str, teacher: str) -> None:
+    """A ValueError unless estimator ``name`` can compare a student with ``teacher``, a
+    teacher of another tokenizer (its spec's ``spans``)."""
+    if not get_estimator(name).spans:
+        raise ValueError(
+            f"estimator {name!r} cannot compare the student with teacher {teacher!r}, whose tokenizer differs (it "
+            "reads teacher log-probs of ids the student chose, or teacher samples, which do not map across "
+            f"tokenizers); allowed: {', '.join(CROSS_TOKENIZER_ESTIMATORS)}"
+        )
 
 
 def get_estimator(name: str) -> EstimatorSpec:
@@ -903,14 +937,22 @@ def evaluate_estimator(
         _check_logprobs(config.name, {"batch": batch, "cache": cache, "student": student, "proximal": proximal}, valid)
     batch, cache = _finite_padding(batch, valid), _finite_padding(cache, valid)
     student, proximal = _finite_padding(student, valid), _finite_padding(proximal, valid)
+    spans = _SpanView.of(config, cache, valid)
+    token_student = student  # the per-token log-probs, for the regularisers (the student's own tokens)
+    scored, seen = spans.batch(batch), spans.cache(cache)
     adv = None
     if spec.needs_advantage:  # detached: computed once, outside the gradient below
-        adv = _advantage(batch, cache, jax.lax.stop_gradient(student.token), config.stabiliser_signal, distill_coef)
-    inputs = EstimatorInputs(batch, cache, student, proximal, adv)
+        adv = _advantage(
+            scored, seen, jax.lax.stop_gradient(spans.student(student).token), config.stabiliser_signal, distill_coef
+        )
+    proximal = None if proximal is None else spans.student(proximal, cache)
+    inputs = EstimatorInputs(scored, seen, student, proximal, adv)
     # The estimator once, with its pull-back to the student's log-probs: ∂(Σ_valid values)/∂
     # (student log-probs), elementwise and cheap, says which tokens the update moves at all
     # (zero_grad_fraction) without evaluating the estimator a second time.
-    values, pullback = jax.vjp(lambda s: spec.fn(dataclasses.replace(inputs, student=s), config), student)
+    values, pullback = jax.vjp(
+        lambda s: spans.values(spec.fn(dataclasses.replace(inputs, student=spans.student(s, cache)), config)), student
+    )
     mask = batch.response_mask
     (grads,) = pullback(jnp.where(mask, 1.0, 0.0).astype(values.dtype))
     moved = jnp.zeros(mask.shape, bool)
@@ -921,15 +963,18 @@ def evaluate_estimator(
         values = values - regularisers.entropy_coef * _given(student.entropy)
     if config.needs_reference_logp:
         values = values + regularisers.reference_kl_coef * est.reference_kl(
-            student.token, _given(batch.reference_logp), regularisers.reference_kl
+            token_student.token, _given(batch.reference_logp), regularisers.reference_kl
         )
-    token_ratio = est.importance_ratio(jax.lax.stop_gradient(student.token), batch.behavior_logp)
+    # the importance ratio of what was sampled: of each token, or of each span
+    signal = jax.lax.stop_gradient(spans.sums(student.token))
+    token_ratio = est.importance_ratio(signal, spans.sums(batch.behavior_logp))
+    actions = spans.actions(mask)
     means = {
         "loss": est.token_mean(jax.lax.stop_gradient(values), mask),
-        "importance_ratio_mean": est.token_mean(token_ratio, mask),
+        "importance_ratio_mean": est.token_mean(token_ratio, actions),
         "zero_grad_fraction": est.token_mean((~moved).astype(jnp.float32), mask),
     }
-    maxes = {"importance_ratio_max": jnp.max(jnp.where(mask, token_ratio, 0.0))}
+    maxes = {"importance_ratio_max": jnp.max(jnp.where(actions, token_ratio, 0.0))}
     if student.entropy is not None:
         means["entropy"] = est.token_mean(jax.lax.stop_gradient(student.entropy), mask)
     if batch.reference_logp is not None:
@@ -937,5 +982,75 @@ def evaluate_estimator(
             est.reference_kl(jax.lax.stop_gradient(student.token), batch.reference_logp, "k3"), mask
         )
     if cache is not None:  # reward-driven RL without distillation has no teacher scores
-        means["reverse_kl_signal"] = est.token_mean(jax.lax.stop_gradient(student.token) - cache.token_logp, mask)
+        # per token, or per span over the answer's tokens: the sequence's signal per student token either way
+        means["reverse_kl_signal"] = est.token_mean(spans.values(signal - cache.token_logp, "sum"), mask)
     return values, Metrics(means=means, maxes=maxes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SpanView:
+    """The estimator's inputs seen per span when the teacher's tokenizer differs from the
+    student's (``cache.span_end`` set: :mod:`asyncopd_jax.estimators.spans`), else as they are.
+
+    What an estimator reads is its spec's ``spans``: ``"sum"``, the sampled tokens' log-probs
+    (π_θ, μ, the proximal policy's) summed over each span onto its last token, where its
+    values then live; ``"start"``, the student's log-probs on the teacher's top-K mapped to
+    student ids, at the span starts where one maps (its values live there). Off those
+    positions every input is made finite *before* the estimator runs (the "double where" of
+    :mod:`asyncopd_jax.estimators.checks`), then its values there are set to 0."""
+
+    span_end: Array | None = None  # [B, T] bool, the answer's span ends (None: per token)
+    kind: Literal["sum", "start"] | None = None
+    where: Array | None = None  # [B, T] bool, where the estimator's values live
+
+    @classmethod
+    def of(cls, config: EstimatorConfig, cache: TeacherScoreCache | None, valid: Array) -> _SpanView:
+        if cache is None or cache.span_end is None:
+            return cls()
+        kind = config.spec.spans
+        if kind is None:
+            check_cross_tokenizer(config.name, "of this cache")
+        span_end = jnp.asarray(cache.span_end, bool) & valid
+        if kind == "start":
+            return cls(span_end, kind, est.spans.mapped_starts(_given(cache.topk_logp), span_end))
+        return cls(span_end, kind, span_end)
+
+    def sums(self, x: Array) -> Array:
+        """``x`` ``[B, T]`` summed over each span onto its end (per token: ``x``)."""
+        return x if self.span_end is None else est.spans.span_sums(x, self.span_end)
+
+    def batch(self, batch: RolloutBatch) -> RolloutBatch:
+        """``batch`` with μ's log-prob of each span (``"sum"``)."""
+        if self.kind != "sum":
+            return batch
+        return dataclasses.replace(batch, behavior_logp=self.sums(batch.behavior_logp))
+
+    def cache(self, cache: TeacherScoreCache | None) -> TeacherScoreCache | None:
+        """``cache`` with the mapped top-K finite off the span starts (``"start"``)."""
+        if cache is None or self.where is None or self.kind != "start":
+            return cache
+        return dataclasses.replace(cache, topk_logp=_off(_given(cache.topk_logp), self.where))
+
+    def student(self, logp: StudentLogProbs, cache: TeacherScoreCache | None = None) -> StudentLogProbs:
+        """A :class:`StudentLogProbs` as the estimator reads it (``cache``: the teacher's,
+        whose unmapped top-K entries the student's support leaves out)."""
+        if self.span_end is None or self.where is None:
+            return logp
+        if self.kind == "sum":
+            return dataclasses.replace(logp, token=self.sums(logp.token))
+        mapped = est.spans.mask_unmapped(_given(logp.teacher_topk), _given(_given(cache).topk_logp))
+        return dataclasses.replace(logp, teacher_topk=_off(mapped, self.where))
+
+    def values(self, values: Array, kind: Literal["sum", "start"] | None = None) -> Array:
+        """``values`` ``[B, T]`` kept where they live (0 elsewhere); ``kind="sum"``: at the span ends."""
+        where = self.span_end if kind == "sum" else self.where
+        return values if where is None else jnp.where(where, values, jnp.zeros((), values.dtype))
+
+    def actions(self, mask: Array) -> Array:
+        """``[B, T]`` the positions of one sampled action each: tokens, or span ends."""
+        return mask if self.span_end is None else self.span_end
+
+
+def _off(x: Array, where: Array) -> Array:
+    """``x`` ``[B, T, K]`` with 0 off ``where`` ``[B, T]`` (finite, and no gradient there)."""
+    return jnp.where(where[..., None], x, jnp.zeros((), x.dtype))

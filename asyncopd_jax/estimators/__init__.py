@@ -18,6 +18,7 @@ the gradients. ``check_inputs=True`` checks the values of the inputs, eagerly, u
 ``jax.jit`` and under ``checkify`` (:mod:`asyncopd_jax.estimators.checks`).
 """
 
+from asyncopd_jax.estimators import spans
 from asyncopd_jax.estimators.advantages import group_advantages, with_distillation
 from asyncopd_jax.estimators.candidates import sample_candidates
 from asyncopd_jax.estimators.forward_kl import (
@@ -97,6 +98,7 @@ __all__ = [
     "reverse_kl_topk",
     "sample_candidates",
     "second_moment_clip_loss",
+    "spans",
     "second_moment_clip_range",
     "token_mean",
     "token_sum",

@@ -36,10 +36,13 @@ Array = jax.Array
 # on purpose: with top-k / top-p or greedy sampling, the student's top-K ids outside the
 # kept set have log μ = −inf legitimately, and no estimator reads it.
 ROLLOUT_FIELDS: tuple[str, ...] = ("behavior_logp", "candidate_behavior_logp", "advantages", "reference_logp")
-# Every score field of the teacher cache (the ``*_ids`` fields are integers).
+# Every score field of the teacher cache (the ``*_ids`` fields are integers, ``span_end`` a mask).
 CACHE_FIELDS: tuple[str, ...] = tuple(
-    f.name for f in dataclasses.fields(TeacherScoreCache) if not f.name.endswith("_ids")
+    f.name for f in dataclasses.fields(TeacherScoreCache) if not f.name.endswith("_ids") and f.name != "span_end"
 )
+# Fields where log q = −inf is a value, not a fault, in a cache of a teacher of another
+# tokenizer: its top-K mapped to the student's ids holds −inf for an id no student token spells.
+SPAN_CACHE_NEGINF: tuple[str, ...] = ("topk_logp",)
 # The step's metrics that must be finite for its update to be applied (see step._apply).
 STEP_FINITE_METRICS: tuple[str, ...] = ("loss", "grad_norm", "update_norm")
 
@@ -64,6 +67,15 @@ def _checked(batch: LearnerBatch) -> dict[str, dict[str, Array]]:
     }
 
 
+def _wrong(batch: LearnerBatch, owner: str, name: str, value: Array) -> Array:
+    """Where ``value`` (field ``name`` of ``owner``) is a fault: NaN or ±inf, but for −inf
+    where a span cache holds it as a value (:data:`SPAN_CACHE_NEGINF`)."""
+    spans = owner == "cache" and batch.cache is not None and batch.cache.span_end is not None
+    if spans and name in SPAN_CACHE_NEGINF:
+        return jnp.isnan(value) | (value == jnp.inf)
+    return ~jnp.isfinite(value)
+
+
 def nonfinite_rows(batch: LearnerBatch) -> Array:
     """``[B]`` bool: rows with a NaN or inf on one of their real response tokens.
 
@@ -75,9 +87,10 @@ def nonfinite_rows(batch: LearnerBatch) -> Array:
     """
     mask = jnp.asarray(batch.rollout.response_mask, bool)  # [B, T]
     bad = jnp.zeros(mask.shape, bool)
-    for value in [v for fields in _checked(batch).values() for v in fields.values()]:
-        wrong = ~jnp.isfinite(value)
-        bad = bad | (wrong if wrong.ndim == mask.ndim else jnp.any(wrong, axis=-1))  # [B, T, K] → [B, T]
+    for owner, fields in _checked(batch).items():
+        for name, value in fields.items():
+            wrong = _wrong(batch, owner, name, value)
+            bad = bad | (wrong if wrong.ndim == mask.ndim else jnp.any(wrong, axis=-1))  # [B, T, K] → [B, T]
     return jnp.any(bad & mask, axis=-1)
 
 
@@ -94,7 +107,8 @@ def drop_nonfinite_rows(batch: LearnerBatch) -> tuple[LearnerBatch, Array]:
     dropped = nonfinite_rows(batch)  # [B]
     clean = {
         owner: {
-            name: jnp.where(jnp.isfinite(value), value, jnp.zeros((), value.dtype)) for name, value in fields.items()
+            name: jnp.where(_wrong(batch, owner, name, value), jnp.zeros((), value.dtype), value)
+            for name, value in fields.items()
         }
         for owner, fields in _checked(batch).items()
     }

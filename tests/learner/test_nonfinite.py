@@ -296,3 +296,20 @@ def test_a_batch_with_every_row_dropped_does_not_move_the_weights(clean):
         jax.tree_util.tree_leaves((before.params, before.opt_state)),
     ):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_span_cache_keeps_its_unmapped_minus_inf(clean):
+    """A teacher of another tokenizer: −inf in the mapped top-K is an id no student token
+    spells, a value; the row is kept and the −inf too. NaN there is still a fault."""
+    spans = dataclasses.replace(clean, cache=dataclasses.replace(clean.cache, span_end=clean.rollout.response_mask))
+    lengths = np.asarray(clean.rollout.response_mask).sum(1)
+    unmapped = _set(spans, "topk_logp", 2, int(lengths[2]) - 1, -np.inf)
+    cleaned, dropped = drop_nonfinite_rows(unmapped)
+    assert not np.asarray(dropped).any()
+    assert np.isneginf(np.asarray(cleaned.cache.topk_logp)[2, lengths[2] - 1, 0])
+    _, dropped = drop_nonfinite_rows(_set(spans, "topk_logp", 2, int(lengths[2]) - 1, np.nan))
+    np.testing.assert_array_equal(np.flatnonzero(dropped), [2])
+    _, dropped = drop_nonfinite_rows(
+        dataclasses.replace(unmapped, cache=dataclasses.replace(unmapped.cache, span_end=None))
+    )
+    np.testing.assert_array_equal(np.flatnonzero(dropped), [2])  # per token, −inf is a fault
