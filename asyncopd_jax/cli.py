@@ -133,11 +133,11 @@ def _sft(args: argparse.Namespace) -> None:
 
     from asyncopd_jax.learner.sft import train_sft
     from asyncopd_jax.models import save_pretrained
-    from asyncopd_jax.tasks.builtin import TaskData, new_model
+    from asyncopd_jax.tasks.builtin import TaskData, new_model, padded_vocab
     from asyncopd_jax.tasks.tokenizer import build_tokenizer
 
     task = load_config(None, [f"task.{kv}" for kv in args.task]).task if args.task else TaskConfig()
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(args.tokenizer)
     data = TaskData(task, tokenizer)
     rng = np.random.default_rng(args.seed)
     batches = iter(lambda: data.sft_batch(rng, args.batch_size), None)
@@ -149,7 +149,7 @@ def _sft(args: argparse.Namespace) -> None:
         if step % max(args.steps // 10, 1) == 0 or step == args.steps:
             print(f"step {step:5d}  nll {metrics['loss']:.4f}  {metrics['seconds']:.0f} s", flush=True)
 
-    model = new_model(args.model, args.seed)
+    model = new_model(args.model, args.seed, padded_vocab(len(tokenizer)))
     if args.init:
         _initialise_from(model, args.init)
     model = train_sft(model, batches, args.steps, optim, on_step=log)
@@ -331,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         help="a built-in size (the _long ones: a context of 1024 positions, for task.lengths=long_tailed; "
         "teacher_moe: the teacher's widths with a mixture of 8 experts in each layer)",
+    )
+    sft.add_argument(
+        "--tokenizer",
+        choices=["characters", "merges"],  # tasks.tokenizer.TOKENIZER_KINDS (a test checks; imported lazily)
+        default="characters",
+        help="the built-in tokenizer: one token per character, or 64 byte-pair merges over the same characters "
+        "(the other-tokenizer student of cross-tokenizer distillation)",
     )
     sft.add_argument("--steps", type=int, default=1000)
     sft.add_argument("--batch-size", type=int, default=64)

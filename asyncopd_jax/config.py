@@ -104,6 +104,11 @@ class TeacherSource(ModelSource):
     weight: float = 1.0
     temperature: float | None = None
     prompt: TeacherPrompt = TeacherPrompt()
+    # The directory of the teacher's tokenizer ('' : its model directory, ``path``; for a
+    # served teacher, the student's). A tokenizer other than the student's makes the teacher
+    # a cross-tokenizer one: answers are re-tokenised for it and compared by text spans
+    # (asyncopd_jax.teacher.cross_tokenizer), under a prompt in its own tokens.
+    tokenizer: str = ""
 
     def __post_init__(self) -> None:
         if not TEACHER_NAME.fullmatch(self.name):

@@ -3,7 +3,13 @@
 from asyncopd_jax.models.config import SUPPORTED_MODEL_TYPES, DecoderConfig
 from asyncopd_jax.models.decoder import Decoder, KVCache
 from asyncopd_jax.models.hf_checkpoint import from_pretrained, save_pretrained
-from asyncopd_jax.models.tokenizer import check_same_vocabulary, encode_prompts, load_tokenizer, shared_vocab_size
+from asyncopd_jax.models.tokenizer import (
+    check_same_vocabulary,
+    encode_prompts,
+    load_tokenizer,
+    shared_vocab_size,
+    vocabulary_differences,
+)
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -16,4 +22,5 @@ __all__ = [
     "load_tokenizer",
     "save_pretrained",
     "shared_vocab_size",
+    "vocabulary_differences",
 ]

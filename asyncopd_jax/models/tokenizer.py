@@ -84,6 +84,18 @@ def check_same_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTrainedT
       ValueError: naming both tokenizers and saying how they differ (sizes, and the first
         differing tokens).
     """
+    problems = vocabulary_differences(student, teacher)
+    if problems:
+        raise ValueError(
+            f"teacher and student vocabularies differ ({_names(student, teacher)}): "
+            + "; ".join(problems)
+            + "; pick a teacher and student that share one tokenizer (the same model family)"
+        )
+
+
+def vocabulary_differences(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> list[str]:
+    """How two vocabularies differ, one phrase per difference (sizes; tokens whose ids
+    differ, with the first few); empty when every token string has the same id in both."""
     s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
     problems = []
     if len(s_vocab) != len(t_vocab):
@@ -94,12 +106,7 @@ def check_same_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTrainedT
             f"{tok!r}: student {s_vocab.get(tok)} vs teacher {t_vocab.get(tok)}" for tok in differing[:5]
         )
         problems.append(f"{len(differing)} tokens map to different ids (e.g. {examples})")
-    if problems:
-        raise ValueError(
-            f"teacher and student vocabularies differ ({_names(student, teacher)}): "
-            + "; ".join(problems)
-            + "; pick a teacher and student that share one tokenizer (the same model family)"
-        )
+    return problems
 
 
 def shared_vocab_size(

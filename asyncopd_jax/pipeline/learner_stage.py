@@ -137,7 +137,8 @@ def batch_stats(groups: list[RolloutGroup], version: int) -> dict[str, Any]:
 def teacher_stats(groups: list[RolloutGroup]) -> dict[str, float]:
     """Each teacher's share of a batch: ``teacher/NAME/rows``, ``…/score_s`` (its scoring's
     wall time), ``…/requests``, ``…/kl`` (E[log μ − log q] over its rows' sampled tokens: the
-    behaviour policy's reverse KL to it, estimated, over the rows whose scores are finite),
+    behaviour policy's reverse KL to it, estimated, over the rows whose scores are finite; a
+    teacher of another tokenizer: the sum over its spans, per student token),
     and for a served teacher ``…/wait_s``
     (seconds waited to retry it), summed over all of them in ``teacher_wait_s``."""
     stats: dict[str, float] = {}
@@ -146,8 +147,14 @@ def teacher_stats(groups: list[RolloutGroup]) -> dict[str, float]:
     for g in groups:
         if g.cache is None:
             continue
-        mask = np.asarray(g.batch.response_mask)
-        ratio = np.where(mask, np.asarray(g.batch.behavior_logp) - np.asarray(g.cache.token_logp, np.float32), 0.0)
+        mask = np.asarray(g.batch.response_mask, bool)
+        behavior, teacher_logp = np.asarray(g.batch.behavior_logp), np.asarray(g.cache.token_logp, np.float32)
+        if g.cache.span_end is None:
+            ratio = np.where(mask, behavior - teacher_logp, 0.0)
+        else:  # a teacher of another tokenizer: log q of each span on its end, μ's over the tokens of scored spans
+            ends = np.asarray(g.cache.span_end, bool) & mask
+            in_span = np.flip(np.cumsum(np.flip(ends, 1), 1), 1) > 0
+            ratio = np.where(mask & in_span, behavior, 0.0) - np.where(ends, teacher_logp, 0.0)
         finite = np.isfinite(ratio).all(axis=1)  # a row with a non-finite score is dropped by the learner: here too
         teacher = np.zeros(g.size, np.int32) if g.route is None else g.route.teacher
         for k, name in enumerate(g.teacher_uses):

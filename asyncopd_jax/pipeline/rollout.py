@@ -34,12 +34,16 @@ reports each.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from asyncopd_jax.pipeline.producer import GroupProducer, answer_lengths, group_key
 from asyncopd_jax.pipeline.staleness import RolloutGroup
 from asyncopd_jax.sampling import RolloutStream, prompt_keys
+
+# While a group is being delivered (scored), a rollout loop with nothing to decode checks for
+# new capacity and for the delivery's end this often, instead of blocking on capacity alone.
+DELIVERY_POLL_S = 0.05
 
 # (block) → the next group to start as (index, the oldest version it may start from), or
 # None when none may start yet (only when ``block`` is false)
@@ -116,7 +120,7 @@ class RolloutLoop:
                 for done in [d for d in deliveries if d.done()]:
                     deliveries.remove(done)
                     done.result()  # a delivery's error, raised in this loop
-                self._start_groups(next_group, may_block=True)
+                self._start_groups(next_group, may_block=True, deliveries=deliveries)
                 assert self.stream is not None
                 ended = self.stream.step()
                 if ended:  # the next groups start decoding before these are delivered
@@ -131,11 +135,23 @@ class RolloutLoop:
                 if p.interruptible and not self.stream.idle:
                     self._take_newer()
 
-    def _start_groups(self, next_group: NextGroup, may_block: bool) -> None:
+    def _start_groups(self, next_group: NextGroup, may_block: bool, deliveries: Sequence[Future[None]] = ()) -> None:
         """Start groups while the stream wants prompts and ``next_group`` grants them; it
-        blocks (``may_block``) only when the stream has nothing else to do."""
+        blocks (``may_block``) only when the stream has nothing else to do.
+
+        While ``deliveries`` are in progress it does not block in ``next_group``: it asks
+        without blocking and waits on them in between, so that a delivery that fails is
+        raised here (a group that is never delivered may hold the very capacity
+        ``next_group`` would wait for)."""
         while self.stream is None or self.stream.wants_prompts:
-            granted = next_group(may_block and (self.stream is None or self.stream.idle))
+            block = may_block and (self.stream is None or self.stream.idle)
+            pending = [d for d in deliveries if not d.done()]
+            for done in [d for d in deliveries if d.done()]:
+                done.result()  # a delivery's error, raised here
+            granted = next_group(block and not pending)
+            if granted is None and block and pending:
+                wait(pending, timeout=DELIVERY_POLL_S, return_when=FIRST_COMPLETED)
+                continue
             if granted is None:
                 return
             self._start(*granted)

@@ -29,7 +29,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from asyncopd_jax.config import MeshConfig, ModelSource, RunConfig
+from asyncopd_jax.config import MeshConfig, ModelSource, RunConfig, TeacherSource
+from asyncopd_jax.estimator_registry import check_cross_tokenizer
 from asyncopd_jax.learner.sharding import make_mesh, put
 from asyncopd_jax.models import (
     Decoder,
@@ -39,11 +40,13 @@ from asyncopd_jax.models import (
     from_pretrained,
     load_tokenizer,
     shared_vocab_size,
+    vocabulary_differences,
 )
 from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.config import read_hf_config
 from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.models.partitioning import logical_spec, mesh_context, parameter_shardings
+from asyncopd_jax.models.token_bytes import token_bytes
 from asyncopd_jax.pipeline.placement import Layout, StagePlan
 from asyncopd_jax.pipeline.producer import GroupProducer, group_key
 from asyncopd_jax.pipeline.reward_stage import RewardStage
@@ -54,9 +57,11 @@ from asyncopd_jax.sampling import SamplingParams, make_sampler
 from asyncopd_jax.tasks import PromptTask, make_task
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.teacher import ReferenceScorer, Scorers, TeacherScorer
+from asyncopd_jax.teacher.cross_tokenizer import CrossTokenizerTeacher, Retokenizer
 from asyncopd_jax.teacher.routing import RoutedTeacher, Router
 from asyncopd_jax.teacher.scorer import Teacher
 from asyncopd_jax.teacher.served import ServedTeacher
+from asyncopd_jax.teacher.spans import unspellable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +69,9 @@ class RunModels:
     """What every stage of a run agrees on (no weights are read to make it).
 
     ``vocab_limit``: the ids student and teacher share when their embeddings are padded to
-    different sizes (None: all); ``sampling``: the config's, with the stop ids filled in.
+    different sizes (None: all); ``sampling``: the config's, with the stop ids filled in;
+    ``retokenizers``: the teachers of another tokenizer than the student's, by name, with
+    the tokenizer pair their answers are re-tokenised by (:mod:`asyncopd_jax.teacher.cross_tokenizer`).
     """
 
     tokenizer: Any
@@ -73,6 +80,14 @@ class RunModels:
     vocab_limit: int | None
     student_config: DecoderConfig
     router: Router  # which teacher scores each prompt, under which prompt
+    retokenizers: dict[str, Retokenizer] = dataclasses.field(default_factory=dict)
+
+    def teacher_task(self, cfg: RunConfig, name: str) -> PromptTask:
+        """The task as teacher ``name`` reads it: through its own tokenizer (a teacher of
+        another tokenizer: the built-in task's prompts and answers in its tokens)."""
+        if name not in self.retokenizers:
+            return self.task
+        return make_task(cfg.task, self.retokenizers[name].teacher, max_new_tokens=cfg.sampling.max_new_tokens)
 
 
 def model_config(source: ModelSource) -> DecoderConfig:
@@ -97,45 +112,101 @@ def run_models(cfg: RunConfig) -> RunModels:
     tokenizer = load_tokenizer(resolve_model_path(cfg.student.path))
     context, vocab_limit = student.max_position_embeddings, None
     contexts = {}  # in-process teacher → its context
+    others = {}  # a teacher of another tokenizer → that tokenizer
     for source in cfg.teacher_sources:
+        directory = teacher_tokenizer_path(source)
+        own = load_tokenizer(resolve_model_path(directory)) if directory else None
+        if own is not None and vocabulary_differences(tokenizer, own):
+            check_cross_tokenizer_teacher(cfg, source, tokenizer, own)
+            others[source.name] = own
         if not source.path:
             continue
         teacher = model_config(source)
-        check_same_vocabulary(tokenizer, load_tokenizer(resolve_model_path(source.path)))
-        # embeddings padded to different sizes: all models output the ids they share
-        limit = shared_vocab_size(tokenizer, student.vocab_size, teacher.vocab_size)
-        if limit is not None:
-            vocab_limit = limit if vocab_limit is None else min(vocab_limit, limit)
         contexts[source.name] = teacher.max_position_embeddings
-    if contexts:  # the student samples prompt + answer and each teacher scores all of it: all must hold it
-        context = min(context, *contexts.values())
+        if source.name not in others:  # embeddings padded to different sizes: all output the ids they share
+            limit = shared_vocab_size(tokenizer, student.vocab_size, teacher.vocab_size)
+            if limit is not None:
+                vocab_limit = limit if vocab_limit is None else min(vocab_limit, limit)
+    shared = [c for name, c in contexts.items() if name not in others]
+    if shared:  # the student samples prompt + answer and each teacher of its tokens scores all of it
+        context = min(context, *shared)
     task = make_task(cfg.task, tokenizer, max_new_tokens=cfg.sampling.max_new_tokens, max_positions=context)
     # the sampler stops at the tokenizer's EOS and at every EOS id of the student's config
     stop = tuple(dict.fromkeys((*cfg.sampling.stop_token_ids, task.eos_id, *student.eos_token_ids)))
-    router = make_router(cfg, task, tokenizer)
+    router = make_router(cfg, task, tokenizer, others)
     for source in cfg.teacher_sources:  # a teacher's own prompt + the answer must fit its context too
+        if source.name not in contexts:
+            continue
         longest = router.prompt_slots + cfg.sampling.max_new_tokens
-        if source.prompt.own and source.name in contexts and longest > contexts[source.name]:
+        if source.name in others and router.prompt_slots >= contexts[source.name]:
+            raise ValueError(
+                f"teacher {source.name!r}: its prompt (up to {router.prompt_slots} tokens) fills its context "
+                f"({contexts[source.name]} positions); shorten prompt.template"
+            )
+        if source.name not in others and source.prompt.own and longest > contexts[source.name]:
             raise ValueError(
                 f"teacher {source.name!r}: its prompt (prompt.template: up to {router.prompt_slots} tokens) + "
                 f"sampling.max_new_tokens ({cfg.sampling.max_new_tokens}) is longer than its context "
                 f"({contexts[source.name]} positions); shorten the template or lower sampling.max_new_tokens"
             )
     sampling = dataclasses.replace(cfg.sampling, stop_token_ids=stop)
-    return RunModels(tokenizer, task, sampling, vocab_limit, student, router)
+    retokenizers = {name: Retokenizer.of(tokenizer, own, stop) for name, own in others.items()}
+    return RunModels(tokenizer, task, sampling, vocab_limit, student, router, retokenizers)
 
 
-def make_router(cfg: RunConfig, task: PromptTask, tokenizer: Any) -> Router:
+def teacher_tokenizer_path(source: TeacherSource) -> str:
+    """The directory of a teacher's tokenizer (``teacher.tokenizer``, else its model's; ''
+    for a served teacher without one: the student's)."""
+    return source.tokenizer or source.path
+
+
+def check_cross_tokenizer_teacher(cfg: RunConfig, source: TeacherSource, student: Any, teacher: Any) -> None:
+    """A ValueError unless ``cfg`` can distil from ``source``, whose tokenizer ``teacher``
+    differs from the student's: an estimator that compares by spans, no teacher samples,
+    no probe that compares the two vocabularies id by id, and a teacher tokenizer that
+    spells every student token's text."""
+    check_cross_tokenizer(cfg.estimator.name, source.name)
+    why = f"teacher {source.name!r} has another tokenizer than the student's"
+    if cfg.scoring.num_samples:
+        raise ValueError(
+            f"scoring.num_samples = {cfg.scoring.num_samples}: teacher samples do not map across tokenizers ({why}); "
+            "allowed: 0"
+        )
+    if cfg.train.diagnostics_every:
+        raise ValueError(
+            f"train.diagnostics_every = {cfg.train.diagnostics_every}: the diagnostics compare the two models' "
+            f"vocabularies id by id ({why}); allowed: 0"
+        )
+    extrapolation = cfg.learner.extrapolation
+    if extrapolation.enabled and extrapolation.probe_metric == "reverse_kl":
+        raise ValueError(
+            f"learner.extrapolation.probe_metric = 'reverse_kl' compares the two models' vocabularies id by id "
+            f"({why}); allowed: accuracy"
+        )
+    missing = unspellable(token_bytes(student), teacher, token_bytes(teacher))
+    if missing:
+        raise ValueError(
+            f"teacher {source.name!r}: its tokenizer ({teacher.name_or_path or '(unnamed)'}) cannot spell "
+            f"{len(missing)} of the student's tokens (e.g. {', '.join(map(repr, missing[:5]))}): characters outside "
+            "its vocabulary, or a normaliser that rewrites text; pick a teacher whose tokenizer covers the "
+            "student's text"
+        )
+
+
+def make_router(cfg: RunConfig, task: PromptTask, tokenizer: Any, others: dict[str, Any] | None = None) -> Router:
     """The run's :class:`Router`: each teacher's name, weight, and prompt encoder (its own
-    tokenizer's chat template: ``prompt.tokenizer``, else its directory, else the student's)."""
+    tokenizer's chat template: ``prompt.tokenizer``, else the teacher's tokenizer, else the
+    student's). A teacher of another tokenizer (``others``: by name) always has one: by
+    default the task's prompt text in its own tokens."""
+    others = others or {}
     routed = []
     for source in cfg.teacher_sources:
         encode = None
-        if source.prompt.own:
-            directory = source.prompt.tokenizer or source.path
+        if source.prompt.own or source.name in others:
+            directory = source.prompt.tokenizer or teacher_tokenizer_path(source)
             own = load_tokenizer(resolve_model_path(directory)) if directory else tokenizer
             if directory:
-                check_same_vocabulary(tokenizer, own)
+                check_same_vocabulary(others.get(source.name, tokenizer), own)
             template = {"auto": None, "on": True, "off": False}[source.prompt.chat_template]
             encode = functools.partial(encode_prompts, own, chat_template=template, system=source.prompt.system)
         routed.append(RoutedTeacher(source.name, source.weight, source.prompt.template, encode))
@@ -143,6 +214,7 @@ def make_router(cfg: RunConfig, task: PromptTask, tokenizer: Any) -> Router:
         routed,
         cfg.routing,
         fields=task.fields,
+        prompt_text=task.prompt_text,
         items=task.bounding_items,
         where=task.where,
         pad_id=task.pad_id,
@@ -240,12 +312,20 @@ def build_scoring_stage(
     sources = cfg.teacher_sources if cfg.needs_teacher_scores else ()
     for source in sources:
         params = source.scoring(cfg.scoring)
+        pair = models.retokenizers.get(source.name)  # a teacher of another tokenizer
+        teacher: Teacher
         if source.served:
-            vocab = models.vocab_limit or models.student_config.vocab_size
-            teachers[source.name] = ServedTeacher(source.server, params, vocab)
+            # a teacher of another tokenizer: any id its server answers is mapped (one past its tokenizer,
+            # an embedding row of padding, to no student token)
+            vocab = np.iinfo(np.int32).max if pair else models.vocab_limit or models.student_config.vocab_size
+            teacher = ServedTeacher(source.server, params, vocab)
         else:
-            loaded[source.name] = load_model(source, models.vocab_limit, mesh)
-            teachers[source.name] = TeacherScorer(loaded[source.name], params, pad_rows=len(sources) > 1)
+            loaded[source.name] = load_model(source, None if pair else models.vocab_limit, mesh)
+            teacher = TeacherScorer(loaded[source.name], params, pad_rows=len(sources) > 1 or pair is not None)
+        if pair is not None:
+            context = loaded[source.name].config.max_position_embeddings if source.name in loaded else None
+            teacher = CrossTokenizerTeacher(teacher, pair, context, source.name)
+        teachers[source.name] = teacher
     reference = None
     if cfg.estimator.needs_reference_logp:
         policy = cfg.reference if cfg.reference.path else dataclasses.replace(cfg.reference, path=cfg.student.path)
@@ -330,6 +410,11 @@ def student_graph(cfg: RunConfig, models: RunModels) -> tuple[nnx.GraphDef, Any]
 def with_shardings(abstract: Any, shardings: Any) -> Any:
     """``abstract``'s shapes and dtypes, placed by ``shardings`` (restores land there)."""
     return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+
+
+def teacher_accuracies(cfg: RunConfig, models: RunModels, scoring: ScoringStage) -> dict[str, float]:
+    """Each in-process teacher's held-out accuracy, by name, each through its own tokenizer."""
+    return {name: models.teacher_task(cfg, name).accuracy(*nnx.split(m)) for name, m in scoring.models.items()}
 
 
 def load_model_and_tokenizer(path: str, dtype: str) -> tuple[nnx.Module, Any]:

@@ -21,14 +21,13 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from flax import nnx
-
 from asyncopd_jax.pipeline.exchange import Exchange
 from asyncopd_jax.pipeline.heap import HeapTrimmer
 from asyncopd_jax.pipeline.placement import pin_this_process
 from asyncopd_jax.pipeline.process import RunProcess, build_process
 from asyncopd_jax.pipeline.rollout import RolloutLoop
 from asyncopd_jax.pipeline.spool import POLL_SECONDS, Claim, Spool, group_from_record, group_to_record
+from asyncopd_jax.pipeline.stage import teacher_accuracies
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup
 from asyncopd_jax.pipeline.trace import Tracer
 
@@ -187,5 +186,4 @@ def _write_teacher_accuracy(process: RunProcess, exchange: Exchange) -> None:
         and scoring.plan.index == 0
         and exchange.read_teacher_accuracies() is None
     ):
-        task = process.models.task
-        exchange.write_teacher_accuracies({name: task.accuracy(*nnx.split(m)) for name, m in scoring.models.items()})
+        exchange.write_teacher_accuracies(teacher_accuracies(process.cfg, process.models, scoring))

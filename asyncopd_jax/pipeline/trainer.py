@@ -44,7 +44,7 @@ from asyncopd_jax.pipeline.process import build_process, start_stages
 from asyncopd_jax.pipeline.progress import ProgressBar, Throughput
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.snapshots import SnapshotStore
-from asyncopd_jax.pipeline.stage import teacher_on
+from asyncopd_jax.pipeline.stage import teacher_accuracies, teacher_on
 from asyncopd_jax.pipeline.stages import Stages
 from asyncopd_jax.pipeline.staleness import RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
@@ -129,7 +129,7 @@ class Trainer:
         """Each in-process teacher's held-out accuracy, by name, from the stage that holds
         them (none: served teachers only, or reward-driven RL without distillation)."""
         if self.scoring is not None:
-            return {name: self.data.accuracy(*nnx.split(m)) for name, m in self.scoring.models.items()}
+            return teacher_accuracies(self.cfg, self.models, self.scoring)
         in_process = any(source.path for source in self.cfg.teacher_sources)
         if not (self.leader and self.layout.stage_processes() and self.cfg.needs_teacher_scores and in_process):
             return {}

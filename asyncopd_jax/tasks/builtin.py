@@ -54,10 +54,11 @@ MODEL_SIZES = {
 EXPERT_SIZES = {"teacher_moe": (8, 2, 96)}
 
 
-def model_config(size: str) -> DecoderConfig:
+def model_config(size: str, vocab_size: int = VOCAB_SIZE) -> DecoderConfig:
     """A key of :data:`MODEL_SIZES`: small Qwen3-style decoders for the built-in task. The
     context (``max_position_embeddings``) is what the pipeline checks prompt + answer against;
-    RoPE itself has no length limit."""
+    RoPE itself has no length limit. ``vocab_size``: the embedding's rows
+    (:func:`padded_vocab` of the tokenizer's size)."""
     if size not in MODEL_SIZES:
         raise ValueError(f"built-in model {size!r} is invalid; allowed: {', '.join(MODEL_SIZES)}")
     hidden, layers, mlp, head_dim, context = MODEL_SIZES[size]
@@ -68,7 +69,7 @@ def model_config(size: str) -> DecoderConfig:
         num_experts_per_tok=per_token,
         moe_intermediate_size=expert_mlp,
         norm_topk_prob=bool(experts),
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=mlp,
         num_hidden_layers=layers,
@@ -83,8 +84,14 @@ def model_config(size: str) -> DecoderConfig:
     )
 
 
-def new_model(size: str, seed: int) -> Decoder:
-    return Decoder(model_config(size), rngs=nnx.Rngs(seed))
+def padded_vocab(tokens: int) -> int:
+    """Embedding rows for a tokenizer of ``tokens`` ids: a multiple of 32, at least
+    :data:`VOCAB_SIZE` (the character tokenizer's 19 → 32, the merges' 64 → 64)."""
+    return max(VOCAB_SIZE, -(-tokens // 32) * 32)
+
+
+def new_model(size: str, seed: int, vocab_size: int = VOCAB_SIZE) -> Decoder:
+    return Decoder(model_config(size, vocab_size), rngs=nnx.Rngs(seed))
 
 
 class TaskData(PromptTask):
@@ -228,4 +235,13 @@ def length_buckets(minimum: int, maximum: int) -> list[tuple[int, int]]:
     return out
 
 
-__all__ = ["EXPERT_SIZES", "MODEL_SIZES", "TaskData", "VOCAB_SIZE", "length_buckets", "model_config", "new_model"]
+__all__ = [
+    "EXPERT_SIZES",
+    "MODEL_SIZES",
+    "TaskData",
+    "VOCAB_SIZE",
+    "length_buckets",
+    "model_config",
+    "new_model",
+    "padded_vocab",
+]

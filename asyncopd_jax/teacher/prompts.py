@@ -9,8 +9,9 @@ own fields, dotted names reaching into nested objects; the built-in task's ``pro
 through the teacher tokenizer's chat template (with ``system`` as the system message) when
 it has one.
 
-Only the prompt changes: the answer's tokens are the student's, so response position t
-is the same token under either prompt, and the score cache stays aligned with the
+Only the prompt changes: the answer's tokens are the student's (a teacher of another
+tokenizer reads them re-tokenised: :mod:`asyncopd_jax.teacher.cross_tokenizer`), so response
+position t is the same token under either prompt, and the score cache stays aligned with the
 student's positions (:func:`asyncopd_jax.alignment.response_hidden` aligns the teacher's
 hidden states to the response whatever the prompt's length).
 """
@@ -35,8 +36,9 @@ class TeacherPrompt:
       system: the system message of the teacher's chat template ('' : none).
       chat_template: whether the rendered text goes through the teacher tokenizer's chat
         template: ``auto`` (when it has one), ``on`` (an error if it has none), ``off``.
-      tokenizer: the directory whose tokenizer encodes the prompt ('' : the teacher's own
-        directory; the student's for a served teacher). Its vocabulary must be the student's.
+      tokenizer: the directory whose tokenizer encodes the prompt ('' : the teacher's
+        tokenizer: ``teacher.tokenizer``, else its own directory, else, for a served
+        teacher, the student's). Its vocabulary must be the teacher's.
     """
 
     template: str = ""

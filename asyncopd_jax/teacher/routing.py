@@ -87,6 +87,9 @@ class Router:
       teachers: the run's teachers, in the config's order.
       routing: how prompts pick one.
       fields: an item's fields (:meth:`~asyncopd_jax.tasks.prompt_task.PromptTask.fields`).
+      prompt_text: an item's prompt (:meth:`~asyncopd_jax.tasks.prompt_task.PromptTask.prompt_text`),
+        the text a teacher with an encoder but no template (one of another tokenizer) is
+        prompted with, in its own tokens.
       items: every item the task can draw, or items whose fields are the longest it has
         (:meth:`~asyncopd_jax.tasks.prompt_task.PromptTask.bounding_items`), asked only
         when a route is needed: routing fields are checked on them at start-up, and the
@@ -103,6 +106,7 @@ class Router:
         routing: RoutingParams,
         *,
         fields: Callable[[Any], Mapping[str, Any]],
+        prompt_text: Callable[[Any], str] | None = None,
         items: Callable[[], Sequence[Any]],
         where: Callable[[Sequence[Any]], str],
         pad_id: int,
@@ -115,6 +119,7 @@ class Router:
             where,
             pad_id,
         )
+        self.prompt_text = prompt_text
         weights = np.asarray([t.weight for t in self.teachers], np.float64)
         self.p = weights / weights.sum()
         self.by_name = {t.name: k for k, t in enumerate(self.teachers)}
@@ -136,8 +141,9 @@ class Router:
         return len(self.teachers) > 1 or bool(self._own())
 
     def _own(self) -> list[int]:
-        """The teachers with a prompt of their own."""
-        return [k for k, t in enumerate(self.teachers) if t.template]
+        """The teachers with a prompt of their own (a template, or the task's prompt in
+        their own tokens)."""
+        return [k for k, t in enumerate(self.teachers) if t.encode is not None]
 
     def _check_fields(self, items: Sequence[Any]) -> None:
         """Every item names a teacher in ``routing.field``: a ``ValueError`` naming the rows
@@ -162,7 +168,13 @@ class Router:
     def _prompt(self, k: int, item: Any) -> list[int]:
         """Teacher ``k``'s prompt for ``item`` (each distinct text encoded once)."""
         teacher = self.teachers[k]
-        assert teacher.encode is not None, "a teacher with a template has an encoder"
+        assert teacher.encode is not None, "a teacher with a prompt of its own has an encoder"
+        if not teacher.template:
+            assert self.prompt_text is not None, "a teacher prompted with the task's text needs prompt_text"
+            text = self.prompt_text(item)
+            if (k, text) not in self._prompts:
+                self._prompts[k, text] = teacher.encode([text])[0]
+            return self._prompts[k, text]
         try:
             text = render(teacher.template, self.fields(item))
         except KeyError as err:
@@ -195,7 +207,7 @@ class Router:
         tokens = np.full((len(items), width), self.pad_id, np.int32)
         mask = np.zeros((len(items), width), bool)
         for i, (k, item, student) in enumerate(zip(picks, items, student_prompts)):
-            ids = self._prompt(k, item) if self.teachers[k].template else list(student)
+            ids = self._prompt(k, item) if self.teachers[k].encode is not None else list(student)
             if len(ids) > width:  # a prompt longer than any the task showed at start-up
                 raise ValueError(
                     f"teacher {self.teachers[k].name!r}: the prompt of {self.where([item])} is {len(ids)} tokens, "

@@ -152,6 +152,27 @@ def teacher_tokens(teacher: Any, teacher_bytes: TokenBytes, text: str) -> tuple[
     return ids, lengths
 
 
+def unspellable(student: TokenBytes, teacher: Any, teacher_bytes: TokenBytes) -> list[str]:
+    """The texts of the student's tokens (non-special, whole UTF-8 characters) whose teacher
+    tokens do not spell them (a character outside the teacher's vocabulary, a normaliser):
+    answers holding one could not be scored. A start-up check, on the whole vocabulary at
+    once (one batched encode)."""
+    texts = []
+    for i, piece in enumerate(student.pieces):
+        if piece and i not in student.special and valid_prefix(piece) == len(piece):
+            texts.append(piece.decode("utf-8"))
+    texts = sorted(set(texts))
+    if not texts:
+        return []
+    encoded = teacher(texts, add_special_tokens=False)["input_ids"]
+    missing = []
+    for text, ids in zip(texts, encoded):
+        data = teacher_bytes.join(ids)
+        if data != text.encode("utf-8") and data != b" " + text.encode("utf-8"):
+            missing.append(text)
+    return missing
+
+
 def align_answer(
     student: TokenBytes,
     teacher: Any,
@@ -199,6 +220,7 @@ def align_answer(
 
 
 __all__ = [
+    "unspellable",
     "AnswerAlignment",
     "SpanAlignment",
     "align_answer",

@@ -157,3 +157,22 @@ def test_a_nonfinite_step_stops_the_run_at_that_step(models, tmp_path, monkeypat
     restored, meta = run_dir.restore_checkpoint(trainer.state)
     assert meta["step"] == k - 1 and int(restored.step) == k - 1
     assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(jax.device_get(restored)))
+
+
+@pytest.mark.parametrize("mode", ["fully_async", "sync"])
+def test_a_scoring_error_stops_the_run_with_that_error(models, tmp_path, monkeypatch, mode):  # noqa: F811
+    """The teacher's scoring of group 2 raises: the run stops with that error, whether the
+    group was delivered on the rollout loop's scoring thread while the next ones decoded
+    (fully_async: the loop then has capacity to wait for, and must not wait past the
+    failure) or in the loop itself (sync)."""
+    real_score = ScoringStage.score
+
+    def failing_score(scoring, group: RolloutGroup, seed, index, tracer) -> RolloutGroup:
+        if index == 2:
+            raise RuntimeError("the teacher failed on group 2")
+        return real_score(scoring, group, seed, index, tracer)
+
+    monkeypatch.setattr(ScoringStage, "score", failing_score)
+    cfg = _config(models, tmp_path, **{"schedule.mode": mode, "train.steps": 6, "train.checkpoint_every": 100})
+    with pytest.raises(Exception, match="the teacher failed on group 2"):
+        _fast_trainer(cfg, monkeypatch).run()

@@ -1,0 +1,227 @@
+"""A teacher of another tokenizer: the student's answers re-tokenised, scored, and mapped back.
+
+:class:`CrossTokenizerTeacher` wraps any teacher (:class:`~asyncopd_jax.teacher.scorer.TeacherScorer`
+in-process, :class:`~asyncopd_jax.teacher.served.ServedTeacher` for ``serve-teacher`` or
+vLLM / SGLang) and keeps its interface. For each rollout batch it
+
+1. decodes each student answer to its text and re-encodes it with the teacher's tokenizer,
+   aligning the two by text spans (:func:`asyncopd_jax.teacher.spans.align_answer`; the
+   teacher's prompt is already its own, in its own tokens: the router encodes it);
+2. has the wrapped teacher score the teacher-token batch as it would any other;
+3. maps the cache back to the student's positions (:attr:`TeacherScoreCache.span_end`):
+   each span's ``log q`` (the sum over its teacher tokens) on the span's last student
+   token, and the teacher's top-K at each span's first teacher token, mapped to the student
+   ids of exactly the same text (none: log q −inf), on the span's first student token.
+
+The learner then reads the cache through :mod:`asyncopd_jax.estimators.spans`; staleness,
+recompute and importance weights are per student token as before, summed per span.
+
+Student tokens the teacher cannot score carry no loss: those past an answer's last complete
+UTF-8 character (:mod:`asyncopd_jax.teacher.spans`), and those of spans that run past the
+teacher's context (its prompt + the answer in its tokens; ``context`` below).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
+from asyncopd_jax.models.token_bytes import TokenBytes, token_bytes
+from asyncopd_jax.teacher.scorer import ScoringParams, Teacher, power_of_two
+from asyncopd_jax.teacher.spans import AnswerAlignment, align_answer
+
+Array = jax.Array
+
+
+def id_map(teacher: TokenBytes, student: TokenBytes, eos: tuple[int, int]) -> np.ndarray:
+    """``[V_teacher]`` int64: the student id whose bytes are exactly each teacher id's (−1: none;
+    special tokens map to nothing but the two EOS ids, ``eos = (teacher's, student's)``, to
+    each other)."""
+    table = student.by_bytes
+    mapped = np.full(len(teacher.pieces), -1, np.int64)
+    for i, piece in enumerate(teacher.pieces):
+        if piece and i not in teacher.special:
+            mapped[i] = table.get(piece, -1)
+    mapped[eos[0]] = eos[1]
+    return mapped
+
+
+def lookup(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``table[ids]``, −1 for an id past the table (a teacher's embedding padded past its
+    tokenizer: those rows are no token)."""
+    inside = ids < table.size
+    return np.where(inside, table[np.where(inside, ids, 0)], -1)
+
+
+def distinct(ids: np.ndarray) -> np.ndarray:
+    """``ids`` ``[K]`` with each repeat of an id (≥ 0) after its first set to −1: two teacher
+    tokens of one text map to one student id, whose mass a top-K support may hold once."""
+    out = ids.copy()
+    seen: set[int] = set()
+    for j, i in enumerate(ids.tolist()):
+        if i >= 0 and i in seen:
+            out[j] = -1
+        seen.add(i)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Retokenizer:
+    """The two tokenizers of a cross-tokenizer pair, and what is read off them once.
+
+    Attributes:
+      student, teacher: the Hugging Face tokenizers.
+      student_eos: the student's stop ids (an answer that ends on one stopped).
+      teacher_eos: the id the teacher scores "the answer stops here" with.
+    """
+
+    student: Any
+    teacher: Any
+    student_eos: tuple[int, ...]
+    teacher_eos: int
+
+    @classmethod
+    def of(cls, student: Any, teacher: Any, student_eos: tuple[int, ...]) -> Retokenizer:
+        if teacher.eos_token_id is None:
+            name = teacher.name_or_path or "(unnamed)"
+            raise ValueError(f"teacher tokenizer {name} has no EOS token; a teacher of another tokenizer must have one")
+        return cls(student, teacher, tuple(student_eos), int(teacher.eos_token_id))
+
+    @property
+    def student_bytes(self) -> TokenBytes:
+        return _bytes_of(self.student)
+
+    @property
+    def teacher_bytes(self) -> TokenBytes:
+        return _bytes_of(self.teacher)
+
+    @property
+    def teacher_to_student(self) -> np.ndarray:
+        """:func:`id_map` of this pair."""
+        key = (id(self.teacher), id(self.student))
+        if key not in _ID_MAPS:
+            _ID_MAPS[key] = id_map(self.teacher_bytes, self.student_bytes, (self.teacher_eos, self.student_eos[0]))
+        return _ID_MAPS[key]
+
+    def align(self, ids: np.ndarray) -> AnswerAlignment:
+        """One answer's tokens (``[n]``, no padding) aligned to the teacher's tokens."""
+        stopped = bool(ids.size) and int(ids[-1]) in self.student_eos
+        return align_answer(
+            self.student_bytes, self.teacher, self.teacher_bytes, ids, stopped=stopped, teacher_eos=self.teacher_eos
+        )
+
+
+_TOKEN_BYTES: dict[int, TokenBytes] = {}  # id(tokenizer) → its bytes, read once a process
+_ID_MAPS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _bytes_of(tokenizer: Any) -> TokenBytes:
+    if id(tokenizer) not in _TOKEN_BYTES:
+        _TOKEN_BYTES[id(tokenizer)] = token_bytes(tokenizer)
+    return _TOKEN_BYTES[id(tokenizer)]
+
+
+class CrossTokenizerTeacher:
+    """A :class:`~asyncopd_jax.teacher.scorer.Teacher` whose tokenizer differs from the
+    student's (module docstring).
+
+    Args:
+      inner: the teacher that scores teacher tokens.
+      tokens: the tokenizer pair.
+      context: the teacher's positions (its ``max_position_embeddings``): a batch's prompt
+        width + answer width in teacher tokens is cut to it (None: not known here, a served
+        teacher; nothing is cut).
+      name: the teacher's name (errors).
+    """
+
+    def __init__(self, inner: Teacher, tokens: Retokenizer, context: int | None, name: str = "teacher"):
+        self.inner, self.tokens, self.context, self.name = inner, tokens, context, name
+        self.params: ScoringParams = inner.params
+
+    @property
+    def last_wait_s(self) -> float | None:
+        return self.inner.last_wait_s
+
+    @property
+    def last_requests(self) -> int:
+        return self.inner.last_requests
+
+    def score(self, batch: RolloutBatch, key: Array | None = None) -> TeacherScoreCache:
+        """The span cache of ``batch`` (its prompts: the teacher's, in teacher tokens)."""
+        tokens, mask = np.asarray(batch.response_tokens), np.asarray(batch.response_mask, bool)
+        b, t = tokens.shape
+        alignments = [self.tokens.align(tokens[row][mask[row]]) for row in range(b)]
+        room = (self.context or np.iinfo(np.int32).max) - int(np.shape(batch.prompt_tokens)[1])
+        if room < 1:
+            raise ValueError(
+                f"teacher {self.name!r}: its prompt ({np.shape(batch.prompt_tokens)[1]} tokens) fills its context "
+                f"({self.context} positions); shorten the teacher's prompt"
+            )
+        longest = max((len(a.teacher_ids) for a in alignments), default=1)
+        width = min(power_of_two(max(longest, 1)), room)  # few compiled shapes; never past the context
+        teacher_tokens = np.zeros((b, width), np.int32)
+        teacher_mask = np.zeros((b, width), bool)
+        for row, a in enumerate(alignments):
+            n = min(len(a.teacher_ids), width)
+            teacher_tokens[row, :n], teacher_mask[row, :n] = a.teacher_ids[:n], True
+        scored = self.inner.score(
+            RolloutBatch(
+                prompt_tokens=batch.prompt_tokens,
+                prompt_mask=batch.prompt_mask,
+                response_tokens=jnp.asarray(teacher_tokens),
+                response_mask=jnp.asarray(teacher_mask),
+                behavior_logp=jnp.zeros((b, width), jnp.float32),
+                token_version=jnp.zeros((b, width), jnp.int32),
+            ),
+            key,
+        )
+        return self._map_back(alignments, jax.device_get(scored), (b, t), width)
+
+    def _map_back(
+        self, alignments: list[AnswerAlignment], scored: TeacherScoreCache, shape: tuple[int, int], width: int
+    ) -> TeacherScoreCache:
+        """The teacher-token cache ``scored`` at the student's positions (module docstring)."""
+        b, t = shape
+        store = np.asarray(scored.token_logp).dtype
+        token_logp = np.zeros((b, t), np.float32)
+        span_end = np.zeros((b, t), bool)
+        topk = scored.topk_ids is not None and scored.topk_logp is not None
+        k = np.shape(scored.topk_ids)[-1] if scored.topk_ids is not None else 0
+        topk_ids = np.zeros((b, t, k), np.int32)
+        topk_logp = np.full((b, t, k), -np.inf, np.float32)
+        to_student = self.tokens.teacher_to_student
+        teacher_logp = np.asarray(scored.token_logp, np.float32)
+        for row, a in enumerate(alignments):
+            spans = a.spans
+            teacher_span = spans.teacher_span[:width]
+            # a span whose teacher tokens run past the scored width is not scored
+            complete = np.bincount(teacher_span, minlength=spans.spans) == np.bincount(
+                spans.teacher_span, minlength=spans.spans
+            )
+            sums = np.bincount(teacher_span, weights=teacher_logp[row, : teacher_span.size], minlength=spans.spans)
+            student_span = spans.student_span
+            for s in np.flatnonzero(complete[: spans.spans]):
+                positions = np.flatnonzero(student_span == s)
+                if not positions.size:  # a span of teacher tokens only (no student bytes): nothing to train
+                    continue
+                last, first = positions[-1], positions[0]
+                token_logp[row, last], span_end[row, last] = sums[s], True
+                if topk and (teacher_span == s).any():
+                    at = int(np.argmax(teacher_span == s))  # the span's first teacher token
+                    ids = distinct(lookup(to_student, np.asarray(scored.topk_ids)[row, at]))
+                    topk_ids[row, first] = np.maximum(ids, 0)
+                    topk_logp[row, first] = np.where(ids >= 0, np.asarray(scored.topk_logp)[row, at], -np.inf)
+        return TeacherScoreCache(
+            token_logp=jnp.asarray(token_logp, store),
+            topk_ids=jnp.asarray(topk_ids) if topk else None,
+            topk_logp=jnp.asarray(topk_logp, store) if topk else None,
+            span_end=jnp.asarray(span_end),
+        )
+
+
+__all__ = ["CrossTokenizerTeacher", "Retokenizer", "id_map"]

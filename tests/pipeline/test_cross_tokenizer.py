@@ -1,0 +1,101 @@
+"""A run whose teacher has another tokenizer than the student's: the byte-pair student
+(``builtin:student_bpe``) distilled from the character teacher, in-process, behind
+``asyncopd serve-teacher``, and in stage processes; what such a run refuses at start-up."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from asyncopd_jax.config import load_config
+from asyncopd_jax.models import from_pretrained
+from asyncopd_jax.pipeline.stage import run_models
+from asyncopd_jax.pipeline.trainer import Trainer
+from asyncopd_jax.tasks.assets import resolve_model_path
+from asyncopd_jax.tasks.tokenizer import build_tokenizer
+from asyncopd_jax.teacher.service import BatchScorer
+from tests.teacher.test_server import SETTINGS, running
+from tests.waits import SHORT_WAIT_SETS
+
+CROSS = ["student.path=builtin:student_bpe"]
+
+
+def test_the_teacher_is_prompted_in_its_own_tokens():
+    models = run_models(load_config("demo", CROSS))
+    assert list(models.retokenizers) == ["teacher"]
+    prompts, items = models.task.train_prompts(np.random.default_rng(0), 3)
+    route = models.router.route(items, prompts, np.random.default_rng(0))
+    characters = build_tokenizer("characters")
+    for row, item in enumerate(items):
+        own = np.asarray(route.prompt_tokens)[row][np.asarray(route.prompt_mask)[row]].tolist()
+        assert own == characters.encode(item.prompt) != prompts[row]  # the student's are byte pairs
+    assert not run_models(load_config("demo", [])).retokenizers  # one tokenizer: nothing re-tokenised
+
+
+@pytest.mark.parametrize(
+    "sets, says",
+    [
+        (["estimator.name=reverse_kl_mc", "sampling.num_candidates=2"], "estimator 'reverse_kl_mc' cannot compare"),
+        (["scoring.num_samples=2"], "scoring.num_samples = 2: teacher samples do not map across tokenizers"),
+        (["train.diagnostics_every=5"], "train.diagnostics_every = 5: the diagnostics compare"),
+        (
+            ["learner.extrapolation.enabled=true", "learner.extrapolation.probe_metric=reverse_kl"],
+            "probe_metric = 'reverse_kl' compares the two models' vocabularies",
+        ),
+    ],
+)
+def test_what_cannot_cross_tokenizers_is_refused_at_start_up(sets, says):
+    with pytest.raises(ValueError, match=says):
+        run_models(load_config("demo", [*CROSS, *sets]))
+
+
+def _run(tmp_path, name: str, *sets: str) -> tuple[dict, list[dict]]:
+    cfg = load_config(
+        "demo",
+        [
+            *CROSS,
+            f"output_dir={tmp_path}",
+            f"name={name}",
+            "train.steps=3",
+            "train.eval_every=1000",
+            "train.checkpoint_every=1000",
+            "task.eval_prompts=16",
+            "learner.batch_size=16",
+            "schedule.mode=sync",
+            *SHORT_WAIT_SETS,
+            *sets,
+        ],
+    )
+    summary = Trainer(cfg, progress=False).run()
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return summary, records
+
+
+@pytest.mark.e2e  # whole runs (3 steps each), one beside a server, one in stage processes (-m e2e)
+@pytest.mark.parametrize("estimator", ["forward_kl_topk", "reverse_kl_pg"])
+def test_in_process_served_and_stage_processes_score_alike(tmp_path, estimator):
+    """The same three steps with the teacher in-process (threads), behind ``serve-teacher``
+    (its tokenizer named by ``teacher.tokenizer``), and in stage processes: the same
+    teacher KL and loss at every step (sync: the same rollouts)."""
+    teacher = from_pretrained(resolve_model_path("builtin:teacher"))
+    settings = dataclasses.replace(SETTINGS, queue_rows=64)
+    local_summary, local = _run(tmp_path, "local", f"estimator.name={estimator}")
+    with running(BatchScorer(teacher, settings), settings) as (url, _, _):
+        _, served = _run(
+            tmp_path,
+            "served",
+            f"estimator.name={estimator}",
+            "teacher.path=''",
+            f"teacher.server={{url: '{url}', api: asyncopd}}",
+            "teacher.tokenizer=builtin:teacher",
+        )
+    _, processes = _run(tmp_path, "processes", f"estimator.name={estimator}", "stages.placement=processes")
+    for other in (served, processes):
+        for a, b in zip(local, other):
+            np.testing.assert_allclose(b["teacher/teacher/kl"], a["teacher/teacher/kl"], rtol=1e-4)
+            np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-4, atol=1e-6)
+    assert all(r["teacher/teacher/kl"] > 0.5 for r in local)  # the BPE warm start is far from the teacher
+    assert local_summary["teacher_accuracy"] > 0.9  # measured through the teacher's own tokenizer
