@@ -359,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     study.add_argument(
         "name",
         help="the study: kl_direction (E1), stabilisers (E2), cache_bias_variance (E3), "
-        "throughput (E4), rl_staleness (AReaL's η ablation), extrapolation (EffOPD)",
+        "throughput (E4), rl_staleness (AReaL's η ablation), extrapolation (EffOPD), cross_tokenizer "
+        "(a teacher of another tokenizer)",
     )
     study.add_argument("--quick", action="store_true", help="a minutes-long version (its numbers are not findings)")
     study.add_argument("--seeds", type=int, default=3, help="independent seeds")

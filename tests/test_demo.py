@@ -32,3 +32,13 @@ def test_demo_moe_distils_the_student_to_94_percent_of_its_mixture_of_experts_te
     assert cfg.teacher.path == "builtin:teacher_moe"
     summary = Trainer(cfg, progress=False).run()
     assert summary["student_after"] >= 0.94 * summary["teacher_accuracy"], summary
+
+
+@pytest.mark.slow
+def test_demo_with_a_student_of_another_tokenizer_distils_it(tmp_path):
+    """Issue 40's: ``asyncopd train --config demo --set student.path=builtin:student_bpe``,
+    the byte-pair student from the character teacher by spans (~5 min here; 86.7 % at seed 0
+    in the study): at least 75 % held-out, from 4.3 %."""
+    cfg = load_config(DEMO_CONFIG, [f"output_dir={tmp_path}", "student.path=builtin:student_bpe", *SHORT_WAIT_SETS])
+    summary = Trainer(cfg, progress=False).run()
+    assert summary["student_before"] < 0.1 and summary["student_after"] >= 0.75, summary

@@ -23,6 +23,7 @@ STUDIES: dict[str, str] = {
     "throughput": "asyncopd_jax.studies.throughput",
     "rl_staleness": "asyncopd_jax.studies.rl_staleness",
     "extrapolation": "asyncopd_jax.studies.extrapolation",
+    "cross_tokenizer": "asyncopd_jax.studies.cross_tokenizer",
 }
 
 

@@ -110,9 +110,16 @@ class TaskData(PromptTask):
         self.eval_items = self._problems(np.random.default_rng(task.seed + 12345), task.eval_prompts, held_out=True)
 
     def _widths(self, operands: int) -> tuple[int, int]:
-        """(prompt tokens, answer tokens with the EOS) of the longest problem of ``operands`` operands."""
+        """(prompt tokens, answer tokens with the EOS) of the longest problem of ``operands`` operands.
+
+        An answer may take as many tokens as it has characters, whatever the tokenizer's own
+        encoding of it: a byte-pair student can write one character a token (as it learns to
+        from a character teacher, :mod:`asyncopd_jax.teacher.cross_tokenizer`), and its
+        evaluation must not cut such an answer short. For the character tokenizer the two
+        counts are the same."""
         worst = Problem((self.task.max_value,) * operands)
-        return len(self.encode([worst])[0]), len(self.tokenizer.encode(worst.solution(tuple(range(operands))))) + 1
+        solution = worst.solution(tuple(range(operands)))
+        return len(self.encode([worst])[0]), max(len(self.tokenizer.encode(solution)), len(solution)) + 1
 
     def _problems(self, rng: np.random.Generator, n: int, *, held_out: bool) -> list[Problem]:
         t = self.task
@@ -204,13 +211,20 @@ class TaskData(PromptTask):
         correct against 36 % left to right after the same 200 steps; docs/results.md). Any
         order still passes the verifier."""
         problems, prompt_slots, answer_slots = self._sft_problems(rng, batch_size)
+        in_order = self.task.lengths == "long_tailed"
+        texts = [p.solution(tuple(range(len(p.operands)))) if in_order else random_solution(rng, p) for p in problems]
+        return self.answer_batch(problems, texts, prompt_slots, answer_slots)
+
+    def answer_batch(
+        self, problems: Sequence[Problem], texts: Sequence[str], prompt_slots: int, answer_slots: int
+    ) -> RolloutBatch:
+        """``problems`` with the answers ``texts`` (each then EOS) in this tokenizer's own
+        encoding, ``[B, prompt_slots]`` / ``[B, answer_slots]``: supervised data."""
         prompts, mask = left_pad(self.encode(problems), self.pad_id, prompt_slots)
         responses = np.full((len(problems), answer_slots), self.pad_id, np.int32)
         response_mask = np.zeros(responses.shape, bool)
-        in_order = self.task.lengths == "long_tailed"
-        for row, p in enumerate(problems):
-            text = p.solution(tuple(range(len(p.operands)))) if in_order else random_solution(rng, p)
-            ids = self.tokenizer.encode(text) + [self.eos_id]
+        for row, text in enumerate(texts):
+            ids = (self.tokenizer.encode(text) + [self.eos_id])[:answer_slots]
             responses[row, : len(ids)] = ids
             response_mask[row, : len(ids)] = True
         return RolloutBatch(

@@ -59,15 +59,22 @@ def lookup(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def distinct(ids: np.ndarray) -> np.ndarray:
-    """``ids`` ``[K]`` with each repeat of an id (≥ 0) after its first set to −1: two teacher
-    tokens of one text map to one student id, whose mass a top-K support may hold once."""
-    out = ids.copy()
-    seen: set[int] = set()
-    for j, i in enumerate(ids.tolist()):
-        if i >= 0 and i in seen:
-            out[j] = -1
-        seen.add(i)
-    return out
+    """``ids`` ``[..., K]`` with each repeat of an id (≥ 0) after its first, along the last
+    axis, set to −1: two teacher tokens of one text map to one student id, whose mass a
+    top-K support may hold once."""
+    same = (ids[..., :, None] == ids[..., None, :]) & (ids[..., None, :] >= 0)
+    earlier = np.tril(np.ones((ids.shape[-1],) * 2, bool), -1)  # [i, j]: j before i
+    return np.where((same & earlier).any(-1), -1, ids)
+
+
+def _extremes(span_of: np.ndarray, positions: np.ndarray, spans: int) -> tuple[np.ndarray, np.ndarray]:
+    """``([spans], [spans])``: the first and last of ``positions`` in each span
+    (``span_of[i]`` is position i's span; −1 where a span has none)."""
+    first = np.full(spans, np.iinfo(np.int64).max, np.int64)
+    last = np.full(spans, -1, np.int64)
+    np.minimum.at(first, span_of, positions)
+    np.maximum.at(last, span_of, positions)
+    return np.where(first == np.iinfo(np.int64).max, -1, first), last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,26 +203,28 @@ class CrossTokenizerTeacher:
         topk_logp = np.full((b, t, k), -np.inf, np.float32)
         to_student = self.tokens.teacher_to_student
         teacher_logp = np.asarray(scored.token_logp, np.float32)
+        teacher_ids = np.asarray(scored.topk_ids) if topk else None
+        teacher_topk = np.asarray(scored.topk_logp, np.float32) if topk else None
         for row, a in enumerate(alignments):
-            spans = a.spans
-            teacher_span = spans.teacher_span[:width]
+            n = a.spans.spans
+            teacher_span = a.spans.teacher_span[:width]  # the teacher tokens scored
             # a span whose teacher tokens run past the scored width is not scored
-            complete = np.bincount(teacher_span, minlength=spans.spans) == np.bincount(
-                spans.teacher_span, minlength=spans.spans
-            )
-            sums = np.bincount(teacher_span, weights=teacher_logp[row, : teacher_span.size], minlength=spans.spans)
-            student_span = spans.student_span
-            for s in np.flatnonzero(complete[: spans.spans]):
-                positions = np.flatnonzero(student_span == s)
-                if not positions.size:  # a span of teacher tokens only (no student bytes): nothing to train
-                    continue
-                last, first = positions[-1], positions[0]
-                token_logp[row, last], span_end[row, last] = sums[s], True
-                if topk and (teacher_span == s).any():
-                    at = int(np.argmax(teacher_span == s))  # the span's first teacher token
-                    ids = distinct(lookup(to_student, np.asarray(scored.topk_ids)[row, at]))
-                    topk_ids[row, first] = np.maximum(ids, 0)
-                    topk_logp[row, first] = np.where(ids >= 0, np.asarray(scored.topk_logp)[row, at], -np.inf)
+            complete = np.bincount(teacher_span, minlength=n) == np.bincount(a.spans.teacher_span, minlength=n)
+            sums = np.bincount(teacher_span, weights=teacher_logp[row, : teacher_span.size], minlength=n)
+            student = np.flatnonzero(a.spans.student_span >= 0)
+            span_of = a.spans.student_span[student]
+            first, last = _extremes(span_of, student, n)  # each span's first and last student token
+            # a span of teacher tokens only (no student bytes) has nothing to train
+            scored_spans = np.flatnonzero(complete & (last >= 0))
+            token_logp[row, last[scored_spans]] = sums[scored_spans]
+            span_end[row, last[scored_spans]] = True
+            if teacher_ids is None or teacher_topk is None:
+                continue
+            at, _ = _extremes(teacher_span, np.arange(teacher_span.size), n)  # each span's first teacher token
+            starts = scored_spans[at[scored_spans] >= 0]
+            ids = distinct(lookup(to_student, teacher_ids[row, at[starts]]))  # [spans, K]
+            topk_ids[row, first[starts]] = np.maximum(ids, 0)
+            topk_logp[row, first[starts]] = np.where(ids >= 0, teacher_topk[row, at[starts]], -np.inf)
         return TeacherScoreCache(
             token_logp=jnp.asarray(token_logp, store),
             topk_ids=jnp.asarray(topk_ids) if topk else None,

@@ -235,6 +235,19 @@ def test_by_name_with_spans_equals_the_span_functions(name):
     assert np.isfinite(np.asarray(grad)).all() and np.abs(np.asarray(grad)).max() > 1e-4
 
 
+def test_decoupled_ppo_by_name_weighs_each_span_by_its_proximal_and_behaviour_ratios():
+    """Recompute (the proximal policy) and importance weights per span: decoupled PPO on the
+    span sums of log π_θ, log π_prox and log μ, with the stale signal log q − log μ of each span."""
+    student, batch, cache = _cross_world(10)
+    s, proximal = _all_logprobs(student, batch, cache), _all_logprobs(student + 0.2, batch, cache)
+    got, _ = evaluate_estimator(EstimatorConfig("decoupled_ppo"), batch, cache, s, proximal=proximal)
+    ends = cache.span_end & batch.response_mask
+    mu = span_sums(batch.behavior_logp, ends)
+    want = est.decoupled_ppo_loss(span_sums(s.token, ends), span_sums(proximal.token, ends), mu, cache.token_logp - mu)
+    np.testing.assert_allclose(got, jnp.where(ends, want, 0.0), rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(got)).max() > 1e-3
+
+
 @pytest.mark.parametrize("name", sorted(set(ESTIMATORS) - set(CROSS_TOKENIZER_ESTIMATORS)))
 def test_estimators_that_cannot_cross_tokenizers_are_refused(name):
     student, batch, cache = _cross_world(9)

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 import pytest
@@ -13,12 +12,11 @@ import pytest
 from asyncopd_jax.config import load_config
 from asyncopd_jax.models import from_pretrained
 from asyncopd_jax.pipeline.stage import run_models
-from asyncopd_jax.pipeline.trainer import Trainer
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.tasks.tokenizer import build_tokenizer
 from asyncopd_jax.teacher.service import BatchScorer
+from tests.pipeline.test_teachers import _run as run_demo
 from tests.teacher.test_server import SETTINGS, running
-from tests.waits import SHORT_WAIT_SETS
 
 CROSS = ["student.path=builtin:student_bpe"]
 
@@ -53,25 +51,8 @@ def test_what_cannot_cross_tokenizers_is_refused_at_start_up(sets, says):
 
 
 def _run(tmp_path, name: str, *sets: str) -> tuple[dict, list[dict]]:
-    cfg = load_config(
-        "demo",
-        [
-            *CROSS,
-            f"output_dir={tmp_path}",
-            f"name={name}",
-            "train.steps=3",
-            "train.eval_every=1000",
-            "train.checkpoint_every=1000",
-            "task.eval_prompts=16",
-            "learner.batch_size=16",
-            "schedule.mode=sync",
-            *SHORT_WAIT_SETS,
-            *sets,
-        ],
-    )
-    summary = Trainer(cfg, progress=False).run()
-    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return summary, records
+    """Three sync steps of the demo (tests/pipeline/test_teachers.py) with the byte-pair student."""
+    return run_demo(tmp_path, name, *CROSS, "learner.batch_size=16", *sets)
 
 
 @pytest.mark.e2e  # whole runs (3 steps each), one beside a server, one in stage processes (-m e2e)
@@ -99,3 +80,31 @@ def test_in_process_served_and_stage_processes_score_alike(tmp_path, estimator):
             np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-4, atol=1e-6)
     assert all(r["teacher/teacher/kl"] > 0.5 for r in local)  # the BPE warm start is far from the teacher
     assert local_summary["teacher_accuracy"] > 0.9  # measured through the teacher's own tokenizer
+
+
+def test_the_teachers_kl_metric_sums_its_spans():
+    """``teacher/NAME/kl`` with a span cache: Σ log μ over the tokens of scored spans minus
+    Σ log q of the spans, over the answer's tokens (a token past the last span: neither)."""
+    import jax.numpy as jnp
+
+    from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
+    from asyncopd_jax.pipeline.learner_stage import teacher_stats
+    from asyncopd_jax.pipeline.staleness import RolloutGroup
+    from asyncopd_jax.teacher.scorer import TeacherUse
+
+    mask = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], bool)
+    ends = np.array([[0, 1, 0, 1, 0], [1, 0, 0, 0, 0]], bool)  # row 1: two tokens past its only span
+    mu = np.array([[-1.0, -2, -3, -4, -9], [-0.5, -7, -7, -9, -9]], np.float32)
+    q = np.where(ends, np.array([[0, -4.0, 0, -6, 0], [-1.5, 0, 0, 0, 0]]), 0.0).astype(np.float32)
+    batch = RolloutBatch(
+        prompt_tokens=jnp.ones((2, 2), jnp.int32),
+        prompt_mask=jnp.ones((2, 2), bool),
+        response_tokens=jnp.ones((2, 5), jnp.int32),
+        response_mask=jnp.asarray(mask),
+        behavior_logp=jnp.asarray(mu),
+        token_version=jnp.zeros((2, 5), jnp.int32),
+    )
+    cache = TeacherScoreCache(token_logp=jnp.asarray(q), span_end=jnp.asarray(ends))
+    group = RolloutGroup(batch, cache, 0, 0, teacher_uses={"t": TeacherUse(2, 1.0, 1)})
+    # row 0: (−1 − 2 + 4) + (−3 − 4 + 6) = 0; row 1: −0.5 + 1.5 = 1; over 7 tokens
+    assert teacher_stats([group])["teacher/t/kl"] == pytest.approx(1.0 / 7)

@@ -4,6 +4,8 @@ still decode, and a group granted a minimum version starts from it."""
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -133,3 +135,31 @@ def test_a_group_starting_on_an_idle_stream_starts_from_the_newest_snapshot(inte
     versions = np.asarray(batch.token_version)[np.asarray(batch.response_mask)]
     assert versions.size and (versions == 1).all()
     assert delivered[1].oldest_version == 1
+
+
+def test_a_failed_delivery_is_raised_while_the_loop_waits_for_capacity():
+    """Group 0's delivery (scoring) fails on the scoring thread after the stream has decoded
+    everything it was granted, when ``next_group`` would block until capacity frees (which
+    that lost group never frees): the loop raises the delivery's error instead of blocking."""
+    import threading
+
+    producer, _ = _producer()
+    streamer = RolloutLoop(producer)
+    grants = [(0, 0), (1, 0)]
+    never = threading.Event()
+
+    def next_group(block: bool):
+        if grants:
+            return grants.pop(0)
+        if block:  # capacity that only the failed group's consumer would free
+            never.wait(WAIT_S)
+            raise AssertionError("blocked on capacity past a failed delivery")
+        return None
+
+    def deliver(index, group):
+        if index == 0:
+            time.sleep(0.5)  # the stream runs dry meanwhile
+            raise RuntimeError("scoring group 0 failed")
+
+    with pytest.raises(RuntimeError, match="scoring group 0 failed"):
+        streamer.run(next_group, deliver)

@@ -71,6 +71,10 @@ def test_fixed_lengths_are_unchanged():
     assert all(len(p.operands) == 3 for p in problems)
     data = TaskData(TaskConfig(), build_tokenizer())
     assert (data.prompt_slots, data.max_new_tokens) == (11, 27)
+    # the byte-pair tokenizer's prompts are shorter; its answers get as many tokens as
+    # characters (a student distilled from the character teacher writes one a token)
+    merges = TaskData(TaskConfig(), build_tokenizer("merges"))
+    assert (merges.prompt_slots, merges.max_new_tokens) == (7, 27)
 
 
 @pytest.mark.parametrize(

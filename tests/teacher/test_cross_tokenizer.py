@@ -157,3 +157,75 @@ def test_a_served_teacher_of_another_tokenizer_scores_as_in_process(pair, teache
     starts = np.isfinite(np.asarray(local.topk_logp)).any(-1) & mask
     np.testing.assert_array_equal(np.asarray(remote.topk_ids)[starts], np.asarray(local.topk_ids)[starts])
     np.testing.assert_allclose(np.asarray(remote.topk_logp)[starts], np.asarray(local.topk_logp)[starts], atol=1e-5)
+
+
+class Scripted:
+    """A teacher that answers a fixed score of each teacher position: log q of teacher token
+    u = −(u + 1) / 10, and its top-2 ids (the token itself, ``second``) with log-probs
+    (−0.1, −3)."""
+
+    params = ScoringParams(topk=2, chunk_size=64)
+    last_wait_s, last_requests = None, 1
+
+    def __init__(self, second: int):
+        self.seen: list[np.ndarray] = []
+        self.second = second
+
+    def score(self, batch, key=None):
+        from asyncopd_jax.cache import TeacherScoreCache
+
+        tokens = np.asarray(batch.response_tokens)
+        self.seen.append(tokens[np.asarray(batch.response_mask)])
+        b, u = tokens.shape
+        logp = np.broadcast_to(-(np.arange(u) + 1) / 10, (b, u)).astype(np.float32)
+        ids = np.stack([tokens, np.full_like(tokens, self.second)], -1)
+        return TeacherScoreCache(
+            token_logp=jnp.asarray(logp),
+            topk_ids=jnp.asarray(ids),
+            topk_logp=jnp.asarray(np.broadcast_to([-0.1, -3.0], (b, u, 2)), jnp.float32),
+        )
+
+
+def _reverse_pair_batch():
+    """``12+34=46`` and EOS written by the character student, for the byte-pair teacher."""
+    characters, merges = build_tokenizer("characters"), build_tokenizer("merges")
+    ids = characters.encode("12+34=46") + [EOS_ID]
+    batch = RolloutBatch(
+        prompt_tokens=jnp.ones((1, 3), jnp.int32),
+        prompt_mask=jnp.ones((1, 3), bool),
+        response_tokens=jnp.asarray([ids + [0, 0]]),
+        response_mask=jnp.asarray([[True] * len(ids) + [False, False]]),
+        behavior_logp=jnp.zeros((1, len(ids) + 2)),
+        token_version=jnp.zeros((1, len(ids) + 2), jnp.int32),
+    )
+    return characters, merges, batch
+
+
+def test_spans_past_the_teachers_context_get_no_score():
+    """A context of 7 with a prompt of 3 leaves the teacher 4 of its 7 answer tokens (1, 2,
+    +3, 4): the spans they close are scored, the rest (=4, 6, EOS) are in no span."""
+    characters, merges, batch = _reverse_pair_batch()
+    inner = Scripted(second=merges.get_vocab()["7"])
+    cache = CrossTokenizerTeacher(inner, Retokenizer.of(characters, merges, (EOS_ID,)), context=7).score(batch)
+    assert inner.seen[0].size == 4
+    assert np.asarray(cache.span_end[0]).tolist() == [1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0]
+
+
+def test_spans_of_several_student_tokens_put_log_q_on_the_last_and_the_top_k_on_the_first():
+    """The reverse pair: a character student under the byte-pair teacher, whose tokens span
+    several of the student's. ``12+34=46`` is 1|2|+|3|4|=|4|6 to the student, 1|2|+3|4|=4|6
+    to the teacher (each a span but the two of two characters): log q of a span on its
+    last student token, the teacher's top-K (mapped) on its first."""
+    characters, merges, batch = _reverse_pair_batch()
+    inner = Scripted(second=merges.get_vocab()["7"])
+    cache = CrossTokenizerTeacher(inner, Retokenizer.of(characters, merges, (EOS_ID,)), context=128).score(batch)
+    assert merges.convert_ids_to_tokens(inner.seen[0].tolist()) == ["1", "2", "+3", "4", "=4", "6", "<eos>"]
+    ends = np.asarray(cache.span_end[0])
+    assert ends.tolist() == [1, 1, 0, 1, 1, 0, 1, 1, 1, 0, 0]  # "+3" and "=4" span two student tokens
+    np.testing.assert_allclose(np.asarray(cache.token_logp[0])[ends], [-0.1, -0.2, -0.3, -0.4, -0.5, -0.6, -0.7])
+    starts = np.isfinite(np.asarray(cache.topk_logp[0])).any(-1)
+    assert starts.tolist() == [1, 1, 1, 0, 1, 1, 0, 1, 1, 0, 0]  # the top-K on each span's first token
+    top = np.asarray(cache.topk_ids[0])[starts]  # the teacher's ids, mapped where a student token spells one
+    assert characters.convert_ids_to_tokens(top[:, 0].tolist()) == ["1", "2", "<pad>", "4", "<pad>", "6", "<eos>"]
+    assert characters.convert_ids_to_tokens(top[:, 1].tolist()) == ["7"] * 7
+    assert np.isneginf(np.asarray(cache.topk_logp[0])[[2, 5], 0]).all()  # "+3", "=4": no character token spells it

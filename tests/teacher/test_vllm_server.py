@@ -82,6 +82,37 @@ def test_vllm_serves_the_mixture_of_experts_teacher_as_we_score_it(rollouts, tmp
         _scores_agree("builtin:teacher_moe", url, rollouts)
 
 
+@pytest.mark.timeout(START_S + 300)
+def test_vllm_scores_a_student_of_another_tokenizer_as_the_in_process_teacher_does(server):
+    """The byte-pair student's answers, re-tokenised into the teacher's characters by the
+    client and scored by vLLM: the span cache equals the in-process one (issue 40)."""
+    from asyncopd_jax.teacher.cross_tokenizer import CrossTokenizerTeacher
+
+    cfg = load_config("demo", ["student.path=builtin:student_bpe"])
+    models = run_models(cfg)
+    graphdef, state = nnx.split(from_pretrained(resolve_model_path(cfg.student.path)))
+    items = models.task.eval_items[:32]
+    prompts = models.task.encode(items)
+    batch = Sampler(graphdef, models.sampling, pad_id=models.task.pad_id).generate(
+        state, prompts, jax.random.key(0), prompt_slots=models.task.prompt_slots
+    )
+    route = models.router.route(items, prompts, np.random.default_rng(0))  # the teacher's prompts, in characters
+    batch = dataclasses.replace(batch, prompt_tokens=route.prompt_tokens, prompt_mask=route.prompt_mask)
+    params, pair = dataclasses.replace(cfg.scoring, topk=8), models.retokenizers["teacher"]
+    local = CrossTokenizerTeacher(
+        TeacherScorer(from_pretrained(resolve_model_path("builtin:teacher")), params), pair, 128
+    )
+    served = ServedTeacher(ServerParams(url=server, rows_per_request=8, in_flight=2), params, 2**31 - 1)
+    want, got = local.score(batch), CrossTokenizerTeacher(served, pair, None).score(batch)
+    mask = np.asarray(batch.response_mask)
+    ends = np.asarray(want.span_end) & mask
+    np.testing.assert_array_equal(np.asarray(got.span_end) & mask, ends)
+    assert ends.sum() > 200
+    np.testing.assert_allclose(np.asarray(got.token_logp)[ends], np.asarray(want.token_logp)[ends], atol=4 * TOLERANCE)
+    starts = np.isfinite(np.asarray(want.topk_logp)).any(-1) & mask
+    np.testing.assert_allclose(np.asarray(got.topk_logp)[starts], np.asarray(want.topk_logp)[starts], atol=TOLERANCE)
+
+
 @pytest.mark.slow  # the whole demo through vLLM: minutes (docs/results.md); -m "served and slow"
 @pytest.mark.timeout(START_S + 3600)
 def test_the_demo_distils_through_a_vllm_teacher_to_94_percent_of_it(server, tmp_path):

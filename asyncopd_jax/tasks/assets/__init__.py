@@ -10,6 +10,10 @@
   held-out (greedy), about 30 % of its samples at temperature 1 correct. Made by
   ``asyncopd train --set schedule.mode=sync --set train.steps=400 --set
   optim.schedule=constant --set name=opd400`` and copying ``runs/opd400/student``.
+* ``student_bpe``: the student's architecture over the ``merges`` tokenizer (64 byte-pair
+  merges of the task's characters, :mod:`asyncopd_jax.tasks.tokenizer`), the other-tokenizer
+  student of cross-tokenizer distillation: ``asyncopd sft --model student --tokenizer merges
+  --steps 300``, 4.3 % held-out.
 * ``teacher_long``, ``student_long``: the models of the ``long_tailed`` config
   (``task.lengths = long_tailed``): ``teacher`` and ``student`` with a context of 1024
   positions, fine-tuned by ``asyncopd sft --init`` on long-tailed problems added left to
