@@ -138,29 +138,35 @@ def teacher_stats(groups: list[RolloutGroup]) -> dict[str, float]:
     """Each teacher's share of a batch: ``teacher/NAME/rows``, ``…/score_s`` (its scoring's
     wall time), ``…/requests``, ``…/kl`` (E[log μ − log q] over its rows' sampled tokens: the
     behaviour policy's reverse KL to it, estimated, over the rows whose scores are finite; a
-    teacher of another tokenizer: the sum over its spans, per student token),
-    and for a served teacher ``…/wait_s``
+    teacher of another tokenizer: the sum over its spans, per student token, and
+    ``…/unscored_tokens``, the answer tokens in no span it scored), and for a served teacher
+    ``…/wait_s``
     (seconds waited to retry it), summed over all of them in ``teacher_wait_s``."""
     stats: dict[str, float] = {}
     names = list(dict.fromkeys(name for g in groups for name in g.teacher_uses))
     gap = {name: [0.0, 0] for name in names}  # Σ (log μ − log q) over the teacher's tokens, and their count
+    unscored = dict.fromkeys(names, 0)  # a teacher of another tokenizer: answer tokens in no span it scored
+    spans = False
     for g in groups:
         if g.cache is None:
             continue
         mask = np.asarray(g.batch.response_mask, bool)
         behavior, teacher_logp = np.asarray(g.batch.behavior_logp), np.asarray(g.cache.token_logp, np.float32)
+        in_span = mask
         if g.cache.span_end is None:
             ratio = np.where(mask, behavior - teacher_logp, 0.0)
         else:  # a teacher of another tokenizer: log q of each span on its end, μ's over the tokens of scored spans
+            spans = True
             ends = np.asarray(g.cache.span_end, bool) & mask
-            in_span = np.flip(np.cumsum(np.flip(ends, 1), 1), 1) > 0
-            ratio = np.where(mask & in_span, behavior, 0.0) - np.where(ends, teacher_logp, 0.0)
+            in_span = mask & (np.flip(np.cumsum(np.flip(ends, 1), 1), 1) > 0)
+            ratio = np.where(in_span, behavior, 0.0) - np.where(ends, teacher_logp, 0.0)
         finite = np.isfinite(ratio).all(axis=1)  # a row with a non-finite score is dropped by the learner: here too
         teacher = np.zeros(g.size, np.int32) if g.route is None else g.route.teacher
         for k, name in enumerate(g.teacher_uses):
             rows = (teacher == k) & finite
             gap[name][0] += float(ratio[rows].sum())
             gap[name][1] += int(mask[rows].sum())
+            unscored[name] += int((mask & ~in_span)[teacher == k].sum())
     waits = []
     for name in names:
         uses = [g.teacher_uses[name] for g in groups if name in g.teacher_uses]
@@ -169,6 +175,8 @@ def teacher_stats(groups: list[RolloutGroup]) -> dict[str, float]:
         stats[teacher_metric(name, "requests")] = float(sum(u.requests for u in uses))
         if gap[name][1]:
             stats[teacher_metric(name, "kl")] = gap[name][0] / gap[name][1]
+        if spans:
+            stats[teacher_metric(name, "unscored_tokens")] = float(unscored[name])
         served = [u.wait_s for u in uses if u.wait_s is not None]
         if served:
             stats[teacher_metric(name, "wait_s")] = float(sum(served))
@@ -179,7 +187,8 @@ def teacher_stats(groups: list[RolloutGroup]) -> dict[str, float]:
 
 
 def teacher_metric(name: str, what: str) -> str:
-    """The metrics record's key of teacher ``name``'s ``what`` (rows, score_s, requests, kl, wait_s)."""
+    """The metrics record's key of teacher ``name``'s ``what`` (rows, score_s, requests, kl, unscored_tokens,
+    wait_s)."""
     return f"teacher/{name}/{what}"
 
 

@@ -17,13 +17,16 @@ The learner then reads the cache through :mod:`asyncopd_jax.estimators.spans`; s
 recompute and importance weights are per student token as before, summed per span.
 
 Student tokens the teacher cannot score carry no loss: those past an answer's last complete
-UTF-8 character (:mod:`asyncopd_jax.teacher.spans`), and those of spans that run past the
-teacher's context (its prompt + the answer in its tokens; ``context`` below).
+UTF-8 character (:mod:`asyncopd_jax.teacher.spans`), those of spans that run past the
+teacher's context (its prompt + the answer in its tokens; ``context`` below), and those of an
+answer whose text the teacher's tokens do not spell (:meth:`Retokenizer.align`). The
+learner's metrics count them (``teacher/NAME/unscored_tokens``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
@@ -33,7 +36,7 @@ import numpy as np
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.models.token_bytes import TokenBytes, token_bytes
 from asyncopd_jax.teacher.scorer import ScoringParams, Teacher, power_of_two
-from asyncopd_jax.teacher.spans import AnswerAlignment, align_answer
+from asyncopd_jax.teacher.spans import AnswerAlignment, SpanAlignment, align_answer
 
 Array = jax.Array
 
@@ -116,14 +119,26 @@ class Retokenizer:
         return _ID_MAPS[key]
 
     def align(self, ids: np.ndarray) -> AnswerAlignment:
-        """One answer's tokens (``[n]``, no padding) aligned to the teacher's tokens."""
+        """One answer's tokens (``[n]``, no padding) aligned to the teacher's tokens.
+
+        An answer whose text the teacher's tokens do not spell (start-up checked every
+        student token alone; a normaliser can still rewrite a sequence of them) is left
+        unscored, every token in no span, with a warning the first time: its tokens get no
+        loss and count in ``teacher/NAME/unscored_tokens``."""
         stopped = bool(ids.size) and int(ids[-1]) in self.student_eos
-        return align_answer(
-            self.student_bytes, self.teacher, self.teacher_bytes, ids, stopped=stopped, teacher_eos=self.teacher_eos
-        )
+        try:
+            return align_answer(
+                self.student_bytes, self.teacher, self.teacher_bytes, ids, stopped=stopped, teacher_eos=self.teacher_eos
+            )
+        except ValueError as err:
+            if not _WARNED.get(id(self.teacher)):
+                _WARNED[id(self.teacher)] = True
+                logging.getLogger(__name__).warning("%s; the answer is not scored (warned once)", err)
+            return AnswerAlignment([], SpanAlignment(np.full(ids.size, -1, np.int32), np.zeros(0, np.int32), 0), "")
 
 
 _TOKEN_BYTES: dict[int, TokenBytes] = {}  # id(tokenizer) → its bytes, read once a process
+_WARNED: dict[int, bool] = {}  # id(teacher tokenizer) → an unspellable answer was reported
 _ID_MAPS: dict[tuple[int, int], np.ndarray] = {}
 
 

@@ -293,6 +293,14 @@ class Scorers:
             order.append(rows)
         if len(parts) == 1 and route is None:
             return Scored(batch, parts[0], uses)
+        if any(part.span_end is not None for part in parts):  # a teacher of another tokenizer among them:
+            # the others' rows are spans of one token each (their cache is per token, the same thing)
+            parts = [
+                part
+                if part.span_end is not None
+                else dataclasses.replace(part, span_end=jnp.take(batch.response_mask, jnp.asarray(rows), axis=0))
+                for part, rows in zip(parts, order)
+            ]
         back = jnp.asarray(np.argsort(np.concatenate(order)))  # each row's place among the parts
         cache = jax.tree_util.tree_map(lambda *xs: jnp.take(jnp.concatenate(xs), back, axis=0), *parts)
         return Scored(batch, cache, uses)

@@ -107,4 +107,26 @@ def test_the_teachers_kl_metric_sums_its_spans():
     cache = TeacherScoreCache(token_logp=jnp.asarray(q), span_end=jnp.asarray(ends))
     group = RolloutGroup(batch, cache, 0, 0, teacher_uses={"t": TeacherUse(2, 1.0, 1)})
     # row 0: (−1 − 2 + 4) + (−3 − 4 + 6) = 0; row 1: −0.5 + 1.5 = 1; over 7 tokens
-    assert teacher_stats([group])["teacher/t/kl"] == pytest.approx(1.0 / 7)
+    stats = teacher_stats([group])
+    assert stats["teacher/t/kl"] == pytest.approx(1.0 / 7)
+    assert stats["teacher/t/unscored_tokens"] == 2.0  # row 1's two tokens past its only span
+    per_token = dataclasses.replace(group, cache=TeacherScoreCache(token_logp=jnp.asarray(q)))
+    assert "teacher/t/unscored_tokens" not in teacher_stats([per_token])
+
+
+@pytest.mark.e2e  # a whole run (3 steps): the end-to-end step (-m e2e)
+def test_a_teacher_of_another_tokenizer_beside_one_of_the_students(tmp_path):
+    """Teachers ``a`` (the character teacher: another tokenizer) and ``b`` (the byte-pair
+    student itself) routed by mixture: their caches (by spans, by tokens) merge into one; b's
+    KL on step 1 is 0 (it sampled that batch) and a's is not."""
+    _, records = _run(
+        tmp_path,
+        "mixed",
+        "teacher.path=''",
+        "teachers=[{name: a, path: 'builtin:teacher', weight: 2}, {name: b, path: 'builtin:student_bpe'}]",
+        "seed=3",
+    )
+    first = records[0]
+    assert first["teacher/a/rows"] > 0 and first["teacher/b/rows"] > 0, first
+    assert abs(first["teacher/b/kl"]) < 1e-3 and first["teacher/a/kl"] > 0.5, first
+    assert first["teacher/b/unscored_tokens"] == 0.0

@@ -229,3 +229,18 @@ def test_spans_of_several_student_tokens_put_log_q_on_the_last_and_the_top_k_on_
     assert characters.convert_ids_to_tokens(top[:, 0].tolist()) == ["1", "2", "<pad>", "4", "<pad>", "6", "<eos>"]
     assert characters.convert_ids_to_tokens(top[:, 1].tolist()) == ["7"] * 7
     assert np.isneginf(np.asarray(cache.topk_logp[0])[[2, 5], 0]).all()  # "+3", "=4": no character token spells it
+
+
+def test_an_answer_the_teacher_cannot_spell_is_left_unscored_with_a_warning(caplog):
+    """Past the start-up check (each student token alone), an answer whose text the teacher
+    cannot spell (here: a byte-level student writing words the character teacher lacks) is
+    in no span: no loss, counted as unscored, and the run goes on."""
+    from tests.tiny_tokenizers import byte_level_bpe
+
+    student, characters = byte_level_bpe(), build_tokenizer("characters")
+    pair = Retokenizer.of(student, characters, (student.eos_token_id,))
+    ids = np.asarray(student.encode("the cat") + [student.eos_token_id])
+    with caplog.at_level("WARNING"):
+        alignment = pair.align(ids)
+    assert (alignment.spans.student_span == -1).all() and alignment.teacher_ids == [] and alignment.spans.spans == 0
+    assert "spell" in caplog.text and "not scored" in caplog.text
