@@ -46,7 +46,6 @@ from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.config import read_hf_config
 from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.models.partitioning import logical_spec, mesh_context, parameter_shardings
-from asyncopd_jax.models.token_bytes import token_bytes
 from asyncopd_jax.pipeline.placement import Layout, StagePlan
 from asyncopd_jax.pipeline.producer import GroupProducer, group_key
 from asyncopd_jax.pipeline.reward_stage import RewardStage
@@ -117,7 +116,7 @@ def run_models(cfg: RunConfig) -> RunModels:
         directory = teacher_tokenizer_path(source)
         own = load_tokenizer(resolve_model_path(directory)) if directory else None
         if own is not None and vocabulary_differences(tokenizer, own):
-            check_cross_tokenizer_teacher(cfg, source, tokenizer, own)
+            check_cross_tokenizer_teacher(cfg, source)
             others[source.name] = own
         if not source.path:
             continue
@@ -151,6 +150,8 @@ def run_models(cfg: RunConfig) -> RunModels:
             )
     sampling = dataclasses.replace(cfg.sampling, stop_token_ids=stop)
     retokenizers = {name: Retokenizer.of(tokenizer, own, stop) for name, own in others.items()}
+    for name, pair in retokenizers.items():
+        check_spelling(name, pair)
     return RunModels(tokenizer, task, sampling, vocab_limit, student, router, retokenizers)
 
 
@@ -160,11 +161,10 @@ def teacher_tokenizer_path(source: TeacherSource) -> str:
     return source.tokenizer or source.path
 
 
-def check_cross_tokenizer_teacher(cfg: RunConfig, source: TeacherSource, student: Any, teacher: Any) -> None:
-    """A ValueError unless ``cfg`` can distil from ``source``, whose tokenizer ``teacher``
-    differs from the student's: an estimator that compares by spans, no teacher samples,
-    no probe that compares the two vocabularies id by id, and a teacher tokenizer that
-    spells every student token's text."""
+def check_cross_tokenizer_teacher(cfg: RunConfig, source: TeacherSource) -> None:
+    """A ValueError unless ``cfg`` can distil from ``source``, whose tokenizer differs from
+    the student's: an estimator that compares by spans, no teacher samples, no probe that
+    compares the two vocabularies id by id."""
     check_cross_tokenizer(cfg.estimator.name, source.name)
     why = f"teacher {source.name!r} has another tokenizer than the student's"
     if cfg.scoring.num_samples:
@@ -183,10 +183,14 @@ def check_cross_tokenizer_teacher(cfg: RunConfig, source: TeacherSource, student
             f"learner.extrapolation.probe_metric = 'reverse_kl' compares the two models' vocabularies id by id "
             f"({why}); allowed: accuracy"
         )
-    missing = unspellable(token_bytes(student), teacher, token_bytes(teacher))
+
+
+def check_spelling(name: str, pair: Retokenizer) -> None:
+    """A ValueError unless teacher ``name``'s tokenizer spells every student token's text."""
+    missing = unspellable(pair.student_bytes, pair.teacher, pair.teacher_bytes)
     if missing:
         raise ValueError(
-            f"teacher {source.name!r}: its tokenizer ({teacher.name_or_path or '(unnamed)'}) cannot spell "
+            f"teacher {name!r}: its tokenizer ({pair.teacher.name_or_path or '(unnamed)'}) cannot spell "
             f"{len(missing)} of the student's tokens (e.g. {', '.join(map(repr, missing[:5]))}): characters outside "
             "its vocabulary, or a normaliser that rewrites text; pick a teacher whose tokenizer covers the "
             "student's text"

@@ -82,41 +82,35 @@ def _extremes(span_of: np.ndarray, positions: np.ndarray, spans: int) -> tuple[n
 
 @dataclasses.dataclass(frozen=True)
 class Retokenizer:
-    """The two tokenizers of a cross-tokenizer pair, and what is read off them once.
+    """The two tokenizers of a cross-tokenizer pair, and what is read off them once
+    (:meth:`of` builds it).
 
     Attributes:
       student, teacher: the Hugging Face tokenizers.
       student_eos: the student's stop ids (an answer that ends on one stopped).
       teacher_eos: the id the teacher scores "the answer stops here" with.
+      student_bytes, teacher_bytes: each tokenizer's bytes per id.
+      teacher_to_student: :func:`id_map` of the pair.
     """
 
     student: Any
     teacher: Any
     student_eos: tuple[int, ...]
     teacher_eos: int
+    student_bytes: TokenBytes
+    teacher_bytes: TokenBytes
+    teacher_to_student: np.ndarray
+    _warned: list[bool] = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @classmethod
     def of(cls, student: Any, teacher: Any, student_eos: tuple[int, ...]) -> Retokenizer:
         if teacher.eos_token_id is None:
             name = teacher.name_or_path or "(unnamed)"
             raise ValueError(f"teacher tokenizer {name} has no EOS token; a teacher of another tokenizer must have one")
-        return cls(student, teacher, tuple(student_eos), int(teacher.eos_token_id))
-
-    @property
-    def student_bytes(self) -> TokenBytes:
-        return _bytes_of(self.student)
-
-    @property
-    def teacher_bytes(self) -> TokenBytes:
-        return _bytes_of(self.teacher)
-
-    @property
-    def teacher_to_student(self) -> np.ndarray:
-        """:func:`id_map` of this pair."""
-        key = (id(self.teacher), id(self.student))
-        if key not in _ID_MAPS:
-            _ID_MAPS[key] = id_map(self.teacher_bytes, self.student_bytes, (self.teacher_eos, self.student_eos[0]))
-        return _ID_MAPS[key]
+        student_bytes, teacher_bytes = token_bytes(student), token_bytes(teacher)
+        teacher_eos = int(teacher.eos_token_id)
+        table = id_map(teacher_bytes, student_bytes, (teacher_eos, student_eos[0]))
+        return cls(student, teacher, tuple(student_eos), teacher_eos, student_bytes, teacher_bytes, table)
 
     def align(self, ids: np.ndarray) -> AnswerAlignment:
         """One answer's tokens (``[n]``, no padding) aligned to the teacher's tokens.
@@ -131,21 +125,10 @@ class Retokenizer:
                 self.student_bytes, self.teacher, self.teacher_bytes, ids, stopped=stopped, teacher_eos=self.teacher_eos
             )
         except ValueError as err:
-            if not _WARNED.get(id(self.teacher)):
-                _WARNED[id(self.teacher)] = True
+            if not self._warned:
+                self._warned.append(True)
                 logging.getLogger(__name__).warning("%s; the answer is not scored (warned once)", err)
             return AnswerAlignment([], SpanAlignment(np.full(ids.size, -1, np.int32), np.zeros(0, np.int32), 0), "")
-
-
-_TOKEN_BYTES: dict[int, TokenBytes] = {}  # id(tokenizer) → its bytes, read once a process
-_WARNED: dict[int, bool] = {}  # id(teacher tokenizer) → an unspellable answer was reported
-_ID_MAPS: dict[tuple[int, int], np.ndarray] = {}
-
-
-def _bytes_of(tokenizer: Any) -> TokenBytes:
-    if id(tokenizer) not in _TOKEN_BYTES:
-        _TOKEN_BYTES[id(tokenizer)] = token_bytes(tokenizer)
-    return _TOKEN_BYTES[id(tokenizer)]
 
 
 class CrossTokenizerTeacher:
