@@ -38,6 +38,7 @@ def test_the_sft_arm_trains_on_the_answers_in_the_students_tokens():
         assert ids == merges.encode(text) + [EOS_ID] and len(ids) < len(text)  # byte pairs, not characters
 
 
+@pytest.mark.extended  # a teacher sampling and an SFT step, 8 s: CI's second step (the quick study is slow)
 def test_the_sft_arm_records_its_losses_and_evaluations(tmp_path):
     sets = cross_tokenizer._sft_sets(0, cross_tokenizer.Settings(steps=2, batch_size=4, eval_every=2, eval_prompts=8))
     line, seconds = train_sft_arm(tmp_path, "sft", sets)

@@ -126,7 +126,9 @@ ALPHABET = list("abcdefgh 0123456789+-=\n\t") + ["  ", "é", "ü", "世", "界",
 
 
 @pytest.mark.parametrize(
-    "student_name, teacher_name", [("byte_level", "sentencepiece"), ("sentencepiece", "byte_level")]
+    "student_name, teacher_name",
+    # the reverse pair is the same property at another setting: CI's second step
+    [("byte_level", "sentencepiece"), pytest.param("sentencepiece", "byte_level", marks=pytest.mark.extended)],
 )
 def test_ten_thousand_random_strings(student_name, teacher_name):
     student, teacher = TOKENIZERS[student_name](), TOKENIZERS[teacher_name]()
