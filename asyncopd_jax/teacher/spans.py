@@ -140,10 +140,10 @@ def teacher_tokens(teacher: Any, teacher_bytes: TokenBytes, text: str) -> tuple[
     """
     ids = list(teacher.encode(text, add_special_tokens=False)) if text else []
     data, lengths = teacher_bytes.join(ids), teacher_bytes.lengths(ids)
-    target = text.encode("utf-8")
-    if data != target and data == b" " + target:
+    extra = prefix_space(data, text.encode("utf-8"))
+    if extra:
         lengths[int(np.argmax(lengths > 0))] -= 1
-    elif data != target:
+    elif extra is None:
         raise ValueError(
             f"teacher tokenizer {teacher_bytes.name}: its tokens of {text[:40]!r} spell {data[:40]!r}, not the text "
             "(a character outside its vocabulary, or a normaliser that rewrites text); allowed across tokenizers: a "
@@ -167,10 +167,18 @@ def unspellable(student: TokenBytes, teacher: Any, teacher_bytes: TokenBytes) ->
     encoded = teacher(texts, add_special_tokens=False)["input_ids"]
     missing = []
     for text, ids in zip(texts, encoded):
-        data = teacher_bytes.join(ids)
-        if data != text.encode("utf-8") and data != b" " + text.encode("utf-8"):
+        if prefix_space(teacher_bytes.join(ids), text.encode("utf-8")) is None:
             missing.append(text)
     return missing
+
+
+def prefix_space(data: bytes, text: bytes) -> int | None:
+    """How many bytes a tokenizer's tokens ``data`` hold before ``text`` that are not its:
+    0 (they spell it), 1 (the tokenizer's own prefix space: SentencePiece's ``▁``, a
+    byte-level ``add_prefix_space``), or None (they do not spell it)."""
+    if data == text:
+        return 0
+    return 1 if data == b" " + text else None
 
 
 def align_answer(
@@ -220,6 +228,7 @@ def align_answer(
 
 
 __all__ = [
+    "prefix_space",
     "unspellable",
     "AnswerAlignment",
     "SpanAlignment",
