@@ -69,12 +69,17 @@ def span_sums(x: Array, span_end: ArrayLike) -> Array:
     return jnp.where(span_end, jnp.take_along_axis(sums, index, axis=-1), jnp.zeros((), x.dtype))
 
 
+def in_spans(span_end: ArrayLike) -> Array:
+    """``[B, T]`` bool: the tokens of a span that ends in the row (an end at or after them)."""
+    span_end = jnp.asarray(span_end, bool)
+    return jnp.flip(jnp.cumsum(jnp.flip(span_end, -1), -1), -1) > 0
+
+
 def span_starts(span_end: ArrayLike) -> Array:
     """``[B, T]`` bool: the first token of each span (of a span that ends in the row)."""
     span_end = jnp.asarray(span_end, bool)
     after_end = jnp.pad(span_end[..., :-1], [(0, 0)] * (span_end.ndim - 1) + [(1, 0)], constant_values=True)
-    closes = jnp.flip(jnp.cumsum(jnp.flip(span_end, -1), -1), -1) > 0  # an end at or after t
-    return after_end & closes
+    return after_end & in_spans(span_end)
 
 
 def mask_unmapped(student_logp: Array, teacher_logp: Array) -> Array:
@@ -184,6 +189,7 @@ def mapped_starts(teacher_logp: Array, span_end: ArrayLike, mask: ArrayLike | No
 
 __all__ = [
     "forward_kl_topk_spans",
+    "in_spans",
     "mapped_starts",
     "mask_unmapped",
     "reverse_kl_spans",

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncopd_jax.config import RunConfig
+from asyncopd_jax.estimators.spans import in_spans
 from asyncopd_jax.learner import (
     LearnerBatch,
     PolicyLoss,
@@ -158,7 +159,7 @@ def teacher_stats(groups: list[RolloutGroup]) -> dict[str, float]:
         else:  # a teacher of another tokenizer: log q of each span on its end, μ's over the tokens of scored spans
             spans = True
             ends = np.asarray(g.cache.span_end, bool) & mask
-            in_span = mask & (np.flip(np.cumsum(np.flip(ends, 1), 1), 1) > 0)
+            in_span = mask & np.asarray(in_spans(ends))
             ratio = np.where(in_span, behavior, 0.0) - np.where(ends, teacher_logp, 0.0)
         finite = np.isfinite(ratio).all(axis=1)  # a row with a non-finite score is dropped by the learner: here too
         teacher = np.zeros(g.size, np.int32) if g.route is None else g.route.teacher
