@@ -4,7 +4,7 @@
 * :class:`TeacherScoreCache` — the finite score cache the teacher keeps per position.
 * :class:`StudentLogProbs` — the learner's current log-probs on the cached ids.
 
-:mod:`asyncopd_jax.estimator_registry` evaluates the estimators by name on these three.
+:mod:`asyncopd_jax.learner.estimator_eval` evaluates the estimators by name on these three.
 
 All per-position arrays are response-local and target-aligned: ``[B, T]`` (one value
 per response token), ``[B, T, N]`` / ``[B, T, K]`` (several ids per response token);
@@ -150,7 +150,7 @@ class TeacherScoreCache:
       sample_logp: ``[B, T, M]`` or None, their log q.
       span_end: ``[B, T]`` bool or None. None: the teacher shares the student's
         tokenizer, and every field is per student token as above. Set: a teacher of another
-        tokenizer, aligned by text spans (:mod:`asyncopd_jax.teacher.spans`); True on the
+        tokenizer, aligned by text spans (:mod:`asyncopd_jax.teacher.span_alignment`); True on the
         last student token of each span the teacher scored. ``token_logp`` then holds log q
         of the whole span on that token (0 elsewhere), and ``topk_ids`` / ``topk_logp`` the
         teacher's next-token top-K at each span's first token, mapped to the student ids of

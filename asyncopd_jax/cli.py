@@ -46,12 +46,14 @@ DEMO_CONFIG = configs.DEMO
 
 
 def _plan(args: argparse.Namespace) -> None:
+    from asyncopd_jax.pipeline.host_env import cpu_device_flags
     from asyncopd_jax.scale.chips import get_topology, proxy_devices_needed
-    from asyncopd_jax.scale.plan import Shapes, format_plan, make_plan
+    from asyncopd_jax.scale.plan import Shapes, make_plan
+    from asyncopd_jax.scale.report import format_plan
 
     proxies = proxy_devices_needed(args.topology)
     if proxies:  # XLA:CPU devices stand in for the GPUs: set before JAX starts its CPU client
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={proxies}"
+        os.environ["XLA_FLAGS"] = cpu_device_flags(proxies, os.environ.get("XLA_FLAGS", ""))
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # compile for the topology; never touch a local accelerator
@@ -63,7 +65,8 @@ def _plan(args: argparse.Namespace) -> None:
     settings = {"mean_response_tokens": args.mean_response_tokens, "storage_bytes_per_s": args.storage_gbps * 1e9}
     topology = get_topology(args.topology)
     if args.balance:
-        from asyncopd_jax.scale.split import balance_split, format_balanced
+        from asyncopd_jax.scale.report import format_balanced
+        from asyncopd_jax.scale.search import balance_split
 
         start = time.monotonic()
 
@@ -91,9 +94,11 @@ def _train(args: argparse.Namespace) -> None:
         cfg = cfg.__class__(**{**cfg.__dict__, "name": run_dir.name, "output_dir": str(run_dir.parent)})
     else:
         cfg = load_config(args.config or DEMO_CONFIG, args.set)
-    from asyncopd_jax.pipeline import placement
+    from asyncopd_jax.config import check_learner_processes
+    from asyncopd_jax.pipeline.host_env import detect_platform, prepare_learner_process
+    from asyncopd_jax.pipeline.layout import describe, plan_layout
 
-    layout = placement.plan_layout(
+    layout = plan_layout(
         cfg,
         run_path=Path(cfg.output_dir) / cfg.name,
         available_cores=sorted(os.sched_getaffinity(0)),
@@ -103,17 +108,15 @@ def _train(args: argparse.Namespace) -> None:
         f"asyncopd train: {cfg.name} ({cfg.estimator.name}, {cfg.schedule.mode}, {layout.placement}) → "
         f"{Path(cfg.output_dir) / cfg.name}"
     )
-    print("\n".join(placement.describe(layout)))
-    placement.prepare_learner_process(layout, placement.detect_platform())  # before JAX starts in this process
+    print("\n".join(describe(layout)))
+    prepare_learner_process(layout, detect_platform())  # before JAX starts in this process
     if cfg.distributed.initialize:
         import jax
 
         from asyncopd_jax.learner import distributed
 
         distributed.initialize(cfg.distributed)  # before anything else starts JAX here
-        placement.check_learner_processes(
-            cfg, jax.process_count()
-        )  # the count the environment gave, when the config did not
+        check_learner_processes(cfg, jax.process_count())  # the count the environment gave, when the config did not
     # planned before this process pinned itself (a plan made after would see only the learner's cores)
     summary = Trainer(cfg, resume=bool(args.resume), progress=not args.no_progress, layout=layout).run()
     teacher = summary.get("teacher_accuracy")  # absent: reward-driven RL without a teacher
@@ -166,7 +169,7 @@ def _initialise_from(model: Decoder, path: str) -> None:
     import dataclasses
 
     from asyncopd_jax.models import DecoderConfig
-    from asyncopd_jax.pipeline.stage import load_model_and_tokenizer
+    from asyncopd_jax.pipeline.model_loading import load_model_and_tokenizer
 
     source, _ = load_model_and_tokenizer(path, "float32")
     config = getattr(source, "config", None)
@@ -188,7 +191,7 @@ def _print_accuracy_by_length(data: TaskData, model: nnx.Module) -> None:
 
 
 def _eval(args: argparse.Namespace) -> None:
-    from asyncopd_jax.pipeline.stage import load_model_and_tokenizer
+    from asyncopd_jax.pipeline.model_loading import load_model_and_tokenizer
     from asyncopd_jax.tasks.builtin import TaskData
 
     task = load_config(None, [f"task.{kv}" for kv in args.task]).task if args.task else TaskConfig()
@@ -224,9 +227,10 @@ def _serve_teacher(args: argparse.Namespace) -> None:
 
     from asyncopd_jax.config import MeshConfig, ModelSource
     from asyncopd_jax.config_checks import parse_id_list
-    from asyncopd_jax.pipeline.stage import load_model, stage_mesh
+    from asyncopd_jax.pipeline.devices import stage_mesh
+    from asyncopd_jax.pipeline.model_loading import load_model
+    from asyncopd_jax.teacher.batch_scorer import BatchScorer, ServerSettings
     from asyncopd_jax.teacher.server import serve
-    from asyncopd_jax.teacher.service import BatchScorer, ServerSettings
 
     local = jax.local_devices()
     ids = parse_id_list(args.devices) if args.devices else list(range(len(local)))
@@ -261,11 +265,12 @@ def _serve_teacher(args: argparse.Namespace) -> None:
 
 def _stage(args: argparse.Namespace) -> int:
     from asyncopd_jax.config_checks import parse_id_list
-    from asyncopd_jax.pipeline.placement import TPU_BASE_PORT, device_env
+    from asyncopd_jax.pipeline.host_env import detect_platform, device_env, stage_port
 
     if args.devices:  # before JAX's runtime starts: the platform's own variables give this process its devices
-        os.environ.update(device_env(args.platform, parse_id_list(args.devices), TPU_BASE_PORT + 1 + args.index))
-    from asyncopd_jax.pipeline.stage_process import run_stage
+        platform = args.platform or detect_platform()
+        os.environ.update(device_env(platform, parse_id_list(args.devices), stage_port(args.index)))
+    from asyncopd_jax.pipeline.stage_main import run_stage
 
     return run_stage(args.exchange, args.role, args.index, parse_id_list(args.cores), args.parent_pid, args.niceness)
 
@@ -302,6 +307,36 @@ def main(argv: list[str] | None = None) -> int:
     # stderr has no file descriptor, e.g. captured in-process by a test)
     with contextlib.suppress(AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    args = _parser().parse_args(argv)
+    if args.command == "stage":
+        return args.fn(args)  # its own exit status; errors go to its log
+    with contextlib.nullcontext() if args.debug else _library_log_to_file() as log:
+        return _run(args, log)
+
+
+def _run(args: argparse.Namespace, log: Path | None) -> int:
+    """Run the command; the user's mistakes and I/O failures are one line on stderr."""
+    try:
+        args.fn(args)
+    except (ConfigError, OSError, ValueError) as err:  # the user's input or environment, not a bug here
+        if args.debug:
+            raise
+        details = f"details in {log}; " if log is not None and log.is_file() else ""
+        print(f"asyncopd {args.command}: error: {err} ({details}--debug shows the traceback)", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nasyncopd {args.command}: interrupted; resume with --resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# the command line: one builder per sub-command, each setting ``fn`` to the function that runs it
+
+_SubCommands = argparse._SubParsersAction  # what add_subparsers returns; add_parser makes a sub-command
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncopd", description="Asynchronous on-policy distillation in JAX.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -310,7 +345,12 @@ def main(argv: list[str] | None = None) -> int:
         help="show the full traceback of an error (by default: one line naming what to fix)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_train, _add_sft, _add_eval, _add_study, _add_plan, _add_serve_teacher, _add_stage):
+        add(sub, common)
+    return parser
 
+
+def _add_train(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     train = sub.add_parser(
         "train", parents=[common], help="distil a student from a teacher (default: the built-in demo)"
     )
@@ -322,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(fn=_train)
 
+
+def _add_sft(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     sft = sub.add_parser(
         "sft", parents=[common], help="train a built-in model on the built-in task by supervised fine-tuning"
     )
@@ -350,11 +392,15 @@ def main(argv: list[str] | None = None) -> int:
     sft.add_argument("--out", type=Path, required=True, help="output directory (Hugging Face layout)")
     sft.set_defaults(fn=_sft)
 
+
+def _add_eval(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     ev = sub.add_parser("eval", parents=[common], help="held-out accuracy of a model on the built-in task")
     ev.add_argument("--model", required=True, help="builtin:NAME or a Hugging Face directory")
     ev.add_argument("--task", action="append", default=[], metavar="FIELD=VALUE", help="task config field")
     ev.set_defaults(fn=_eval)
 
+
+def _add_study(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     study = sub.add_parser("study", parents=[common], help="run a study and write its report (docs/study/NAME.md)")
     study.add_argument(
         "name",
@@ -374,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     study.set_defaults(fn=_study)
 
+
+def _add_plan(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     plan = sub.add_parser(
         "plan",
         parents=[common],
@@ -413,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     plan.set_defaults(fn=_plan)
 
+
+def _add_serve_teacher(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     served = sub.add_parser(
         "serve-teacher",
         parents=[common],
@@ -434,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     served.add_argument("--max-request-rows", type=int, default=256, help="rows in one request at most (then 413)")
     served.set_defaults(fn=_serve_teacher)
 
+
+def _add_stage(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     stage = sub.add_parser(
         "stage",
         parents=[common],
@@ -451,34 +503,15 @@ def main(argv: list[str] | None = None) -> int:
     stage.add_argument(
         "--devices",
         default="",
-        help="this host's devices for this process, e.g. 0-3 (TPU chips, GPUs; with --platform)",
+        help="this host's devices for this process, e.g. 0-3 (TPU chips, GPUs; on a CPU: how many XLA:CPU devices)",
     )
     stage.add_argument(
-        "--platform", choices=["gpu", "tpu"], default="gpu", help="whose device variables --devices sets (default gpu)"
+        "--platform",
+        choices=["cpu", "gpu", "tpu"],
+        default=None,
+        help="whose device variables --devices sets (default: this host's, from JAX_PLATFORMS or its device files)",
     )
     stage.set_defaults(fn=_stage)
-
-    args = parser.parse_args(argv)
-    if args.command == "stage":
-        return args.fn(args)  # its own exit status; errors go to its log
-    with contextlib.nullcontext() if args.debug else _library_log_to_file() as log:
-        return _run(args, log)
-
-
-def _run(args: argparse.Namespace, log: Path | None) -> int:
-    """Run the command; the user's mistakes and I/O failures are one line on stderr."""
-    try:
-        args.fn(args)
-    except (ConfigError, OSError, ValueError) as err:  # the user's input or environment, not a bug here
-        if args.debug:
-            raise
-        details = f"details in {log}; " if log is not None and log.is_file() else ""
-        print(f"asyncopd {args.command}: error: {err} ({details}--debug shows the traceback)", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"\nasyncopd {args.command}: interrupted; resume with --resume", file=sys.stderr)
-        return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -3,42 +3,29 @@
 The learner, the config and the studies refer to an estimator by its name (e.g.
 ``"reverse_kl_mc"``), configured by one :class:`EstimatorConfig` (the ``estimator``
 section of a run's config). Each :class:`EstimatorSpec` declares what the estimator reads
-besides the sampled tokens (the id sets of :data:`ID_SOURCES` and the config setting that
-makes each, proximal log-probs, an advantage), and evaluates the pure function of
-:mod:`asyncopd_jax.estimators` on the data contracts of :mod:`asyncopd_jax.cache`
-(:func:`evaluate_estimator`). The config's validation, the scoring stage and the learner
-all ask the spec: no list of names to keep in step.
+besides the sampled tokens (the id sets of :data:`~asyncopd_jax.estimator_ids.ID_SOURCES`
+and the config setting that makes each, proximal log-probs, an advantage), and its adapter
+evaluates the pure function of :mod:`asyncopd_jax.estimators` on the data contracts of
+:mod:`asyncopd_jax.cache` (:class:`~asyncopd_jax.estimator_inputs.EstimatorInputs`; the
+learner's :func:`~asyncopd_jax.learner.estimator_eval.evaluate_estimator` runs it). The
+config's validation, the scoring stage and the learner all ask the spec: no list of names
+to keep in step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+from collections.abc import Callable
+from typing import Literal
 
 import jax
-import jax.numpy as jnp
 
 from asyncopd_jax import estimators as est
-from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
 from asyncopd_jax.config_checks import check_fields
+from asyncopd_jax.estimator_inputs import EstimatorInputs, given
 from asyncopd_jax.estimators.stabilisers import ClipEps, clip_bounds
-from asyncopd_jax.metrics import Metrics
-
-if TYPE_CHECKING:  # the config imports this module
-    from asyncopd_jax.config import RunConfig
 
 Array = jax.Array
-_T = TypeVar("_T")
-_O = TypeVar("_O", RolloutBatch, TeacherScoreCache)  # the data contracts an id set is read from
-
-
-def _given(value: _T | None) -> _T:
-    """``value``, an optional input that :func:`_require_inputs` has checked is given (the
-    spec's ``needs`` say which are; a type checker cannot follow that)."""
-    if value is None:
-        raise ValueError("an input the estimator's spec needs is missing (evaluate_estimator checks them first)")
-    return value
 
 
 def _clip_range_ok(clip_eps: ClipEps | None) -> bool:
@@ -199,7 +186,7 @@ class SecondMomentClipConfig:
 @dataclasses.dataclass(frozen=True)
 class RegularisersConfig:
     """``estimator.regularisers``: terms added to every token's loss, whatever the estimator
-    (:func:`evaluate_estimator` adds them).
+    (:func:`~asyncopd_jax.learner.estimator_eval.evaluate_estimator` adds them).
 
     Attributes:
       entropy_coef: weight c of the entropy bonus ``−c · H(π_θ)`` (0: none; the entropy is
@@ -248,7 +235,8 @@ class EstimatorConfig:
       regularisers: the entropy bonus and KL-to-reference term added to every estimator.
 
     The RL weight β of the teacher's signal (``rl.distill_coef``) is not a knob of the
-    estimator but of the run: the loss takes it beside this config (:func:`evaluate_estimator`).
+    estimator but of the run: the loss takes it beside this config
+    (:func:`~asyncopd_jax.learner.estimator_eval.evaluate_estimator`).
     """
 
     name: str = "reverse_kl_mc"
@@ -279,137 +267,8 @@ class EstimatorConfig:
         return self.regularisers.reference_kl_coef != 0
 
 
-@dataclasses.dataclass(frozen=True)
-class EstimatorInputs:
-    """What an estimator's adapter reads (all ``[B, T]`` or ``[B, T, n]``, see
-    :mod:`asyncopd_jax.cache`).
-
-    Attributes:
-      batch, cache: the rollout and its teacher scores (``cache`` None: reward-driven RL
-        without distillation).
-      student: the current student's log-probs on the ids of :func:`required_ids`.
-      proximal: the proximal policy's, for a spec with ``needs_proximal``.
-      advantage: ``[B, T]`` detached, for a spec with ``needs_advantage`` (:func:`_advantage`).
-    """
-
-    batch: RolloutBatch
-    cache: TeacherScoreCache | None
-    student: StudentLogProbs
-    proximal: StudentLogProbs | None = None
-    advantage: Array | None = None
-
-    @property
-    def scores(self) -> TeacherScoreCache:
-        """``cache``, for an adapter that reads the teacher's scores."""
-        return _given(self.cache)
-
-
 # An adapter: the inputs and the config → per-token losses [B, T].
 EstimatorFn = Callable[[EstimatorInputs, EstimatorConfig], Array]
-
-
-class _AttributePath:
-    """Stands in for an object to record the attributes a reader follows (:func:`_attribute_path`)."""
-
-    def __init__(self, names: tuple[str, ...] = ()) -> None:
-        self._names = names
-
-    def __getattr__(self, name: str) -> _AttributePath:
-        return _AttributePath((*self._names, name))
-
-
-def _attribute_path(read: Callable[[Any], object]) -> str:
-    """The dotted attributes a pure attribute reader follows: ``lambda cfg:
-    cfg.sampling.num_candidates`` → ``"sampling.num_candidates"``. The reader is typed (a
-    type checker checks its attributes), and the name it is shown by is read off it, so the
-    two cannot disagree."""
-    path = read(_AttributePath())
-    if not isinstance(path, _AttributePath) or not path._names:
-        raise TypeError(f"{read!r} must only read attributes (e.g. lambda cfg: cfg.sampling.num_candidates)")
-    return ".".join(path._names)
-
-
-@dataclasses.dataclass(frozen=True)
-class ArrayField(Generic[_O]):
-    """One optional array field of a data contract (:class:`RolloutBatch`,
-    :class:`TeacherScoreCache`), by typed reference: ``read`` is the field's accessor,
-    ``str()`` names it (e.g. ``RolloutBatch.candidate_ids``)."""
-
-    owner: type[_O]
-    read: Callable[[_O], Array | None]
-    name: str = dataclasses.field(init=False)  # read off ``read``
-
-    def __post_init__(self) -> None:
-        name = _attribute_path(self.read)
-        if name not in {f.name for f in dataclasses.fields(self.owner)}:
-            raise TypeError(f"{self.owner.__name__} has no field {name!r}")
-        object.__setattr__(self, "name", name)
-
-    def __str__(self) -> str:
-        return f"{self.owner.__name__}.{self.name}"
-
-    def read_from(self, *objects: object) -> Array | None:
-        """The field of whichever of ``objects`` is an ``owner`` (None: none is, or it holds none)."""
-        for obj in objects:
-            if isinstance(obj, self.owner):
-                return self.read(obj)
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    """A count of the run's config, by typed reference: ``read(cfg)`` its value, ``name`` (and
-    ``str()``) its dotted name, as ``--set`` takes it (``sampling.num_candidates``)."""
-
-    read: Callable[[RunConfig], int]
-    name: str = dataclasses.field(init=False)  # read off ``read``
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "name", _attribute_path(self.read))
-
-    def __str__(self) -> str:
-        return self.name
-
-
-@dataclasses.dataclass(frozen=True)
-class IdSource:
-    """Where the ids of one :class:`StudentLogProbs` field come from.
-
-    Attributes:
-      ids: the field holding the ids ``[B, T, n]``, of the rollout or of the teacher's cache
-        (``ids.owner``).
-      scores: the :class:`TeacherScoreCache` field of the teacher's log-probs on them.
-      setting: the run config's count that makes the rollout or scoring stage produce
-        them; 0 makes none.
-    """
-
-    ids: ArrayField[RolloutBatch] | ArrayField[TeacherScoreCache]
-    scores: ArrayField[TeacherScoreCache]
-    setting: Setting
-
-
-ID_SOURCES: dict[str, IdSource] = {
-    "candidates": IdSource(
-        ArrayField(RolloutBatch, lambda b: b.candidate_ids),
-        ArrayField(TeacherScoreCache, lambda c: c.candidate_logp),
-        Setting(lambda cfg: cfg.sampling.num_candidates),
-    ),
-    "student_topk": IdSource(
-        ArrayField(RolloutBatch, lambda b: b.student_topk_ids),
-        ArrayField(TeacherScoreCache, lambda c: c.student_topk_logp),
-        Setting(lambda cfg: cfg.sampling.student_topk),
-    ),
-    "teacher_topk": IdSource(
-        ArrayField(TeacherScoreCache, lambda c: c.topk_ids),
-        ArrayField(TeacherScoreCache, lambda c: c.topk_logp),
-        Setting(lambda cfg: cfg.scoring.topk),
-    ),
-    "teacher_samples": IdSource(
-        ArrayField(TeacherScoreCache, lambda c: c.sample_ids),
-        ArrayField(TeacherScoreCache, lambda c: c.sample_logp),
-        Setting(lambda cfg: cfg.scoring.num_samples),
-    ),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,7 +280,8 @@ class EstimatorSpec:
       name: its name in :data:`ESTIMATORS`.
       fn: its adapter (a named function of ``(EstimatorInputs, EstimatorConfig)``).
       needs: the id sets the student is scored on, fields of :class:`StudentLogProbs`
-        (keys of :data:`ID_SOURCES`, which says which setting makes each).
+        (keys of :data:`~asyncopd_jax.estimator_ids.ID_SOURCES`, which says which setting
+        makes each).
       needs_proximal: reads proximal log-probs (a no-grad forward of the weights before
         the batch's first optimizer step).
       needs_advantage: a policy-gradient surrogate weighted by an advantage (a
@@ -452,47 +312,25 @@ class EstimatorSpec:
         return not (rl and self.needs_advantage and distill_coef == 0)
 
 
-def _advantage(
-    batch: RolloutBatch,
-    cache: TeacherScoreCache | None,
-    student_token: Array,
-    signal: Literal["stale", "recompute"],
-    distill_coef: float,
-) -> Array:
-    """``[B, T]`` the (detached) advantage the stabilisers weight.
-
-    Distillation: the teacher's reverse-KL reward ``log q − log base`` (base: μ for the
-    ``stale`` signal, π_θ's ``student_token`` log-probs for ``recompute``). Reward-driven RL
-    (``batch.advantages`` set): the reward advantage, plus ``distill_coef`` β times that
-    teacher reward when β > 0.
-    """
-    base = batch.behavior_logp if signal == "stale" else student_token
-    if batch.advantages is None:
-        return jax.lax.stop_gradient(_given(cache).token_logp - base)
-    if distill_coef == 0:
-        return jax.lax.stop_gradient(batch.advantages)
-    return est.with_distillation(batch.advantages, _given(cache).token_logp, base, distill_coef)
-
-
 # --- the adapters: each feeds one function of asyncopd_jax.estimators ---------------
 
 
 def _forward_kl_topk(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.forward_kl_topk(_given(x.student.teacher_topk), _given(x.scores.topk_logp), tail=c.topk.tail)
+    return est.forward_kl_topk(given(x.student.teacher_topk), given(x.scores.topk_logp), tail=c.topk.tail)
 
 
 def _forward_kl_topk_renormalized(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.forward_kl_topk_renormalized(_given(x.student.teacher_topk), _given(x.scores.topk_logp))
+    return est.forward_kl_topk_renormalized(given(x.student.teacher_topk), given(x.scores.topk_logp))
 
 
 def _forward_kl_mc(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     return est.forward_kl_mc(
-        _given(x.student.teacher_samples), _given(x.scores.sample_logp), control_variate=c.forward_mc.control_variate
+        given(x.student.teacher_samples), given(x.scores.sample_logp), control_variate=c.forward_mc.control_variate
     )
 
 
 def _reverse_kl_topk(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.reverse_kl_topk(_given(x.student.student_topk), _given(x.scores.student_topk_logp), tail=c.topk.tail)
+    return est.reverse_kl_topk(given(x.student.student_topk), given(x.scores.student_topk_logp), tail=c.topk.tail)
 
 
 def _mc(student: Array, behavior: Array, teacher: Array, c: EstimatorConfig, *, recompute: bool) -> Array:
@@ -509,7 +347,7 @@ def _mc(student: Array, behavior: Array, teacher: Array, c: EstimatorConfig, *, 
 
 def _candidates(x: EstimatorInputs) -> tuple[Array, Array, Array]:
     """``(log π_θ, log μ, log q)`` ``[B, T, N]`` of the rollout's N candidates."""
-    return (_given(x.student.candidates), _given(x.batch.candidate_behavior_logp), _given(x.scores.candidate_logp))
+    return (given(x.student.candidates), given(x.batch.candidate_behavior_logp), given(x.scores.candidate_logp))
 
 
 def _reverse_kl_mc(x: EstimatorInputs, c: EstimatorConfig) -> Array:
@@ -527,11 +365,11 @@ def _reverse_kl_mc_loo(x: EstimatorInputs, c: EstimatorConfig) -> Array:
 def _reverse_kl_hybrid(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     b, s = x.batch, x.student
     return est.reverse_kl_hybrid(
-        _given(s.student_topk),
-        _given(x.scores.student_topk_logp),
-        _given(b.student_topk_ids),
+        given(s.student_topk),
+        given(x.scores.student_topk_logp),
+        given(b.student_topk_ids),
         *_candidates(x),
-        _given(b.candidate_ids),
+        given(b.candidate_ids),
     )
 
 
@@ -550,16 +388,16 @@ def _reverse_kl_pg_stale(x: EstimatorInputs, c: EstimatorConfig) -> Array:
 
 def _ppo_clip(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     return est.ppo_clip_loss(
-        x.student.token, x.batch.behavior_logp, _given(x.advantage), clip_eps=c.ppo.clip_eps, dual_clip=c.ppo.dual_clip
+        x.student.token, x.batch.behavior_logp, given(x.advantage), clip_eps=c.ppo.clip_eps, dual_clip=c.ppo.dual_clip
     )
 
 
 def _decoupled_ppo(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     return est.decoupled_ppo_loss(
         x.student.token,
-        _given(x.proximal).token,
+        given(x.proximal).token,
         x.batch.behavior_logp,
-        _given(x.advantage),
+        given(x.advantage),
         clip_eps=c.ppo.clip_eps,
         dual_clip=c.ppo.dual_clip,
         behavior_weight_cap=c.ppo.behavior_weight_cap,
@@ -575,7 +413,7 @@ def _gspo_at(level: Literal["sequence", "token"]) -> EstimatorFn:
         return est.gspo_loss(
             x.student.token,
             x.batch.behavior_logp,
-            _given(x.advantage),
+            given(x.advantage),
             x.batch.response_mask,
             clip_eps=(c.gspo.clip_low, c.gspo.clip_high),
             level=level,
@@ -585,14 +423,14 @@ def _gspo_at(level: Literal["sequence", "token"]) -> EstimatorFn:
 
 
 def _truncated_is(x: EstimatorInputs, c: EstimatorConfig) -> Array:
-    return est.truncated_is_loss(x.student.token, x.batch.behavior_logp, _given(x.advantage), cap=c.tis.cap)
+    return est.truncated_is_loss(x.student.token, x.batch.behavior_logp, given(x.advantage), cap=c.tis.cap)
 
 
 def _m2po(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     return est.m2po_loss(
         x.student.token,
         x.batch.behavior_logp,
-        _given(x.advantage),
+        given(x.advantage),
         x.batch.response_mask,
         second_moment_budget=c.m2po.budget,
     )
@@ -602,7 +440,7 @@ def _second_moment_clip(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     return est.second_moment_clip_loss(
         x.student.token,
         x.batch.behavior_logp,
-        _given(x.advantage),
+        given(x.advantage),
         x.batch.response_mask,
         second_moment_budget=c.second_moment_clip.budget,
         min_low_margin=c.second_moment_clip.min_low,
@@ -754,303 +592,3 @@ def get_estimator(name: str) -> EstimatorSpec:
         return ESTIMATORS[name]
     except KeyError:
         raise ValueError(f"unknown estimator {name!r}; allowed: {', '.join(sorted(ESTIMATORS))}") from None
-
-
-def required_ids(name: str, batch: RolloutBatch, cache: TeacherScoreCache | None) -> dict[str, Array]:
-    """The id sets the learner must score for estimator ``name``, by StudentLogProbs field.
-
-    Always includes ``"token"`` (the sampled tokens, ``[B, T]``); the others are
-    ``[B, T, n]``. Raises a ValueError naming the missing cache or batch field and the
-    setting that makes it.
-    """
-    spec = get_estimator(name)
-    ids: dict[str, Array] = {"token": batch.response_tokens}
-    for field in spec.needs:
-        source = ID_SOURCES[field]
-        value = source.ids.read_from(batch, cache)
-        if value is None or source.scores.read_from(cache) is None:
-            raise ValueError(
-                f"estimator {name!r} needs {source.ids} and {source.scores}; the rollout "
-                f"or teacher-scoring stage was not configured to produce them ({source.setting} >= 1)"
-            )
-        ids[field] = value
-    return ids
-
-
-def student_logprobs(
-    ids: Mapping[str, Array], gather: Callable[[Array], Array | tuple[Array, Array]]
-) -> StudentLogProbs:
-    """Score every id set with one call of ``gather`` (``[B, T, K] ids → [B, T, K] log-probs``,
-    or ``→ (log-probs, [B, T] entropy)``: then the entropy is kept too).
-
-    The id sets of :func:`required_ids` are concatenated along the last axis so that
-    one fused pass (e.g. :func:`asyncopd_jax.estimators.gather_logprobs_and_entropy_from_hidden`)
-    serves them all, then split back into a :class:`StudentLogProbs`.
-    """
-    names = list(ids)
-    parts = [ids[n][..., None] if n == "token" else ids[n] for n in names]
-    sizes = [p.shape[-1] for p in parts]
-    logp = gather(jnp.concatenate([p.astype(jnp.int32) for p in parts], axis=-1))
-    entropy = None
-    if isinstance(logp, tuple):
-        logp, entropy = logp
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    fields = {n: logp[..., o : o + s] for n, o, s in zip(names, offsets, sizes)}
-    fields["token"] = fields["token"][..., 0]
-    return StudentLogProbs(**fields, entropy=entropy)
-
-
-# The log-prob fields checked with ``check_inputs``, by owner; (field, over distinct ids: its mass is ≤ 1).
-_LOGPROB_FIELDS: dict[type, tuple[tuple[str, bool], ...]] = {
-    RolloutBatch: (("behavior_logp", False), ("candidate_behavior_logp", False), ("reference_logp", False)),
-    TeacherScoreCache: (
-        ("token_logp", False),
-        ("candidate_logp", False),
-        ("student_topk_logp", True),
-        ("topk_logp", True),
-        ("sample_logp", False),
-    ),
-    StudentLogProbs: (
-        ("token", False),
-        ("candidates", False),
-        ("student_topk", True),
-        ("teacher_topk", True),
-        ("teacher_samples", False),
-    ),
-}
-
-
-def _check_logprobs(name: str, inputs: Mapping[str, object], valid: Array) -> None:
-    """Value checks (:mod:`asyncopd_jax.estimators.checks`) that every log-prob field of the
-    estimator's inputs (label → a RolloutBatch, TeacherScoreCache or StudentLogProbs, or
-    None) holds log-probs, on the valid positions ``valid`` ``[B, T]`` (bool)."""
-    for label, obj in inputs.items():
-        if obj is None:
-            continue
-        fields = _LOGPROB_FIELDS[type(obj)]
-        est.checks.check_logprobs(
-            name,
-            {f"{label}.{f}": getattr(obj, f) for f, _ in fields},
-            supports=tuple(f"{label}.{f}" for f, support in fields if support),
-            mask=valid,
-        )
-
-
-def _finite_padding(tree: _T, valid: Array) -> _T:
-    """Every float field ``[B, T, ...]`` of ``tree`` (a RolloutBatch, TeacherScoreCache or
-    StudentLogProbs, or None) with its non-finite values at the padded positions (``valid``
-    ``[B, T]`` False) replaced by 0, before any arithmetic: a NaN a cache holds there then
-    reaches neither the values nor the gradients (``0 · ∂f(NaN)`` would be NaN). Finite
-    values are kept, padded or not, so the per-token values are those of the pure
-    functions, padding included."""
-
-    def fix(x):
-        if not jnp.issubdtype(x.dtype, jnp.floating) or tuple(x.shape[: valid.ndim]) != tuple(valid.shape):
-            return x
-        keep = valid.reshape(valid.shape + (1,) * (x.ndim - valid.ndim)) | jnp.isfinite(x)
-        return jnp.where(keep, x, jnp.zeros((), x.dtype))
-
-    return jax.tree_util.tree_map(fix, tree)
-
-
-def _require_inputs(
-    config: EstimatorConfig,
-    batch: RolloutBatch,
-    cache: TeacherScoreCache | None,
-    student: StudentLogProbs,
-    proximal: StudentLogProbs | None,
-    distill_coef: float,
-) -> None:
-    """A ValueError naming the first input the spec or the config needs and was not given."""
-    spec, name = config.spec, config.name
-    ids = required_ids(name, batch, cache)  # names a missing cache or batch field
-    missing = [f for f in spec.needs if getattr(student, f) is None]
-    if missing:
-        raise ValueError(f"estimator {name!r} needs StudentLogProbs.{', '.join(missing)}")
-    for field in spec.needs:
-        if getattr(student, field).shape != ids[field].shape:
-            raise ValueError(
-                f"StudentLogProbs.{field} has shape {list(getattr(student, field).shape)}, "
-                f"but its ids have shape {list(ids[field].shape)}"
-            )
-    if spec.needs_proximal and proximal is None:
-        raise ValueError(f"estimator {name!r} needs proximal log-probs (a no-grad forward before the update)")
-    rl = batch.advantages is not None
-    if cache is None and spec.needs_teacher_scores(rl=rl, distill_coef=distill_coef):
-        why = f"distill_coef = {distill_coef}" if rl else f"estimator {name!r}"
-        raise ValueError(f"{why} needs the teacher's scores (a TeacherScoreCache)")
-    regularisers = config.regularisers
-    if config.needs_reference_logp and batch.reference_logp is None:
-        raise ValueError(
-            f"reference_kl_coef = {regularisers.reference_kl_coef} needs RolloutBatch.reference_logp "
-            "(the scoring stage scores the reference policy)"
-        )
-    if regularisers.entropy_coef and student.entropy is None:
-        raise ValueError(
-            f"entropy_coef = {regularisers.entropy_coef} needs StudentLogProbs.entropy "
-            "(gather_logprobs_and_entropy_from_hidden)"
-        )
-
-
-def evaluate_estimator(
-    config: EstimatorConfig,
-    batch: RolloutBatch,
-    cache: TeacherScoreCache | None,
-    student: StudentLogProbs,
-    *,
-    proximal: StudentLogProbs | None = None,
-    distill_coef: float = 0.0,
-) -> tuple[Array, Metrics]:
-    """Evaluate the configured estimator: per-token losses ``[B, T]`` and scalar metrics.
-
-    The losses include the optional regularisers of ``config`` (entropy bonus, KL to a
-    reference). Reduce them with ``aggregate(values, batch.response_mask, mode)``
-    (or the numerator/denominator forms across micro-batches). Non-finite inputs at
-    padded positions (``batch.response_mask`` 0) are replaced by 0 first, so that they
-    reach neither the loss nor its gradient; finite ones are left as they are. The metrics
-    (:class:`~asyncopd_jax.metrics.Metrics`) are token means over the response mask
-    (``means``): the loss, the 1-sample reverse-KL signal ``log π_θ − log q`` on the
-    sampled tokens, the importance ratio ``π_θ / μ`` of the sampled tokens
-    (``importance_ratio_mean``), ``zero_grad_fraction``, the share of tokens the estimator
-    gives no gradient at all (PPO-style clipped or M2PO-masked), the student's ``entropy``
-    where ``student.entropy`` is given, and ``reference_kl`` (k3) where the batch has
-    reference log-probs; and the largest importance ratio (``maxes``:
-    ``importance_ratio_max``).
-
-    Args:
-      config: the estimator (``config.name``, one of :data:`ESTIMATORS`) and its knobs.
-      batch, cache: the rollout and its teacher scores (``cache`` None: reward-driven RL
-        without distillation, for the advantage estimators only).
-      student: current student log-probs on the ids of :func:`required_ids`.
-      proximal: log-probs of the proximal policy (a spec with ``needs_proximal`` only).
-      distill_coef: reward-driven RL (``batch.advantages`` set) only: β, the weight of the
-        teacher's reverse-KL reward added to the reward advantage (``rl.distill_coef``;
-        0: pure RL, no teacher scores needed).
-
-    Returns:
-      ``(values [B, T] fp32, metrics: fp32 scalars by their reduction over parts)``.
-    """
-    spec = config.spec
-    _require_inputs(config, batch, cache, student, proximal, distill_coef)
-    valid = est.checks.as_mask(batch.response_mask)
-    if config.check_inputs:
-        _check_logprobs(config.name, {"batch": batch, "cache": cache, "student": student, "proximal": proximal}, valid)
-    batch, cache = _finite_padding(batch, valid), _finite_padding(cache, valid)
-    student, proximal = _finite_padding(student, valid), _finite_padding(proximal, valid)
-    spans = _SpanView.of(config, cache, valid)
-    token_student = student  # the per-token log-probs, for the regularisers (the student's own tokens)
-    scored, seen = spans.batch(batch), spans.cache(cache)
-    adv = None
-    if spec.needs_advantage:  # detached: computed once, outside the gradient below
-        adv = _advantage(
-            scored, seen, jax.lax.stop_gradient(spans.student(student).token), config.stabiliser_signal, distill_coef
-        )
-    proximal = None if proximal is None else spans.student(proximal, cache)
-    inputs = EstimatorInputs(scored, seen, student, proximal, adv)
-    # The estimator once, with its pull-back to the student's log-probs: ∂(Σ_valid values)/∂
-    # (student log-probs), elementwise and cheap, says which tokens the update moves at all
-    # (zero_grad_fraction) without evaluating the estimator a second time.
-    values, pullback = jax.vjp(
-        lambda s: spans.values(spec.fn(dataclasses.replace(inputs, student=spans.student(s, cache)), config)), student
-    )
-    mask = batch.response_mask
-    (grads,) = pullback(jnp.where(mask, 1.0, 0.0).astype(values.dtype))
-    moved = jnp.zeros(mask.shape, bool)
-    for g in jax.tree_util.tree_leaves(jax.lax.stop_gradient(grads)):
-        moved = moved | ((g != 0) if g.ndim == mask.ndim else jnp.any(g != 0, axis=-1))
-    regularisers = config.regularisers
-    if regularisers.entropy_coef:
-        values = values - regularisers.entropy_coef * _given(student.entropy)
-    if config.needs_reference_logp:
-        values = values + regularisers.reference_kl_coef * est.reference_kl(
-            token_student.token, _given(batch.reference_logp), regularisers.reference_kl
-        )
-    # the importance ratio of what was sampled: of each token, or of each span
-    signal = jax.lax.stop_gradient(spans.sums(student.token))
-    token_ratio = est.importance_ratio(signal, spans.sums(batch.behavior_logp))
-    actions = spans.actions(mask)
-    means = {
-        "loss": est.token_mean(jax.lax.stop_gradient(values), mask),
-        "importance_ratio_mean": est.token_mean(token_ratio, actions),
-        "zero_grad_fraction": est.token_mean((~moved).astype(jnp.float32), mask),
-    }
-    maxes = {"importance_ratio_max": jnp.max(jnp.where(actions, token_ratio, 0.0))}
-    if student.entropy is not None:
-        means["entropy"] = est.token_mean(jax.lax.stop_gradient(student.entropy), mask)
-    if batch.reference_logp is not None:
-        means["reference_kl"] = est.token_mean(
-            est.reference_kl(jax.lax.stop_gradient(student.token), batch.reference_logp, "k3"), mask
-        )
-    if cache is not None:  # reward-driven RL without distillation has no teacher scores
-        # per token, or per span over the answer's tokens: the sequence's signal per student token either way
-        means["reverse_kl_signal"] = est.token_mean(spans.values(signal - cache.token_logp, "sum"), mask)
-    return values, Metrics(means=means, maxes=maxes)
-
-
-@dataclasses.dataclass(frozen=True)
-class _SpanView:
-    """The estimator's inputs seen per span when the teacher's tokenizer differs from the
-    student's (``cache.span_end`` set: :mod:`asyncopd_jax.estimators.spans`), else as they are.
-
-    What an estimator reads is its spec's ``spans``: ``"sum"``, the sampled tokens' log-probs
-    (π_θ, μ, the proximal policy's) summed over each span onto its last token, where its
-    values then live; ``"start"``, the student's log-probs on the teacher's top-K mapped to
-    student ids, at the span starts where one maps (its values live there). Off those
-    positions every input is made finite *before* the estimator runs (the "double where" of
-    :mod:`asyncopd_jax.estimators.checks`), then its values there are set to 0."""
-
-    span_end: Array | None = None  # [B, T] bool, the answer's span ends (None: per token)
-    kind: Literal["sum", "start"] | None = None
-    where: Array | None = None  # [B, T] bool, where the estimator's values live
-
-    @classmethod
-    def of(cls, config: EstimatorConfig, cache: TeacherScoreCache | None, valid: Array) -> _SpanView:
-        if cache is None or cache.span_end is None:
-            return cls()
-        kind = config.spec.spans
-        if kind is None:
-            check_cross_tokenizer(config.name, "of this cache")
-        span_end = jnp.asarray(cache.span_end, bool) & valid
-        if kind == "start":
-            return cls(span_end, kind, est.spans.mapped_starts(_given(cache.topk_logp), span_end))
-        return cls(span_end, kind, span_end)
-
-    def sums(self, x: Array) -> Array:
-        """``x`` ``[B, T]`` summed over each span onto its end (per token: ``x``)."""
-        return x if self.span_end is None else est.spans.span_sums(x, self.span_end)
-
-    def batch(self, batch: RolloutBatch) -> RolloutBatch:
-        """``batch`` with μ's log-prob of each span (``"sum"``)."""
-        if self.kind != "sum":
-            return batch
-        return dataclasses.replace(batch, behavior_logp=self.sums(batch.behavior_logp))
-
-    def cache(self, cache: TeacherScoreCache | None) -> TeacherScoreCache | None:
-        """``cache`` with the mapped top-K finite off the span starts (``"start"``)."""
-        if cache is None or self.where is None or self.kind != "start":
-            return cache
-        return dataclasses.replace(cache, topk_logp=_off(_given(cache.topk_logp), self.where))
-
-    def student(self, logp: StudentLogProbs, cache: TeacherScoreCache | None = None) -> StudentLogProbs:
-        """A :class:`StudentLogProbs` as the estimator reads it (``cache``: the teacher's,
-        whose unmapped top-K entries the student's support leaves out)."""
-        if self.span_end is None or self.where is None:
-            return logp
-        if self.kind == "sum":
-            return dataclasses.replace(logp, token=self.sums(logp.token))
-        mapped = est.spans.mask_unmapped(_given(logp.teacher_topk), _given(_given(cache).topk_logp))
-        return dataclasses.replace(logp, teacher_topk=_off(mapped, self.where))
-
-    def values(self, values: Array, kind: Literal["sum", "start"] | None = None) -> Array:
-        """``values`` ``[B, T]`` kept where they live (0 elsewhere); ``kind="sum"``: at the span ends."""
-        where = self.span_end if kind == "sum" else self.where
-        return values if where is None else jnp.where(where, values, jnp.zeros((), values.dtype))
-
-    def actions(self, mask: Array) -> Array:
-        """``[B, T]`` the positions of one sampled action each: tokens, or span ends."""
-        return mask if self.span_end is None else self.span_end
-
-
-def _off(x: Array, where: Array) -> Array:
-    """``x`` ``[B, T, K]`` with 0 off ``where`` ``[B, T]`` (finite, and no gradient there)."""
-    return jnp.where(where[..., None], x, jnp.zeros((), x.dtype))

@@ -30,7 +30,7 @@ from asyncopd_jax.alignment import response_hidden
 from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.config import load_config
 from asyncopd_jax.models import Decoder
-from asyncopd_jax.pipeline.stage import load_model_and_tokenizer
+from asyncopd_jax.pipeline.model_loading import load_model_and_tokenizer
 from asyncopd_jax.sampling import ContinuousSampler, SamplingParams, prompt_keys
 from asyncopd_jax.tasks.builtin import TaskData
 

@@ -86,9 +86,9 @@ def channel_costs(repeats: int = 10) -> dict:
     import jax
     from flax import nnx
 
+    from asyncopd_jax.pipeline.model_loading import load_model_and_tokenizer
     from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore
     from asyncopd_jax.pipeline.spool import Spool, read_record
-    from asyncopd_jax.pipeline.stage import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer("builtin:student", "float32")
     _, params = nnx.split(model)

@@ -175,7 +175,7 @@ def long_tailed(args: argparse.Namespace) -> None:
     import transformers
 
     from asyncopd_jax.config import load_config
-    from asyncopd_jax.pipeline.stage import load_model_and_tokenizer, resolve_model_path
+    from asyncopd_jax.pipeline.model_loading import load_model_and_tokenizer, resolve_model_path
     from asyncopd_jax.tasks.builtin import TaskData
 
     stack = contextlib.ExitStack()

@@ -42,12 +42,12 @@ from flax import nnx
 
 from asyncopd_jax.config import load_config
 from asyncopd_jax.models import from_pretrained
-from asyncopd_jax.pipeline.stage import run_models
+from asyncopd_jax.pipeline.run_models import run_models
 from asyncopd_jax.pipeline.trainer import Trainer
 from asyncopd_jax.sampling import Sampler
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.teacher import Scorers, TeacherScorer, launch
-from asyncopd_jax.teacher.served import ServedTeacher, ServerParams
+from asyncopd_jax.teacher.client import ServedTeacher, ServerParams
 
 VLLM_PYTHON = "ASYNCOPD_VLLM_PYTHON"
 

@@ -38,8 +38,8 @@ from flax import nnx
 
 from asyncopd_jax.config import load_config
 from asyncopd_jax.models.decoder import Decoder
+from asyncopd_jax.pipeline.model_loading import load_model_and_tokenizer
 from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore, InMemorySnapshotStore
-from asyncopd_jax.pipeline.stage import load_model_and_tokenizer
 from asyncopd_jax.scale.plan import architecture
 from asyncopd_jax.scale.swaps import total_bytes
 

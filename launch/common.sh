@@ -79,7 +79,7 @@ give_back_claims() {
 }
 
 # The `asyncopd stage` options that give one stage process its devices; the process sets
-# the platform's variables itself before JAX starts (asyncopd_jax.pipeline.placement.device_env:
+# the platform's variables itself before JAX starts (asyncopd_jax.pipeline.host_env.device_env:
 # CUDA_VISIBLE_DEVICES; libtpu's TPU_VISIBLE_CHIPS family for 1, 2, 4 or 8 chips of a host).
 #   $1: cuda | tpu | cpu     $2: the devices (a CUDA device id or list, TPU chips such as
 #   "0-3" or "4,5", or nothing for cpu)

@@ -161,6 +161,7 @@ def test_resume_refuses_changes_that_alter_the_computation(capsys, tmp_path):
             {"TPU_VISIBLE_CHIPS": "0,1,2,3", "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,2,1", "TPU_PROCESS_PORT": "8480"},
         ),
         ("gpu", "4,5", {"CUDA_VISIBLE_DEVICES": "4,5"}),
+        ("cpu", "4,5", {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}),  # two of its own
     ],
 )
 def test_a_stage_started_by_hand_takes_its_devices_before_jax_starts(
@@ -170,13 +171,17 @@ def test_a_stage_started_by_hand_takes_its_devices_before_jax_starts(
     variables, set in this process before the stage imports JAX; one process, several chips."""
     import os
 
-    from asyncopd_jax.pipeline import stage_process
+    from asyncopd_jax.pipeline import stage_main
 
-    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(os, "environ", {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     seen = {}
-    monkeypatch.setattr(stage_process, "run_stage", lambda *args: seen.update(os.environ) or 0)
+    monkeypatch.setattr(stage_main, "run_stage", lambda *args: seen.update(os.environ) or 0)
     argv = ["stage", "rollout", "--exchange", str(tmp_path), "--index", "3", "--devices", devices]
     assert main([*argv, "--platform", platform]) == 0
+    assert {k: seen.get(k) for k in expected} == expected
+    monkeypatch.setattr(os, "environ", {**os.environ, "JAX_PLATFORMS": platform.replace("gpu", "cuda")})
+    seen.clear()
+    assert main(argv) == 0  # no --platform: this host's, here from JAX_PLATFORMS
     assert {k: seen.get(k) for k in expected} == expected
 
 

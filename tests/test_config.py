@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from asyncopd_jax.cli import DEMO_CONFIG
-from asyncopd_jax.config import ConfigError, load_config
-from asyncopd_jax.estimator_registry import ESTIMATORS, ID_SOURCES, RL_ESTIMATORS
-from asyncopd_jax.pipeline import placement
+from asyncopd_jax.config import ConfigError, check_learner_processes, load_config
+from asyncopd_jax.estimator_ids import ID_SOURCES
+from asyncopd_jax.estimator_registry import ESTIMATORS, RL_ESTIMATORS
 
 
 def test_demo_config_loads_and_overrides_apply():
     cfg = load_config(DEMO_CONFIG, ["learner.batch_size=32", "schedule.mode=sync", "estimator.mc.clip_eps=0.2"])
     assert cfg.learner.batch_size == 32 and cfg.schedule.mode == "sync" and cfg.estimator.mc.clip_eps == 0.2
-    assert cfg.schedule.eta(cfg.learner.mini_batches) == 0
+    assert cfg.eta == 0
 
 
 @pytest.mark.parametrize(
@@ -215,7 +215,7 @@ def test_each_id_source_reads_and_names_its_setting():
 
 def test_a_typed_reference_must_name_a_field():
     from asyncopd_jax.cache import RolloutBatch
-    from asyncopd_jax.estimator_registry import ArrayField, Setting
+    from asyncopd_jax.estimator_ids import ArrayField, Setting
 
     with pytest.raises(TypeError, match=r"^RolloutBatch has no field 'topk_ids'$"):
         ArrayField(RolloutBatch, lambda b: b.topk_ids)
@@ -411,9 +411,9 @@ def test_the_learner_process_count_is_checked_where_the_config_fixes_it():
     assert load_config(DEMO_CONFIG, [*one, "distributed.num_processes=2"]).distributed.learner_processes == 1
     cfg = load_config(DEMO_CONFIG, [*one, "distributed.initialize=true"])
     assert cfg.distributed.learner_processes is None
-    placement.check_learner_processes(cfg, 1)
+    check_learner_processes(cfg, 1)
     with pytest.raises(ConfigError, match=r"^stages.placement = 'threads' is invalid for a learner over 3 "):
-        placement.check_learner_processes(cfg, 3)
+        check_learner_processes(cfg, 3)
     assert load_config(DEMO_CONFIG, TWO_LEARNERS).distributed.learner_processes == 2
 
 

@@ -2,7 +2,7 @@
 
 When the two tokenizers cut an answer differently, the teacher cannot score the student's
 token t. Both can score a *span*: a stretch of the answer that both cut at its two ends
-(:mod:`asyncopd_jax.teacher.spans` finds the smallest ones). A span is written by the
+(:mod:`asyncopd_jax.teacher.span_alignment` finds the smallest ones). A span is written by the
 student as tokens ``y_a..y_b`` and read by the teacher as its own tokens ``z_c..z_d``; the
 two log-probs of the span given the text before it are chain-rule sums:
 

@@ -1,6 +1,6 @@
 """What text each token id stands for, in bytes: the common ground of two tokenizers.
 
-Cross-tokenizer distillation (:mod:`asyncopd_jax.teacher.spans`) compares a student and a
+Cross-tokenizer distillation (:mod:`asyncopd_jax.teacher.span_alignment`) compares a student and a
 teacher that cut the same text into different tokens. It needs, for every id of each
 vocabulary, the exact bytes the id adds to the text when it is decoded mid-sequence: a
 byte-level BPE token may hold half of a UTF-8 character, and a byte-fallback token
@@ -33,21 +33,25 @@ import numpy as np
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+def _visible(byte: int) -> bool:
+    """Whether a byte's Latin-1 character is visible: not a control, space, DEL, NBSP or
+    the soft hyphen."""
+    return 0x21 <= byte <= 0x7E or 0xA1 <= byte <= 0xAC or 0xAE <= byte <= 0xFF
+
+
 @functools.cache
 def printable_bytes() -> dict[str, int]:
-    """GPT-2's table from the printable character that stands for a byte to the byte.
+    """The byte-level BPE alphabet, read backwards: the character a token string writes
+    for each byte → that byte.
 
-    Bytes that print as themselves keep their character; the others (controls, space,
-    ...) are given the characters from U+0100 on, in byte order."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(kept)
-    extra = 0
-    for byte in range(256):
-        if byte not in kept:
-            kept.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(kept, chars)}
+    By the definition of byte-level BPE, every byte is written as one visible character:
+    a byte whose Latin-1 character is visible (:func:`_visible`: 188 of them) as itself, and
+    the other 68, taken in increasing order, as U+0100, U+0101, … (so the space, 0x20, is
+    ``Ġ``, U+0120, and the newline, 0x0A, is ``Ċ``, U+010A)."""
+    hidden = [byte for byte in range(256) if not _visible(byte)]
+    table = {chr(byte): byte for byte in range(256) if _visible(byte)}
+    table.update({chr(0x100 + n): byte for n, byte in enumerate(hidden)})
+    return table
 
 
 def _decoder_steps(decoder: dict[str, Any] | None) -> list[dict[str, Any]]:

@@ -2,7 +2,7 @@
 
     <run>/exchange/
       config.yaml    the config every stage runs with
-      layout.json    the typed :class:`~asyncopd_jax.pipeline.placement.Layout`
+      layout.json    the typed :class:`~asyncopd_jax.pipeline.layout.Layout`
       tickets/       groups to sample (from the learner)            ┐
       sampled/       sampled groups to score (with scoring processes) ├ spools (pipeline/spool.py)
       scored/        scored groups (to the learner)                 ┘
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from asyncopd_jax.atomic_files import write_text_atomically
 from asyncopd_jax.config import RunConfig, load_config, save_config
-from asyncopd_jax.pipeline.placement import Layout
+from asyncopd_jax.pipeline.layout import Layout
 from asyncopd_jax.pipeline.spool import Spool
 
 

@@ -1,7 +1,7 @@
 """The learner stage: the student's train state on the learner's mesh and the steps that
 train it on rollout batches.
 
-Built from the config and the layout like every other stage (:mod:`asyncopd_jax.pipeline.stage`):
+Built from the config and the layout like every other stage (:mod:`asyncopd_jax.pipeline.compose`):
 the student's weights are read from disk straight into their shardings on the learner's
 devices (never whole on one device first), and the optimizer state is created there by a
 jitted ``init`` whose outputs are sharded the same way.
@@ -32,8 +32,10 @@ from asyncopd_jax.learner import (
 )
 from asyncopd_jax.learner.optimizer import learning_rate_schedule
 from asyncopd_jax.learner.sharding import put
-from asyncopd_jax.pipeline.placement import Layout
-from asyncopd_jax.pipeline.stage import RunModels, load_model, stage_devices
+from asyncopd_jax.pipeline.devices import stage_devices
+from asyncopd_jax.pipeline.layout import Layout
+from asyncopd_jax.pipeline.model_loading import load_model
+from asyncopd_jax.pipeline.run_models import RunModels
 from asyncopd_jax.pipeline.staleness import RolloutGroup
 
 
@@ -51,9 +53,7 @@ class LearnerStage:
     def __init__(self, cfg: RunConfig, layout: Layout, models: RunModels, multi_process: bool):
         learner = cfg.learner
         self.cfg, self.multi_process = cfg, multi_process
-        # A learner over several processes is one global mesh over every process's devices.
-        devices = jax.devices() if multi_process else stage_devices(layout, layout.learner, jax.local_devices())
-        self.mesh = make_mesh(learner.mesh, devices)
+        self.mesh = make_mesh(learner.mesh, stage_devices(layout, layout.learner, multi_process))
         self.optimizer = make_optimizer(cfg.optim, cfg.train.steps)
         self.lr = learning_rate_schedule(cfg.optim, cfg.train.steps)
         student = load_model(cfg.student, models.vocab_limit, self.mesh)

@@ -16,15 +16,19 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from asyncopd_jax.config import RunConfig
 from asyncopd_jax.learner import distributed, state_shardings
 from asyncopd_jax.learner.extrapolation import Extrapolator
 from asyncopd_jax.learner.update_geometry import update_geometry
+from asyncopd_jax.models.partitioning import parameter_shardings
 from asyncopd_jax.pipeline.diagnostics import ProbeDiagnostics
 from asyncopd_jax.pipeline.learner_stage import LearnerStage
+from asyncopd_jax.pipeline.model_loading import load_model
+from asyncopd_jax.pipeline.run_models import RunModels
+from asyncopd_jax.pipeline.scoring_stage import ScoringStage
 from asyncopd_jax.pipeline.snapshots import SnapshotStore
-from asyncopd_jax.pipeline.stage import RunModels
 from asyncopd_jax.pipeline.trace import Tracer
 
 
@@ -137,3 +141,19 @@ class Probes:
         initial, previous = self.geometry_params
         self.geometry_params = [initial, current]
         return {"update_geometry": update_geometry(initial, previous, current)}
+
+
+def teacher_accuracies(cfg: RunConfig, models: RunModels, scoring: ScoringStage) -> dict[str, float]:
+    """Each in-process teacher's held-out accuracy, by name, each through its own tokenizer."""
+    return {name: models.teacher_task(cfg, name).accuracy(*nnx.split(m)) for name, m in scoring.models.items()}
+
+
+def teacher_on(mesh: Mesh, cfg: RunConfig, models: RunModels, scoring: ScoringStage | None) -> nnx.Module:
+    """The teacher on ``mesh`` (a probe's, beside the learner): the scoring stage's, copied
+    device to device when it shares this process, else read from disk."""
+    if scoring is not None and scoring.teacher is not None:
+        graphdef, weights = nnx.split(scoring.teacher)
+        return nnx.merge(graphdef, jax.device_put(weights, parameter_shardings(weights, mesh)))
+    source = cfg.in_process_teacher
+    assert source is not None, "a probe's teacher runs in-process (checked with the config)"
+    return load_model(source, models.vocab_limit, mesh)

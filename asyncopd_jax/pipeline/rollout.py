@@ -1,8 +1,8 @@
 """The rollout loop: one rollout stage's sampling engine kept running across groups.
 
 Every rollout stage of every placement runs this one loop: a rollout thread of the
-learner's process (:class:`~asyncopd_jax.pipeline.threads.RolloutPool`) and a rollout
-stage process (:mod:`asyncopd_jax.pipeline.stage_process`), with either engine (the
+learner's process (:class:`~asyncopd_jax.pipeline.placements.threads.RolloutPool`) and a rollout
+stage process (:mod:`asyncopd_jax.pipeline.stage_main`), with either engine (the
 static one decodes a group at a time, the continuous one keeps its slots full across
 groups; both behind :class:`~asyncopd_jax.sampling.RolloutStream`). Two callables make
 the difference between placements:

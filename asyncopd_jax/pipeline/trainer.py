@@ -4,9 +4,9 @@
         ▲                                                                          │
         └──────────── the newest policy between decode chunks ◀───────────────────┘
 
-The :class:`~asyncopd_jax.pipeline.placement.Layout` says where each stage runs; the run's
-composition root (:func:`~asyncopd_jax.pipeline.process.build_process`) makes the
-learner's process's stages there, and :func:`~asyncopd_jax.pipeline.process.start_stages`
+The :class:`~asyncopd_jax.pipeline.layout.Layout` says where each stage runs; the run's
+composition root (:func:`~asyncopd_jax.pipeline.compose.build_process`) makes the
+learner's process's stages there, and :func:`~asyncopd_jax.pipeline.compose.start_stages`
 starts the others. One :class:`Trainer` runs
 optimizer steps until ``train.steps`` and writes ``runs/<name>/``. The schedules differ
 only in the staleness bound η the buffer enforces (``sync``: 0; ``n_step_off``: n
@@ -14,7 +14,7 @@ batches; ``fully_async``: ``schedule.max_staleness``), except ``fixed_lag``, whi
 samples each batch on demand from the policy exactly k steps back.
 
 A learner over several processes or hosts runs one Trainer per process (see
-:mod:`asyncopd_jax.pipeline.multihost`); checkpoints and policy snapshots (Orbax) are
+:mod:`asyncopd_jax.pipeline.placements.multihost`); checkpoints and policy snapshots (Orbax) are
 written by all of them together.
 """
 
@@ -35,17 +35,16 @@ from asyncopd_jax.config import RunConfig
 from asyncopd_jax.learner import TrainState, distributed
 from asyncopd_jax.learner.faults import nonfinite_step_error, step_is_finite
 from asyncopd_jax.models import save_pretrained
+from asyncopd_jax.pipeline.compose import build_process, start_stages
 from asyncopd_jax.pipeline.exchange import Exchange
 from asyncopd_jax.pipeline.heap import HeapTrimmer
+from asyncopd_jax.pipeline.layout import LEARNER_PROCESS, Layout, plan_layout
 from asyncopd_jax.pipeline.learner_stage import LearnerStage, batch_stats
-from asyncopd_jax.pipeline.placement import LEARNER_PROCESS, Layout, plan_layout
-from asyncopd_jax.pipeline.probes import Probes
-from asyncopd_jax.pipeline.process import build_process, start_stages
+from asyncopd_jax.pipeline.placements import Stages
+from asyncopd_jax.pipeline.probes import Probes, teacher_accuracies, teacher_on
 from asyncopd_jax.pipeline.progress import ProgressBar, Throughput
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.snapshots import SnapshotStore
-from asyncopd_jax.pipeline.stage import teacher_accuracies, teacher_on
-from asyncopd_jax.pipeline.stages import Stages
 from asyncopd_jax.pipeline.staleness import RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 
@@ -68,7 +67,7 @@ class Trainer:
             available_cores=sorted(os.sched_getaffinity(0)),
         )
         self.tracer = Tracer(origin=self.layout.trace_origin)
-        self.eta = cfg.schedule.eta(cfg.learner.mini_batches)
+        self.eta = cfg.eta
         self.process = build_process(
             cfg, self.layout, LEARNER_PROCESS, tracer=self.tracer, leader=self.leader, multi_process=self.multi_process
         )
@@ -130,7 +129,7 @@ class Trainer:
         them (none: served teachers only, or reward-driven RL without distillation)."""
         if self.scoring is not None:
             return teacher_accuracies(self.cfg, self.models, self.scoring)
-        in_process = any(source.path for source in self.cfg.teacher_sources)
+        in_process = any(not teacher.served for teacher in self.models.teachers)
         if not (self.leader and self.layout.stage_processes() and self.cfg.needs_teacher_scores and in_process):
             return {}
         exchange = Exchange(self.run_dir.path / "exchange")
@@ -140,7 +139,7 @@ class Trainer:
         """``teacher_accuracy`` of the run's only teacher, or ``teacher_accuracy/NAME`` of
         each of several (the in-process ones: a server's model cannot be evaluated here)."""
         accuracies = self._teacher_accuracies()
-        if len(self.cfg.teacher_sources) == 1:
+        if len(self.models.teachers) == 1:
             return {"teacher_accuracy": next(iter(accuracies.values()))} if accuracies else {}
         return {f"teacher_accuracy/{name}": value for name, value in accuracies.items()}
 

@@ -11,7 +11,8 @@ Layout::
     records.py       Records: what a row records per answer token; the RolloutBatch it becomes
     decode.py        sample_token: one decode step's draw, records and stop test (both engines);
                      per-prompt keys
-    engine.py        Engine (generate, lower) and the RolloutStream protocol; EngineStats
+    engine.py        Engine (generate, lower; its cost, for asyncopd plan) and the RolloutStream
+                     protocol; EngineStats
     static.py        Sampler: a batch in lockstep over a dense KV cache; StaticStream
     paged.py         PagedPrograms: the continuous engine's compiled programs over a paged cache,
                      which admit, page, preempt and decode on the device

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from asyncopd_jax.sampling.engine import Calls, Engine, ProgramShapes
+from asyncopd_jax.sampling.engine import BatchFigures, Calls, Engine, ProgramShapes
 from asyncopd_jax.sampling.paged import PagedPrograms, slots_axes
 from asyncopd_jax.sampling.stream import ContinuousStream
 
@@ -75,3 +75,20 @@ class ContinuousSampler(PagedPrograms, Engine):
             "decode": (self.step, (abstract_state, carry, version), {}),
             "recompute": (self.recompute, (abstract_state, carry), {}),
         }
+
+    def decode_cache(self, abstract_state: Any, rows: int, prompt_slots: int) -> tuple[Any, int]:
+        """The pool of :meth:`pool_pages` pages: a step reads the pages its slots' contexts
+        hold, not every column of the table the compiled step spans."""
+        _, (_, carry, _), _ = self.abstract_calls(abstract_state, rows, prompt_slots)["decode"]
+        return carry.slots.cache.pages, self.pool_pages(self.decode_rows(rows), prompt_slots) * self.params.page_size
+
+    def batch_seconds(self, batch: BatchFigures) -> tuple[float, float, float]:
+        """The stream outlives a batch, its ``rows`` slots refilled as answers end: a
+        sampler's prompts cost their share of prefills of a whole set of slots and R̄ / S
+        steps each, every slot busy (no tail) over the mean context a busy slot holds,
+        c̄ = P + R̄ / 2; a swap rewrites the live slots' c̄ of the compiled worst case's P + T."""
+        share = batch.prompts / batch.samplers
+        context = batch.prompt_slots + batch.mean_answer / 2
+        steps = share * batch.mean_answer / batch.rows
+        prefill = batch.prefill * share / batch.rows
+        return prefill, steps * batch.step(context), context / (batch.prompt_slots + self.params.max_new_tokens)

@@ -50,6 +50,23 @@ Calls = dict[str, tuple[Any, tuple, dict[str, Any]]]
 ProgramShapes = dict[str, tuple[tuple[int, ...], ...]]
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchFigures:
+    """What ``asyncopd plan`` knows of one sampler's share of a rollout batch, for its engine
+    to price (:meth:`Engine.batch_seconds`; asyncopd_jax/scale/balance.py)."""
+
+    prompts: int  # the batch's prompts, all samplers together
+    samplers: int  # the rollout stages sharing them
+    rows: int  # the rows of one prefill / decode call (:meth:`Engine.decode_rows`)
+    prompt_slots: int
+    mean_answer: float  # answer tokens expected
+    prefill: float  # roofline seconds of one compiled prefill call
+    decode: float  # roofline seconds of one compiled decode step, over the whole cache
+    # roofline seconds of one step of ``rows`` busy rows attending over a context of that
+    # many tokens each, from the bytes it reads (:meth:`Engine.decode_cache`)
+    step: Callable[[float], float]
+
+
 @dataclasses.dataclass
 class EngineStats:
     """What a stream did (an engine's last ``generate``: ``last_stats``)."""
@@ -249,6 +266,22 @@ class Engine(Programs, abc.ABC):
     def abstract_calls(self, abstract_state: Any, rows: int, prompt_slots: int) -> Calls:
         """:meth:`lower`'s programs: by name, the jitted function, its abstract arguments and
         its static keyword arguments."""
+
+    # --- what it costs (``asyncopd plan``'s balance: asyncopd_jax/scale/balance.py) ------
+
+    @abc.abstractmethod
+    def decode_cache(self, abstract_state: Any, rows: int, prompt_slots: int) -> tuple[Any, int] | None:
+        """Where a decode step's cost follows the context its rows hold: the KV cache
+        :meth:`abstract_calls` places for groups of ``rows`` prompts of up to
+        ``prompt_slots`` tokens (shapes) and the tokens it holds, whose bytes per token
+        :attr:`BatchFigures.step` reads. None where every step reads the whole cache, as
+        the compiled step does."""
+
+    @abc.abstractmethod
+    def batch_seconds(self, batch: BatchFigures) -> tuple[float, float, float]:
+        """One sampler's share of a rollout batch (answers of at most ``params.max_new_tokens``)
+        as this engine runs it: ``(prefill seconds, decode seconds, the share of a compiled
+        recompute a weight swap costs)``."""
 
     # --- shared --------------------------------------------------------------------------
 

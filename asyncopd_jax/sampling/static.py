@@ -44,7 +44,7 @@ from asyncopd_jax.models.decoder import Decoder, KVCache
 from asyncopd_jax.models.partitioning import Logical, constrain, mesh_context
 from asyncopd_jax.sampling.decode import sample_token
 from asyncopd_jax.sampling.distribution import SamplingParams
-from asyncopd_jax.sampling.engine import Calls, Engine, EngineStats, ProgramShapes
+from asyncopd_jax.sampling.engine import BatchFigures, Calls, Engine, EngineStats, ProgramShapes
 from asyncopd_jax.sampling.records import Records, left_pad, rollout_batch
 
 Array = jax.Array
@@ -278,6 +278,17 @@ class Sampler(Engine):
             "decode": (self.decode, (abstract_state, carry, scalar, scalar), {}),
             "recompute": (self.recompute, (abstract_state, carry), {}),
         }
+
+    def decode_cache(self, abstract_state: Any, rows: int, prompt_slots: int) -> None:
+        """None: a step of a batch in lockstep reads its whole dense cache, as compiled."""
+        return None
+
+    def batch_seconds(self, batch: BatchFigures) -> tuple[float, float, float]:
+        """Waves of ``rows`` prompts in lockstep, ⌈prompts / (rows · samplers)⌉ per sampler,
+        each a prefill and T compiled decode steps (its longest answer's, at the limit); a
+        swap rewrites the whole cache."""
+        waves = -(-batch.prompts // (batch.rows * batch.samplers))
+        return waves * batch.prefill, waves * self.params.max_new_tokens * batch.decode, 1.0
 
 
 @dataclasses.dataclass

@@ -6,7 +6,8 @@ samplers of S slots (static: groups of G rows), m teachers, answers of R̄ token
 out of T, prompts of P slots:
 
     learning = M · step + publish
-    rollout  = per sampler, its B / k prompts:
+    rollout  = per sampler, its B / k prompts as its engine runs them
+               (:meth:`~asyncopd_jax.sampling.Engine.batch_seconds`):
                static      ⌈B / (G · k)⌉ · (prefill + T · decode)
                continuous  B / k · (prefill / S + R̄ / S · step(S, c̄))
                + load + recompute                       (the version's swap)
@@ -15,7 +16,8 @@ out of T, prompts of P slots:
 ``step(S, c̄)`` is a decode step of S busy slots, each attending over the mean context a
 busy slot holds, ``c̄ = P + R̄ / 2``, at the roofline: ``max(FLOPs / peak, (weights + S · c̄ ·
 KV bytes per token) / HBM bandwidth)``, the weights and the KV cache per chip as the
-sampler's mesh places them (:class:`DecodeBytes`). The continuous engine's stream outlives
+sampler's mesh places them (:class:`DecodeBytes`, of the cache the engine names:
+:meth:`~asyncopd_jax.sampling.Engine.decode_cache`). The continuous engine's stream outlives
 a batch, so its slots stay busy across batches and no tail is counted (measured on CPU:
 0.96 of the slot-steps sampled, ``docs/results.md``). Its recompute after a swap rewrites
 the live slots' ``S · c̄`` tokens: the compiled worst case (``S · (P + T)``) scaled by
@@ -29,6 +31,7 @@ import dataclasses
 from typing import Any
 
 from asyncopd_jax.config import RunConfig
+from asyncopd_jax.sampling.engine import BatchFigures, Engine
 from asyncopd_jax.scale.chips import Chip
 from asyncopd_jax.scale.flops import transformer_flops
 from asyncopd_jax.scale.swaps import SwapFigures
@@ -58,11 +61,6 @@ class Answers:
                 f"--mean-response-tokens {self.mean:g} is invalid; expected 0 < it <= the response tokens {self.limit}"
             )
 
-    @property
-    def context(self) -> float:
-        """c̄ = P + R̄ / 2: the mean context a busy slot attends over."""
-        return self.prompt + self.mean / 2
-
 
 def decode_step_seconds(config: Any, slots: int, chips: int, context: float, held: DecodeBytes, chip: Chip) -> float:
     """One decode step of ``slots`` busy slots, each over ``context`` tokens, on a sampler of
@@ -89,6 +87,7 @@ class RolloutCost:
 
 def rollout_seconds(
     cfg: RunConfig,
+    engine: Engine,
     config: Any,
     answers: Answers,
     *,
@@ -102,30 +101,28 @@ def rollout_seconds(
     swap: SwapFigures | None,
     chip: Chip,
 ) -> RolloutCost:
-    """One sampler's time per batch (module docstring).
+    """One sampler's time per batch (module docstring): its prompts as ``engine`` runs them
+    (:meth:`~asyncopd_jax.sampling.Engine.batch_seconds`), then the version's swap.
 
     Args:
+      engine: the rollout stage's, at the answers' limit (T).
       samplers: k, the rollout stages.
       rows: the rows of one prefill / decode call: the group (static) or the slots S.
       chips: the sampler's chips.
       prefill, decode, recompute: the compiled calls' roofline seconds (decode: one step of
-        the static engine's ``rows``; unused by the continuous engine, which takes ``held``).
-      held: the continuous engine's weights and KV bytes per chip.
+        ``rows`` rows over the whole cache).
+      held: the weights and KV bytes per chip a modelled decode step reads (None: the
+        engine models none, :meth:`~asyncopd_jax.sampling.Engine.decode_cache`).
       swap: the version's cost (None: not counted).
     """
-    batch = cfg.learner.batch_size
-    recompute_share = 1.0
-    if cfg.sampling.engine == "continuous":
+
+    def step(context: float) -> float:
         if held is None:
-            raise ValueError("the continuous engine's balance needs its decode bytes")
-        prompts = batch / samplers
-        steps = prompts * answers.mean / rows
-        before = prefill * prompts / rows
-        during = steps * decode_step_seconds(config, rows, chips, answers.context, held, chip)
-        recompute_share = answers.context / (answers.prompt + answers.limit)
-    else:
-        waves = -(-batch // (rows * samplers))
-        before, during = waves * prefill, waves * answers.limit * decode
+            raise ValueError(f"{type(engine).__name__}'s balance models its decode steps: it needs their bytes")
+        return decode_step_seconds(config, rows, chips, context, held, chip)
+
+    batch = BatchFigures(cfg.learner.batch_size, samplers, rows, answers.prompt, answers.mean, prefill, decode, step)
+    before, during, recompute_share = engine.batch_seconds(batch)
     swaps = 0.0
     if swap is not None:
         swaps = swap.load_seconds

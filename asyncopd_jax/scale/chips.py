@@ -69,6 +69,11 @@ class Topology:
     def proxy(self) -> bool:
         return not self.compiler.startswith("XLA:TPU")
 
+    @property
+    def platform(self) -> str:
+        """What a run on these chips would detect: ``tpu``, or ``gpu`` for the GPU proxies."""
+        return "gpu" if self.proxy else "tpu"
+
 
 # The chip grids libtpu names slices by: 2-D for v5e / v6e, 3-D for v5p.
 _GRIDS_2D = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}

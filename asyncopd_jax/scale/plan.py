@@ -8,7 +8,8 @@ analysis (per chip: FLOPs, bytes accessed). From those a stage's roofline time p
 ``max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)``: a lower bound, reached by no real
 program, that ranks the stages and says how many chips each needs.
 
-Shapes: B rows per call, P prompt slots, T response slots, S = P + T, V vocabulary.
+Shapes: B rows per call, P prompt slots, T response slots, S = P + T, V vocabulary. The
+plan as printed: :mod:`asyncopd_jax.scale.report`.
 """
 
 from __future__ import annotations
@@ -39,11 +40,9 @@ from asyncopd_jax.models.config import DecoderConfig, read_hf_config
 from asyncopd_jax.models.decoder import Remat, abstract_decoder, cast_floating
 from asyncopd_jax.models.moe import exchange_bytes, expert_layout
 from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
-from asyncopd_jax.pipeline.placement import Layout, Role, device_ids, plan_layout
-from asyncopd_jax.pipeline.stage import stage_mesh, with_shardings
-from asyncopd_jax.sampling import SamplingParams, make_sampler
-from asyncopd_jax.sampling.engine import ProgramShapes
-from asyncopd_jax.sampling.paged import PagedPrograms
+from asyncopd_jax.pipeline.devices import stage_mesh, with_shardings
+from asyncopd_jax.pipeline.layout import Layout, Role, device_ids, plan_layout
+from asyncopd_jax.sampling import Engine, SamplingParams, make_sampler
 from asyncopd_jax.scale.balance import Answers, DecodeBytes, RolloutCost, rollout_seconds
 from asyncopd_jax.scale.chips import GIB, Chip, Topology
 from asyncopd_jax.scale.flops import matmul_flops, transformer_flops
@@ -346,11 +345,13 @@ def rollout_sampling(cfg: RunConfig, shapes: Shapes) -> SamplingParams:
     return dataclasses.replace(cfg.sampling, max_new_tokens=shapes.response_tokens)
 
 
-def sampler_programs(cfg: RunConfig, config: DecoderConfig, shapes: Shapes, rows: int) -> ProgramShapes:
-    """Every shape the rollout engine's programs may compile at for groups of ``rows``
-    prompts (:meth:`~asyncopd_jax.sampling.Engine.program_shapes`)."""
-    graphdef, _ = abstract_decoder(config, cfg.student.dtype)
-    return make_sampler(graphdef, rollout_sampling(cfg, shapes)).program_shapes(rows, shapes.prompt_tokens)
+def rollout_engine(
+    cfg: RunConfig, config: DecoderConfig, shapes: Shapes, mesh: Mesh | None = None, vocab_limit: int | None = None
+) -> Engine:
+    """The rollout stage's engine at the planned answer length, on ``mesh`` (None: the
+    default device), for what it says of itself: its programs' shapes, its cost."""
+    graphdef, _ = abstract_decoder(config, cfg.student.dtype, vocab_limit)
+    return make_sampler(graphdef, rollout_sampling(cfg, shapes), mesh=mesh)
 
 
 def sampler_work(config: DecoderConfig, rows: int, shapes: Shapes) -> dict[str, int]:
@@ -408,20 +409,17 @@ def sampler_weights(cfg: RunConfig, config: DecoderConfig, devices: list, vocab_
 
 def decode_bytes(
     cfg: RunConfig, config: DecoderConfig, devices: list, shapes: Shapes, vocab_limit: int | None = None
-) -> DecodeBytes:
-    """What one continuous decode step reads per chip of the rollout stage on ``devices``:
-    the weights in ``sampling.compute_dtype`` and the paged KV cache per token, as the
-    engine's own carry places them (shapes only: nothing compiled or allocated)."""
-    mesh = stage_mesh(devices, cfg.stages.rollout_mesh)
-    graphdef, _ = abstract_decoder(config, cfg.student.dtype, vocab_limit)
+) -> DecodeBytes | None:
+    """What one decode step reads per chip of the rollout stage on ``devices``, where the
+    engine models its steps from it (:meth:`~asyncopd_jax.sampling.Engine.decode_cache`;
+    None where it does not): the weights in ``sampling.compute_dtype`` and the KV cache per
+    token, as the engine's own carry places them (shapes only: nothing compiled or allocated)."""
+    engine = rollout_engine(cfg, config, shapes, stage_mesh(devices, cfg.stages.rollout_mesh), vocab_limit)
     weights = sampler_weights(cfg, config, devices, vocab_limit)
-    engine = make_sampler(graphdef, rollout_sampling(cfg, shapes), mesh=mesh)
-    if not isinstance(engine, PagedPrograms):
-        raise ValueError(f"decode_bytes is the continuous engine's figure; sampling.engine is {cfg.sampling.engine}")
-    slots = engine.decode_rows(cfg.group_size)
-    _, (_, carry, _), _ = engine.abstract_calls(weights, slots, shapes.prompt_tokens)["decode"]
-    pool = carry.slots.cache.pages
-    tokens = engine.pool_pages(slots, shapes.prompt_tokens) * cfg.sampling.page_size
+    cache = engine.decode_cache(weights, cfg.group_size, shapes.prompt_tokens)
+    if cache is None:
+        return None
+    pool, tokens = cache
     computed = jax.tree_util.tree_map(
         lambda x, c: jax.ShapeDtypeStruct(x.shape, c.dtype, sharding=x.sharding),
         weights,
@@ -517,15 +515,15 @@ def make_plan(
 
     def devices_of(role: Role) -> list:
         """The first ``role`` stage's chips (each of the role's stages holds as many)."""
-        return [topology.devices[i] for i in device_ids(layout, layout.of_role(role)[0], count)]
+        return [topology.devices[i] for i in device_ids(layout, layout.of_role(role)[0], count, topology.platform)]
 
     learner = compile_learner_step(cfg, student, devices_of("learner"), shapes, vocab_limit)
     rollouts = len(layout.of_role("rollout"))
     group = layout.group_size
     groups = cfg.learner.batch_size // group  # rollout groups per batch
     sampler = compile_sampler(cfg, student, devices_of("rollout"), shapes, group, vocab_limit)
-    continuous = cfg.sampling.engine == "continuous"
-    held = decode_bytes(cfg, student, devices_of("rollout"), shapes, vocab_limit) if continuous else None
+    engine = rollout_engine(cfg, student, shapes)  # what the engine says of its cost and programs
+    held = decode_bytes(cfg, student, devices_of("rollout"), shapes, vocab_limit)
     _, published = abstract_decoder(student, cfg.student.dtype, vocab_limit)
     swap = swap_figures(
         layout.snapshots,
@@ -539,6 +537,7 @@ def make_plan(
     prefill, decode, recompute = (f.roofline_seconds(chips) for f in sampler)
     rollout = rollout_seconds(
         cfg,
+        engine,
         dataclasses.replace(student, vocab_size=vocab_limit or student.vocab_size),
         answers,
         samplers=rollouts,
@@ -572,7 +571,7 @@ def make_plan(
             # a teacher scores its share of each group's rows: that share of a whole group's time
             seconds += float("nan") if scoring.error else shares[source.name] * scoring.roofline_seconds(chips)
         balance["scoring"] = -(-groups // scorers) * seconds
-    programs = sampler_programs(cfg, student, shapes, group)
+    programs = engine.program_shapes(group, shapes.prompt_tokens)
     notes = [
         f"the rollout engine ({cfg.sampling.engine}) compiles {sum(map(len, programs.values()))} programs at most "
         f"for these shapes: " + ", ".join(f"{name} {len(listed)}" for name, listed in programs.items())
@@ -586,76 +585,3 @@ def make_plan(
             f"largest scoring's temporaries = {peak / GIB:.2f} GiB per chip ({peak / chips.hbm_bytes:.0%} of HBM)"
         )
     return Plan(topology, shapes, stages, sources, balance, notes, answers, rollout, swap)
-
-
-def balance_header(plan: Plan) -> list[str]:
-    """What the balance lines assume (:mod:`asyncopd_jax.scale.balance`)."""
-    answers, lines = plan.answers, []
-    if answers is not None:
-        expected = "every answer to the limit" if answers.mean == answers.limit else f"{answers.mean:g} expected"
-        lines.append(f"answers: {expected} of {answers.limit} tokens, after {answers.prompt} prompt slots")
-    if plan.swap is not None:
-        lines.append(plan.swap.describe())
-    return [
-        *lines,
-        "per rollout batch, at the roofline (asyncopd_jax/scale/balance.py; the sampler: prefill +",
-        "decode + a weight swap's load and recompute): the slowest stage sets the pace, the others idle the rest",
-    ]
-
-
-def stage_detail(plan: Plan, name: str) -> str:
-    """The parts of a balance line's time: the rollout's prefill / decode / swap, the learner's publish."""
-    if name == "rollout" and plan.rollout is not None:
-        r = plan.rollout
-        return f"  (prefill {r.prefill:.2f} + decode {r.decode:.2f} + swap {r.swap:.2f})"
-    if name == "learning" and plan.swap is not None:
-        return f"  (publish {plan.swap.publish_seconds:.2f})"
-    return ""
-
-
-def format_plan(plan: Plan) -> str:
-    """The plan as a table, one row per stage, per chip; then the pipeline's balance."""
-    chip = plan.topology.chip
-    lines = [
-        f"topology {plan.topology.name}: {len(plan.topology.devices)} × {chip.name} "
-        f"({chip.hbm_bytes / GIB:.2f} GiB, {chip.peak_flops / 1e12:.0f} TFLOP/s, "
-        f"{chip.hbm_bytes_per_s / 1e9:.0f} GB/s), compiled by {plan.topology.compiler}",
-        f"shapes: {plan.shapes.prompt_tokens} prompt + {plan.shapes.response_tokens} response tokens"
-        + (f", {plan.shapes.layers} layers (reduced)" if plan.shapes.layers else ""),
-        *(f"{name}: {source}" for name, source in plan.sources.items()),
-        *plan.notes,
-        "",
-        "per chip and call; TFLOP: matmul FLOPs counted from the program (model: without",
-        "recomputation; run: as configured; /book: model over 2 (6 with a backward pass) ·",
-        "weights · tokens + attention; XLA: the compiler's own count, which takes a loop's body once)",
-        "",
-        f"{'stage':<16}{'chips':>6}{'rows':>6}{'args GiB':>10}{'temp GiB':>10}{'peak GiB':>10}{'of HBM':>8}"
-        f"{'model':>8}{'run':>8}{'/book':>7}{'XLA':>8}{'roofline s':>12}{'MFU':>6}",
-    ]
-    for s in plan.stages:
-        if s.error:
-            lines.append(f"{s.stage:<16}{s.devices:>6}{s.rows:>6}  does not compile: {s.error}")
-            continue
-        book = f"{s.model_flops / s.textbook_flops:.2f}" if s.textbook_flops else "-"
-        lines.append(
-            f"{s.stage:<16}{s.devices:>6}{s.rows:>6}{s.argument_bytes / GIB:>10.2f}{s.temp_bytes / GIB:>10.2f}"
-            f"{s.peak_bytes / GIB:>10.2f}{s.peak_bytes / chip.hbm_bytes:>8.0%}{s.model_flops / 1e12:>8.1f}"
-            f"{s.executed_flops / 1e12:>8.1f}{book:>7}{s.flops / 1e12:>8.1f}{s.roofline_seconds(chip):>12.3f}"
-            f"{s.mfu(chip):>6.0%}"
-        )
-    for s in plan.stages:
-        if s.interconnect_bytes and not s.error:
-            lines.append(
-                f"{s.stage}: the experts' all-to-alls send {s.interconnect_bytes / 1e9:.1f} GB per chip and call, "
-                f"{s.interconnect_bytes / chip.copy_bytes_per_s:.3f} s over its links (in its roofline)"
-            )
-    times = [t for t in plan.balance.values() if t == t]  # the stages that compile
-    if times:
-        slowest = max(times)
-        lines += ["", *balance_header(plan)]
-        for name, seconds in plan.balance.items():
-            if seconds != seconds:
-                lines.append(f"  {name:<10}  (does not compile)")
-            else:
-                lines.append(f"  {name:<10}{seconds:>9.2f} s  busy {seconds / slowest:>4.0%}{stage_detail(plan, name)}")
-    return "\n".join(lines)

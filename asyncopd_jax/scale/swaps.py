@@ -5,7 +5,7 @@ A run publishes one version per rollout batch (``pipeline/trainer.py``: after th
 M optimizer steps), and every rollout stage loads it between two engine calls
 (``pipeline/rollout.py``) and then, where generation is interruptible, rewrites its live
 sequences' KV cache under the new weights (the sampler's ``recompute``, which the plan
-compiles with the sampler). The run's snapshot channel (``pipeline/placement.py:
+compiles with the sampler). The run's snapshot channel (``pipeline/layout.py:
 snapshot_channel``) decides the route:
 
 * **in memory** (``threads`` placement): ``jax.device_put`` of the learner's parameters
@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from asyncopd_jax.pipeline.placement import SnapshotChannel
+from asyncopd_jax.pipeline.layout import SnapshotChannel
 from asyncopd_jax.scale.chips import Chip
 
 DEFAULT_STORAGE_BYTES_PER_S = 1e9  # --storage-gbps 1: a cloud VM's persistent disk or object store, roughly

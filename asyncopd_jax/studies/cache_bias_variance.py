@@ -195,7 +195,7 @@ def train_policies(work: Path, seed: int, settings: Settings, lags=LAGS) -> dict
 def policy_logits(policies: dict[str, Any], behaviour: str, prompts: int, seed: int):
     """Sample responses to ``prompts`` training prompts from policy ``behaviour``; return
     ``{name: [P, V] logits}`` of every policy at the P response positions (target-aligned)."""
-    from asyncopd_jax.pipeline.stage import load_model_and_tokenizer
+    from asyncopd_jax.pipeline.model_loading import load_model_and_tokenizer
     from asyncopd_jax.tasks.builtin import TaskData
 
     cfg = load_config(DEMO, [])

@@ -41,6 +41,8 @@ ARMS = {
     "extrapolation_kl_probe": ["learner.extrapolation.enabled=true", "learner.extrapolation.probe_metric=reverse_kl"],
 }
 EXTRAPOLATED = ("extrapolation", "extrapolation_kl_probe")
+# an extrapolated arm as the report names it: by its probe
+PROBE_NAME = {"extrapolation": "accuracy probe (EffOPD)", "extrapolation_kl_probe": "reverse-KL probe"}
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -168,12 +170,29 @@ def _nanmean(values) -> float:
 
 
 def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command: str) -> Path:
-    plt = pyplot()
-
     report = Report(
         out_dir, "extrapolation", "EffOPD: weight extrapolation against plain on-policy distillation", command
     )
-    report.text(
+    report.text(_method(s))
+    speedups = _speedup_table(report, results, seeds)
+    _jump_tables(report, results, seeds)
+    _accuracy_figure(report, results, seeds)
+    final = _geometry_section(report, results, seeds)
+    failed = [f"{arm} seed {seed}: {r['error']}" for (arm, seed), r in results.items() if r["error"]]
+    if failed:
+        report.text("Runs that stopped with an error: " + "; ".join(failed))
+    report.heading("Verdict")
+    report.text(_verdict({PROBE_NAME[arm]: v for arm, v in speedups.items()}, final))
+    report.config(
+        "Settings of every run (asyncopd_jax/configs/demo.yaml plus these overrides)",
+        {f"{arm}, seed={seed}": r["sets"] for (arm, seed), r in results.items()},
+    )
+    return report.write()
+
+
+def _method(s: Settings) -> str:
+    """The report's opening paragraph: what every run does and how it is measured."""
+    return (
         f"Each seed distils the built-in task twice from the shipped student with the same prompts in the "
         f"same order (`forward_kl_topk`, {s.steps} steps of batch {s.batch_size}, learning rate "
         f"{s.learning_rate:g} after {s.warmup_steps} warm-up steps, constant; `schedule.mode: fixed_lag`, "
@@ -183,47 +202,16 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         f"{s.eval_every} steps. Seconds: the wall-clock of training up to that step, the extrapolation "
         'probes included and the held-out evaluations taken out. "a ± b": mean ± half-range over seeds.'
     )
-    probe_name = {"extrapolation": "accuracy probe (EffOPD)", "extrapolation_kl_probe": "reverse-KL probe"}
+
+
+def _speedup_table(report: Report, results: dict, seeds: int) -> dict[str, list[float]]:
+    """The table of steps and seconds to the plain run's final accuracy; returns the step
+    speed-up of every seed, per extrapolated arm."""
     rows: list[list] = []
-    speedups: dict[str, list[float]] = {arm: [] for arm in EXTRAPOLATED}
+    speedups: dict[str, list[float]] = {}
     for arm in EXTRAPOLATED:
-        time_speedups = []
-        for seed in range(seeds):
-            plain, jumped = results["plain", seed], results[arm, seed]
-            target = float(plain["summary"].get("student_after", np.nan))
-            p_steps, p_sec = to_target(plain, target)
-            e_steps, e_sec = to_target(jumped, target)
-            speedups[arm].append(p_steps / e_steps)
-            time_speedups.append(p_sec / e_sec)
-            probe = sum(r.get("extrapolation_seconds", 0.0) for r in jumped["records"])
-            rows.append(
-                [
-                    probe_name[arm],
-                    seed,
-                    f"{100 * target:.1f}",
-                    f"{100 * jumped['summary'].get('student_after', np.nan):.1f}",
-                    f"{p_steps:.0f}",
-                    f"{e_steps:.0f}",
-                    f"{p_steps / e_steps:.2f}×",
-                    f"{p_sec:.0f}",
-                    f"{e_sec:.0f} ({probe:.0f} probing)",
-                    f"{p_sec / e_sec:.2f}×",
-                ]
-            )
-        rows.append(
-            [
-                f"**{probe_name[arm]}: mean ± half-range**",
-                "",
-                "",
-                "",
-                "",
-                "",
-                f"{mean_spread(speedups[arm])}×",
-                "",
-                "",
-                f"{mean_spread(time_speedups)}×",
-            ]
-        )
+        arm_rows, speedups[arm] = _speedup_rows(results, arm, seeds)
+        rows += arm_rows
     report.heading("Steps and seconds to the plain run's final accuracy")
     report.table(
         [
@@ -244,15 +232,58 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         "A plain run may reach its own final accuracy before its last step (held-out accuracy is not "
         'monotone); "–" or nan: never reached.'
     )
+    return speedups
 
-    def jump_cell(record, scale):
-        if record is None:
-            return "–"
-        tried = ", ".join(f"{f:g}: {scale * v:.3g}" for f, v in record.get("extrapolation_tried", []))
-        return f"**{record['extrapolation_factor']:g}** (θ_t {scale * record['extrapolation_base_score']:.3g}; {tried})"
 
+def _speedup_rows(results: dict, arm: str, seeds: int) -> tuple[list[list], list[float]]:
+    """``arm`` against the plain run: a row per seed and a mean ± half-range row; and the
+    step speed-up of every seed."""
+    rows: list[list] = []
+    speedups, time_speedups = [], []
+    for seed in range(seeds):
+        plain, jumped = results["plain", seed], results[arm, seed]
+        target = float(plain["summary"].get("student_after", np.nan))
+        p_steps, p_sec = to_target(plain, target)
+        e_steps, e_sec = to_target(jumped, target)
+        speedups.append(p_steps / e_steps)
+        time_speedups.append(p_sec / e_sec)
+        probe = sum(r.get("extrapolation_seconds", 0.0) for r in jumped["records"])
+        rows.append(
+            [
+                PROBE_NAME[arm],
+                seed,
+                f"{100 * target:.1f}",
+                f"{100 * jumped['summary'].get('student_after', np.nan):.1f}",
+                f"{p_steps:.0f}",
+                f"{e_steps:.0f}",
+                f"{p_steps / e_steps:.2f}×",
+                f"{p_sec:.0f}",
+                f"{e_sec:.0f} ({probe:.0f} probing)",
+                f"{p_sec / e_sec:.2f}×",
+            ]
+        )
+    rows.append(
+        [
+            f"**{PROBE_NAME[arm]}: mean ± half-range**",
+            "",
+            "",
+            "",
+            "",
+            "",
+            f"{mean_spread(speedups)}×",
+            "",
+            "",
+            f"{mean_spread(time_speedups)}×",
+        ]
+    )
+    return rows, speedups
+
+
+def _jump_tables(report: Report, results: dict, seeds: int) -> None:
+    """Per extrapolated arm: every step with a jump, the factor each seed kept and the
+    probe's score of every factor tried."""
     for arm in EXTRAPOLATED:
-        report.heading(f"Every extrapolation tried: {probe_name[arm]}", level=3)
+        report.heading(f"Every extrapolation tried: {PROBE_NAME[arm]}", level=3)
         kept = {
             seed: {r["step"]: r for r in results[arm, seed]["records"] if "extrapolation_factor" in r}
             for seed in range(seeds)
@@ -261,9 +292,19 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         unit, scale = ("probe accuracy %", 100) if arm == "extrapolation" else ("probe −KL(π ‖ q)", 1)
         report.table(
             ["step", *[f"seed {seed}: factor kept ({unit} of θ_t; factor: score)" for seed in range(seeds)]],
-            [[step, *[jump_cell(kept[seed].get(step), scale) for seed in range(seeds)]] for step in points],
+            [[step, *[_jump_cell(kept[seed].get(step), scale) for seed in range(seeds)]] for step in points],
         )
 
+
+def _jump_cell(record: dict | None, scale: float) -> str:
+    if record is None:
+        return "–"
+    tried = ", ".join(f"{f:g}: {scale * v:.3g}" for f, v in record.get("extrapolation_tried", []))
+    return f"**{record['extrapolation_factor']:g}** (θ_t {scale * record['extrapolation_base_score']:.3g}; {tried})"
+
+
+def _accuracy_figure(report: Report, results: dict, seeds: int) -> None:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for arm, color in (("plain", "tab:blue"), ("extrapolation", "tab:red"), ("extrapolation_kl_probe", "tab:green")):
         for seed in range(seeds):
@@ -275,6 +316,10 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
     report.figure(fig, "accuracy.png", "Held-out accuracy during training, every seed")
     plt.close(fig)
 
+
+def _geometry_section(report: Report, results: dict, seeds: int) -> dict[str, np.ndarray]:
+    """The update geometry of the plain runs at the end (a table) and over training (a
+    figure); returns kind → ``[seeds, 3]``, the last measurement of every seed that has one."""
     report.heading("The geometry of the updates (plain runs)")
     geometry = [geometry_by_kind(results["plain", seed]) for seed in range(seeds)]
     final = {kind: np.array([g[kind][-1] for g in geometry if len(g[kind])]) for kind in KINDS}
@@ -282,6 +327,14 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         ["module", "‖ΔW‖ / ‖W₀‖ at the end", "rank-1 energy at the end", "alignment at the end"],
         [[kind, *[mean_spread(final[kind][:, i]) if final[kind].size else "–" for i in range(3)]] for kind in KINDS],
     )
+    _geometry_figure(report, geometry)
+    return final
+
+
+def _geometry_figure(report: Report, geometry: list[dict[str, np.ndarray]]) -> None:
+    """Relative norm, rank-1 energy and alignment against the step, per module kind: the
+    mean over layers and over the seeds measured at the first seed's steps."""
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for i, (ax, label) in enumerate(
         zip(axes, ("‖W_t − W_0‖ / ‖W_0‖", "rank-1 energy σ₁² / ‖ΔW‖²", "cos(recent update, update before it)"))
@@ -299,17 +352,6 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         "Update geometry of the plain runs by module (mean over layers and seeds); MLP solid, attention dashed",
     )
     plt.close(fig)
-
-    failed = [f"{arm} seed {seed}: {r['error']}" for (arm, seed), r in results.items() if r["error"]]
-    if failed:
-        report.text("Runs that stopped with an error: " + "; ".join(failed))
-    report.heading("Verdict")
-    report.text(_verdict({probe_name[arm]: v for arm, v in speedups.items()}, final))
-    report.config(
-        "Settings of every run (asyncopd_jax/configs/demo.yaml plus these overrides)",
-        {f"{arm}, seed={seed}": r["sets"] for (arm, seed), r in results.items()},
-    )
-    return report.write()
 
 
 def _claim(speedups: list[float]) -> str:

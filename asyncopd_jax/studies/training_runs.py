@@ -198,7 +198,7 @@ def _append(path: Path, line: Mapping[str, Any]) -> None:
 
 def _pin_from(cores: Any) -> None:
     """Pool initializer: take this worker's share of the cores before JAX starts."""
-    from asyncopd_jax.pipeline.placement import pin_this_process
+    from asyncopd_jax.pipeline.host_env import pin_this_process
 
     pin_this_process(cores.get())
 
@@ -269,7 +269,7 @@ def run_trainings(
         for name, sets in todo:
             record(*train(work, name, sets))
     elif todo:
-        from asyncopd_jax.pipeline.placement import split_ids
+        from asyncopd_jax.pipeline.layout import split_ids
 
         # spawn: JAX is not fork-safe once started; each worker starts its own runtime after pinning
         context = multiprocessing.get_context("spawn")

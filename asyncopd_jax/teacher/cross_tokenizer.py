@@ -1,11 +1,11 @@
 """A teacher of another tokenizer: the student's answers re-tokenised, scored, and mapped back.
 
 :class:`CrossTokenizerTeacher` wraps any teacher (:class:`~asyncopd_jax.teacher.scorer.TeacherScorer`
-in-process, :class:`~asyncopd_jax.teacher.served.ServedTeacher` for ``serve-teacher`` or
+in-process, :class:`~asyncopd_jax.teacher.client.ServedTeacher` for ``serve-teacher`` or
 vLLM / SGLang) and keeps its interface. For each rollout batch it
 
 1. decodes each student answer to its text and re-encodes it with the teacher's tokenizer,
-   aligning the two by text spans (:func:`asyncopd_jax.teacher.spans.align_answer`; the
+   aligning the two by text spans (:func:`asyncopd_jax.teacher.span_alignment.align_answer`; the
    teacher's prompt is already its own, in its own tokens: the router encodes it);
 2. has the wrapped teacher score the teacher-token batch as it would any other;
 3. maps the cache back to the student's positions (:attr:`TeacherScoreCache.span_end`):
@@ -17,7 +17,7 @@ The learner then reads the cache through :mod:`asyncopd_jax.estimators.spans`; s
 recompute and importance weights are per student token as before, summed per span.
 
 Student tokens the teacher cannot score carry no loss: those past an answer's last complete
-UTF-8 character (:mod:`asyncopd_jax.teacher.spans`), those of spans that run past the
+UTF-8 character (:mod:`asyncopd_jax.teacher.span_alignment`), those of spans that run past the
 teacher's context (its prompt + the answer in its tokens; ``context`` below), and those of an
 answer whose text the teacher's tokens do not spell (:meth:`Retokenizer.align`). The
 learner's metrics count them (``teacher/NAME/unscored_tokens``).
@@ -36,7 +36,7 @@ import numpy as np
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.models.token_bytes import TokenBytes, token_bytes
 from asyncopd_jax.teacher.scorer import ScoringParams, Teacher, power_of_two
-from asyncopd_jax.teacher.spans import AnswerAlignment, SpanAlignment, align_answer
+from asyncopd_jax.teacher.span_alignment import AnswerAlignment, SpanAlignment, align_answer
 
 Array = jax.Array
 

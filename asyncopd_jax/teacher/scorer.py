@@ -133,7 +133,7 @@ def teacher_score_function(
 
 class Teacher(Protocol):
     """What the scoring stage asks of a teacher, in-process (:class:`TeacherScorer`) or
-    served (:class:`asyncopd_jax.teacher.served.ServedTeacher`)."""
+    served (:class:`asyncopd_jax.teacher.client.ServedTeacher`)."""
 
     params: ScoringParams
 

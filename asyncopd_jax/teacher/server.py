@@ -6,7 +6,7 @@ An ASGI app (Starlette, served by uvicorn: the stack under vLLM's and SGLang's s
 * ``GET /health``: 200 once the teacher is loaded.
 * ``GET /v1/models``: the one model, OpenAI-style.
 * ``POST /v1/completions``: vLLM's body and answer, plus the extension that scores ids
-  the student chose (:mod:`asyncopd_jax.teacher.service`).
+  the student chose (:mod:`asyncopd_jax.teacher.batch_scorer`).
 
 Concurrent requests are scored together. A request's rows join a queue; one batcher task
 takes the queued requests whose rows can share a batch (:attr:`Request.signature`), up to
@@ -30,7 +30,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from asyncopd_jax.teacher.service import BadRequest, BatchScorer, Request, ServerSettings, answer, parse_request
+from asyncopd_jax.teacher.batch_scorer import BadRequest, BatchScorer, Request, ServerSettings, answer, parse_request
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """What goes over the wire to a served teacher and what comes back, as pure functions.
 
 ``asyncopd serve-teacher`` (``api: asyncopd``) takes the same request with the extension
-:mod:`asyncopd_jax.teacher.service` documents (the response positions only; the ids the
+:mod:`asyncopd_jax.teacher.batch_scorer` documents (the response positions only; the ids the
 student chose; samples from the teacher) and answers dense arrays: :func:`asyncopd_request`,
 :func:`parse_asyncopd`.
 
@@ -20,7 +20,7 @@ vLLM (``api: vllm``), ``POST /v1/completions`` (vLLM's OpenAI-compatible server,
 SGLang (``api: sglang``), ``POST /generate`` (its native API; the format of
 ``sgl-project/sglang`` at c60799d, ``python/sglang/srt/managers/tokenizer_manager.py``,
 ``detokenize_logprob_tokens`` / ``detokenize_top_logprobs_tokens``; no SGLang server runs
-here, so ``tests/teacher/test_served.py`` checks the client against that documented format
+here, so ``tests/teacher/test_client.py`` checks the client against that documented format
 only):
 
 * request: ``{"input_ids": [[ids of row 0], …], "sampling_params": {"max_new_tokens": 0,

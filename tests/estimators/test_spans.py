@@ -16,7 +16,6 @@ from asyncopd_jax.estimator_registry import (
     ESTIMATORS,
     EstimatorConfig,
     check_cross_tokenizer,
-    evaluate_estimator,
 )
 from asyncopd_jax.estimators.spans import (
     forward_kl_topk_spans,
@@ -24,6 +23,7 @@ from asyncopd_jax.estimators.spans import (
     span_starts,
     span_sums,
 )
+from asyncopd_jax.learner.estimator_eval import evaluate_estimator
 from tests.test_cache import B, T, _all_logprobs, _estimator, _world
 
 

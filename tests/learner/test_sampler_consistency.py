@@ -38,15 +38,17 @@ from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorConfig, Forward
 from asyncopd_jax.learner import LearnerBatch, PolicyLoss, create_train_state, make_proximal_fn, make_train_step
 from asyncopd_jax.learner import step as learner_step
 from asyncopd_jax.models import save_pretrained
+from asyncopd_jax.pipeline.devices import stage_mesh
 from asyncopd_jax.pipeline.exchange import Exchange
-from asyncopd_jax.pipeline.placement import StagePlan, plan_layout
+from asyncopd_jax.pipeline.layout import StagePlan, plan_layout
+from asyncopd_jax.pipeline.placements.stage_processes import StageProcesses
+from asyncopd_jax.pipeline.placements.threads import RolloutPool
 from asyncopd_jax.pipeline.producer import GroupProducer
 from asyncopd_jax.pipeline.reward_stage import RewardStage
+from asyncopd_jax.pipeline.rollout_stage import RolloutStage
+from asyncopd_jax.pipeline.scoring_stage import ScoringStage
 from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore
-from asyncopd_jax.pipeline.stage import RolloutStage, ScoringStage, stage_mesh
-from asyncopd_jax.pipeline.stage_processes import StageProcesses
 from asyncopd_jax.pipeline.staleness import StalenessBuffer
-from asyncopd_jax.pipeline.threads import RolloutPool
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import ContinuousSampler, Sampler, SamplingParams, make_sampler
 from asyncopd_jax.tasks.tokenizer import save_tokenizer

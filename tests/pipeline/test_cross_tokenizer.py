@@ -11,10 +11,10 @@ import pytest
 
 from asyncopd_jax.config import load_config
 from asyncopd_jax.models import from_pretrained
-from asyncopd_jax.pipeline.stage import run_models
+from asyncopd_jax.pipeline.run_models import run_models
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.tasks.tokenizer import build_tokenizer
-from asyncopd_jax.teacher.service import BatchScorer
+from asyncopd_jax.teacher.batch_scorer import BatchScorer
 from tests.pipeline.test_teachers import _run as run_demo
 from tests.teacher.test_server import SETTINGS, running
 

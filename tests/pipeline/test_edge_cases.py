@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from asyncopd_jax.cache import RolloutBatch
-from asyncopd_jax.pipeline.placement import Layout, SnapshotChannel, StagePlan, describe
+from asyncopd_jax.pipeline.layout import Layout, SnapshotChannel, StagePlan, describe
 from asyncopd_jax.pipeline.producer import GroupProducer
 from asyncopd_jax.pipeline.reward_stage import RewardStage
 from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore, InMemorySnapshotStore
@@ -124,8 +124,8 @@ def test_a_rollout_pools_join_waits_its_timeout_for_all_threads_together():
     import threading
     import time
 
+    from asyncopd_jax.pipeline.placements.threads import RolloutPool
     from asyncopd_jax.pipeline.staleness import StalenessBuffer
-    from asyncopd_jax.pipeline.threads import RolloutPool
 
     pool = RolloutPool(stages=[], buffer=StalenessBuffer(batch_size=4, eta=0))
     stop = threading.Event()

@@ -21,7 +21,7 @@ import pytest
 import asyncopd_jax.learner.optimizer as optimizer_module
 from asyncopd_jax.learner import NonFiniteLoss
 from asyncopd_jax.pipeline.run_outputs import RunDir
-from asyncopd_jax.pipeline.stage import ScoringStage
+from asyncopd_jax.pipeline.scoring_stage import ScoringStage
 from asyncopd_jax.pipeline.staleness import RolloutGroup
 from asyncopd_jax.pipeline.trainer import Trainer
 from tests.pipeline.test_trainer import _config, models  # noqa: F401 - `models` is a fixture

@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 
 from asyncopd_jax.config import StagesConfig, load_config, save_config
-from asyncopd_jax.pipeline.placement import plan_layout
-from asyncopd_jax.pipeline.stage_processes import StageFailed
+from asyncopd_jax.pipeline.layout import plan_layout
+from asyncopd_jax.pipeline.placements.stage_processes import StageFailed
 from asyncopd_jax.pipeline.staleness import PipelineStopped
 from asyncopd_jax.pipeline.trainer import Trainer
 from tests.pipeline.test_trainer import _config, _kl_start_end, models  # noqa: F401 - fixture
+from tests.xla_flags import host_devices
 
 pytestmark = pytest.mark.e2e  # every test here starts stage processes: the end-to-end step (-m e2e)
 
@@ -376,7 +377,8 @@ def test_stage_processes_started_by_hand_elsewhere_serve_a_learner_that_starts_n
     """``stages.start_processes: false`` (a learner holding every chip of its host): the
     learner starts no stage process; one started by hand as launch/stage_host.sh starts it
     (``asyncopd stage rollout --index 100``, a name the layout does not list) hosts what
-    rollout-0 would, samples and scores every group, and stops with the run."""
+    rollout-0 would on every device its process sees (2 XLA:CPU devices), samples and
+    scores every group, and stops with the run."""
     cfg = _config(
         models,
         tmp_path,
@@ -408,7 +410,8 @@ def test_stage_processes_started_by_hand_elsewhere_serve_a_learner_that_starts_n
         [sys.executable, "-m", "asyncopd_jax.cli", "stage", "rollout", "--exchange", str(exchange), "--index", "100"],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        # its launcher gives it 2 XLA:CPU devices: with no device list it computes on both
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": host_devices(2)},
     )
     try:
         # The learner started no stage process, so it has none to watch: were the one started
@@ -431,4 +434,5 @@ def test_stage_processes_started_by_hand_elsewhere_serve_a_learner_that_starts_n
         log.close()
     assert trainer.stages.pids == {}  # the learner started none
     assert f"rollout-100: pid {stage.pid}," in (tmp_path / "rollout-100.log").read_text()
+    assert "devices [0, 1]" in (tmp_path / "rollout-100.log").read_text()  # both devices of its process
     assert [r["step"] for r in _records(tmp_path / "t")] == [1, 2, 3, 4]

@@ -15,10 +15,10 @@ import pytest
 
 from asyncopd_jax.config import load_config
 from asyncopd_jax.models import from_pretrained
-from asyncopd_jax.pipeline.stage import run_models
+from asyncopd_jax.pipeline.run_models import run_models
 from asyncopd_jax.pipeline.trainer import Trainer
 from asyncopd_jax.tasks.assets import resolve_model_path
-from asyncopd_jax.teacher.service import BatchScorer
+from asyncopd_jax.teacher.batch_scorer import BatchScorer
 from tests.teacher.test_server import SETTINGS, running
 from tests.waits import SHORT_WAIT_SETS
 

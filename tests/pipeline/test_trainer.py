@@ -77,7 +77,7 @@ def test_every_schedule_reduces_the_kl_to_the_teacher(models, tmp_path, mode, ex
     assert [r["step"] for r in records] == list(range(1, 13))
     start, end = _kl_start_end(records)
     assert end < 0.85 * start, (mode, [round(r["loss"], 2) for r in records])
-    eta = cfg.schedule.eta(cfg.learner.mini_batches)
+    eta = cfg.eta
     assert all(r["staleness_max"] <= eta for r in records)
     if mode == "sync":
         assert all(r["staleness_max"] == 0 for r in records)

@@ -29,9 +29,9 @@ from asyncopd_jax.scale.plan import (
     Shapes,
     abstract_learner_batch,
     architecture,
-    format_plan,
     make_plan,
 )
+from asyncopd_jax.scale.report import format_plan
 from tests.pipeline.test_trainer import _config, models  # noqa: F401
 
 
@@ -218,6 +218,15 @@ def test_a_decode_step_reads_the_weights_and_cache_in_the_samplers_compute_dtype
         load_config(configs.DEMO, [*sets, "sampling.compute_dtype=bfloat16"]), student, devices, shapes
     )
     assert (bf16.weights * 2, bf16.kv_per_token * 2) == (fp32.weights, fp32.kv_per_token)
+
+
+def test_the_static_engine_names_no_cache_for_the_balance_to_model():
+    """A static batch's decode step reads its whole dense cache, as its compiled call does:
+    the engine names no cache (``Engine.decode_cache``), so the plan models no decode bytes."""
+    cfg = load_config(configs.DEMO, ["sampling.engine=static"])
+    student, _ = architecture(cfg.student)
+    devices = [get_topology("h100-1").devices[0]]
+    assert plan_module.decode_bytes(cfg, student, devices, Shapes(prompt_tokens=16, response_tokens=24)) is None
 
 
 def test_a_stage_whose_link_bytes_dominate_has_them_as_its_roofline():

@@ -35,9 +35,9 @@ from asyncopd_jax.scale.plan import (
     StageFigures,
     abstract_learner_batch,
     architecture,
-    format_plan,
     make_plan,
 )
+from asyncopd_jax.scale.report import format_plan
 from asyncopd_jax.scale.swaps import SwapFigures
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from asyncopd_jax.pipeline.placement import SnapshotChannel
+from asyncopd_jax.pipeline.layout import SnapshotChannel
 from asyncopd_jax.scale.chips import CHIPS
 from asyncopd_jax.scale.swaps import bytes_per_device, swap_figures, total_bytes
 

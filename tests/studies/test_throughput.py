@@ -14,19 +14,15 @@ from asyncopd_jax.studies import throughput
 from asyncopd_jax.studies.throughput import (
     FULL,
     QUICK,
-    Lengths,
-    StageCosts,
     _calibration,
     _verdict,
     best_async_over_sync,
-    fit_lengths,
     load_measurements,
     measured_rate,
     save_measurements,
-    simulate_split,
-    simulate_sync,
     stage_costs,
 )
+from asyncopd_jax.studies.throughput_simulation import Lengths, StageCosts, fit_lengths, simulate_split, simulate_sync
 
 B, L = 8, 10
 EVEN = Lengths(mean=L, sigma=0.0, cap=100)  # every answer exactly L tokens

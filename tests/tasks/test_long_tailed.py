@@ -12,7 +12,7 @@ from flax import nnx
 from asyncopd_jax import configs
 from asyncopd_jax.cli import _initialise_from, main
 from asyncopd_jax.config import ConfigError, TaskConfig, load_config
-from asyncopd_jax.pipeline.stage import load_model_and_tokenizer
+from asyncopd_jax.pipeline.model_loading import load_model_and_tokenizer
 from asyncopd_jax.tasks.arith import (
     Problem,
     is_held_out,

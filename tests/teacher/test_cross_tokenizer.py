@@ -18,9 +18,9 @@ from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.tasks.builtin import TaskData
 from asyncopd_jax.tasks.tokenizer import EOS_ID, build_tokenizer
 from asyncopd_jax.teacher import ScoringParams, TeacherScorer
+from asyncopd_jax.teacher.batch_scorer import BatchScorer
+from asyncopd_jax.teacher.client import ServedTeacher, ServerParams
 from asyncopd_jax.teacher.cross_tokenizer import CrossTokenizerTeacher, Retokenizer, id_map
-from asyncopd_jax.teacher.served import ServedTeacher, ServerParams
-from asyncopd_jax.teacher.service import BatchScorer
 from tests.teacher.test_server import SETTINGS, running
 from tests.teacher.test_spans import oracle
 

@@ -22,9 +22,9 @@ from asyncopd_jax.models import from_pretrained
 from asyncopd_jax.sampling import Sampler, SamplingParams
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.teacher import ScoringParams, TeacherScorer
-from asyncopd_jax.teacher.served import ServedTeacher, ServerParams
+from asyncopd_jax.teacher.batch_scorer import BatchScorer, ServerSettings, parse_request
+from asyncopd_jax.teacher.client import ServedTeacher, ServerParams
 from asyncopd_jax.teacher.server import make_app
-from asyncopd_jax.teacher.service import BatchScorer, ServerSettings, parse_request
 from asyncopd_jax.teacher.wire import ServerError
 from tests.teacher.vllm_server import free_port
 

@@ -13,18 +13,19 @@ import pytest
 from asyncopd_jax import configs
 from asyncopd_jax.cli import main
 from asyncopd_jax.config import load_config, with_overrides
-from asyncopd_jax.pipeline.placement import device_ids, plan_layout
+from asyncopd_jax.pipeline.layout import device_ids, plan_layout
 from asyncopd_jax.scale import plan as plan_module
-from asyncopd_jax.scale import split as split_module
+from asyncopd_jax.scale import search as search_module
 from asyncopd_jax.scale.balance import Answers
 from asyncopd_jax.scale.chips import CHIPS, get_topology
 from asyncopd_jax.scale.plan import Shapes, StageFigures, decode_bytes, read_models, sampler_weights
-from asyncopd_jax.scale.split import (
+from asyncopd_jax.scale.report import format_balanced
+from asyncopd_jax.scale.search import (
     Split,
     balance_split,
     by_id,
     mesh_split,
-    positions,
+    places,
     sampler_fit,
     scoring_mesh_split,
 )
@@ -61,7 +62,7 @@ def stand_ins(monkeypatch):
     def sampler(cfg, config, devices, shapes, rows, vocab_limit=None):
         return [_seconds(f"sampler {name}", len(devices), rows, 0.0) for name in ("prefill", "decode", "recompute")]
 
-    for module in (plan_module, split_module):
+    for module in (plan_module, search_module):
         monkeypatch.setattr(module, "compile_learner_step", learner, raising=False)
         monkeypatch.setattr(module, "compile_teacher_scoring", scoring, raising=False)
     monkeypatch.setattr(plan_module, "compile_sampler", sampler)
@@ -94,7 +95,7 @@ def test_the_fastest_split_that_fits_is_chosen_and_planned_in_full(stand_ins):
     assert found.plan.balance["scoring"] == pytest.approx(1.5)
     # the sampler of the demo's tiny student idles: it already holds one chip, the fewest
     assert any(n.startswith("rollout is ") and "the fewest it fits on" in n for n in found.notes)
-    text = split_module.format_balanced(found)
+    text = format_balanced(found)
     assert "--set stages.rollout_devices='4'" in text and "the chosen split, planned in full:" in text
 
 
@@ -123,9 +124,10 @@ def test_the_overrides_place_every_stage_where_the_split_says():
     cfg = _demo()
     models = read_models(cfg, SHAPES)
     split = Split(learner=4, rollout=2, scoring=2, slots=32, kv_pages=100)
-    placed = with_overrides(cfg, split.overrides(models, get_topology("h100-8").devices))
+    placed = split.placed(cfg, models, get_topology("h100-8").devices)
+    assert with_overrides(cfg, split.overrides(placed)) == placed  # the lines printed give the config planned
     layout = plan_layout(placed, run_path=Path("/tmp/x"), available_cores=())
-    chips = {role: device_ids(layout, layout.of_role(role)[0], 8) for role in ("learner", "rollout", "scoring")}
+    chips = {role: device_ids(layout, layout.of_role(role)[0], 8, "tpu") for role in ("learner", "rollout", "scoring")}
     assert chips == {"learner": (0, 1, 2, 3), "rollout": (4, 5), "scoring": (6, 7)}
     kv = models.student.num_key_value_heads
     assert placed.stages.rollout_mesh.tensor == mesh_split(2, kv)[1] and placed.learner.mesh.fsdp == 4
@@ -133,13 +135,32 @@ def test_the_overrides_place_every_stage_where_the_split_says():
     assert layout.snapshots.in_memory
 
 
+@pytest.mark.parametrize(
+    "split",
+    [
+        Split(learner=4, rollout=1, scoring=2, slots=64, kv_pages=96, processes=True),
+        Split(learner=2, rollout=1, scoring=0, slots=8, kv_pages=20, processes=True),
+        Split(learner=1, rollout=4, scoring=1, slots=16, kv_pages=40),
+    ],
+    ids=["processes", "processes-no-teacher", "threads"],
+)
+def test_a_splits_set_lines_give_the_config_it_planned(split):
+    """Bug guarded: the ``--set`` lines printed and the config the search planned (built by
+    ``dataclasses.replace``) telling two stories: a field set in one and not the other."""
+    cfg = _demo("stages.scoring_processes=2", "stages.snapshot_in_memory=false", "sampling.slots=3")
+    models = read_models(cfg, SHAPES)
+    placed = split.placed(cfg, models, get_topology("h100-8").devices)
+    assert with_overrides(cfg, split.overrides(placed)) == placed
+    assert placed.stages.placement == ("processes" if split.processes else "threads")
+
+
 def test_a_stage_takes_the_chips_of_consecutive_ids_wherever_the_topology_lists_them():
     """libtpu lists a v5e-16's chips by 2 × 2 blocks (ids 0, 1, 4, 5, 2, 3, 6, 7, …) and refuses
     a collective over the first four; a stage of 4 takes ids 0-3, at places 0, 1, 4, 5."""
     listed = [types.SimpleNamespace(id=i) for i in (0, 1, 4, 5, 2, 3, 6, 7)]
     assert [d.id for d in by_id(listed)] == list(range(8))
-    assert (positions(listed, 0, 4), positions(listed, 4, 2), positions(listed, 6, 1)) == ("'0,1,4,5'", "'2-3'", "'6'")
-    assert positions(listed, 0, 8) == "'0-7'"  # the same chips as places 0-7: written as the range
+    assert (places(listed, 0, 4), places(listed, 4, 2), places(listed, 6, 1)) == ("0,1,4,5", "2-3", "6")
+    assert places(listed, 0, 8) == "0-7"  # the same chips as places 0-7: written as the range
 
 
 @pytest.mark.parametrize(("chips", "kv", "want"), [(8, 8, (1, 8)), (16, 8, (2, 8)), (4, 2, (2, 2)), (6, 4, (3, 2))])

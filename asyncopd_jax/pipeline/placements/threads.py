@@ -7,7 +7,7 @@ into the buffer, on a thread of its own, while the next chunks decode. A stage t
 stops the whole run: the error is recorded in the buffer, every waiting thread wakes up,
 and the learner re-raises it. JAX releases the GIL while a jitted computation runs, so
 sampling, scoring and learning overlap, each on its own devices (see
-:mod:`asyncopd_jax.pipeline.placement`).
+:mod:`asyncopd_jax.pipeline.layout`).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 from asyncopd_jax.pipeline.rollout import RolloutLoop
-from asyncopd_jax.pipeline.stage import RolloutStage
+from asyncopd_jax.pipeline.rollout_stage import RolloutStage
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, StalenessBuffer
 
 
 class RolloutPool:
     """``stages`` as threads, each producing scored :class:`RolloutGroup` s into ``buffer``
-    (a :class:`~asyncopd_jax.pipeline.stages.Stages`)."""
+    (a :class:`~asyncopd_jax.pipeline.placements.Stages`)."""
 
     def __init__(self, *, stages: list[RolloutStage], buffer: StalenessBuffer, first_index: int = 0):
         self.stages, self.buffer = stages, buffer

@@ -8,7 +8,7 @@ import pytest
 
 from asyncopd_jax.models.token_bytes import printable_bytes, token_bytes
 from asyncopd_jax.tasks.tokenizer import build_tokenizer
-from asyncopd_jax.teacher.spans import align_answer, align_spans
+from asyncopd_jax.teacher.span_alignment import align_answer, align_spans
 from tests.tiny_tokenizers import byte_level_bpe, sentencepiece_bpe
 
 
@@ -88,6 +88,21 @@ def test_printable_bytes_is_a_bijection():
     table = printable_bytes()
     assert sorted(table.values()) == list(range(256)) and len(table) == 256
     assert table["Ġ"] == ord(" ") and table["Ċ"] == ord("\n") and table["a"] == ord("a")
+    # the hidden bytes, in order from U+0100: NUL first, DEL after the space, NBSP, the soft hyphen last
+    assert table["Ā"] == 0 and table["ġ"] == 0x7F and table["ł"] == 0xA0 and table["Ń"] == 0xAD
+    assert table["¡"] == 0xA1 and table["®"] == 0xAE and table["ÿ"] == 0xFF  # visible Latin-1: themselves
+
+
+def test_printable_bytes_is_the_alphabet_of_a_real_byte_level_tokenizer():
+    """Hugging Face tokenizers' byte-level pre-tokenizer writes every byte with the same
+    256 characters, and ASCII text with the same ones."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    table = printable_bytes()
+    assert set(ByteLevel.alphabet()) == set(table)
+    text = "".join(map(chr, range(128)))
+    written = "".join(piece for piece, _ in ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(text))
+    assert [table[c] for c in written] == list(range(128))
 
 
 TOKENIZERS = {"byte_level": byte_level_bpe, "sentencepiece": sentencepiece_bpe, "characters": build_tokenizer}

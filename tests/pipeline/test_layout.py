@@ -15,11 +15,12 @@ import jax
 import numpy as np
 import pytest
 
-from asyncopd_jax.config import ConfigError
-from asyncopd_jax.pipeline import placement
+from asyncopd_jax import configs
+from asyncopd_jax.config import ConfigError, load_config
+from asyncopd_jax.pipeline import host_env
 from asyncopd_jax.pipeline.exchange import Exchange
-from asyncopd_jax.pipeline.placement import Layout, LayoutError, plan_layout
-from asyncopd_jax.pipeline.stage import ScoringStage
+from asyncopd_jax.pipeline.layout import Layout, LayoutError, device_ids, local_device_ids, plan_layout
+from asyncopd_jax.pipeline.scoring_stage import ScoringStage
 from asyncopd_jax.pipeline.trainer import Trainer
 from tests.pipeline.test_trainer import _config, models  # noqa: F401 - fixture
 
@@ -82,20 +83,65 @@ def test_processes_deal_devices_to_the_processes_and_rollouts_score_without_scor
 
 def test_device_ids_resolve_an_empty_list_as_the_run_does(models, tmp_path):  # noqa: F811
     """What ``asyncopd plan`` compiles each stage on: a stage's own list; no list is the
-    learner's devices beside the learner, and every device for the learner or a process."""
+    learner's devices beside the learner, and every device for the learner or, on a GPU or
+    TPU, a process of its own (one device for a CPU stage process)."""
     threads = _layout(models, tmp_path, **{"stages.learner_devices": "0-3", "stages.scoring_devices": "6,7"})
-    ids = {s.name: placement.device_ids(threads, s, 16) for s in threads.stages}
+    ids = {s.name: device_ids(threads, s, 16, "tpu") for s in threads.stages}
     assert ids == {"learner-0": (0, 1, 2, 3), "rollout-0": (0, 1, 2, 3), "scoring-0": (6, 7)}
     processes = _layout(models, tmp_path, **{"stages.placement": "processes", "stages.rollouts": 2})
-    assert {s.name: placement.device_ids(processes, s, 4) for s in processes.stages} == {
-        "learner-0": (0, 1, 2, 3),
-        "rollout-0": (0, 1, 2, 3),  # every device it sees: its process's own
-        "rollout-1": (0, 1, 2, 3),
-        "scoring-0": (0, 1, 2, 3),
-        "scoring-1": (0, 1, 2, 3),
-    }
+    everything = {name: (0, 1, 2, 3) for name in ("learner-0", "rollout-0", "rollout-1", "scoring-0", "scoring-1")}
+    assert {s.name: device_ids(processes, s, 4, "gpu") for s in processes.stages} == everything
+    one_each = {**{name: (0,) for name in everything}, "learner-0": (0, 1, 2, 3)}
+    assert {s.name: device_ids(processes, s, 4, "cpu") for s in processes.stages} == one_each
     with pytest.raises(ValueError, match=r"stages.scoring_devices = 6,7 names device 7; there are 4 \(0-3\)"):
-        placement.device_ids(threads, threads.stage("scoring-0"), 4)
+        device_ids(threads, threads.stage("scoring-0"), 4, "cpu")
+
+
+def _seen_by(layout: Layout, stage, platform: str, host: list, monkeypatch) -> list:
+    """The devices ``stage``'s process sees, as its start-up variables make them visible on
+    a host whose devices are ``host``: the learner's process as ``asyncopd train`` prepares
+    it, a stage process with the variables the learner starts it with."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+    for name in ("CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(host_env, "pin_this_process", lambda cores: None)
+    host_env.prepare_learner_process(layout, platform)  # sets this test's environment (undone by monkeypatch)
+    learner_env = {k: host_env.os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS")}
+    visible = learner_env["CUDA_VISIBLE_DEVICES"] or learner_env["TPU_VISIBLE_CHIPS"]
+    learner_sees = [host[int(i)] for i in visible.split(",")] if visible else host
+    if stage.process == "learner":
+        return learner_sees
+    env = host_env.stage_process_env(layout, stage, platform, len(learner_sees))
+    if platform == "cpu":  # a CPU process's devices are its own: as many as its XLA:CPU count
+        count = int(env["XLA_FLAGS"].split("device_count=")[1].split()[0])
+        assert "--xla_backend_optimization_level=0" in env["XLA_FLAGS"]  # the other flags are kept
+        return [f"{stage.process}:cpu{i}" for i in range(count)]
+    visible = env.get("CUDA_VISIBLE_DEVICES") or env.get("TPU_VISIBLE_CHIPS")
+    return [host[int(i)] for i in visible.split(",")] if visible else host
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+@pytest.mark.parametrize("name", configs.names())
+def test_plan_and_run_agree_on_every_stage_s_devices_in_every_shipped_config(name, platform, monkeypatch, tmp_path):
+    """For every shipped config, in both placements: the devices ``asyncopd plan`` compiles
+    each stage on (:func:`device_ids` over the host's) are the devices the run's stage
+    computes on (:func:`local_device_ids` over what its process sees, given the variables
+    it is started with). On a CPU a stage process's devices are its own: their count."""
+    for placement in ("threads", "processes"):
+        sets = [f"stages.placement={placement}", "schedule.mode=fully_async"]
+        cfg = load_config(name, sets)
+        layout = plan_layout(cfg, run_path=tmp_path / "t", available_cores=range(8))
+        listed = [i for s in layout.stages for i in s.devices]
+        host = [f"host:{i}" for i in range(max([7, *listed]) + 1)]
+        for stage in layout.stages:
+            planned = [host[i] for i in device_ids(layout, stage, len(host), platform)]
+            seen = _seen_by(layout, stage, platform, host, monkeypatch)
+            ran = [seen[i] for i in local_device_ids(layout, stage, len(seen), platform)]
+            if platform == "cpu" and stage.process != "learner":
+                assert len(ran) == len(planned), (name, placement, stage.name)
+            else:
+                assert ran == planned, (name, placement, stage.name)
+            monkeypatch.undo()
 
 
 def test_the_layout_round_trips_through_json_and_refuses_another_version(models, tmp_path):  # noqa: F811
@@ -174,17 +220,18 @@ def test_the_exchange_writes_the_layout_atomically(models, tmp_path, monkeypatch
                 "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
             },
         ),
-        ("cpu", (1,), {}),
+        ("cpu", (1, 3), {"XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=2"}),
         ("tpu", (), {}),
     ],
 )
-def test_a_stage_process_gets_its_devices_by_the_platform_mechanism(platform, devices, expected):
-    assert placement.device_env(platform, devices, port=8480) == expected
+def test_a_stage_process_gets_its_devices_by_the_platform_mechanism(platform, devices, expected, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8")
+    assert host_env.device_env(platform, devices, port=8480) == expected
 
 
 def test_a_tpu_stage_process_holds_a_chip_count_libtpu_can_bound():
     with pytest.raises(ValueError, match="1, 2, 4 or 8 chips, not 3"):
-        placement.device_env("tpu", (0, 1, 2))
+        host_env.device_env("tpu", (0, 1, 2))
 
 
 def test_each_stage_process_gets_its_own_tpu_port(models, tmp_path):  # noqa: F811
@@ -200,8 +247,8 @@ def test_each_stage_process_gets_its_own_tpu_port(models, tmp_path):  # noqa: F8
             "stages.learner_devices": "4-7",
         },
     )
-    ports = [placement.stage_process_env(layout, s, "tpu")["TPU_PROCESS_PORT"] for s in layout.stage_processes()]
-    assert len(set(ports)) == 4 and placement.TPU_BASE_PORT not in map(int, ports)
+    ports = [host_env.stage_process_env(layout, s, "tpu", 8)["TPU_PROCESS_PORT"] for s in layout.stage_processes()]
+    assert len(set(ports)) == 4 and host_env.TPU_BASE_PORT not in map(int, ports)
 
 
 @pytest.mark.parametrize(
@@ -227,8 +274,7 @@ def test_a_stage_on_devices_this_process_lacks_is_refused_naming_them(models, tm
     cfg = _config(models, tmp_path, **{"stages.learner_devices": "6-9", "learner.mesh": "{data: -1, fsdp: 1}"})
     with pytest.raises(
         ValueError,
-        match=r"stages.learner_devices = 6,7,8,9 names device 9, but this process has "
-        r"8 device\(s\) \(0-7\)",
+        match=r"stages.learner_devices = 6,7,8,9 names device 9; there are 8 \(0-7\)",
     ):
         Trainer(cfg, progress=False)
 
@@ -323,7 +369,7 @@ def test_the_learner_loads_weights_and_creates_moments_in_their_shardings(models
     optimizer state created there: no device-to-device copy (which a first copy on device 0
     would need), every leaf on 4-7, the large ones split."""
     from asyncopd_jax.pipeline.learner_stage import LearnerStage
-    from asyncopd_jax.pipeline.stage import run_models
+    from asyncopd_jax.pipeline.run_models import run_models
 
     cfg = _config(models, tmp_path, **{"stages.learner_devices": "4-7", "learner.mesh": "{data: 1, fsdp: -1}"})
     layout = plan_layout(cfg, run_path=tmp_path / "t", available_cores=[])

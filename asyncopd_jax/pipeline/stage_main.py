@@ -5,7 +5,7 @@
     scoring-j: take a sampled group → score it → commit it to scored/
 
 The stages are built from the exchange's config and layout by the run's composition root
-(:func:`~asyncopd_jax.pipeline.process.build_process`), as in the learner's process, and a
+(:func:`~asyncopd_jax.pipeline.compose.build_process`), as in the learner's process, and a
 rollout stage runs the same rollout loop as a rollout thread
 (:class:`~asyncopd_jax.pipeline.rollout.RolloutLoop`). The process stops when ``STOP``
 appears or its parent (the learner) is gone.
@@ -21,13 +21,13 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from asyncopd_jax.pipeline.compose import RunProcess, build_process
 from asyncopd_jax.pipeline.exchange import Exchange
 from asyncopd_jax.pipeline.heap import HeapTrimmer
-from asyncopd_jax.pipeline.placement import pin_this_process
-from asyncopd_jax.pipeline.process import RunProcess, build_process
+from asyncopd_jax.pipeline.host_env import pin_this_process
+from asyncopd_jax.pipeline.probes import teacher_accuracies
 from asyncopd_jax.pipeline.rollout import RolloutLoop
 from asyncopd_jax.pipeline.spool import POLL_SECONDS, Claim, Spool, group_from_record, group_to_record
-from asyncopd_jax.pipeline.stage import teacher_accuracies
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup
 from asyncopd_jax.pipeline.trace import Tracer
 

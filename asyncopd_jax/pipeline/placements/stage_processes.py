@@ -36,11 +36,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
+import jax
 import numpy as np
 
 from asyncopd_jax.config import RunConfig
 from asyncopd_jax.pipeline.exchange import Exchange
-from asyncopd_jax.pipeline.placement import Layout, StagePlan, detect_platform, stage_process_env
+from asyncopd_jax.pipeline.host_env import detect_platform, stage_process_env
+from asyncopd_jax.pipeline.layout import Layout, StagePlan
 from asyncopd_jax.pipeline.spool import POLL_SECONDS, group_from_record, read_record
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
@@ -52,7 +54,7 @@ class StageFailed(RuntimeError):
 
 class StageProcesses:
     """Starts the stage processes of ``layout`` and joins them to the learner's staleness
-    buffer (a :class:`~asyncopd_jax.pipeline.stages.Stages`; :meth:`consumed` and
+    buffer (a :class:`~asyncopd_jax.pipeline.placements.Stages`; :meth:`consumed` and
     :meth:`checkpointed` decide when a scored record may be deleted)."""
 
     def __init__(
@@ -110,7 +112,7 @@ class StageProcesses:
         return self.buffer.take(version)
 
     def _spawn(self, spec: StagePlan) -> None:
-        env = {**os.environ, **stage_process_env(self.layout, spec, self.platform)}
+        env = {**os.environ, **stage_process_env(self.layout, spec, self.platform, jax.local_device_count())}
         log = open(self.exchange.log_dir / f"{spec.name}.log", "ab")  # noqa: SIM115 - closed in join
         command = [
             *self.stage_command,

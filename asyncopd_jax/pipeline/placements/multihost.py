@@ -16,8 +16,8 @@ import numpy as np
 
 from asyncopd_jax.learner import distributed
 from asyncopd_jax.pipeline.exchange import Exchange
+from asyncopd_jax.pipeline.placements import Stages
 from asyncopd_jax.pipeline.spool import group_from_record, read_record
-from asyncopd_jax.pipeline.stages import Stages
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup
 
 

@@ -22,7 +22,7 @@ import pytest
 from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.config import ConfigError, load_config
 from asyncopd_jax.teacher import ScoringParams, wire
-from asyncopd_jax.teacher.served import ServedTeacher, ServerParams
+from asyncopd_jax.teacher.client import ServedTeacher, ServerParams
 from asyncopd_jax.teacher.wire import ServerError
 
 V = 32
@@ -366,7 +366,7 @@ def test_the_config_refuses_what_a_served_teacher_cannot_do(overrides, expected)
 
 def test_the_estimators_a_vllm_teacher_serves_are_accepted_and_listed():
     cfg = load_config("demo", [*SERVED, "estimator.name=forward_kl_topk", "scoring.topk=8"])
-    assert cfg.teacher.served and cfg.teacher.server.url == URL
+    assert cfg.teacher.client and cfg.teacher.server.url == URL
     with pytest.raises(ConfigError) as err:
         load_config("demo", [*SERVED, "estimator.name=reverse_kl_mc"])
     usable = str(err.value).split("or one of ")[1].split(", ")
@@ -378,7 +378,7 @@ def test_the_guide_lists_the_estimators_a_vllm_teacher_serves():
     from pathlib import Path
 
     from asyncopd_jax.estimator_registry import ESTIMATORS
-    from asyncopd_jax.teacher.served import SERVES
+    from asyncopd_jax.teacher.client import SERVES
 
     guide = (Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text()
     row = next(line for line in guide.splitlines() if line.startswith("| vLLM |"))

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from asyncopd_jax.pipeline.stage import RolloutStage
+from asyncopd_jax.pipeline.rollout_stage import RolloutStage
 from asyncopd_jax.pipeline.staleness import RolloutGroup
 
 
 class FixedLagRollouts:
     """Produces each step's batch on demand from the policy ``lag`` versions back (a
-    :class:`~asyncopd_jax.pipeline.stages.Stages` with nothing in the background). The
+    :class:`~asyncopd_jax.pipeline.placements.Stages` with nothing in the background). The
     snapshot store of ``stage`` must keep ``lag + 1`` versions."""
 
     def __init__(self, *, stage: RolloutStage, lag: int, first_version: int):

@@ -2,11 +2,11 @@
 :class:`Stages` protocol.
 
 Its implementations, one per way the stages can be placed:
-:class:`~asyncopd_jax.pipeline.threads.RolloutPool` (rollout threads in the learner's
-process), :class:`~asyncopd_jax.pipeline.stage_processes.StageProcesses` (stage processes),
-:class:`~asyncopd_jax.pipeline.fixed_lag.FixedLagRollouts` (the ``fixed_lag`` schedule's
+:class:`~asyncopd_jax.pipeline.placements.threads.RolloutPool` (rollout threads in the learner's
+process), :class:`~asyncopd_jax.pipeline.placements.stage_processes.StageProcesses` (stage processes),
+:class:`~asyncopd_jax.pipeline.placements.fixed_lag.FixedLagRollouts` (the ``fixed_lag`` schedule's
 batches sampled on demand), and the multi-process learner's views of the leader's
-(:mod:`asyncopd_jax.pipeline.multihost`). :func:`asyncopd_jax.pipeline.process.start_stages`
+(:mod:`asyncopd_jax.pipeline.placements.multihost`). :func:`asyncopd_jax.pipeline.compose.start_stages`
 picks one.
 """
 

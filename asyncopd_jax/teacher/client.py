@@ -62,7 +62,7 @@ from asyncopd_jax.teacher.wire import Row, RowScores, ServerError
 
 Array = jax.Array
 
-#: The id sets (keys of :data:`asyncopd_jax.estimator_registry.ID_SOURCES`) each kind of
+#: The id sets (keys of :data:`asyncopd_jax.estimator_ids.ID_SOURCES`) each kind of
 #: teacher can score besides the sampled tokens. In-process: all of them.
 SERVES: dict[str, frozenset[str]] = {
     "vllm": frozenset({"teacher_topk"}),

@@ -11,14 +11,17 @@ its devices, its CPU cores and the process that hosts it, plus the weights chann
                ``stages.<role>_devices`` say so (e.g. the learner on chips 0-3, rollout and
                scoring on 4-7); rollout threads score their groups in the scoring stage.
     processes  each rollout / scoring stage in its own process (``asyncopd stage``), its
-               devices made visible by the platform's own mechanism (:func:`device_env`) and
-               pinned to its cores; without scoring processes each rollout process scores.
+               devices made visible by the platform's own mechanism and pinned to its
+               cores (:mod:`asyncopd_jax.pipeline.host_env`); without scoring processes
+               each rollout process scores.
 
 Device lists count this host's accelerators (or its CPU devices, e.g. the 8 virtual ones
-of ``--xla_force_host_platform_device_count=8``) in ``jax.local_devices()`` order.
+of ``--xla_force_host_platform_device_count=8``) in ``jax.local_devices()`` order. Which
+devices a stage computes on is decided here once (:func:`device_ids`, which the plan asks)
+and mapped onto a process's own devices once (:func:`local_device_ids`, which the run asks).
 
-This module starts no JAX: the config validates through it (:func:`validate`), and the
-``asyncopd`` command sets a learner process's device variables from it before JAX starts.
+This module starts no JAX: the ``asyncopd`` command plans the layout, and sets each
+process's device variables from it (:mod:`asyncopd_jax.pipeline.host_env`), before JAX starts.
 """
 
 from __future__ import annotations
@@ -32,8 +35,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
-
-from asyncopd_jax.config_checks import ConfigError
 
 if TYPE_CHECKING:
     from asyncopd_jax.config import IdList, RunConfig, StagesConfig
@@ -56,9 +57,6 @@ SCORING_SHARE = 0.55
 # (batch 64) run at 291 samples/s against 558 unpinned: a process on one core loses XLA's
 # intra-op parallelism, while unpinned processes take the cores the other stage leaves idle.
 MIN_CORES_TO_PIN = 2
-# TPU chips of one process, as libtpu's ``TPU_CHIPS_PER_PROCESS_BOUNDS`` (x, y, z).
-TPU_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
-TPU_BASE_PORT = 8476  # libtpu's default; a stage process with chips of its own gets the next ones
 
 
 class LayoutError(ValueError):
@@ -69,9 +67,9 @@ class LayoutError(ValueError):
 class StagePlan:
     """One stage: its role and number, the devices and cores it owns, and its process.
 
-    ``devices``: indices into this host's devices (``()``: the learner's devices for a
-    stage inside the learner's process; every device it sees for a process of its own).
-    ``cores``: CPU cores its process is pinned to (``()``: unpinned).
+    ``devices``: indices into this host's devices (``()``: see :func:`device_ids`, the one
+    place that says what it means). ``cores``: CPU cores its process is pinned to (``()``:
+    unpinned).
     """
 
     role: Role
@@ -135,7 +133,7 @@ class Layout:
     def hosted_by(self, process: str) -> tuple[StagePlan, ...]:
         """The stages process ``process`` runs. A stage process started by hand on another
         host (``launch/stage_host.sh``: ``rollout-100``, …) runs what its role's first process
-        runs, on every device it sees (its launcher chose them)."""
+        runs, with no device list: on every device it sees (:func:`device_ids`)."""
         hosted = tuple(s for s in self.stages if s.process == process)
         if hosted or process == LEARNER_PROCESS:
             return hosted
@@ -170,49 +168,6 @@ class Layout:
 
 
 # --- what the config decides ----------------------------------------------------------------
-
-
-def validate(cfg: RunConfig) -> None:
-    """The placement's rules across config sections (each section has checked its own
-    fields): a :class:`ConfigError` naming the fields of the first one broken."""
-    processes = cfg.stages.placement == "processes"
-    if cfg.schedule.mode == "fixed_lag" and processes:
-        raise ConfigError(
-            "stages.placement = 'processes' is invalid with schedule.mode = fixed_lag; "
-            "allowed: threads (fixed_lag samples in the learner's own thread)"
-        )
-    shared = set(cfg.stages.devices("learner")) & set(cfg.stages.devices("rollout") + cfg.stages.devices("scoring"))
-    if processes and shared:
-        raise ConfigError(
-            f"stages.learner_devices = {cfg.stages.learner_devices!r} is invalid; allowed: devices no "
-            "rollout or scoring process holds (processes cannot share a TPU chip)"
-        )
-    if cfg.distributed.learner_processes is not None:  # else known at start only: asyncopd train checks it then
-        check_learner_processes(cfg, cfg.distributed.learner_processes)
-
-
-def check_learner_processes(cfg: RunConfig, processes: int) -> None:
-    """A :class:`ConfigError` for a setting a learner over ``processes`` processes cannot
-    run with. Validation checks the count the config fixes
-    (``distributed.learner_processes``); ``asyncopd train`` checks again, after
-    ``jax.distributed.initialize``, the count the environment gave."""
-    if processes <= 1:
-        return
-    where = f"for a learner over {processes} processes"
-    if cfg.stages.placement != "processes":
-        raise ConfigError(
-            f"stages.placement = {cfg.stages.placement!r} is invalid {where}; allowed: "
-            "processes (each learner process reads its rows of a batch from the run's spool)"
-        )
-    if cfg.learner.token_budget:
-        raise ConfigError(
-            f"learner.token_budget = {cfg.learner.token_budget} is invalid {where}; allowed: 0 "
-            "(each process feeds its own rows)"
-        )
-    if cfg.stages.snapshot_format == "safetensors":
-        raise ConfigError(f"stages.snapshot_format = 'safetensors' is invalid {where}; allowed: auto, orbax")
-    if cfg.train.diagnostics_every:
-        raise ConfigError(f"train.diagnostics_every = {cfg.train.diagnostics_every} is invalid {where}; allowed: 0")
 
 
 def split_ids(ids: Sequence[int], parts: int) -> list[tuple[int, ...]]:
@@ -265,7 +220,7 @@ def snapshot_channel(cfg: RunConfig, run_path: Path, multi_process: bool) -> Sna
     """The weights channel. A version is published once per rollout batch (M optimizer
     steps), so the versions a rollout may still start from span ⌈η / M⌉ + 1; one more is in
     flight."""
-    keep = -(-cfg.schedule.eta(cfg.learner.mini_batches) // cfg.learner.mini_batches) + 2
+    keep = -(-cfg.eta // cfg.learner.mini_batches) + 2
     in_process = cfg.stages.placement == "threads"
     if in_process and cfg.stages.snapshot_in_memory and not multi_process:
         return SnapshotChannel(in_memory=True, directory="", format="", keep=keep, temporary=False)
@@ -333,14 +288,27 @@ def plan_layout(
     )
 
 
-def device_ids(layout: Layout, stage: StagePlan, count: int) -> IdList:
-    """The devices ``stage`` computes on, of a host's ``count``: its own list; ``()`` is the
-    learner's devices for a stage in the learner's process, and every device for the
-    learner or a process of its own (what the platform makes visible to it)."""
+def device_ids(layout: Layout, stage: StagePlan, count: int, platform: str) -> IdList:
+    """The devices ``stage`` computes on, as indices into the ``count`` devices of its host
+    (``platform``: ``cpu``, ``gpu`` or ``tpu``). The one decision; the plan asks it, and the
+    run asks it through :func:`local_device_ids`.
+
+    * ``stages.<role>_devices`` lists them: those.
+    * An empty list in the learner's process: the learner's devices for a rollout or
+      scoring stage beside it, every device for the learner.
+    * An empty list in a process of its own: every device that process sees, which its
+      launcher chose (``CUDA_VISIBLE_DEVICES``, the TPU chip variables, or the XLA:CPU
+      device count it was started with). Unrestricted on a GPU or TPU host, that is all
+      ``count``; on a CPU, the learner starts its stage processes with one CPU device
+      (:func:`~asyncopd_jax.pipeline.host_env.stage_process_env`): a stage is one replica,
+      not one on each of, say, 8 virtual CPU devices.
+    """
     ids = stage.devices
     if not ids and stage.process == LEARNER_PROCESS and stage.role != "learner":
         ids = layout.learner.devices
-    ids = ids or tuple(range(count))
+    if not ids:
+        own_process = stage.process != LEARNER_PROCESS
+        ids = (0,) if own_process and platform == "cpu" else tuple(range(count))
     if max(ids) >= count:
         raise ValueError(
             f"stages.{stage.role}_devices = {','.join(map(str, ids))} names device {max(ids)}; "
@@ -349,70 +317,24 @@ def device_ids(layout: Layout, stage: StagePlan, count: int) -> IdList:
     return ids
 
 
-# --- a process's devices and cores ------------------------------------------------------------
-
-
-def detect_platform() -> str:
-    """``tpu``, ``gpu`` or ``cpu``, without starting JAX: ``JAX_PLATFORMS`` when set, else
-    the accelerator device files of this host."""
-    configured = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
-    if configured:
-        return "gpu" if configured in ("cuda", "rocm", "gpu") else configured
-    dev = Path("/dev")
-    if any(dev.glob("accel[0-9]*")) or any(p.name.isdigit() for p in (dev / "vfio").glob("*")):
-        return "tpu"
-    if (dev / "nvidia0").exists():
-        return "gpu"
-    return "cpu"
-
-
-def device_env(platform: str, devices: Sequence[int], port: int = TPU_BASE_PORT) -> dict[str, str]:
-    """The environment that gives a new process exactly ``devices`` of this host.
-
-    GPU: ``CUDA_VISIBLE_DEVICES``. TPU: the chip-visibility variables of libtpu for an
-    independent process (its own one-process "slice": ``TPU_PROCESS_BOUNDS=1,1,1``) over
-    1, 2, 4 or 8 chips, with its own port. CPU: nothing (a process's CPU devices are its
-    own; its cores are pinned instead). ``()``: nothing either (every device visible).
-    """
-    if not devices or platform == "cpu":
-        return {}
-    ids = ",".join(map(str, devices))
-    if platform == "gpu":
-        return {"CUDA_VISIBLE_DEVICES": ids}
-    if platform == "tpu":
-        if len(devices) not in TPU_CHIP_BOUNDS:
-            raise ValueError(f"a TPU stage process holds 1, 2, 4 or 8 chips, not {len(devices)} ({ids})")
-        return {
-            "TPU_VISIBLE_CHIPS": ids,
-            "TPU_PROCESS_BOUNDS": "1,1,1",
-            "TPU_CHIPS_PER_PROCESS_BOUNDS": TPU_CHIP_BOUNDS[len(devices)],
-            "TPU_PROCESS_PORT": str(port),
-            "TPU_PROCESS_ADDRESSES": f"localhost:{port}",
-            "CLOUD_TPU_TASK_ID": "0",
-            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-        }
-    raise ValueError(f"unknown platform {platform!r}; known: cpu, gpu, tpu")
-
-
-def stage_process_env(layout: Layout, stage: StagePlan, platform: str) -> dict[str, str]:
-    """The device variables of ``stage``'s own process (each on its own TPU port)."""
-    return device_env(platform, stage.devices, TPU_BASE_PORT + 1 + layout.stages.index(stage))
-
-
-def pin_this_process(cores: Sequence[int]) -> None:
-    """Restrict this process to ``cores`` (call before JAX starts: XLA sizes its CPU thread
-    pool to the cores the process may use)."""
-    if cores and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, set(cores))
-
-
-def prepare_learner_process(layout: Layout, platform: str) -> None:
-    """Before JAX starts in the learner's process: pin it, and when stage processes hold
-    devices of their own, make only the learner's devices visible to it."""
+def launcher_chose_devices(layout: Layout, stage: StagePlan, platform: str) -> bool:
+    """Whether ``stage``'s process sees exactly the devices it computes on, because they
+    were made visible to it before JAX started: a stage process (started by the learner
+    with :func:`~asyncopd_jax.pipeline.host_env.stage_process_env`, or by hand by its
+    launcher), or, on a GPU or TPU, the learner's process when stage processes hold devices
+    of their own (:func:`~asyncopd_jax.pipeline.host_env.prepare_learner_process`)."""
+    if stage.process != LEARNER_PROCESS:
+        return True
     learner = layout.learner
-    pin_this_process(learner.cores)
-    if layout.stage_processes():
-        os.environ.update(device_env(platform, learner.devices))
+    return bool(learner.devices) and bool(layout.stage_processes()) and platform != "cpu"
+
+
+def local_device_ids(layout: Layout, stage: StagePlan, count: int, platform: str) -> IdList:
+    """:func:`device_ids` as indices into the ``count`` devices ``stage``'s own process sees:
+    all of them where its launcher made only those visible, else the host's ids unchanged."""
+    if launcher_chose_devices(layout, stage, platform):
+        return tuple(range(count))
+    return device_ids(layout, stage, count, platform)
 
 
 def describe(layout: Layout) -> list[str]:

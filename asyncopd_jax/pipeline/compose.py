@@ -1,7 +1,7 @@
 """What one process of the run holds, built in one place: the composition root.
 
 :func:`build_process` makes, from the config, the typed
-:class:`~asyncopd_jax.pipeline.placement.Layout` and a process's name, every stage the layout
+:class:`~asyncopd_jax.pipeline.layout.Layout` and a process's name, every stage the layout
 puts in that process, on its own devices, and the weights channel's end it uses:
 
     the learner's process   the learner (and, in the leader, the scoring stage and the
@@ -11,12 +11,12 @@ puts in that process, on its own devices, and the weights channel's end it uses:
                             stage reads the snapshots on disk onto its own devices
 
 The trainer (:class:`~asyncopd_jax.pipeline.trainer.Trainer`) and every stage process
-(:mod:`asyncopd_jax.pipeline.stage_process`) call it, so a stage is built the same way
+(:mod:`asyncopd_jax.pipeline.stage_main`) call it, so a stage is built the same way
 wherever the layout puts it. :func:`start_stages` then starts, in the learner's process,
-the :class:`~asyncopd_jax.pipeline.stages.Stages` the learner takes its batches from.
+the :class:`~asyncopd_jax.pipeline.placements.Stages` the learner takes its batches from.
 (``asyncopd plan`` builds no models: it asks the same layout where each stage runs and
 compiles the stages' functions on meshes made by the same
-:func:`~asyncopd_jax.pipeline.stage.stage_mesh`.)
+:func:`~asyncopd_jax.pipeline.devices.stage_mesh`.)
 """
 
 from __future__ import annotations
@@ -25,31 +25,23 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-import jax
-
 from asyncopd_jax.config import RunConfig
 from asyncopd_jax.learner import distributed, state_shardings
+from asyncopd_jax.pipeline.devices import with_shardings
 from asyncopd_jax.pipeline.exchange import Exchange
-from asyncopd_jax.pipeline.fixed_lag import FixedLagRollouts
+from asyncopd_jax.pipeline.layout import LEARNER_PROCESS, Layout, StagePlan
 from asyncopd_jax.pipeline.learner_stage import LearnerStage
-from asyncopd_jax.pipeline.multihost import FollowerStages, LeaderStages
-from asyncopd_jax.pipeline.placement import LEARNER_PROCESS, Layout, StagePlan
+from asyncopd_jax.pipeline.model_loading import student_graph
+from asyncopd_jax.pipeline.placements import Stages
+from asyncopd_jax.pipeline.placements.fixed_lag import FixedLagRollouts
+from asyncopd_jax.pipeline.placements.multihost import FollowerStages, LeaderStages
+from asyncopd_jax.pipeline.placements.stage_processes import StageProcesses
+from asyncopd_jax.pipeline.placements.threads import RolloutPool
+from asyncopd_jax.pipeline.rollout_stage import RolloutStage, build_rollout_stage, rollout_shardings
+from asyncopd_jax.pipeline.run_models import RunModels, run_models
+from asyncopd_jax.pipeline.scoring_stage import ScoringStage, build_scoring_stage
 from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore, InMemorySnapshotStore, SnapshotStore
-from asyncopd_jax.pipeline.stage import (
-    RolloutStage,
-    RunModels,
-    ScoringStage,
-    build_rollout_stage,
-    build_scoring_stage,
-    rollout_shardings,
-    run_models,
-    student_graph,
-    with_shardings,
-)
-from asyncopd_jax.pipeline.stage_processes import StageProcesses
-from asyncopd_jax.pipeline.stages import Stages
 from asyncopd_jax.pipeline.staleness import StalenessBuffer
-from asyncopd_jax.pipeline.threads import RolloutPool
 from asyncopd_jax.pipeline.trace import Tracer
 
 
@@ -87,15 +79,9 @@ def build_process(
     models = models or run_models(cfg)
     hosted = layout.hosted_by(name)
     learner = LearnerStage(cfg, layout, models, multi_process) if name == LEARNER_PROCESS else None
-    # a stage beside the learner with no devices of its own computes on the learner's
-    default_devices = list(learner.mesh.devices.flat) if learner is not None else None
     scoring_plan = next((s for s in hosted if s.role == "scoring"), None)
-    scoring = (
-        build_scoring_stage(cfg, layout, scoring_plan, models, default_devices)
-        if scoring_plan is not None and leader
-        else None
-    )
-    snapshots = _learner_snapshots(cfg, layout, learner, leader, default_devices) if learner is not None else None
+    scoring = build_scoring_stage(cfg, layout, scoring_plan, models) if scoring_plan is not None and leader else None
+    snapshots = _learner_snapshots(cfg, layout, learner, leader) if learner is not None else None
     # the policy's graph: the learner's own where it is here, else built from the student's config
     graphdef = learner.graphdef if learner is not None else student_graph(cfg, models)[0]
     rollouts = tuple(
@@ -107,12 +93,11 @@ def build_process(
             snapshots=(
                 snapshots
                 if layout.snapshots.in_memory and snapshots is not None
-                else _reader(cfg, layout, plan, models, default_devices)
+                else _reader(cfg, layout, plan, models)
             ),
             tracer=tracer,
             scoring=scoring,
             graphdef=graphdef,
-            default_devices=default_devices,
             # fixed_lag samples whole batches from one policy: no weights swapped mid-group
             interruptible=cfg.schedule.mode != "fixed_lag",
         )
@@ -122,17 +107,13 @@ def build_process(
     return RunProcess(cfg, layout, name, models, tracer, learner, scoring, rollouts, snapshots, leader, multi_process)
 
 
-def _learner_snapshots(
-    cfg: RunConfig, layout: Layout, learner: LearnerStage, leader: bool, learner_devices: list[jax.Device] | None
-) -> SnapshotStore:
+def _learner_snapshots(cfg: RunConfig, layout: Layout, learner: LearnerStage, leader: bool) -> SnapshotStore:
     """The learner's end of the weights channel: a device-to-device copy onto the rollout
     threads' devices (in memory), or versioned snapshots on disk."""
     channel, params = layout.snapshots, learner.state.params
     if channel.in_memory:
         rollout = layout.of_role("rollout")[0]
-        return InMemorySnapshotStore(
-            keep=channel.keep, shardings=rollout_shardings(cfg, layout, rollout, params, learner_devices)
-        )
+        return InMemorySnapshotStore(keep=channel.keep, shardings=rollout_shardings(cfg, layout, rollout, params))
     # Versions left by an earlier incarnation of this run may be newer than the restored
     # policy; rollouts from them would be refused as "future". The learner is the only
     # writer and no reader runs yet, so start from an empty directory.
@@ -143,15 +124,13 @@ def _learner_snapshots(
     return DiskSnapshotStore(channel.directory, abstract, keep=channel.keep, format=channel.format)
 
 
-def _reader(
-    cfg: RunConfig, layout: Layout, plan: StagePlan, models: RunModels, default_devices: list[jax.Device] | None
-) -> DiskSnapshotStore:
+def _reader(cfg: RunConfig, layout: Layout, plan: StagePlan, models: RunModels) -> DiskSnapshotStore:
     """A rollout stage's reading end of the snapshots on disk: each version restored straight
     into the stage's own shardings."""
     _, abstract = student_graph(cfg, models)
     return DiskSnapshotStore(
         layout.snapshots.directory,
-        with_shardings(abstract, rollout_shardings(cfg, layout, plan, abstract, default_devices)),
+        with_shardings(abstract, rollout_shardings(cfg, layout, plan, abstract)),
         read_only=True,
         format=layout.snapshots.format,
     )

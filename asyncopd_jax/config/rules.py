@@ -1,0 +1,205 @@
+"""The checks that span sections of a run's configuration, each naming the fields involved
+(each section has checked its own fields when it was built): the estimator against what
+the run produces, the teachers and what each can score, the algorithm, the placement."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from asyncopd_jax.config.sections import TeacherSource
+from asyncopd_jax.config_checks import ConfigError
+from asyncopd_jax.estimator_ids import ID_SOURCES
+from asyncopd_jax.estimator_registry import ESTIMATORS, RL_ESTIMATORS
+
+if TYPE_CHECKING:
+    from asyncopd_jax.config.run_config import RunConfig
+
+
+def validate(cfg: RunConfig) -> None:
+    """The checks that span sections, each naming the fields involved (each section has
+    checked its own fields when it was built)."""
+    spec = cfg.estimator.spec
+    _validate_teacher(cfg)  # first: what the teacher cannot score, before the settings that make it
+    for need in spec.needs:  # each id set the estimator reads, and the setting that makes it
+        setting = ID_SOURCES[need].setting
+        if setting.read(cfg) < 1:
+            raise ConfigError(f"estimator.name = {cfg.estimator.name!r} needs {setting.name} >= 1")
+    _validate_algorithm(cfg)
+    extrapolation = cfg.learner.extrapolation
+    if (
+        extrapolation.enabled
+        and extrapolation.probe_metric == "accuracy"
+        and cfg.task.name == "dataset"
+        and not cfg.task.answer_field
+    ):
+        raise ConfigError(
+            "learner.extrapolation.probe_metric = 'accuracy' is invalid for a dataset without "
+            "task.answer_field; allowed: reverse_kl (the probe then needs no reference answers)"
+        )
+    # the probes below compute the exact KL over the whole vocabulary: the teacher's weights
+    # must be in one of our processes (a served teacher answers only a top-K)
+    if extrapolation.enabled and extrapolation.probe_metric == "reverse_kl" and cfg.in_process_teacher is None:
+        raise ConfigError(
+            "learner.extrapolation.probe_metric = 'reverse_kl' needs one in-process teacher (teacher.path); "
+            "allowed without one: accuracy"
+        )
+    if cfg.train.diagnostics_every and cfg.in_process_teacher is None:
+        raise ConfigError(
+            f"train.diagnostics_every = {cfg.train.diagnostics_every} needs one in-process teacher (teacher.path); "
+            "allowed without one: 0"
+        )
+    probed = cfg.train.diagnostics_every or (extrapolation.enabled and extrapolation.probe_metric == "reverse_kl")
+    if probed and cfg.in_process_teacher is not None and cfg.in_process_teacher.prompt.own:
+        raise ConfigError(
+            "teacher.prompt.template is invalid with train.diagnostics_every or the reverse_kl extrapolation probe: "
+            "they compare the student and teacher under one prompt; allowed: no template, or those probes off"
+        )
+    if cfg.schedule.mode == "fixed_lag" and cfg.learner.mini_batches != 1:
+        # One rollout batch per optimizer step, sampled in the learner's thread: with M
+        # mini-batches the m-th would be k + m stale.
+        raise ConfigError(
+            f"learner.mini_batches = {cfg.learner.mini_batches} is invalid with schedule.mode = "
+            "fixed_lag; allowed: 1 (every step then trains on exactly schedule.lag-stale rollouts)"
+        )
+    _validate_placement(cfg)
+
+
+def _validate_placement(cfg: RunConfig) -> None:
+    """Where the stages run, against the schedule and the learner's processes."""
+    processes = cfg.stages.placement == "processes"
+    if cfg.schedule.mode == "fixed_lag" and processes:
+        raise ConfigError(
+            "stages.placement = 'processes' is invalid with schedule.mode = fixed_lag; "
+            "allowed: threads (fixed_lag samples in the learner's own thread)"
+        )
+    shared = set(cfg.stages.devices("learner")) & set(cfg.stages.devices("rollout") + cfg.stages.devices("scoring"))
+    if processes and shared:
+        raise ConfigError(
+            f"stages.learner_devices = {cfg.stages.learner_devices!r} is invalid; allowed: devices no "
+            "rollout or scoring process holds (processes cannot share a TPU chip)"
+        )
+    if cfg.distributed.learner_processes is not None:  # else known at start only: asyncopd train checks it then
+        check_learner_processes(cfg, cfg.distributed.learner_processes)
+
+
+def check_learner_processes(cfg: RunConfig, processes: int) -> None:
+    """A :class:`ConfigError` for a setting a learner over ``processes`` processes cannot
+    run with. Validation checks the count the config fixes
+    (``distributed.learner_processes``); ``asyncopd train`` checks again, after
+    ``jax.distributed.initialize``, the count the environment gave."""
+    if processes <= 1:
+        return
+    where = f"for a learner over {processes} processes"
+    if cfg.stages.placement != "processes":
+        raise ConfigError(
+            f"stages.placement = {cfg.stages.placement!r} is invalid {where}; allowed: "
+            "processes (each learner process reads its rows of a batch from the run's spool)"
+        )
+    if cfg.learner.token_budget:
+        raise ConfigError(
+            f"learner.token_budget = {cfg.learner.token_budget} is invalid {where}; allowed: 0 "
+            "(each process feeds its own rows)"
+        )
+    if cfg.stages.snapshot_format == "safetensors":
+        raise ConfigError(f"stages.snapshot_format = 'safetensors' is invalid {where}; allowed: auto, orbax")
+    if cfg.train.diagnostics_every:
+        raise ConfigError(f"train.diagnostics_every = {cfg.train.diagnostics_every} is invalid {where}; allowed: 0")
+
+
+def _validate_teacher(cfg: RunConfig) -> None:
+    """The run's teachers, and what each served one can score
+    (:data:`asyncopd_jax.teacher.client.SERVES`), asked up front: a run must not find out at
+    its first batch that its estimator cannot train."""
+    if cfg.teachers:
+        if cfg.teacher.given:
+            raise ConfigError(
+                f"teacher.path = {cfg.teacher.path!r} / teacher.server.url = {cfg.teacher.server.url!r} is set with "
+                f"teachers ({len(cfg.teachers)} listed); allowed: one of them (`teacher` for one teacher, "
+                "`teachers` for several: set teacher.path: '')"
+            )
+        names = [t.name for t in cfg.teachers]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ConfigError(
+                f"teachers: the name {repeated[0]!r} is used twice; allowed: a different name per teacher"
+            )
+        for i, teacher in enumerate(cfg.teachers):
+            if not teacher.given:
+                raise ConfigError(f"teachers[{i}] ({teacher.name!r}) has neither path nor server.url; allowed: one")
+    if cfg.routing.by == "field" and len(cfg.teacher_sources) > 1 and cfg.task.name != "dataset":
+        raise ConfigError(
+            f"routing.by = field is invalid with task.name = {cfg.task.name} (it has no fields); allowed: mixture, "
+            "or a dataset task whose rows name their teacher in routing.field"
+        )
+    sources = cfg.teachers or (cfg.teacher,)
+    for i, teacher in enumerate(sources):
+        _validate_served(cfg, teacher, f"teachers[{i}]" if cfg.teachers else "teacher")
+
+
+def _validate_served(cfg: RunConfig, teacher: TeacherSource, where: str) -> None:
+    """What ``teacher`` (the config's section ``where``) can score when a server scores it."""
+    if not teacher.served:
+        return
+    if teacher.path:
+        raise ConfigError(
+            f"{where}.path = {teacher.path!r} and {where}.server.url = {teacher.server.url!r} are both set; "
+            "allowed: one of them (the teacher runs in-process from its directory, or a server scores it)"
+        )
+    api = f"{where}.server.api = {teacher.server.api}"
+    if cfg.needs_teacher_scores:
+        serves = teacher.server.serves
+        for need in cfg.estimator.spec.needs:
+            source = ID_SOURCES[need]
+            if need not in serves:
+                usable = [name for name, spec in ESTIMATORS.items() if set(spec.needs) <= serves]
+                raise ConfigError(
+                    f"estimator.name = {cfg.estimator.name!r} needs {source.scores} (the teacher's log-probs of "
+                    f"{source.ids}), which a {api} teacher cannot score; allowed: an in-process teacher "
+                    f"({where}.path) or one of {', '.join(usable)}"
+                )
+        if cfg.scoring.num_samples and "teacher_samples" not in serves:
+            raise ConfigError(
+                f"scoring.num_samples = {cfg.scoring.num_samples} is invalid with {api} (it cannot sample "
+                f"ids from the teacher); allowed: 0, or an in-process teacher ({where}.path)"
+            )
+        temperature = teacher.scoring(cfg.scoring).temperature
+        if teacher.server.raw_only and temperature != 1.0:
+            setting = f"{where}.temperature" if teacher.temperature is not None else "scoring.temperature"
+            raise ConfigError(
+                f"{setting} = {temperature:g} is invalid with {api}: its log-probs are the "
+                "model's raw distribution (temperature 1), and a top-K cannot be re-tempered exactly; allowed: 1.0, "
+                f"or an in-process teacher ({where}.path)"
+            )
+
+
+def _validate_algorithm(cfg: RunConfig) -> None:
+    """What reward-driven RL needs."""
+    if cfg.algorithm == "opd":
+        return
+    rl = cfg.rl
+    if not cfg.estimator.spec.needs_advantage:
+        raise ConfigError(
+            f"estimator.name = {cfg.estimator.name!r} is invalid with algorithm = rl; allowed: "
+            f"{', '.join(RL_ESTIMATORS)}"
+        )
+    group = cfg.group_size
+    if group % rl.samples_per_prompt:
+        raise ConfigError(
+            f"rl.samples_per_prompt = {rl.samples_per_prompt} is invalid; allowed: a divisor of the "
+            f"{group} samples of a rollout group (learner.batch_size / rollout workers)"
+        )
+    if cfg.needs_teacher_scores and not cfg.teacher_sources:
+        raise ConfigError(
+            f"teacher.path = '' is invalid with rl.distill_coef = {rl.distill_coef}; allowed: a model "
+            "directory, a teacher server (teacher.server.url), or rl.distill_coef = 0 to train from rewards alone"
+        )
+    if not cfg.needs_scoring and cfg.stages.scoring_processes:
+        raise ConfigError(
+            f"stages.scoring_processes = {cfg.stages.scoring_processes} is invalid with algorithm = rl, "
+            "rl.distill_coef = 0 and estimator.regularisers.reference_kl_coef = 0 (nothing to score); allowed: 0"
+        )
+    if cfg.task.name == "dataset" and not cfg.task.answer_field:
+        raise ConfigError(
+            "task.answer_field = '' is invalid with algorithm = rl; allowed: the field holding each "
+            "example's reference answer (the reward checks answers against it)"
+        )

@@ -1,0 +1,432 @@
+"""The sections of a run's configuration, each a frozen dataclass that checks its own
+fields when it is built (its ``__post_init__``): an unknown field names itself and the
+allowed fields, a bad value names the field and the allowed values."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Literal
+
+from asyncopd_jax.config_checks import ConfigError, IdList, check_fields, parse_id_list
+from asyncopd_jax.teacher.client import ServerParams
+from asyncopd_jax.teacher.prompts import TeacherPrompt
+from asyncopd_jax.teacher.scorer import ScoringParams
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """What the student answers: the built-in synthetic task (``arith``) or a user's file
+    (``dataset``: :mod:`asyncopd_jax.tasks.dataset_task`)."""
+
+    name: Literal["arith", "dataset"] = "arith"
+    difficulty: int = 3  # arith: operands per problem (lengths = long_tailed: the fewest)
+    max_value: int = 99  # arith: operands are drawn from [0, max_value]
+    # arith: "fixed" gives every problem `difficulty` operands; "long_tailed" draws each problem's
+    # count k from difficulty to max_operands with P(k) ∝ (k − difficulty + 1) ** −tail_exponent
+    # (asyncopd_jax.tasks.arith: answers of 10 to 494 tokens, median 16, at the defaults and difficulty 2)
+    lengths: Literal["fixed", "long_tailed"] = "fixed"
+    max_operands: int = 40  # arith, lengths = long_tailed: the most operands a problem has
+    tail_exponent: float = 2.0  # arith, lengths = long_tailed: the Zipf exponent (0: uniform counts)
+    path: str = ""  # dataset: a .jsonl or .parquet file, one example per line / row
+    prompt_field: str = "prompt"  # dataset: the field holding the prompt (dots reach into nested objects)
+    answer_field: str = "answer"  # dataset: the reference answer ("" for none: distillation needs none)
+    eval_fraction: float = 0.05  # dataset: share of the examples held out (fixed by prompt hash)
+    eval_prompts: int = 256  # held-out problems evaluated (at most)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        long_tailed = self.name == "arith" and self.lengths == "long_tailed"
+        check_fields(
+            "task",
+            [
+                ("eval_fraction", self.eval_fraction, 0 <= self.eval_fraction < 1, "0 <= fraction < 1"),
+                ("difficulty", self.difficulty, not long_tailed or self.difficulty >= 2, ">= 2 (the fewest operands)"),
+                (
+                    "max_operands",
+                    self.max_operands,
+                    not long_tailed or self.difficulty <= self.max_operands <= self.max_value + 1,
+                    f"task.difficulty ({self.difficulty}) to task.max_value + 1 ({self.max_value + 1}: operands are "
+                    "distinct)",
+                ),
+                ("tail_exponent", self.tail_exponent, self.tail_exponent >= 0, ">= 0 (0: uniform counts)"),
+            ],
+        )
+        if self.name == "dataset" and not self.path:
+            raise ConfigError("task.path = '' is invalid with task.name = dataset; allowed: a .jsonl or .parquet file")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """A model directory in the Hugging Face layout; ``builtin:NAME`` for a shipped one."""
+
+    path: str = ""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # How whole-sequence attention is computed (the learner, the teacher's scoring): "auto"
+    # is Pallas splash attention on TPU, a pure-JAX flash attention on GPU, the plain one on
+    # CPU (asyncopd_jax.models.attention); the long-sequence ones never hold [S, S] scores.
+    attention: Literal["auto", "xla", "blockwise", "splash"] = "auto"
+
+
+TEACHER_NAME = re.compile(r"[A-Za-z0-9_-]+")  # a teacher's name is part of its metrics' names
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherSource(ModelSource):
+    """A teacher: a model directory scored in one of our processes (``path``), or a server
+    that scores it (``server.url``: :mod:`asyncopd_jax.teacher.client`), not both.
+
+    ``name`` names it in the metrics (``teacher/NAME/…``) and in a dataset's routing column;
+    ``weight`` is its share of the prompts under ``routing.by = mixture``; ``temperature``
+    its own scoring temperature (None: ``scoring.temperature``); ``prompt`` the prompt it
+    scores the student's answers under (:mod:`asyncopd_jax.teacher.prompts`; default: the
+    student's)."""
+
+    server: ServerParams = ServerParams()
+    name: str = "teacher"
+    weight: float = 1.0
+    temperature: float | None = None
+    prompt: TeacherPrompt = TeacherPrompt()
+    # The directory of the teacher's tokenizer ('' : its model directory, ``path``; for a
+    # served teacher, the student's). A tokenizer other than the student's makes the teacher
+    # a cross-tokenizer one: answers are re-tokenised for it and compared by text spans
+    # (asyncopd_jax.teacher.cross_tokenizer), under a prompt in its own tokens.
+    tokenizer: str = ""
+
+    def __post_init__(self) -> None:
+        if not TEACHER_NAME.fullmatch(self.name):
+            raise ValueError(f"teacher name {self.name!r} is invalid; allowed: letters, digits, '_' and '-'")
+        if not self.weight > 0:
+            raise ValueError(f"teacher {self.name!r}: weight = {self.weight!r} is invalid; allowed: > 0")
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"teacher {self.name!r}: temperature = {self.temperature!r} is invalid; allowed: > 0")
+
+    def scoring(self, run: ScoringParams) -> ScoringParams:
+        """The run's scoring settings with this teacher's own temperature."""
+        return run if self.temperature is None else dataclasses.replace(run, temperature=self.temperature)
+
+    @property
+    def served(self) -> bool:
+        """Whether a server scores the teacher (else it runs in-process from ``path``)."""
+        return bool(self.server.url)
+
+    @property
+    def given(self) -> bool:
+        """Whether the run has a teacher at all."""
+        return bool(self.path) or self.served
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """Reward-driven RL (``algorithm: rl``): the task's verifier rewards each answer.
+
+    Every prompt is answered ``samples_per_prompt`` (G) times; a response's advantage is
+    its reward relative to its group's (:func:`asyncopd_jax.estimators.group_advantages`)
+    and one of :data:`RL_ESTIMATORS` (``estimator.name``: a spec with ``needs_advantage``)
+    turns it into a loss. With ``distill_coef`` β > 0 the teacher's per-token reverse-KL
+    reward is added to the advantage (distil and reinforce at once); with β = 0 the
+    teacher scores nothing.
+    """
+
+    samples_per_prompt: int = 8  # G
+    normalize_std: bool = True  # GRPO: divide by the group's reward std; False: Dr. GRPO (centre only)
+    advantage_std: Literal["unbiased", "population"] = "unbiased"  # that std over G − 1 (verl, AReaL, Tunix) or G
+    distill_coef: float = 0.0  # β
+
+    def __post_init__(self) -> None:
+        check_fields(
+            "rl",
+            [
+                ("samples_per_prompt", self.samples_per_prompt, self.samples_per_prompt >= 1, ">= 1"),
+                ("distill_coef", self.distill_coef, self.distill_coef >= 0, ">= 0"),
+            ],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = 1e-3
+    warmup_steps: int = 10
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    final_lr_fraction: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+
+    def __post_init__(self) -> None:
+        check_fields("optim", [("learning_rate", self.learning_rate, self.learning_rate > 0, "> 0")])
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh of a stage: ``data × fsdp × tensor`` devices (−1 for ``data`` or ``fsdp``:
+    all remaining devices); see :mod:`asyncopd_jax.models.partitioning` for what each axis
+    splits."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        check_fields(
+            "mesh",
+            [
+                ("data", self.data, self.data == -1 or self.data >= 1, "-1 or >= 1"),
+                ("fsdp", self.fsdp, self.fsdp == -1 or self.fsdp >= 1, "-1 or >= 1"),
+                ("tensor", self.tensor, self.tensor >= 1, ">= 1"),
+            ],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtrapolationConfig:
+    """EffOPD (:mod:`asyncopd_jax.learner.extrapolation`): at optimizer steps 1, 2, 4, 8, …
+    try θ_a + f·(θ_t − θ_a) for each factor f in turn on a probe, keep the best while the
+    probe strictly improves (else roll back to θ_t), and re-anchor there.
+
+    The probe is ``probe_prompts`` fixed prompts drawn from the training distribution with
+    their own seed (not the held-out evaluation set). ``probe_metric``: ``accuracy`` (the
+    verifier's mean score of the answers; needs reference answers) or ``reverse_kl``
+    (minus the exact KL(student ‖ teacher) per token of the answers; any task).
+    ``probe_temperature`` 0 answers greedily; above 0 the answers are sampled with the same
+    key for every candidate (common random numbers: the comparison sees one draw).
+    """
+
+    enabled: bool = False
+    factors: tuple[float, ...] = (3.0, 5.0, 7.0, 9.0, 11.0)
+    probe_prompts: int = 64
+    probe_metric: Literal["accuracy", "reverse_kl"] = "accuracy"
+    probe_temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_fields(
+            "learner.extrapolation",
+            [
+                (
+                    "factors",
+                    self.factors,
+                    len(self.factors) > 0 and all(f > 1 for f in self.factors),
+                    "a non-empty list of factors > 1, tried in order (EffOPD: [3, 5, 7, 9, 11])",
+                ),
+                ("probe_prompts", self.probe_prompts, self.probe_prompts >= 1, ">= 1"),
+                ("probe_temperature", self.probe_temperature, self.probe_temperature >= 0, ">= 0 (0: greedy answers)"),
+            ],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    batch_size: int = 32  # prompts per rollout batch (B)
+    mini_batches: int = 1  # optimizer steps per rollout batch
+    micro_batches: int = 1  # gradient accumulation inside one optimizer step
+    logprob_chunk: int = 512
+    # What each decoder layer keeps for the backward pass: "none" (everything; fastest, the
+    # demo's models are tiny), "layer" (only its input: least memory, ~1/3 more compute),
+    # "dots" (its weight matmuls' outputs: attention and activations recomputed).
+    remat: Literal["none", "layer", "dots"] = "none"
+    # Mixed precision: the dtype the forward and backward run in; the student's weights (its
+    # master copy) and the optimizer's moments stay in student.dtype. null: student.dtype.
+    compute_dtype: Literal["float32", "bfloat16"] | None = None
+    # Dynamic batching (asyncopd_jax.learner.packing): > 0 cuts each mini-batch into
+    # micro-batches of rows of similar length, at most this many prompt + response slots
+    # each (trimmed to their own longest row, in steps of token_bucket); 0: micro_batches.
+    token_budget: int = 0
+    token_bucket: int = 8
+    mesh: MeshConfig = MeshConfig()
+    extrapolation: ExtrapolationConfig = ExtrapolationConfig()  # EffOPD, off by default
+
+    def __post_init__(self) -> None:
+        B, M, m = self.batch_size, self.mini_batches, self.micro_batches
+        check_fields(
+            "learner",
+            [
+                ("batch_size", B, B >= 1, ">= 1"),
+                ("mini_batches", M, M >= 1 and B % M == 0, "a divisor of learner.batch_size"),
+                (
+                    "micro_batches",
+                    m,
+                    m >= 1 and (B // max(M, 1)) % m == 0,
+                    "a divisor of learner.batch_size / learner.mini_batches",
+                ),
+                (
+                    "token_budget",
+                    self.token_budget,
+                    self.token_budget >= 0 and (self.token_budget == 0 or m == 1),
+                    ">= 0 (0: off), with learner.micro_batches = 1 (the budget decides the micro-batches)",
+                ),
+                ("token_bucket", self.token_bucket, self.token_bucket >= 1, ">= 1"),
+            ],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+    """Rollout/learning overlap: ``sync`` (η = 0), ``n_step_off``, ``fully_async`` (bound η),
+    or ``fixed_lag`` (exactly ``lag`` steps stale, sequential and deterministic: for studies)."""
+
+    mode: Literal["sync", "n_step_off", "fully_async", "fixed_lag"] = "fully_async"
+    max_staleness: int = 2  # η, in optimizer steps
+    n_step: int = 1  # for n_step_off: rollouts run at most n batches ahead
+    lag: int = 0  # for fixed_lag: step t trains on rollouts of policy version max(0, t − lag)
+
+    def __post_init__(self) -> None:
+        check_fields(
+            "schedule",
+            [
+                ("max_staleness", self.max_staleness, self.max_staleness >= 0, ">= 0"),
+                ("n_step", self.n_step, self.n_step >= 1, ">= 1"),
+                ("lag", self.lag, self.lag >= 0, ">= 0"),
+            ],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StagesConfig:
+    """Where the stages run (see :mod:`asyncopd_jax.pipeline.layout`, which decides it).
+
+    Devices, for every placement: lists of this host's devices (``"0-3"``, ``"4,5"``; the
+    order of ``jax.local_devices()``, e.g. TPU chips, GPUs, or virtual CPU devices). With
+    ``threads`` each stage runs its computations on its own devices inside the learner's
+    process (``""``: the learner's); with ``processes`` they are dealt out to the role's
+    processes and made visible to each by the platform's mechanism (TPU chip variables,
+    ``CUDA_VISIBLE_DEVICES``, the XLA:CPU device count; ``""``: every device visible, one on
+    a CPU). :func:`asyncopd_jax.pipeline.layout.device_ids` is the one place that decides.
+
+    Cores (``processes`` only) are Linux CPU lists dealt out the same way; each process is
+    pinned to its share before JAX starts (so XLA sizes its thread pool to it). ``"auto"``
+    splits this machine's cores by :func:`asyncopd_jax.pipeline.layout.plan_cores`;
+    ``""`` leaves a stage unpinned.
+    """
+
+    # threads: every stage in the learner's process; processes: each rollout / scoring stage
+    # in a process of its own (asyncopd_jax.pipeline.layout)
+    placement: Literal["threads", "processes"] = "threads"
+    rollouts: int = 1  # rollout stages: threads or processes (each samples, and scores when scoring_processes = 0)
+    scoring_processes: int = 0  # processes: teacher-scoring processes; 0: each rollout process scores its groups
+    snapshot_in_memory: bool = True  # threads: hand weights over in-process instead of through snapshot files
+    # false: the learner starts none of them; they are started on other hosts
+    # (launch/stage_host.sh, launch/tpu_pod.sh stages: e.g. a learner that holds every chip
+    # of its TPU host) and the counts above only size the rollout groups
+    start_processes: bool = True
+    learner_cores: str = "auto"
+    rollout_cores: str = "auto"
+    scoring_cores: str = "auto"
+    learner_devices: str = ""
+    rollout_devices: str = ""
+    scoring_devices: str = ""
+    # How a rollout / scoring stage's devices form its mesh (the learner's: learner.mesh):
+    # e.g. scoring_mesh: {data: 1, tensor: 4} splits an 8B teacher's heads, MLP and
+    # vocabulary over 4 chips (asyncopd_jax.models.partitioning).
+    rollout_mesh: MeshConfig = MeshConfig()
+    scoring_mesh: MeshConfig = MeshConfig()
+    rollout_niceness: int = 5  # lower CPU priority: where cores are shared the learner goes first
+    snapshot_dir: str = "auto"  # "auto": /dev/shm/asyncopd-<run> (RAM) if there, else <run>/snapshots
+    # How a snapshot is written: "safetensors" (one flat file; ~1 ms for the demo's student),
+    # "orbax" (sharded; needed by a learner over several processes), "auto": the former for
+    # one learner process, the latter for several.
+    snapshot_format: Literal["auto", "orbax", "safetensors"] = "auto"
+    restarts: int = 0  # times a stage process that died is restarted before the run stops
+    startup_timeout: float = 600.0  # seconds a stage process waits for the first policy snapshot
+
+    def __post_init__(self) -> None:
+        check_fields(
+            "stages",
+            [
+                ("rollouts", self.rollouts, self.rollouts >= 1, ">= 1"),
+                ("scoring_processes", self.scoring_processes, self.scoring_processes >= 0, ">= 0"),
+                ("restarts", self.restarts, self.restarts >= 0, ">= 0"),
+                ("rollout_niceness", self.rollout_niceness, 0 <= self.rollout_niceness <= 19, "0 to 19"),
+            ],
+        )
+        for role in ("learner", "rollout", "scoring"):
+            for kind, allowed in (
+                ("cores", "'auto', '' or a CPU list such as '0', '1-3', '0,2'"),
+                ("devices", "'' or a device list such as '0', '4-7', '0,2'"),
+            ):
+                value = getattr(self, f"{role}_{kind}")
+                if kind == "cores" and value == "auto":
+                    continue
+                try:
+                    parse_id_list(value)
+                except ValueError as err:
+                    raise ConfigError(
+                        f"stages.{role}_{kind} = {value!r} is invalid; allowed: {allowed} ({err})"
+                    ) from None
+
+    def devices(self, role: str) -> IdList:
+        """``stages.<role>_devices`` as ids (``()``: the default, see above)."""
+        return parse_id_list(getattr(self, f"{role}_devices"))
+
+    def cores(self, role: str) -> IdList | None:
+        """``stages.<role>_cores`` as ids (None: ``auto``; ``()``: unpinned)."""
+        spec = getattr(self, f"{role}_cores")
+        return None if spec == "auto" else parse_id_list(spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """JAX's multi-controller runtime for a learner that spans several processes or hosts.
+
+    With ``initialize: true`` every learner process calls ``jax.distributed.initialize``
+    before anything else touches JAX; the learner's mesh then covers the devices of all
+    processes and each process feeds its own rows of every batch. On Cloud TPU VMs, SLURM
+    and Open MPI the other fields may stay unset: JAX reads them from the environment
+    (``JAX_COORDINATOR_ADDRESS`` is read too). Elsewhere give all three.
+    """
+
+    initialize: bool = False
+    coordinator_address: str = ""  # "host:port" of process 0; "": detected from the environment
+    num_processes: int = 0  # 0: detected from the environment
+    process_id: int = -1  # -1: detected from the environment
+    initialization_timeout: int = 300  # seconds to wait for every process to join
+
+    def __post_init__(self) -> None:
+        n, i = self.num_processes, self.process_id
+        check_fields(
+            "distributed",
+            [
+                ("num_processes", n, n >= 0, ">= 0 (0: from the environment)"),
+                (
+                    "process_id",
+                    i,
+                    i >= -1 and (n == 0 or i < n),
+                    "-1 (from the environment) or 0 .. distributed.num_processes - 1",
+                ),
+            ],
+        )
+
+    @property
+    def learner_processes(self) -> int | None:
+        """The processes the learner spans where the config fixes their number: 1 without
+        ``initialize``, else ``num_processes``; None: the environment tells at start."""
+        if not self.initialize:
+            return 1
+        return self.num_processes or None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100  # optimizer steps
+    eval_every: int = 25
+    checkpoint_every: int = 25
+    # Study diagnostics (asyncopd_jax.pipeline.diagnostics): exact KLs on a fixed probe set
+    # every this many steps (0: off), over this many probe prompts.
+    diagnostics_every: int = 0
+    diagnostic_prompts: int = 64
+    # Study diagnostic (asyncopd_jax.learner.update_geometry): per-module norm, rank-1 energy
+    # and alignment of the weight update θ_t − θ_0 every this many steps (0: off).
+    update_geometry_every: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields(
+            "train",
+            [
+                ("steps", self.steps, self.steps >= 1, ">= 1"),
+                ("eval_every", self.eval_every, self.eval_every >= 1, ">= 1 (the last step is always evaluated)"),
+                ("checkpoint_every", self.checkpoint_every, self.checkpoint_every >= 1, ">= 1 (and the last step)"),
+                ("diagnostics_every", self.diagnostics_every, self.diagnostics_every >= 0, ">= 0 (0: off)"),
+                ("diagnostic_prompts", self.diagnostic_prompts, self.diagnostic_prompts >= 1, ">= 1"),
+                ("update_geometry_every", self.update_geometry_every, self.update_geometry_every >= 0, ">= 0 (0: off)"),
+            ],
+        )

@@ -1,0 +1,39 @@
+"""The models a stage holds, loaded from local directories (``builtin:NAME`` or a Hugging
+Face layout): straight into their shards on a stage's mesh (by the partition rules; no
+whole copy on any device first), or the student's graph alone (shapes, no weights) for a
+stage that receives the policy's weights from the learner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+from jax.sharding import Mesh
+
+from asyncopd_jax.config import ModelSource, RunConfig
+from asyncopd_jax.models import Decoder, from_pretrained, load_tokenizer
+from asyncopd_jax.models.attention import resolve_implementation
+from asyncopd_jax.models.decoder import abstract_decoder
+from asyncopd_jax.pipeline.run_models import RunModels
+from asyncopd_jax.tasks.assets import resolve_model_path
+
+
+def load_model(source: ModelSource, vocab_limit: int | None, mesh: Mesh) -> Decoder:
+    """A model loaded straight into its shards on ``mesh`` (by the partition rules; no
+    whole copy on any device first)."""
+    model = from_pretrained(resolve_model_path(source.path), dtype=source.dtype, mesh=mesh)
+    model.vocab_limit = vocab_limit
+    model.attention = resolve_implementation(source.attention, mesh.devices.flat[0].platform)
+    return model
+
+
+def student_graph(cfg: RunConfig, models: RunModels) -> tuple[nnx.GraphDef, Any]:
+    """The student's graph and abstract parameters (shapes and dtypes; nothing allocated):
+    what a rollout stage needs to receive the policy's weights."""
+    return abstract_decoder(models.student_config, cfg.student.dtype, models.vocab_limit)  # dtype: as the learner's
+
+
+def load_model_and_tokenizer(path: str, dtype: str) -> tuple[nnx.Module, Any]:
+    """A model (on the default device) and its tokenizer, from a directory or ``builtin:NAME``."""
+    directory = resolve_model_path(path)
+    return from_pretrained(directory, dtype=dtype), load_tokenizer(directory)

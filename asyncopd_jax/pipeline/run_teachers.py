@@ -1,0 +1,206 @@
+"""The run's teachers, resolved once from the config and their models' small files.
+
+:func:`read_teachers` reads each teacher's tokenizer and ``config.json`` (no weights): its
+context, whether its tokenizer differs from the student's (then only what compares by
+spans may run: :func:`check_cross_tokenizer_teacher`), and the ids it shares with the
+student. :func:`resolve_teachers` makes each a :class:`RunTeacher` (in-process or served,
+its context, its tokenizer pair) and the run's :class:`Router`, and checks that each
+teacher's prompt fits its context and that its tokenizer spells every student token. The
+router, the scoring stage, the trainer's summary and the probes ask that list instead of
+walking ``cfg.teacher_sources`` again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from asyncopd_jax.config import RunConfig, TeacherSource
+from asyncopd_jax.estimator_registry import check_cross_tokenizer
+from asyncopd_jax.models import (
+    DecoderConfig,
+    check_same_vocabulary,
+    encode_prompts,
+    shared_vocab_size,
+    vocabulary_differences,
+)
+from asyncopd_jax.pipeline.model_files import model_config, read_tokenizer
+from asyncopd_jax.tasks import PromptTask
+from asyncopd_jax.teacher.cross_tokenizer import Retokenizer
+from asyncopd_jax.teacher.routing import RoutedTeacher, Router
+from asyncopd_jax.teacher.span_alignment import unspellable
+
+
+@dataclasses.dataclass(frozen=True)
+class RunTeacher:
+    """One teacher of the run, resolved once from the config and its model's small files.
+
+    ``context``: its positions (an in-process teacher's ``config.json``; None: served);
+    ``retokenizer``: the student's and its tokenizer, when they differ (its answers are
+    re-tokenised and its scores mapped back by spans:
+    :mod:`asyncopd_jax.teacher.cross_tokenizer`); None: the student's tokenizer.
+    """
+
+    source: TeacherSource
+    context: int | None
+    retokenizer: Retokenizer | None = None
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    @property
+    def served(self) -> bool:
+        return self.source.served
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherFiles:
+    """What the teachers' small files say, before the task is made: ``contexts`` of the
+    in-process teachers and ``others`` (the tokenizers of the teachers of another tokenizer)
+    by name; the student's ``context`` cut to every teacher of its tokenizer; the ids all
+    share (``vocab_limit``; None: all)."""
+
+    contexts: dict[str, int]
+    others: dict[str, Any]
+    context: int
+    vocab_limit: int | None
+
+
+def read_teachers(cfg: RunConfig, tokenizer: Any, student: DecoderConfig) -> TeacherFiles:
+    """Each teacher's tokenizer and ``config.json``, against the student's ``tokenizer`` and
+    config."""
+    context, vocab_limit = student.max_position_embeddings, None
+    contexts: dict[str, int] = {}  # in-process teacher → its context
+    others: dict[str, Any] = {}  # a teacher of another tokenizer → that tokenizer
+    for source in cfg.teacher_sources:
+        directory = teacher_tokenizer_path(source)
+        own = read_tokenizer(directory) if directory else None
+        if own is not None and vocabulary_differences(tokenizer, own):
+            check_cross_tokenizer_teacher(cfg, source)
+            others[source.name] = own
+        if not source.path:
+            continue
+        teacher = model_config(source)
+        contexts[source.name] = teacher.max_position_embeddings
+        if source.name not in others:  # embeddings padded to different sizes: all output the ids they share
+            limit = shared_vocab_size(tokenizer, student.vocab_size, teacher.vocab_size)
+            if limit is not None:
+                vocab_limit = limit if vocab_limit is None else min(vocab_limit, limit)
+    shared = [c for name, c in contexts.items() if name not in others]
+    if shared:  # the student samples prompt + answer and each teacher of its tokens scores all of it
+        context = min(context, *shared)
+    return TeacherFiles(contexts, others, context, vocab_limit)
+
+
+def resolve_teachers(
+    cfg: RunConfig, task: PromptTask, tokenizer: Any, found: TeacherFiles, stop: tuple[int, ...]
+) -> tuple[tuple[RunTeacher, ...], Router]:
+    """Every teacher of ``cfg`` as a :class:`RunTeacher`, in the config's order, and the
+    run's router; ``stop``: the student's stop ids (a teacher of another tokenizer's answers
+    end where the student's do)."""
+    teachers = tuple(
+        RunTeacher(
+            source,
+            found.contexts.get(source.name),
+            Retokenizer.of(tokenizer, found.others[source.name], stop) if source.name in found.others else None,
+        )
+        for source in cfg.teacher_sources
+    )
+    router = make_router(cfg, task, tokenizer, teachers)
+    for teacher in teachers:  # a teacher's own prompt + the answer must fit its context too
+        check_teacher_context(cfg, teacher, router.prompt_slots)
+    for teacher in teachers:
+        if teacher.retokenizer is not None:
+            check_spelling(teacher.name, teacher.retokenizer)
+    return teachers, router
+
+
+def check_teacher_context(cfg: RunConfig, teacher: RunTeacher, prompt_slots: int) -> None:
+    """A ValueError unless an in-process teacher's own prompt (up to ``prompt_slots``
+    tokens) + the answer fits its context."""
+    if teacher.context is None:
+        return
+    if teacher.retokenizer is not None and prompt_slots >= teacher.context:
+        raise ValueError(
+            f"teacher {teacher.name!r}: its prompt (up to {prompt_slots} tokens) fills its context "
+            f"({teacher.context} positions); shorten prompt.template"
+        )
+    longest = prompt_slots + cfg.sampling.max_new_tokens
+    if teacher.retokenizer is None and teacher.source.prompt.own and longest > teacher.context:
+        raise ValueError(
+            f"teacher {teacher.name!r}: its prompt (prompt.template: up to {prompt_slots} tokens) + "
+            f"sampling.max_new_tokens ({cfg.sampling.max_new_tokens}) is longer than its context "
+            f"({teacher.context} positions); shorten the template or lower sampling.max_new_tokens"
+        )
+
+
+def teacher_tokenizer_path(source: TeacherSource) -> str:
+    """The directory of a teacher's tokenizer (``teacher.tokenizer``, else its model's; ''
+    for a served teacher without one: the student's)."""
+    return source.tokenizer or source.path
+
+
+def check_cross_tokenizer_teacher(cfg: RunConfig, source: TeacherSource) -> None:
+    """A ValueError unless ``cfg`` can distil from ``source``, whose tokenizer differs from
+    the student's: an estimator that compares by spans, no teacher samples, no probe that
+    compares the two vocabularies id by id."""
+    check_cross_tokenizer(cfg.estimator.name, source.name)
+    why = f"teacher {source.name!r} has another tokenizer than the student's"
+    if cfg.scoring.num_samples:
+        raise ValueError(
+            f"scoring.num_samples = {cfg.scoring.num_samples}: teacher samples do not map across tokenizers ({why}); "
+            "allowed: 0"
+        )
+    if cfg.train.diagnostics_every:
+        raise ValueError(
+            f"train.diagnostics_every = {cfg.train.diagnostics_every}: the diagnostics compare the two models' "
+            f"vocabularies id by id ({why}); allowed: 0"
+        )
+    extrapolation = cfg.learner.extrapolation
+    if extrapolation.enabled and extrapolation.probe_metric == "reverse_kl":
+        raise ValueError(
+            f"learner.extrapolation.probe_metric = 'reverse_kl' compares the two models' vocabularies id by id "
+            f"({why}); allowed: accuracy"
+        )
+
+
+def check_spelling(name: str, pair: Retokenizer) -> None:
+    """A ValueError unless teacher ``name``'s tokenizer spells every student token's text."""
+    missing = unspellable(pair.student_bytes, pair.teacher, pair.teacher_bytes)
+    if missing:
+        raise ValueError(
+            f"teacher {name!r}: its tokenizer ({pair.teacher.name_or_path or '(unnamed)'}) cannot spell "
+            f"{len(missing)} of the student's tokens (e.g. {', '.join(map(repr, missing[:5]))}): characters outside "
+            "its vocabulary, or a normaliser that rewrites text; pick a teacher whose tokenizer covers the "
+            "student's text"
+        )
+
+
+def make_router(cfg: RunConfig, task: PromptTask, tokenizer: Any, teachers: tuple[RunTeacher, ...]) -> Router:
+    """The run's :class:`Router`: each teacher's name, weight, and prompt encoder (its own
+    tokenizer's chat template: ``prompt.tokenizer``, else the teacher's tokenizer, else the
+    student's). A teacher of another tokenizer always has one: by default the task's prompt
+    text in its own tokens."""
+    routed = []
+    for teacher in teachers:
+        source, pair, encode = teacher.source, teacher.retokenizer, None
+        if source.prompt.own or pair is not None:
+            directory = source.prompt.tokenizer or teacher_tokenizer_path(source)
+            own = read_tokenizer(directory) if directory else tokenizer
+            if directory:
+                check_same_vocabulary(pair.teacher if pair is not None else tokenizer, own)
+            template = {"auto": None, "on": True, "off": False}[source.prompt.chat_template]
+            encode = functools.partial(encode_prompts, own, chat_template=template, system=source.prompt.system)
+        routed.append(RoutedTeacher(source.name, source.weight, source.prompt.template, encode))
+    return Router(
+        routed,
+        cfg.routing,
+        fields=task.fields,
+        prompt_text=task.prompt_text,
+        items=task.bounding_items,
+        where=task.where,
+        pad_id=task.pad_id,
+        student_slots=task.prompt_slots,
+    )
