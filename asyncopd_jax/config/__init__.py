@@ -36,6 +36,7 @@ from asyncopd_jax.config.sections import (
     TrainConfig,
 )
 from asyncopd_jax.config_checks import ConfigError, IdList
+from asyncopd_jax.estimator_registry import EstimatorConfig  # the estimator: section (its knobs sit beside the table)
 
 __all__ = [
     "MOVED",
@@ -43,6 +44,7 @@ __all__ = [
     "TEACHER_NAME",
     "ConfigError",
     "DistributedConfig",
+    "EstimatorConfig",
     "ExtrapolationConfig",
     "IdList",
     "LearnerConfig",
