@@ -106,7 +106,7 @@ def test_a_stage_process_whose_run_stopped_under_it_exits_cleanly(tmp_path, monk
     """A stage started by hand outlives the learner's join: once the run has stopped (STOP
     written), the learner removes the snapshot directory under it. An error then is the end
     of the run, exit 0; the same error while the run goes on is a failure, exit 1."""
-    from asyncopd_jax.pipeline import stage_process
+    from asyncopd_jax.pipeline import stage_main
     from asyncopd_jax.pipeline.exchange import Exchange
 
     def read(self):
@@ -115,7 +115,7 @@ def test_a_stage_process_whose_run_stopped_under_it_exits_cleanly(tmp_path, monk
         raise FileNotFoundError("the snapshot directory was removed while the run was using it")
 
     monkeypatch.setattr(Exchange, "read", read)
-    assert stage_process.run_stage(tmp_path, "rollout", 0) == (0 if stopped else 1)
+    assert stage_main.run_stage(tmp_path, "rollout", 0) == (0 if stopped else 1)
 
 
 def test_a_rollout_pools_join_waits_its_timeout_for_all_threads_together():

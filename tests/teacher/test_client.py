@@ -366,7 +366,7 @@ def test_the_config_refuses_what_a_served_teacher_cannot_do(overrides, expected)
 
 def test_the_estimators_a_vllm_teacher_serves_are_accepted_and_listed():
     cfg = load_config("demo", [*SERVED, "estimator.name=forward_kl_topk", "scoring.topk=8"])
-    assert cfg.teacher.client and cfg.teacher.server.url == URL
+    assert cfg.teacher.served and cfg.teacher.server.url == URL
     with pytest.raises(ConfigError) as err:
         load_config("demo", [*SERVED, "estimator.name=reverse_kl_mc"])
     usable = str(err.value).split("or one of ")[1].split(", ")

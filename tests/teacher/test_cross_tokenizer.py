@@ -22,7 +22,7 @@ from asyncopd_jax.teacher.batch_scorer import BatchScorer
 from asyncopd_jax.teacher.client import ServedTeacher, ServerParams
 from asyncopd_jax.teacher.cross_tokenizer import CrossTokenizerTeacher, Retokenizer, id_map
 from tests.teacher.test_server import SETTINGS, running
-from tests.teacher.test_spans import oracle
+from tests.teacher.test_span_alignment import oracle
 
 PARAMS = ScoringParams(topk=4, chunk_size=64)
 T = 24  # student answer slots
