@@ -178,6 +178,20 @@ class MeshConfig:
             ],
         )
 
+    def shape(self, count: int) -> tuple[int, int, int]:
+        """``(data, fsdp, tensor)`` over ``count`` devices: −1 takes the remainder."""
+        rest = count // self.tensor
+        fsdp = rest // max(self.data, 1) if self.fsdp == -1 else self.fsdp
+        data = rest // max(fsdp, 1) if self.data == -1 else self.data
+        return data, fsdp, self.tensor
+
+    def devices_used(self, count: int) -> int:
+        """How many of ``count`` devices the mesh takes (the first ones): fewer when explicit
+        sizes multiply to less (e.g. 1 of 8 for ``data: 1``), else all of them."""
+        data, fsdp, tensor = self.shape(count)
+        explicit = self.data != -1 and self.fsdp != -1
+        return data * fsdp * tensor if explicit and 0 < data * fsdp * tensor < count else count
+
 
 @dataclasses.dataclass(frozen=True)
 class ExtrapolationConfig:

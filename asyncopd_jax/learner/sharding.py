@@ -28,12 +28,8 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     ``data · fsdp · tensor`` devices are used (e.g. all 1 for one device).
     """
     devices = list(jax.devices() if devices is None else devices)
-    tensor = cfg.tensor
-    rest = len(devices) // max(tensor, 1)
-    fsdp = rest // max(cfg.data, 1) if cfg.fsdp == -1 else cfg.fsdp
-    data = rest // max(fsdp, 1) if cfg.data == -1 else cfg.data
-    if 0 < data * fsdp * tensor < len(devices) and cfg.data != -1 and cfg.fsdp != -1:
-        devices = devices[: data * fsdp * tensor]
+    data, fsdp, tensor = cfg.shape(len(devices))
+    devices = devices[: cfg.devices_used(len(devices))]
     if data * fsdp * tensor != len(devices) or min(data, fsdp, tensor) < 1:
         raise ValueError(
             f"learner.mesh data={cfg.data} × fsdp={cfg.fsdp} × tensor={cfg.tensor} does not fit the "

@@ -25,8 +25,6 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-import jax
-
 from asyncopd_jax.config import RunConfig
 from asyncopd_jax.learner import distributed, state_shardings
 from asyncopd_jax.pipeline.devices import with_shardings
@@ -81,15 +79,6 @@ def build_process(
     models = models or run_models(cfg)
     hosted = layout.hosted_by(name)
     learner = LearnerStage(cfg, layout, models, multi_process) if name == LEARNER_PROCESS else None
-    if learner is not None and not multi_process and not layout.stage_processes():
-        # a stage beside the learner with no devices of its own computes on the learner's
-        # mesh, which may hold fewer devices than were listed (learner.mesh)
-        local = jax.local_devices()
-        used = tuple(local.index(d) for d in learner.mesh.devices.flat)
-        layout = dataclasses.replace(
-            layout,
-            stages=tuple(dataclasses.replace(s, devices=used) if s.role == "learner" else s for s in layout.stages),
-        )
     scoring_plan = next((s for s in hosted if s.role == "scoring"), None)
     scoring = build_scoring_stage(cfg, layout, scoring_plan, models) if scoring_plan is not None and leader else None
     snapshots = _learner_snapshots(cfg, layout, learner, leader) if learner is not None else None

@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from asyncopd_jax.config import MeshConfig
+
 if TYPE_CHECKING:
     from asyncopd_jax.config import IdList, RunConfig, StagesConfig
 
@@ -44,7 +46,7 @@ Placement = Literal["threads", "processes"]
 LEARNER_PROCESS = "learner"
 # The layout written for stage processes carries this number; a stage of another version
 # refuses it (a stage started by hand from another checkout of the project).
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the learner's mesh (learner_mesh)
 
 # The learner's share of the cores when they are split automatically: the demo's stage
 # times on one pinned core are 23 ms (learn + publish) against 40 ms (rollout + scoring)
@@ -111,6 +113,8 @@ class Layout:
     group_size: int  # samples per rollout group
     seed: int  # of rollout group i's prompts and keys (with i)
     trace_origin: float  # the clock every process's trace spans count from
+    # learner.mesh as (data, fsdp, tensor): how many of its devices the learner's mesh takes
+    learner_mesh: tuple[int, int, int] = (-1, 1, 1)
     version: int = LAYOUT_VERSION
 
     def of_role(self, role: Role) -> tuple[StagePlan, ...]:
@@ -162,7 +166,8 @@ class Layout:
                 StagePlan(**{**s, "devices": tuple(s["devices"]), "cores": tuple(s["cores"])})
                 for s in data.pop("stages")
             )
-            return cls(**{**data, "stages": stages, "snapshots": SnapshotChannel(**data["snapshots"])})
+            channel = SnapshotChannel(**data["snapshots"])
+            return cls(**{**data, "stages": stages, "snapshots": channel, "learner_mesh": tuple(data["learner_mesh"])})
         except (KeyError, TypeError) as err:
             raise LayoutError(f"{source} is not a layout of this version: {err}") from None
 
@@ -285,6 +290,7 @@ def plan_layout(
         group_size=cfg.group_size,
         seed=cfg.seed * 1_000_003,
         trace_origin=time.time() if trace_origin is None else trace_origin,
+        learner_mesh=(cfg.learner.mesh.data, cfg.learner.mesh.fsdp, cfg.learner.mesh.tensor),
     )
 
 
@@ -302,18 +308,23 @@ def device_ids(layout: Layout, stage: StagePlan, count: int, platform: str) -> I
       ``count``; on a CPU, the learner starts its stage processes with one CPU device
       (:func:`~asyncopd_jax.pipeline.host_env.stage_process_env`): a stage is one replica,
       not one on each of, say, 8 virtual CPU devices.
+
+    The learner's devices are those its mesh takes: the first of them when ``learner.mesh``
+    has explicit sizes that multiply to fewer (``data: 1`` on 8 devices: device 0).
     """
-    ids = stage.devices
-    if not ids and stage.process == LEARNER_PROCESS and stage.role != "learner":
-        ids = layout.learner.devices
-    if not ids:
-        own_process = stage.process != LEARNER_PROCESS
-        ids = (0,) if own_process and platform == "cpu" else tuple(range(count))
-    if max(ids) >= count:
-        raise ValueError(
-            f"stages.{stage.role}_devices = {','.join(map(str, ids))} names device {max(ids)}; "
-            f"there are {count} (0-{count - 1})"
-        )
+    learners = stage.role == "learner" or (not stage.devices and stage.process == LEARNER_PROCESS)
+    owner = layout.learner if learners else stage
+    if owner.devices:
+        ids = owner.devices
+        if max(ids) >= count:
+            raise ValueError(
+                f"stages.{owner.role}_devices = {','.join(map(str, ids))} names device {max(ids)}; "
+                f"there are {count} (0-{count - 1})"
+            )
+    else:  # every device; one for a CPU stage process of its own
+        ids = (0,) if platform == "cpu" and owner.process != LEARNER_PROCESS else tuple(range(count))
+    if learners:
+        ids = ids[: MeshConfig(*layout.learner_mesh).devices_used(len(ids))]
     return ids
 
 

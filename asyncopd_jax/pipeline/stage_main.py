@@ -7,7 +7,7 @@
 The stages are built from the exchange's config and layout by the run's composition root
 (:func:`~asyncopd_jax.pipeline.compose.build_process`), as in the learner's process, and a
 rollout stage runs the same rollout loop as a rollout thread
-(:class:`~asyncopd_jax.pipeline.rollout.RolloutLoop`). The process stops when ``STOP``
+(:class:`~asyncopd_jax.pipeline.rollout_loop.RolloutLoop`). The process stops when ``STOP``
 appears or its parent (the learner) is gone.
 """
 
@@ -26,7 +26,7 @@ from asyncopd_jax.pipeline.exchange import Exchange
 from asyncopd_jax.pipeline.heap import HeapTrimmer
 from asyncopd_jax.pipeline.host_env import pin_this_process
 from asyncopd_jax.pipeline.probes import teacher_accuracies
-from asyncopd_jax.pipeline.rollout import RolloutLoop
+from asyncopd_jax.pipeline.rollout_loop import RolloutLoop
 from asyncopd_jax.pipeline.spool import POLL_SECONDS, Claim, Spool, group_from_record, group_to_record
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup
 from asyncopd_jax.pipeline.trace import Tracer
@@ -115,7 +115,7 @@ class _Heartbeat:
 
 
 def _roll_out(process: RunProcess, tickets: Spool, outbox: Spool, beat: _Heartbeat) -> None:
-    """A rollout process: the rollout loop (:class:`~asyncopd_jax.pipeline.rollout.RolloutLoop`)
+    """A rollout process: the rollout loop (:class:`~asyncopd_jax.pipeline.rollout_loop.RolloutLoop`)
     with groups granted by the tickets the learner issues. A ticket is claimed whenever the
     stream wants prompts, and each group is scored (when a scoring stage shares this process)
     and committed on a thread of its own while the next chunks decode. A claim stays open

@@ -3,7 +3,7 @@ publishes it and each sampler that loads it, on a topology's links.
 
 A run publishes one version per rollout batch (``pipeline/trainer.py``: after the batch's
 M optimizer steps), and every rollout stage loads it between two engine calls
-(``pipeline/rollout.py``) and then, where generation is interruptible, rewrites its live
+(``pipeline/rollout_loop.py``) and then, where generation is interruptible, rewrites its live
 sequences' KV cache under the new weights (the sampler's ``recompute``, which the plan
 compiles with the sampler). The run's snapshot channel (``pipeline/layout.py:
 snapshot_channel``) decides the route:

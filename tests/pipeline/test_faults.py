@@ -163,7 +163,7 @@ def test_a_nonfinite_step_stops_the_run_at_that_step(models, tmp_path, monkeypat
 def test_a_scoring_error_stops_the_run_with_that_error(models, tmp_path, monkeypatch, mode):  # noqa: F811
     """The teacher's scoring of every group from 2 on raises: the run stops with that error
     (the learner's, whatever thread scored the group), fully asynchronous or not. The race
-    of a delivery failing while the loop waits for capacity: tests/pipeline/test_rollout.py."""
+    of a delivery failing while the loop waits for capacity: tests/pipeline/test_rollout_loop.py."""
     real_score = ScoringStage.score
 
     def failing_score(scoring, group: RolloutGroup, seed, index, tracer) -> RolloutGroup:

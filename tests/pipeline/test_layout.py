@@ -85,10 +85,21 @@ def test_device_ids_resolve_an_empty_list_as_the_run_does(models, tmp_path):  # 
     """What ``asyncopd plan`` compiles each stage on: a stage's own list; no list is the
     learner's devices beside the learner, and every device for the learner or, on a GPU or
     TPU, a process of its own (one device for a CPU stage process)."""
-    threads = _layout(models, tmp_path, **{"stages.learner_devices": "0-3", "stages.scoring_devices": "6,7"})
+    split = {"stages.learner_devices": "0-3", "stages.scoring_devices": "6,7"}
+    threads = _layout(models, tmp_path, **split, **{"learner.mesh": "{data: -1, fsdp: 1}"})
     ids = {s.name: device_ids(threads, s, 16, "tpu") for s in threads.stages}
     assert ids == {"learner-0": (0, 1, 2, 3), "rollout-0": (0, 1, 2, 3), "scoring-0": (6, 7)}
-    processes = _layout(models, tmp_path, **{"stages.placement": "processes", "stages.rollouts": 2})
+    # the learner's mesh takes the first of its devices when learner.mesh says fewer
+    # (data: 1, fsdp: 1 here): so does a stage beside it that has none of its own
+    one = _layout(models, tmp_path, **split)
+    assert {s.name: device_ids(one, s, 16, "tpu") for s in one.stages} == {
+        "learner-0": (0,),
+        "rollout-0": (0,),
+        "scoring-0": (6, 7),
+    }
+    processes = _layout(
+        models, tmp_path, **{"stages.placement": "processes", "stages.rollouts": 2, "learner.mesh": "{data: -1}"}
+    )
     everything = {name: (0, 1, 2, 3) for name in ("learner-0", "rollout-0", "rollout-1", "scoring-0", "scoring-1")}
     assert {s.name: device_ids(processes, s, 4, "gpu") for s in processes.stages} == everything
     one_each = {**{name: (0,) for name in everything}, "learner-0": (0, 1, 2, 3)}
@@ -152,7 +163,7 @@ def test_the_layout_round_trips_through_json_and_refuses_another_version(models,
     )
     assert Layout.from_json(layout.to_json()) == layout
     data = json.loads(layout.to_json())
-    with pytest.raises(LayoutError, match="layout version 0; this asyncopd reads version 1"):
+    with pytest.raises(LayoutError, match="layout version 0; this asyncopd reads version 2"):
         Layout.from_json(json.dumps({**data, "version": 0}), "x/layout.json")
     del data["group_size"]
     with pytest.raises(LayoutError, match="not a layout of this version"):

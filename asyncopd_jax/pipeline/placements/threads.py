@@ -1,6 +1,6 @@
 """The ``threads`` placement's rollout stages: a thread each in the learner's process.
 
-Each thread runs the rollout loop (:class:`~asyncopd_jax.pipeline.rollout.RolloutLoop`):
+Each thread runs the rollout loop (:class:`~asyncopd_jax.pipeline.rollout_loop.RolloutLoop`):
 its groups are granted by the :class:`~asyncopd_jax.pipeline.staleness.StalenessBuffer`
 (AReaL's capacity rule) and each sampled group is scored in the scoring stage and put
 into the buffer, on a thread of its own, while the next chunks decode. A stage that raises
@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from asyncopd_jax.pipeline.rollout import RolloutLoop
+from asyncopd_jax.pipeline.rollout_loop import RolloutLoop
 from asyncopd_jax.pipeline.rollout_stage import RolloutStage
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, StalenessBuffer
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 from asyncopd_jax.pipeline.producer import GroupProducer
 from asyncopd_jax.pipeline.reward_stage import RewardStage
-from asyncopd_jax.pipeline.rollout import RolloutLoop
+from asyncopd_jax.pipeline.rollout_loop import RolloutLoop
 from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore
 from asyncopd_jax.pipeline.staleness import PipelineStopped
 from asyncopd_jax.pipeline.trace import Tracer
