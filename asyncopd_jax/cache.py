@@ -4,7 +4,7 @@
 * :class:`TeacherScoreCache` — the finite score cache the teacher keeps per position.
 * :class:`StudentLogProbs` — the learner's current log-probs on the cached ids.
 
-:mod:`asyncopd_jax.learner.estimator_eval` evaluates the estimators by name on these three.
+:mod:`asyncopd_jax.estimator_eval` evaluates the estimators by name on these three.
 
 All per-position arrays are response-local and target-aligned: ``[B, T]`` (one value
 per response token), ``[B, T, N]`` / ``[B, T, K]`` (several ids per response token);

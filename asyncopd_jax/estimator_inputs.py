@@ -1,7 +1,7 @@
 """What an estimator's adapter reads: the rollout, its teacher scores, and the student's
 (and the proximal policy's) log-probs, as one :class:`EstimatorInputs`.
 
-The learner builds it (:func:`asyncopd_jax.learner.estimator_eval.evaluate_estimator`); each
+The learner builds it (:func:`asyncopd_jax.estimator_eval.evaluate_estimator`); each
 adapter of :data:`asyncopd_jax.estimator_registry.ESTIMATORS` reads it and feeds one pure
 function of :mod:`asyncopd_jax.estimators`.
 """
@@ -21,7 +21,7 @@ _T = TypeVar("_T")
 
 def given(value: _T | None) -> _T:
     """``value``, an optional input that the learner's ``_require_inputs``
-    (:mod:`asyncopd_jax.learner.estimator_eval`) has checked is given (the spec's ``needs``
+    (:mod:`asyncopd_jax.estimator_eval`) has checked is given (the spec's ``needs``
     say which are; a type checker cannot follow that)."""
     if value is None:
         raise ValueError("an input the estimator's spec needs is missing (evaluate_estimator checks them first)")
@@ -37,7 +37,7 @@ class EstimatorInputs:
       batch, cache: the rollout and its teacher scores (``cache`` None: reward-driven RL
         without distillation).
       student: the current student's log-probs on the ids of
-        :func:`~asyncopd_jax.learner.estimator_eval.required_ids`.
+        :func:`~asyncopd_jax.estimator_eval.required_ids`.
       proximal: the proximal policy's, for a spec with ``needs_proximal``.
       advantage: ``[B, T]`` detached, for a spec with ``needs_advantage`` (the learner's
         ``_advantage``).

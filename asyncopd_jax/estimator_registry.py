@@ -7,7 +7,7 @@ besides the sampled tokens (the id sets of :data:`~asyncopd_jax.estimator_ids.ID
 and the config setting that makes each, proximal log-probs, an advantage), and its adapter
 evaluates the pure function of :mod:`asyncopd_jax.estimators` on the data contracts of
 :mod:`asyncopd_jax.cache` (:class:`~asyncopd_jax.estimator_inputs.EstimatorInputs`; the
-learner's :func:`~asyncopd_jax.learner.estimator_eval.evaluate_estimator` runs it). The
+learner's :func:`~asyncopd_jax.estimator_eval.evaluate_estimator` runs it). The
 config's validation, the scoring stage and the learner all ask the spec: no list of names
 to keep in step.
 """
@@ -186,7 +186,7 @@ class SecondMomentClipConfig:
 @dataclasses.dataclass(frozen=True)
 class RegularisersConfig:
     """``estimator.regularisers``: terms added to every token's loss, whatever the estimator
-    (:func:`~asyncopd_jax.learner.estimator_eval.evaluate_estimator` adds them).
+    (:func:`~asyncopd_jax.estimator_eval.evaluate_estimator` adds them).
 
     Attributes:
       entropy_coef: weight c of the entropy bonus ``−c · H(π_θ)`` (0: none; the entropy is
@@ -236,7 +236,7 @@ class EstimatorConfig:
 
     The RL weight β of the teacher's signal (``rl.distill_coef``) is not a knob of the
     estimator but of the run: the loss takes it beside this config
-    (:func:`~asyncopd_jax.learner.estimator_eval.evaluate_estimator`).
+    (:func:`~asyncopd_jax.estimator_eval.evaluate_estimator`).
     """
 
     name: str = "reverse_kl_mc"

@@ -11,8 +11,8 @@ import pytest
 
 import asyncopd_jax.estimators as est
 from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
+from asyncopd_jax.estimator_eval import evaluate_estimator, required_ids, student_logprobs
 from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorConfig, get_estimator
-from asyncopd_jax.learner.estimator_eval import evaluate_estimator, required_ids, student_logprobs
 
 B, P, T, V, N, K = 2, 3, 5, 13, 4, 3
 

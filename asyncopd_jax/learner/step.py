@@ -30,13 +30,13 @@ from jax.experimental import checkify
 
 from asyncopd_jax.alignment import response_hidden
 from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
+from asyncopd_jax.estimator_eval import evaluate_estimator, required_ids, student_logprobs
 from asyncopd_jax.estimator_registry import EstimatorConfig
 from asyncopd_jax.estimators import (
     Aggregation,
     loss_denominator,
     normalized_loss,
 )
-from asyncopd_jax.learner.estimator_eval import evaluate_estimator, required_ids, student_logprobs
 from asyncopd_jax.learner.faults import drop_nonfinite_rows
 from asyncopd_jax.learner.lm_head import gather_on_mesh
 from asyncopd_jax.learner.packing import plan_micro_batches, take_micro_batch
@@ -79,7 +79,7 @@ class PolicyLoss:
     Attributes:
       estimator: the estimator and its knobs (``estimator`` of the run's config).
       distill_coef: reward-driven RL only: β, the teacher's weight in the advantage
-        (``rl.distill_coef``; see :func:`~asyncopd_jax.learner.estimator_eval.evaluate_estimator`).
+        (``rl.distill_coef``; see :func:`~asyncopd_jax.estimator_eval.evaluate_estimator`).
       temperature: the sampler's temperature: π_θ is scored at it, so that importance
         ratios compare the distribution the behaviour policy actually sampled from.
       chunk_size: rows per chunk of the fused LM-head gather.

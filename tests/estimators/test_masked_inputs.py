@@ -20,8 +20,8 @@ import pytest
 
 import asyncopd_jax.estimators as est
 from asyncopd_jax.cache import RolloutBatch, StudentLogProbs, TeacherScoreCache
+from asyncopd_jax.estimator_eval import evaluate_estimator, required_ids, student_logprobs
 from asyncopd_jax.estimator_registry import ESTIMATORS, EstimatorConfig, RegularisersConfig
-from asyncopd_jax.learner.estimator_eval import evaluate_estimator, required_ids, student_logprobs
 from tests.estimators.oracle import log_softmax
 
 B, T, V, H, K, N = 4, 5, 11, 3, 4, 3

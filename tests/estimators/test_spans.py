@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from asyncopd_jax import estimators as est
+from asyncopd_jax.estimator_eval import evaluate_estimator
 from asyncopd_jax.estimator_registry import (
     CROSS_TOKENIZER_ESTIMATORS,
     ESTIMATORS,
@@ -23,7 +24,6 @@ from asyncopd_jax.estimators.spans import (
     span_starts,
     span_sums,
 )
-from asyncopd_jax.learner.estimator_eval import evaluate_estimator
 from tests.test_cache import B, T, _all_logprobs, _estimator, _world
 
 

@@ -18,6 +18,7 @@ from flax import nnx
 
 from asyncopd_jax.alignment import response_hidden
 from asyncopd_jax.cache import StudentLogProbs
+from asyncopd_jax.estimator_eval import evaluate_estimator, student_logprobs
 from asyncopd_jax.estimator_registry import EstimatorConfig, ForwardMCConfig, RegularisersConfig
 from asyncopd_jax.estimators import gather_logprobs_from_hidden, normalized_token_sum
 from asyncopd_jax.learner import (
@@ -29,7 +30,6 @@ from asyncopd_jax.learner import (
     make_train_step,
     nonfinite_rows,
 )
-from asyncopd_jax.learner.estimator_eval import evaluate_estimator, student_logprobs
 from asyncopd_jax.learner.faults import CACHE_FIELDS, ROLLOUT_FIELDS
 from tests.learner.batches import make_learner_batch
 from tests.tiny_models import tiny_decoder

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from asyncopd_jax.config import ConfigError, EstimatorConfig, MeshConfig, OptimConfig, RunConfig, load_config
+from asyncopd_jax.estimator_eval import evaluate_estimator
 from asyncopd_jax.estimator_registry import PPOConfig
 from asyncopd_jax.learner import (
     LearnerBatch,
@@ -21,7 +22,6 @@ from asyncopd_jax.learner import (
     make_proximal_fn,
     make_train_step,
 )
-from asyncopd_jax.learner.estimator_eval import evaluate_estimator
 from tests.estimators import oracle
 from tests.learner.batches import make_learner_batch
 from tests.tiny_models import tiny_decoder

@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from asyncopd_jax.alignment import response_aligned
+from asyncopd_jax.estimator_eval import evaluate_estimator, required_ids, student_logprobs
 from asyncopd_jax.estimator_registry import EstimatorConfig, ForwardMCConfig
 from asyncopd_jax.estimators import gather_logprobs_from_hidden
-from asyncopd_jax.learner.estimator_eval import evaluate_estimator, required_ids, student_logprobs
 from asyncopd_jax.sampling import Sampler, SamplingParams
 from asyncopd_jax.teacher import ReferenceScorer, Scorers, ScoringParams, TeacherScorer, score_hidden
 from asyncopd_jax.teacher.scorer import scored_columns
