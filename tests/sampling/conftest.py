@@ -15,3 +15,11 @@ def chunk_order(request, monkeypatch) -> str:
     busy = request.param == "ahead"
     monkeypatch.setattr(ContinuousStream, "device_busy", staticmethod(lambda chunk: busy))
     return request.param
+
+
+# The stream's two chunk orders for a test that checks answers in both, with the second in
+# CI's extended step: test_stream.py's tests run both in the fast suite, so each order's
+# answers stay checked there.
+AHEAD_FAST_READ_FIRST_EXTENDED = pytest.mark.parametrize(
+    "chunk_order", ["ahead", pytest.param("read first", marks=pytest.mark.extended)], indirect=True
+)

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from asyncopd_jax.sampling import ContinuousSampler, SamplingParams, prompt_keys
+from tests.sampling.conftest import AHEAD_FAST_READ_FIRST_EXTENDED
 from tests.tiny_models import tiny_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15], [16, 17], [18, 19, 20, 21], [22], [23, 24], [25, 26, 27]]
@@ -70,6 +71,7 @@ def _assert_same_answer(got, row: int, want, want_row: int) -> None:
             np.testing.assert_array_equal(a, b, err_msg=field)
 
 
+@AHEAD_FAST_READ_FIRST_EXTENDED
 def test_a_slot_refilled_mid_loop_answers_as_the_prompt_alone(chunk_order):
     key = jax.random.key(0)
     batch, stats = _generate(_params(), key=key)
@@ -94,6 +96,7 @@ def test_keys_follow_the_prompt_not_its_position():
         _assert_same_answer(shuffled, position, batch, row)
 
 
+@AHEAD_FAST_READ_FIRST_EXTENDED
 def test_a_short_pool_preempts_and_requeues_without_changing_an_answer(chunk_order):
     roomy, roomy_stats = _generate(_params())
     # 3 slots of up to 6 + 12 tokens: 15 pages of 4 tokens each at worst; 6 make them queue

@@ -90,7 +90,11 @@ MESHES = {
 }
 
 
-@pytest.mark.parametrize("mesh_cfg,rows_split,heads_split,replicated", MESHES.values(), ids=MESHES.keys())
+# data4-fsdp2 in CI's extended step: the fsdp split is checked in the fast suite by data2-fsdp2-tensor2
+@pytest.mark.parametrize(
+    "mesh_cfg,rows_split,heads_split,replicated",
+    [pytest.param(*v, id=k, marks=[pytest.mark.extended] * (k == "data4-fsdp2")) for k, v in MESHES.items()],
+)
 def test_a_sampler_on_a_mesh_samples_what_one_device_samples(mesh_cfg, rows_split, heads_split, replicated):
     mesh = make_mesh(mesh_cfg)
     graphdef = nnx.split(tiny_decoder(0, vocab=64))[0]
