@@ -35,6 +35,7 @@ from flax import nnx
 
 from asyncopd_jax import configs
 from asyncopd_jax.config import ConfigError, OptimConfig, TaskConfig, check_resume_changes, load_config
+from asyncopd_jax.config_checks import storage_url_error
 from asyncopd_jax.studies.training_runs import default_jobs
 from asyncopd_jax.teacher import wire
 
@@ -336,6 +337,19 @@ def _run(args: argparse.Namespace, log: Path | None) -> int:
 _SubCommands = argparse._SubParsersAction  # what add_subparsers returns; add_parser makes a sub-command
 
 
+def _local_path(value: str) -> str:
+    """An argument that names a file or directory here (argparse names the argument in
+    the error: ``argument --resume: 'gs://…' is a storage URL (gs://); …``)."""
+    error = storage_url_error(None, value)
+    if error:
+        raise argparse.ArgumentTypeError(error)
+    return value
+
+
+def _local_dir(value: str) -> Path:
+    return Path(_local_path(value))
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncopd", description="Asynchronous on-policy distillation in JAX.")
     common = argparse.ArgumentParser(add_help=False)
@@ -355,10 +369,14 @@ def _add_train(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
         "train", parents=[common], help="distil a student from a teacher (default: the built-in demo)"
     )
     train.add_argument(
-        "--config", help=f"a YAML file or a bundled config: {', '.join(configs.names())} (default: demo)"
+        "--config",
+        type=_local_path,
+        help=f"a YAML file or a bundled config: {', '.join(configs.names())} (default: demo)",
     )
     train.add_argument("--set", action="append", default=[], metavar="A.B=C", help="override a config field")
-    train.add_argument("--resume", metavar="RUN_DIR", help="continue runs/<name> from its last checkpoint")
+    train.add_argument(
+        "--resume", type=_local_path, metavar="RUN_DIR", help="continue runs/<name> from its last checkpoint"
+    )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(fn=_train)
 
@@ -386,16 +404,19 @@ def _add_sft(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     sft.add_argument("--lr", type=float, default=3e-3)
     sft.add_argument("--seed", type=int, default=0)
     sft.add_argument(
-        "--init", default="", help="start from this model's weights (builtin:NAME or a directory; same architecture)"
+        "--init",
+        type=_local_path,
+        default="",
+        help="start from this model's weights (builtin:NAME or a directory; same architecture)",
     )
     sft.add_argument("--task", action="append", default=[], metavar="FIELD=VALUE", help="task config field")
-    sft.add_argument("--out", type=Path, required=True, help="output directory (Hugging Face layout)")
+    sft.add_argument("--out", type=_local_dir, required=True, help="output directory (Hugging Face layout)")
     sft.set_defaults(fn=_sft)
 
 
 def _add_eval(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     ev = sub.add_parser("eval", parents=[common], help="held-out accuracy of a model on the built-in task")
-    ev.add_argument("--model", required=True, help="builtin:NAME or a Hugging Face directory")
+    ev.add_argument("--model", type=_local_path, required=True, help="builtin:NAME or a Hugging Face directory")
     ev.add_argument("--task", action="append", default=[], metavar="FIELD=VALUE", help="task config field")
     ev.set_defaults(fn=_eval)
 
@@ -410,8 +431,8 @@ def _add_study(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     )
     study.add_argument("--quick", action="store_true", help="a minutes-long version (its numbers are not findings)")
     study.add_argument("--seeds", type=int, default=3, help="independent seeds")
-    study.add_argument("--out", type=Path, default=Path("docs/study"), help="where the report goes")
-    study.add_argument("--work", type=Path, default=Path("runs/study"), help="where the study's runs go")
+    study.add_argument("--out", type=_local_dir, default=Path("docs/study"), help="where the report goes")
+    study.add_argument("--work", type=_local_dir, default=Path("runs/study"), help="where the study's runs go")
     study.add_argument(
         "--jobs",
         type=int,
@@ -428,7 +449,7 @@ def _add_plan(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
         help="compile every stage of a config for a TPU slice or GPU node (shapes only) and print what each "
         "chip holds, its FLOPs and roofline time",
     )
-    plan.add_argument("--config", help="a YAML file or a bundled config (default: demo)")
+    plan.add_argument("--config", type=_local_path, help="a YAML file or a bundled config (default: demo)")
     plan.add_argument("--set", action="append", default=[], metavar="A.B=C", help="override a config field")
     plan.add_argument("--topology", required=True, help="v5e-16, v6e-8, v5p-8 (TPU: libtpu), h100-8 (XLA:CPU proxy)")
     plan.add_argument("--prompt-tokens", type=int, default=512, help="prompt slots P (default 512)")
@@ -469,7 +490,7 @@ def _add_serve_teacher(sub: _SubCommands, common: argparse.ArgumentParser) -> No
         help="serve a teacher model over HTTP: vLLM's completions API, plus the scoring of the student's "
         "candidates (a run's teacher.server.api: asyncopd)",
     )
-    served.add_argument("--model", required=True, help="builtin:NAME or a Hugging Face directory")
+    served.add_argument("--model", type=_local_path, required=True, help="builtin:NAME or a Hugging Face directory")
     served.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     served.add_argument("--name", default="teacher", help="the model's name in the API (default: teacher)")
     served.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: loopback only)")
@@ -494,7 +515,7 @@ def _add_stage(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     )
     stage.add_argument("role", choices=["rollout", "scoring"])
     stage.add_argument(
-        "--exchange", type=Path, required=True, help="the run's exchange directory (runs/<name>/exchange)"
+        "--exchange", type=_local_dir, required=True, help="the run's exchange directory (runs/<name>/exchange)"
     )
     stage.add_argument("--index", type=int, default=0, help="this process's number within its role")
     stage.add_argument("--cores", default="", help="CPU list to pin to before JAX starts, e.g. 2-3")

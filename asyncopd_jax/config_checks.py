@@ -8,8 +8,9 @@ reads its device and core lists (:func:`parse_id_list`) before JAX starts.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Annotated, Any
 
 # (field within the section, its value, whether the value is allowed, what is allowed)
 Check = tuple[str, Any, bool, str]
@@ -44,3 +45,26 @@ def parse_id_list(spec: str) -> IdList:
             raise ValueError(f"range {part!r} runs backwards")
         ids.extend(range(lo, hi + 1))
     return tuple(dict.fromkeys(ids))
+
+
+#: A setting that names a file or directory on this machine's file system (or on a mount
+#: every host shares). The run's checks refuse a URL in any such setting
+#: (:func:`storage_url_error`); the sections mark theirs with this type.
+LocalPath = Annotated[str, "a path on this machine's file system"]
+
+_URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def storage_url_error(name: str | None, value: str) -> str | None:
+    """One line refusing ``value`` for the path setting ``name`` (None: a command-line
+    argument, which argparse names) when it is a URL (``gs://…``, ``s3://…``, any
+    ``scheme://``), else None: read as a path, ``gs://b/runs`` would silently become the
+    local directory ``./gs:/b/runs``."""
+    url = _URL_SCHEME.match(value)
+    if url is None:
+        return None
+    return (
+        f"{'' if name is None else f'{name} = '}{value!r} is a storage URL ({url.group(1)}://); allowed: a "
+        "path on this machine's file system (storage URLs, gs:// and s3://, come with object-storage support, "
+        "which is not there yet)"
+    )

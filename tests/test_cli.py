@@ -197,3 +197,28 @@ def test_the_launch_scripts_pass_each_stage_process_its_devices():
     assert args("tpu", "0-3") == "--platform tpu --devices 0-3"
     assert args("cuda", "4,5") == "--platform gpu --devices 4,5"
     assert args("cpu", "0-7") == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--config", "gs://b/demo.yaml"],
+        ["train", "--resume", "gs://b/runs/demo"],
+        ["sft", "--model", "student", "--out", "s3://b/student"],
+        ["sft", "--model", "student", "--out", "d", "--init", "gs://b/m"],
+        ["eval", "--model", "s3://b/m"],
+        ["study", "staleness", "--work", "gs://b/work"],
+        ["study", "staleness", "--out", "gs://b/out"],
+        ["plan", "--topology", "v6e-8", "--config", "gs://b/c.yaml"],
+        ["serve-teacher", "--model", "gs://b/teacher"],
+        ["stage", "rollout", "--exchange", "gs://b/runs/demo/exchange"],
+    ],
+)
+def test_a_storage_url_argument_is_refused_in_one_line(capsys, argv):
+    url = next(a for a in argv if "://" in a)
+    with pytest.raises(SystemExit) as exited:  # argparse's exit on a bad argument
+        main(argv)
+    assert exited.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after argparse's usage lines
+    assert "error: argument --" in last and f"{url!r} is a storage URL" in last, last
+    assert "object-storage support" in last

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from asyncopd_jax.cli import DEMO_CONFIG
@@ -447,3 +449,59 @@ def test_dead_fields_are_gone():
     with pytest.raises(ConfigError, match=r"unknown config field train.log_every; allowed in train: steps"):
         load_config(DEMO_CONFIG, ["train.log_every=1"])
     assert not [f for f in SAFE_ON_RESUME if f.endswith("log_every")]
+
+
+#: Every setting that names a file or directory (the test's own list, so a path setting added
+#: without the LocalPath mark shows up as one the sections do not mark).
+PATH_SETTINGS = (
+    "output_dir",
+    "task.path",
+    "student.path",
+    "reference.path",
+    "teacher.path",
+    "teacher.tokenizer",
+    "teacher.prompt.tokenizer",
+    "stages.snapshot_dir",
+)
+
+
+@pytest.mark.parametrize("setting", PATH_SETTINGS)
+@pytest.mark.parametrize("url", ["gs://bucket/runs", "s3://bucket/models/student"])
+def test_a_storage_url_in_a_path_setting_is_refused_in_one_line(setting, url):
+    with pytest.raises(ConfigError) as refused:
+        load_config(DEMO_CONFIG, [f"{setting}={url}"])
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"{setting} = {url!r} is a storage URL ({url[:2]}://)"), message
+    assert "object-storage support" in message
+
+
+def test_a_storage_url_in_a_second_teacher_names_that_teacher():
+    teachers = "[{name: a, path: builtin:teacher}, {name: b, path: builtin:teacher, tokenizer: gs://b/tok}]"
+    with pytest.raises(ConfigError, match=r"^teachers\[1\]\.tokenizer = 'gs://b/tok' is a storage URL"):
+        load_config(DEMO_CONFIG, [f"teachers={teachers}"])
+
+
+def test_the_sections_mark_exactly_the_path_settings():
+    from asyncopd_jax.config.rules import _path_fields
+
+    cfg = load_config(DEMO_CONFIG)
+    marked = set()
+
+    def walk(section, prefix):
+        for name in _path_fields(type(section)):
+            marked.add(prefix + name)
+        for field in dataclasses.fields(section):
+            value = getattr(section, field.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{field.name}.")
+
+    walk(cfg, "")
+    assert marked == set(PATH_SETTINGS)
+
+
+@pytest.mark.parametrize("path", ["runs/demo", "/tmp/x", "builtin:student", "./gs:/odd-but-local", ""])
+def test_paths_and_built_in_names_are_not_urls(path):
+    from asyncopd_jax.config_checks import storage_url_error
+
+    assert storage_url_error("output_dir", path) is None

@@ -4,10 +4,13 @@ the run produces, the teachers and what each can score, the algorithm, the place
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+import functools
+import typing
+from typing import TYPE_CHECKING, Any
 
 from asyncopd_jax.config.sections import TeacherSource
-from asyncopd_jax.config_checks import ConfigError
+from asyncopd_jax.config_checks import ConfigError, LocalPath, storage_url_error
 from asyncopd_jax.estimator_ids import ID_SOURCES
 from asyncopd_jax.estimator_registry import ESTIMATORS, RL_ESTIMATORS
 
@@ -18,6 +21,7 @@ if TYPE_CHECKING:
 def validate(cfg: RunConfig) -> None:
     """The checks that span sections, each naming the fields involved (each section has
     checked its own fields when it was built)."""
+    _refuse_storage_urls(cfg)
     spec = cfg.estimator.spec
     _validate_teacher(cfg)  # first: what the teacher cannot score, before the settings that make it
     for need in spec.needs:  # each id set the estimator reads, and the setting that makes it
@@ -203,3 +207,23 @@ def _validate_algorithm(cfg: RunConfig) -> None:
             "task.answer_field = '' is invalid with algorithm = rl; allowed: the field holding each "
             "example's reference answer (the reward checks answers against it)"
         )
+
+
+def _refuse_storage_urls(section: Any, prefix: str = "") -> None:
+    """Every :data:`~asyncopd_jax.config_checks.LocalPath` setting, in every section and
+    every teacher, holds a path, not a storage URL."""
+    for field in dataclasses.fields(section):
+        value, name = getattr(section, field.name), prefix + field.name
+        if field.name in _path_fields(section.__class__) and (error := storage_url_error(name, value)):
+            raise ConfigError(error)
+        items = value if isinstance(value, tuple) else (value,)
+        for i, item in enumerate(items):
+            if dataclasses.is_dataclass(item):
+                _refuse_storage_urls(item, f"{name}[{i}]." if isinstance(value, tuple) else f"{name}.")
+
+
+@functools.cache
+def _path_fields(cls: type) -> frozenset[str]:
+    """The fields of a config section typed :data:`~asyncopd_jax.config_checks.LocalPath`."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return frozenset(f.name for f in dataclasses.fields(cls) if hints[f.name] == LocalPath)

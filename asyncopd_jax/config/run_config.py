@@ -20,6 +20,7 @@ from asyncopd_jax.config.sections import (
     TeacherSource,
     TrainConfig,
 )
+from asyncopd_jax.config_checks import LocalPath
 from asyncopd_jax.estimator_registry import EstimatorConfig
 from asyncopd_jax.sampling.distribution import SamplingParams
 from asyncopd_jax.teacher.routing import RoutingParams
@@ -29,7 +30,7 @@ from asyncopd_jax.teacher.scorer import ScoringParams
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     name: str = "run"
-    output_dir: str = "runs"
+    output_dir: LocalPath = "runs"
     seed: int = 0
     # "opd": distil from the teacher's scores (the estimator is a KL estimator);
     # "rl": reinforce from the task's rewards (see RLConfig; the estimator is a stabiliser).

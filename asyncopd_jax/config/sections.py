@@ -8,7 +8,7 @@ import dataclasses
 import re
 from typing import Literal
 
-from asyncopd_jax.config_checks import ConfigError, IdList, check_fields, parse_id_list
+from asyncopd_jax.config_checks import ConfigError, IdList, LocalPath, check_fields, parse_id_list
 from asyncopd_jax.teacher.client import ServerParams
 from asyncopd_jax.teacher.prompts import TeacherPrompt
 from asyncopd_jax.teacher.scorer import ScoringParams
@@ -28,7 +28,7 @@ class TaskConfig:
     lengths: Literal["fixed", "long_tailed"] = "fixed"
     max_operands: int = 40  # arith, lengths = long_tailed: the most operands a problem has
     tail_exponent: float = 2.0  # arith, lengths = long_tailed: the Zipf exponent (0: uniform counts)
-    path: str = ""  # dataset: a .jsonl or .parquet file, one example per line / row
+    path: LocalPath = ""  # dataset: a .jsonl or .parquet file, one example per line / row
     prompt_field: str = "prompt"  # dataset: the field holding the prompt (dots reach into nested objects)
     answer_field: str = "answer"  # dataset: the reference answer ("" for none: distillation needs none)
     eval_fraction: float = 0.05  # dataset: share of the examples held out (fixed by prompt hash)
@@ -60,7 +60,7 @@ class TaskConfig:
 class ModelSource:
     """A model directory in the Hugging Face layout; ``builtin:NAME`` for a shipped one."""
 
-    path: str = ""
+    path: LocalPath = ""
     dtype: Literal["float32", "bfloat16"] = "float32"
     # How whole-sequence attention is computed (the learner, the teacher's scoring): "auto"
     # is Pallas splash attention on TPU, a pure-JAX flash attention on GPU, the plain one on
@@ -91,7 +91,7 @@ class TeacherSource(ModelSource):
     # served teacher, the student's). A tokenizer other than the student's makes the teacher
     # a cross-tokenizer one: answers are re-tokenised for it and compared by text spans
     # (asyncopd_jax.teacher.cross_tokenizer), under a prompt in its own tokens.
-    tokenizer: str = ""
+    tokenizer: LocalPath = ""
 
     def __post_init__(self) -> None:
         if not TEACHER_NAME.fullmatch(self.name):
@@ -335,7 +335,7 @@ class StagesConfig:
     rollout_mesh: MeshConfig = MeshConfig()
     scoring_mesh: MeshConfig = MeshConfig()
     rollout_niceness: int = 5  # lower CPU priority: where cores are shared the learner goes first
-    snapshot_dir: str = "auto"  # "auto": /dev/shm/asyncopd-<run> (RAM) if there, else <run>/snapshots
+    snapshot_dir: LocalPath = "auto"  # "auto": /dev/shm/asyncopd-<run> (RAM) if there, else <run>/snapshots
     # How a snapshot is written: "safetensors" (one flat file; ~1 ms for the demo's student),
     # "orbax" (sharded; needed by a learner over several processes), "auto": the former for
     # one learner process, the latter for several.
