@@ -34,7 +34,14 @@ from typing import TYPE_CHECKING
 from flax import nnx
 
 from asyncopd_jax import configs
-from asyncopd_jax.config import ConfigError, OptimConfig, TaskConfig, check_resume_changes, load_config
+from asyncopd_jax.config import (
+    ConfigError,
+    OptimConfig,
+    TaskConfig,
+    check_resume_changes,
+    load_config,
+    migrate_saved_config,
+)
 from asyncopd_jax.config_checks import storage_url_error
 from asyncopd_jax.studies.training_runs import default_jobs
 from asyncopd_jax.teacher import wire
@@ -90,6 +97,10 @@ def _train(args: argparse.Namespace) -> None:
             raise ConfigError(f"cannot resume: {config_file} does not exist")
         if args.config is not None:
             raise ConfigError("--resume reads the run's own config.yaml; change fields with --set instead of --config")
+        moves = migrate_saved_config(config_file)
+        if moves:  # printed once: the file now holds the current names
+            renamed = ", ".join(moves)
+            print(f"asyncopd train: {config_file} now uses the current field names: {renamed}", file=sys.stderr)
         cfg = load_config(config_file, args.set)
         check_resume_changes(load_config(config_file), cfg)
         cfg = cfg.__class__(**{**cfg.__dict__, "name": run_dir.name, "output_dir": str(run_dir.parent)})

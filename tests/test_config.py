@@ -505,3 +505,49 @@ def test_paths_and_built_in_names_are_not_urls(path):
     from asyncopd_jax.config_checks import storage_url_error
 
     assert storage_url_error("output_dir", path) is None
+
+
+def _old_names(data: dict) -> dict:
+    """A config mapping as an earlier version saved it: the estimator's knobs flat."""
+    estimator = data["estimator"]
+    estimator["mc_clip_eps"] = estimator["mc"].pop("clip_eps")
+    estimator["control_variate"] = estimator["forward_mc"].pop("control_variate")
+    estimator["reference_kl_coef"] = estimator["regularisers"].pop("reference_kl_coef")
+    data["schedule"]["rollout_workers"] = data["stages"].pop("rollouts")
+    return data
+
+
+def test_a_saved_config_with_moved_fields_is_migrated_once_with_its_values(tmp_path):
+    import yaml
+
+    from asyncopd_jax.config import migrate_saved_config, save_config, to_dict
+
+    saved = load_config(DEMO_CONFIG, ["estimator.mc.clip_eps=0.3", "estimator.regularisers.reference_kl_coef=0.05"])
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(_old_names(to_dict(saved)), sort_keys=False))
+    with pytest.raises(ConfigError, match="estimator.mc_clip_eps is now estimator.mc.clip_eps"):
+        load_config(path)  # as a hand-written config: refused, naming the new field
+    moves = migrate_saved_config(path)
+    assert set(moves) == {
+        "estimator.mc_clip_eps → estimator.mc.clip_eps",
+        "estimator.control_variate → estimator.forward_mc.control_variate",
+        "estimator.reference_kl_coef → estimator.regularisers.reference_kl_coef",
+        "schedule.rollout_workers → stages.rollouts",
+    }
+    assert load_config(path) == saved  # every value where it was
+    assert migrate_saved_config(path) == []  # the file was rewritten: nothing left to move
+    save_config(saved, tmp_path / "current.yaml")
+    assert migrate_saved_config(tmp_path / "current.yaml") == []
+
+
+def test_a_saved_config_with_a_field_under_both_names_is_refused(tmp_path):
+    import yaml
+
+    from asyncopd_jax.config import migrate_saved_config, to_dict
+
+    data = to_dict(load_config(DEMO_CONFIG))
+    data["estimator"]["mc_clip_eps"] = 0.3
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="holds both estimator.mc_clip_eps and estimator.mc.clip_eps"):
+        migrate_saved_config(path)

@@ -210,5 +210,40 @@ def with_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
     return _from_dict(RunConfig, apply_overrides(to_dict(cfg), list(overrides)), "")
 
 
+def migrate_saved_config(path: str | Path) -> list[str]:
+    """A saved run's ``config.yaml`` (``--resume``) rewritten with each field that moved
+    (:data:`MOVED`) under its new name, its value unchanged. Returns the moves made (``old
+    → new``; none when the file already uses the current names). Only a run's own saved
+    config is migrated: a hand-written config with an old name is refused, naming the new."""
+    path = Path(path)
+    data = yaml.safe_load(path.read_text()) or {}
+    moves = []
+    for old, new in MOVED.items():
+        *old_parents, old_leaf = old.split(".")
+        section = _section(data, old_parents, create=False)
+        if section is None or old_leaf not in section:
+            continue
+        *new_parents, new_leaf = new.split(".")
+        target = _section(data, new_parents, create=True)
+        if target is None or new_leaf in target:
+            raise ConfigError(f"{path}: holds both {old} and {new} (the same field, renamed): keep one")
+        target[new_leaf] = section.pop(old_leaf)
+        moves.append(f"{old} → {new}")
+    if moves:
+        write_text_atomically(path, yaml.safe_dump(data, sort_keys=False))
+    return moves
+
+
+def _section(data: Any, keys: list[str], create: bool) -> dict | None:
+    """The mapping at ``keys`` under ``data`` (made where ``create``), None where there is none."""
+    for key in keys:
+        if not isinstance(data, dict):
+            return None
+        if key not in data and create:
+            data[key] = {}
+        data = data.get(key)
+    return data if isinstance(data, dict) else None
+
+
 def save_config(cfg: RunConfig, path: str | Path) -> None:
     write_text_atomically(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

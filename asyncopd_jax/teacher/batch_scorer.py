@@ -3,12 +3,22 @@ checked (:func:`parse_request`), its rows scored in a batch with others
 (:class:`BatchScorer`), and the answer's JSON (:func:`answer`). The ASGI app and the
 batcher that join them: :mod:`asyncopd_jax.teacher.server`.
 
-``POST /v1/completions`` takes vLLM's body (``prompt``: a list of token-id lists,
-``prompt_logprobs``: K) and answers as vLLM does: per row, ``prompt_logprobs`` with None at
-position 0 and ``{"<id>": {"logprob", "rank", "decoded_token"}}`` after it (the top-K and
-the actual token; ``rank`` is null for an actual token outside the top-K, and
-``decoded_token`` is null: the server has no tokenizer). The extension, a body field
-``"asyncopd"``, asks for the response positions only and for more than a top-K::
+``POST /v1/completions`` takes vLLM's body and answers as vLLM does: per row,
+``prompt_logprobs`` with None at position 0 and ``{"<id>": {"logprob", "rank",
+"decoded_token"}}`` after it (the top-K and the actual token; ``rank`` is null for an actual
+token outside the top-K, and ``decoded_token`` is null: the server has no tokenizer).
+
+The body: a JSON object (strict JSON: ``NaN`` and ``Infinity`` are refused), where ``null``
+is an absent field and fields other than these are ignored (vLLM's ``max_tokens`` …):
+
+* ``prompt`` (required): a non-empty list of rows, a row a non-empty list of token ids
+  (JSON integers from 0 to V − 1; ``true`` and ``1.5`` are not ids); one flat list of ids
+  is one row. At most ``max_request_rows`` rows, each at most the model's context (413).
+* ``prompt_logprobs`` (required): K, an integer from 0 to ``max_topk``.
+* ``model``: the served name. ``temperature``: a number, the server's own.
+
+The extension, a field ``"asyncopd"`` (an object; non-empty, it switches the answer to the
+extension's form), asks for the response positions only and for more than a top-K::
 
     "asyncopd": {"response_start": [P_0, …],         # row i's response starts at position P_i
                  "candidate_ids": [[[id, …], …], …],  # per row, per response position: N ids
@@ -17,18 +27,31 @@ the actual token; ``rank`` is null for an actual token outside the top-K, and
                  "encoding": "base64",                # arrays as base64 (default "json": lists)
                  "pad_to": [P, T]}                    # pad prompts to P, responses to T positions
 
-and each choice then carries ``"asyncopd"`` in place of ``prompt_logprobs``:
-``token_logprobs`` ``[t]``, ``topk_ids`` / ``topk_logprobs`` ``[t, K]``,
-``candidate_logprobs`` ``[t, N]``, ``student_topk_logprobs`` ``[t, Ks]``, ``sample_ids`` /
-``pad_to`` lets a client whose batches have fixed widths (the scoring stage's prompt slots
-and scored columns) have them scored at those widths rather than at the powers of two the
-server otherwise pads to (one compiled program per width: the client's to bound).
+* ``response_start``: one integer per row, 1 ≤ P_i ≤ the row's length (default 1): row i
+  is scored at its t_i = length − P_i positions from P_i on.
+* ``candidate_ids``, ``student_topk_ids``: one entry per row, t_i lists of N ids each
+  (1 ≤ N ≤ 1024, the same N at every position of every row; so a row with t_i = 0
+  cannot carry them).
+* ``num_samples``: M, an integer from 0 to 1024; ``seed``: an integer from 0 to 2³² − 1.
+* ``encoding``: ``"json"`` or ``"base64"``.
+* ``pad_to``: two integers, at least the longest P_i and t_i sent and at most the model's
+  context together. It lets a client whose batches have fixed widths (the scoring
+  stage's prompt slots and scored columns) have them scored at those widths rather than
+  at the powers of two the server otherwise pads to (one compiled program per width: the
+  client's to bound).
+* no other field.
 
-Each choice's arrays are ``[t]`` / ``[t, n]`` as listed above: ``token_logprobs``,
-``topk_ids`` / ``topk_logprobs``, and the others asked for,
-"base64"`` an object ``{"dtype": "<f4" | "<i4", "shape", "data"}``: the array's
-little-endian bytes in base64 (:func:`encode_array`; float32 log-probs are what the score
-cache stores, so nothing is lost).
+Each choice then carries ``"asyncopd"`` in place of ``prompt_logprobs``: per row,
+``token_logprobs`` ``[t]`` (log q of each response token), ``topk_ids`` /
+``topk_logprobs`` ``[t, K]``, and those asked: ``candidate_logprobs`` ``[t, N]``,
+``student_topk_logprobs`` ``[t, Ks]``, ``sample_ids`` / ``sample_logprobs`` ``[t, M]``.
+With ``"encoding": "json"`` each array is nested lists of numbers; with ``"base64"`` an
+object ``{"dtype": "<f4" | "<i4", "shape", "data"}``: the array's little-endian bytes in
+base64 (:func:`encode_array`; float32 log-probs are what the score cache stores, so nothing
+is lost).
+
+A body that breaks these rules is answered 400 (413 where it is too large: the body past
+``max_body_bytes``, too many rows, a row past the context) with one line naming the field.
 """
 
 from __future__ import annotations
@@ -144,44 +167,43 @@ class Request:
 
 def parse_request(body: Any, settings: ServerSettings, vocab_size: int, context: int) -> Request:
     """A :class:`Request` from a ``/v1/completions`` JSON body, or a :class:`BadRequest`
-    naming the field at fault."""
+    naming the field at fault. Every field is checked for its type and bounds before it is
+    used (the rules: the module's docstring); ``null`` is an absent field."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
-    model = body.get("model", settings.model_name)
-    if model not in (settings.model_name, None):
-        raise BadRequest(f"model {model!r} is not served here; this server serves {settings.model_name!r}")
+    model = body.get("model")
+    if model is not None and model != settings.model_name:
+        raise BadRequest(f"model {str(model)[:80]!r} is not served here; this server serves {settings.model_name!r}")
     prompts = body.get("prompt")
     if not isinstance(prompts, list) or not prompts:
         raise BadRequest("prompt must be a non-empty list of token-id lists")
-    if isinstance(prompts[0], int):
+    if _is_int(prompts[0]):
         prompts = [prompts]  # one prompt as a flat id list, as vLLM accepts it
     if len(prompts) > settings.max_request_rows:
         raise BadRequest(f"{len(prompts)} prompts in one request; at most {settings.max_request_rows}", 413)
-    topk = body.get("prompt_logprobs")
-    if not isinstance(topk, int) or isinstance(topk, bool) or not 0 <= topk <= settings.max_topk:
-        raise BadRequest(f"prompt_logprobs must be an integer from 0 to {settings.max_topk}, got {topk!r}")
-    temperature = body.get("temperature", settings.temperature)
-    if not isinstance(temperature, (int, float)) or float(temperature) != settings.temperature:
+    topk = _int("prompt_logprobs", body.get("prompt_logprobs"), 0, settings.max_topk)
+    temperature = body.get("temperature")
+    if temperature is not None and (type(temperature) not in (int, float) or temperature != settings.temperature):
         raise BadRequest(
-            f"temperature {temperature!r}: this server scores at temperature {settings.temperature:g} only"
+            f"temperature {str(temperature)[:40]}: this server scores at temperature {settings.temperature:g} only"
         )
     extension = body.get("asyncopd")
     if extension is not None and not isinstance(extension, dict):
         raise BadRequest("asyncopd must be an object")
-    extension = extension or {}
+    extension = {k: v for k, v in (extension or {}).items() if v is not None}
     unknown = sorted(set(extension) - set(EXTENSION_FIELDS))
     if unknown:
-        raise BadRequest(f"asyncopd.{unknown[0]} is not a field; allowed: {', '.join(EXTENSION_FIELDS)}")
+        raise BadRequest(f"asyncopd.{unknown[0][:40]} is not a field; allowed: {', '.join(EXTENSION_FIELDS)}")
     starts = extension.get("response_start", [1] * len(prompts))
     if not isinstance(starts, list) or len(starts) != len(prompts):
         raise BadRequest(f"asyncopd.response_start must list one position per prompt ({len(prompts)})")
-    num_samples = _int_field(extension, "num_samples", 0, 0, 1 << 10)
-    seed = _int_field(extension, "seed", 0, 0, (1 << 32) - 1)
+    num_samples = _int("asyncopd.num_samples", extension.get("num_samples", 0), 0, MAX_IDS_PER_POSITION)
+    seed = _int("asyncopd.seed", extension.get("seed", 0), 0, (1 << 32) - 1)
     rows = []
     for i, (ids, start) in enumerate(zip(prompts, starts, strict=True)):
         row = _row(i, ids, start, vocab_size, context)
-        row.candidate_ids = _per_position_ids(extension, "candidate_ids", i, row, vocab_size)
-        row.student_topk_ids = _per_position_ids(extension, "student_topk_ids", i, row, vocab_size)
+        row.candidate_ids = _per_position_ids(extension, "candidate_ids", i, len(prompts), row, vocab_size)
+        row.student_topk_ids = _per_position_ids(extension, "student_topk_ids", i, len(prompts), row, vocab_size)
         rows.append(row)
     for field in ("candidate_ids", "student_topk_ids"):
         widths = {None if getattr(r, field) is None else getattr(r, field).shape[1] for r in rows}
@@ -189,70 +211,90 @@ def parse_request(body: Any, settings: ServerSettings, vocab_size: int, context:
             raise BadRequest(f"asyncopd.{field} must give every row the same number of ids per position")
     encoding = extension.get("encoding", "json")
     if encoding not in ("json", "base64"):
-        raise BadRequest(f"asyncopd.encoding must be json or base64, got {encoding!r}")
+        raise BadRequest(f"asyncopd.encoding must be json or base64, got {str(encoding)[:40]!r}")
     pad_to = extension.get("pad_to")
     if pad_to is not None:
         longest = (max(r.start for r in rows), max(len(r.ids) - r.start for r in rows))
         if (
             not isinstance(pad_to, list)
             or len(pad_to) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in pad_to)
+            or not all(_is_int(w) for w in pad_to)
             or pad_to[0] < longest[0]
             or pad_to[1] < longest[1]
-            or sum(pad_to) > context
+            or pad_to[0] + pad_to[1] > context
         ):
             raise BadRequest(
                 f"asyncopd.pad_to must be [prompt, response] widths of at least {list(longest)} (the longest "
-                f"prompt and response sent) and at most {context} together, got {pad_to!r}"
+                f"prompt and response sent) and at most {context} together, got {str(pad_to)[:80]}"
             )
         pad_to = tuple(pad_to)
     binary = encoding == "base64"
     return Request(rows, topk, num_samples, seed, extension=bool(extension), binary=binary, pad_to=pad_to)
 
 
-def _int_field(extension: dict, name: str, default: int, low: int, high: int) -> int:
-    value = extension.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise BadRequest(f"asyncopd.{name} must be an integer from {low} to {high}, got {value!r}")
+#: The most ids a request may send per response position (``candidate_ids``,
+#: ``student_topk_ids``) and the most teacher samples it may ask (``num_samples``).
+MAX_IDS_PER_POSITION = 1 << 10
+
+
+def _is_int(value: Any) -> bool:
+    """A JSON integer (Python's ``bool`` is an ``int``; JSON's true / false are not numbers)."""
+    return type(value) is int
+
+
+def _int(name: str, value: Any, low: int, high: int) -> int:
+    if not _is_int(value) or not low <= value <= high:
+        raise BadRequest(f"{name} must be an integer from {low} to {high}, got {str(value)[:40]}")
     return value
 
 
+def _ids(values: list, vocab_size: int, where: str) -> np.ndarray:
+    """A flat list of JSON integers as ``[n]`` int32 ids, each checked to be an integer in the
+    vocabulary while still a Python int (any size), before NumPy sees it; else a
+    :class:`BadRequest` naming the first value that is not."""
+    for position, value in enumerate(values):
+        if type(value) is not int or not 0 <= value < vocab_size:
+            raise BadRequest(
+                f"{where} holds {str(value)[:40]} at position {position}; allowed: token ids, integers from 0 to "
+                f"{vocab_size - 1}"
+            )
+    return np.asarray(values, np.int32)
+
+
 def _row(i: int, ids: Any, start: Any, vocab_size: int, context: int) -> Row:
-    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not isinstance(ids, list) or not ids:
         raise BadRequest(f"prompt[{i}] must be a non-empty list of token ids")
-    array = np.asarray(ids, np.int64)
-    if array.min() < 0 or array.max() >= vocab_size:
+    if len(ids) > context:
+        raise BadRequest(f"prompt[{i}] has {len(ids)} tokens; the model's context is {context}", 413)
+    array = _ids(ids, vocab_size, f"prompt[{i}]")
+    if not _is_int(start) or not 1 <= start <= len(array):
         raise BadRequest(
-            f"prompt[{i}] holds id {int(array.max() if array.max() >= vocab_size else array.min())}; "
-            f"the vocabulary is 0-{vocab_size - 1}"
+            f"asyncopd.response_start[{i}] must be an integer from 1 to {len(array)}, got {str(start)[:40]}"
         )
-    if len(array) > context:
-        raise BadRequest(f"prompt[{i}] has {len(array)} tokens; the model's context is {context}", 413)
-    if not isinstance(start, int) or isinstance(start, bool) or not 1 <= start <= len(array):
-        raise BadRequest(f"asyncopd.response_start[{i}] must be an integer from 1 to {len(array)}, got {start!r}")
     return Row(array, start)
 
 
-def _per_position_ids(extension: dict, field: str, i: int, row: Row, vocab_size: int) -> np.ndarray | None:
-    """``extension[field][i]``: ``[t, n]`` ids, one list per response position."""
-    if extension.get(field) is None:
+def _per_position_ids(extension: dict, field: str, i: int, rows: int, row: Row, vocab_size: int) -> np.ndarray | None:
+    """``extension[field][i]``: ``[t, n]`` ids, one list of n (1 … MAX_IDS_PER_POSITION) per
+    response position."""
+    if field not in extension:
         return None
     values = extension[field]
-    where = f"asyncopd.{field}[{i}]"
-    if not isinstance(values, list) or len(values) <= i:
-        raise BadRequest(f"asyncopd.{field} must list the ids of every prompt")
-    try:
-        array = np.asarray(values[i], np.int64)
-    except (ValueError, TypeError):
-        raise BadRequest(f"{where} must be a list of equal-length id lists") from None
-    t = len(row.ids) - row.start
-    if array.ndim != 2 or array.shape[0] != t or array.shape[1] < 1:
+    if not isinstance(values, list) or len(values) != rows:
+        raise BadRequest(f"asyncopd.{field} must list the ids of each of the {rows} prompts")
+    t, lists = len(row.ids) - row.start, values[i]
+    width = len(lists[0]) if isinstance(lists, list) and lists and isinstance(lists[0], list) else 0
+    if (
+        not isinstance(lists, list)
+        or len(lists) != t
+        or not 1 <= width <= MAX_IDS_PER_POSITION
+        or not all(isinstance(ids, list) and len(ids) == width for ids in lists)
+    ):
         raise BadRequest(
-            f"{where} must hold {t} lists of ids (one per response position), got shape {list(array.shape)}"
+            f"asyncopd.{field}[{i}] must hold {t} lists (one per response position) of the same number of ids, "
+            f"1 to {MAX_IDS_PER_POSITION}"
         )
-    if array.min() < 0 or array.max() >= vocab_size:
-        raise BadRequest(f"{where} holds ids outside the vocabulary 0-{vocab_size - 1}")
-    return array
+    return _ids([id_ for ids in lists for id_ in ids], vocab_size, f"asyncopd.{field}[{i}]").reshape(t, width)
 
 
 # --- scoring --------------------------------------------------------------------------------------

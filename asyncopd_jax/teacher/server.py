@@ -160,14 +160,15 @@ def make_app(scorer: BatchScorer, settings: ServerSettings) -> Any:
         size = http.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > settings.max_body_bytes:
             return error(413, f"the body has {size} bytes; at most {settings.max_body_bytes}")
-        raw = await http.body()
-        if len(raw) > settings.max_body_bytes:
-            return error(413, f"the body has {len(raw)} bytes; at most {settings.max_body_bytes}")
+        raw = bytearray()
+        async for chunk in http.stream():  # a chunked body has no length to check first
+            raw += chunk
+            if len(raw) > settings.max_body_bytes:
+                return error(413, f"the body has more than {settings.max_body_bytes} bytes")
         try:
-            request = parse_request(json.loads(raw), settings, scorer.vocab_size, scorer.context)
-        except ValueError as err:  # BadRequest, or json's malformed-JSON error
-            status = err.status if isinstance(err, BadRequest) else 400
-            return error(status, str(err) if isinstance(err, BadRequest) else f"malformed JSON: {err}")
+            request = parse_request(strict_json(bytes(raw)), settings, scorer.vocab_size, scorer.context)
+        except BadRequest as err:
+            return error(err.status, str(err))
         if batcher.full(len(request.rows)):
             return error(503, f"the queue holds {batcher.queued_rows} rows; retry", {"Retry-After": "1"})
         scores = await batcher.score(request)
@@ -191,6 +192,24 @@ def make_app(scorer: BatchScorer, settings: ServerSettings) -> Any:
     )
     app.state.batcher = batcher
     return app
+
+
+def strict_json(raw: bytes) -> Any:
+    """The body's JSON value, else a :class:`BadRequest`: malformed JSON or text that is not
+    UTF-8, ``NaN`` / ``Infinity`` (not JSON, though Python's parser takes them), or nesting
+    deeper than the parser's recursion allows."""
+
+    def refuse(constant: str) -> None:
+        raise BadRequest(f"malformed JSON: {constant} is not a JSON value")
+
+    try:
+        return json.loads(raw, parse_constant=refuse)
+    except RecursionError:
+        raise BadRequest("malformed JSON: nested too deeply") from None
+    except BadRequest:
+        raise
+    except ValueError as err:  # json's JSONDecodeError, UnicodeDecodeError
+        raise BadRequest(f"malformed JSON: {err}") from None
 
 
 def serve(scorer: BatchScorer, settings: ServerSettings, host: str, port: int) -> None:

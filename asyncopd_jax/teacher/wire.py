@@ -41,10 +41,14 @@ import dataclasses
 import functools
 import json
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+#: A token id as a JSON object key: decimal digits only (``int`` would also take "1_0", "+1", " 1").
+_DECIMAL_ID = re.compile(r"[0-9]{1,10}")
 
 #: Above this a "log-prob" is not one (rounding puts a certain token's log-prob a hair above 0).
 _LOGP_SLACK = 1e-4
@@ -99,7 +103,7 @@ def json_of(content: bytes, where: str) -> Any:
     """The JSON value of a response body, else a :class:`ServerError` naming ``where``."""
     try:
         return json.loads(content)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise ServerError(f"teacher server {where} answered with malformed JSON: {content[:120]!r}") from None
 
 
@@ -134,7 +138,7 @@ def max_request_rows(answer: Any, server: str) -> int | None:
         limit = answer["data"][0].get("asyncopd", {}).get("max_request_rows")
     except (KeyError, IndexError, TypeError, AttributeError):
         raise ServerError(f"teacher server {server}/v1/models answered {str(answer)[:120]}, not a model list") from None
-    if limit is not None and not (isinstance(limit, int) and limit >= 1):
+    if limit is not None and not (type(limit) is int and limit >= 1):
         raise ServerError(f"teacher server {server}/v1/models: max_request_rows = {limit!r}; expected an int >= 1")
     return limit
 
@@ -245,7 +249,7 @@ def _triples(entries: Any, vocab_size: int, where: str) -> dict[int, float]:
 
 
 def _is_triple(entry: Any, where: str) -> bool:
-    if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+    if not isinstance(entry, (list, tuple)) or len(entry) < 2 or type(entry[1]) is not int:
         raise ServerError(f"{where}: expected [logprob, id, text], got {str(entry)[:80]}")
     return True
 
@@ -286,15 +290,13 @@ def _dense(
     """``scores[key]`` as a ``[t]`` (``width`` None) or ``[t, width]`` array of ids in the
     student's vocabulary (``integer``) or of log-probs, else a :class:`ServerError`."""
     shape = (t,) if width is None else (t, width)
-    try:
-        value = scores[key]
-        if isinstance(value, dict):  # base64 (asyncopd.encoding)
-            value = np.frombuffer(base64.b64decode(value["data"], validate=True), np.dtype(value["dtype"]))
-        array = np.asarray(value, np.int64 if integer else np.float64).reshape(shape)
-    except KeyError:
-        raise ServerError(f"{where}: the answer has no {key}") from None
-    except (ValueError, TypeError, binascii.Error):
-        raise ServerError(f"{where}: {key} is not {list(shape)} numbers ({t} response positions)") from None
+    if key not in scores:
+        raise ServerError(f"{where}: the answer has no {key}")
+    array = _array(scores[key], integer)
+    if array is None or array.size != math.prod(shape):
+        kind = "integers" if integer else "numbers"
+        raise ServerError(f"{where}: {key} is not {list(shape)} {kind} ({t} response positions)")
+    array = array.reshape(shape).astype(np.int64 if integer else np.float64)
     if integer and array.size and (array.min() < 0 or array.max() >= vocab_size):
         raise ServerError(f"{where}: {key} holds an id outside the student's vocabulary (0-{vocab_size - 1})")
     if not integer and (np.isnan(array).any() or (array > _LOGP_SLACK).any()):
@@ -302,16 +304,58 @@ def _dense(
     return array if integer else np.minimum(array, 0.0)
 
 
+def _array(value: Any, integer: bool) -> np.ndarray | None:
+    """An answer's array, nested JSON lists or :func:`~asyncopd_jax.teacher.batch_scorer.encode_array`'s
+    base64 form, if it holds what was asked (integers: JSON integers or ``<i4``; else also
+    floats, ``<f4``), else None. Booleans, strings, ragged lists and integers too large for
+    int64 are not numbers here."""
+    try:
+        if isinstance(value, dict):  # base64 (asyncopd.encoding)
+            dtype = value.get("dtype")
+            if dtype not in (("<i4",) if integer else ("<f4", "<i4")) or not isinstance(value.get("data"), str):
+                return None
+            array = np.frombuffer(base64.b64decode(value["data"], validate=True), np.dtype(dtype))
+            shape = value.get("shape")
+            if shape is not None and not (
+                isinstance(shape, list) and all(type(d) is int for d in shape) and math.prod(shape) == array.size
+            ):
+                return None
+            return array
+        if not _plain_numbers(value, integer):
+            return None
+        array = np.asarray(value)
+    except (ValueError, TypeError, OverflowError, RecursionError, binascii.Error):
+        return None
+    return array if array.dtype.kind in ("iu" if integer else "iuf") else None
+
+
+def _plain_numbers(value: Any, integer: bool) -> bool:
+    """Whether ``value`` is nested lists of JSON integers (or, unless ``integer``, numbers):
+    checked before NumPy, which would read ``true`` as 1 beside integers."""
+    allowed = (int,) if integer else (int, float)
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif type(item) not in allowed:
+            return False
+    return True
+
+
 def _choices(answer: Any, key: str, rows: int, where: str) -> list:
     """``answer["choices"][i][key]`` for each row i (by ``index``), checked to be ``rows``."""
     try:
-        choices = sorted(answer["choices"], key=lambda c: c["index"])
-        per_row = [c[key] for c in choices]
+        choices = answer["choices"]
+        by_index = {c["index"]: c[key] for c in choices}
     except (KeyError, TypeError):
         raise ServerError(f"{where} answered without choices[].{key}: {str(answer)[:160]}") from None
-    if len(per_row) != rows:
-        raise ServerError(f"{where} answered {len(per_row)} rows for the {rows} sent")
-    return per_row
+    if len(choices) != rows:
+        raise ServerError(f"{where} answered {len(choices)} rows for the {rows} sent")
+    if set(by_index) != set(range(rows)) or not all(type(i) is int for i in by_index):
+        indices = [c["index"] for c in choices][:10]
+        raise ServerError(f"{where} answered choices of index {indices} for the {rows} rows sent (0-{rows - 1})")
+    return [by_index[i] for i in range(rows)]
 
 
 def _vllm_row(entries: Any, start: int, response: np.ndarray, topk: int, vocab_size: int, where: str) -> RowScores:
@@ -361,10 +405,10 @@ def _entries(entry: Any, vocab_size: int, where: str) -> dict[int, float]:
         raise ServerError(f"{where}: expected {{id: {{logprob}}}}, got {str(entry)[:80]}")
     scored: dict[int, float] = {}
     for key, value in entry.items():
-        try:
-            token, logp = int(key), float(value["logprob"])
-        except (ValueError, TypeError, KeyError):
-            raise ServerError(f"{where}: expected {{id: {{logprob}}}}, got {key!r}: {str(value)[:80]}") from None
+        logp = value.get("logprob") if isinstance(value, dict) else None
+        if not (isinstance(key, str) and _DECIMAL_ID.fullmatch(key)) or type(logp) not in (int, float):
+            raise ServerError(f"{where}: expected {{id: {{logprob}}}}, got {key[:40]!r}: {str(value)[:80]}")
+        token, logp = int(key), float(logp)  # type: ignore[arg-type]  # an int or a float: checked above
         if math.isnan(logp) or logp > _LOGP_SLACK:
             raise ServerError(f"{where}: log-prob {logp} of id {token} is not a log-prob (NaN or > 0)")
         if not 0 <= token < vocab_size:

@@ -163,3 +163,32 @@ def test_a_failed_delivery_is_raised_while_the_loop_waits_for_capacity():
 
     with pytest.raises(RuntimeError, match="scoring group 0 failed"):
         streamer.run(next_group, deliver)
+
+
+@pytest.mark.parametrize("engine", ["continuous", "static"])
+def test_the_loop_blocks_for_a_group_only_when_its_stream_is_idle(engine):
+    """While groups decode, the loop asks for more without blocking (it must keep decoding);
+    once the stream is idle and no delivery is pending it blocks in ``next_group`` rather
+    than spinning: here, asked without blocking on an idle stream, it would call again and
+    again."""
+    producer, _ = _producer(engine=engine)
+    streamer = RolloutLoop(producer)
+    grants = [(0, 0), (1, 0)]
+    asked: list[tuple[bool, bool]] = []  # (block, the stream idle) per call
+
+    def next_group(block: bool):
+        stream = streamer.stream
+        asked.append((block, stream is None or stream.idle))
+        if grants:
+            return grants.pop(0)
+        if stream is not None and stream.idle:
+            if block:
+                raise PipelineStopped("blocked, as it should")
+            assert sum(1 for b, idle in asked if idle and not b) < 50, "spinning on an idle stream"
+        return None
+
+    with pytest.raises(PipelineStopped, match="blocked, as it should"):
+        streamer.run(next_group, lambda index, group: time.sleep(0.05))
+    busy = [b for b, idle in asked if not idle]
+    assert not any(busy), asked  # never blocked while a group decoded
+    assert busy or engine == "static", asked  # a continuous stream asks for more while it decodes

@@ -384,3 +384,23 @@ def test_a_plan_on_cpu_devices_compiles_the_attention_the_gpus_would_run():
     assert plan_module.target_platform(cpu) == "gpu"
     assert resolve_implementation("auto", plan_module.target_platform(cpu)) == "blockwise"
     assert plan_module.target_platform([types.SimpleNamespace(platform="tpu")]) == "tpu"
+
+
+def test_the_sampler_is_compiled_at_the_plans_answer_length_not_the_configs():
+    """``asyncopd plan --response-tokens T`` compiles the rollout engine for answers of T
+    tokens whatever ``sampling.max_new_tokens`` the config holds: the decode's cache spans
+    the plan's P + T."""
+    student, _ = architecture(load_config(configs.DEMO).student)
+    devices = [get_topology("h100-1").devices[0]]
+
+    def decode_argument_bytes(config_tokens: int, plan_tokens: int) -> int:
+        cfg = load_config(configs.DEMO, ["sampling.engine=static", f"sampling.max_new_tokens={config_tokens}"])
+        shapes = Shapes(prompt_tokens=16, response_tokens=plan_tokens)
+        figures = plan_module.compile_sampler(cfg, student, devices, shapes, rows=4)
+        (decode,) = [f for f in figures if f.stage == "sampler decode"]
+        assert decode.error is None, decode.error
+        return decode.argument_bytes
+
+    at_plan = decode_argument_bytes(config_tokens=8, plan_tokens=48)
+    assert at_plan == decode_argument_bytes(config_tokens=48, plan_tokens=48)
+    assert at_plan > decode_argument_bytes(config_tokens=48, plan_tokens=8)

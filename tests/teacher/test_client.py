@@ -9,6 +9,7 @@ client against a real vLLM server.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -18,6 +19,8 @@ import httpx2
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.config import ConfigError, load_config
@@ -471,3 +474,50 @@ def test_sglang_serves_what_vllm_serves_and_no_more():
     # serve-teacher scores at its own temperature: the run's is sent, the server refuses another
     asyncopd = load_config("demo", [*SERVED, "teacher.server.api=asyncopd", "scoring.temperature=0.7"])
     assert asyncopd.scoring.temperature == 0.7
+
+
+def _one_value_changed(answer: dict, row: int) -> dict:
+    """``answer`` with the actual token's log-prob at the last position of row ``row`` lowered
+    by 0.002."""
+    positions = next(c for c in answer["choices"] if c["index"] == row)["prompt_logprobs"]
+    entry = positions[-1][next(iter(positions[-1]))]
+    entry["logprob"] -= 2e-3
+    return answer
+
+
+@pytest.mark.parametrize("row", [0, len(PROMPTS) - 1])
+def test_one_value_of_one_row_changed_on_the_second_scoring_is_refused(row):
+    """The start-up check compares every value of every row: the largest difference, not a
+    mean or the first row, is held to the tolerance."""
+
+    def answer(body: dict, noise: float = 0.0) -> dict:
+        return _one_value_changed(vllm_answer(body), row) if noise else vllm_answer(body)
+
+    server = FakeServer(answer=answer, noise_on_call=2)
+    with pytest.raises(ServerError, match=r"is not deterministic: .* differ by 0.002 in log-prob"):
+        served(server, rows_per_request=8, determinism_tolerance=1e-3).score(batch())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    t=st.integers(1, 6),
+    field=st.sampled_from(["token_logp", "topk_logp", "candidate_logp", "student_topk_logp"]),
+    where=st.integers(0, 10**6),
+    change=st.floats(1e-6, 5.0),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_difference_of_two_scorings_is_their_largest_change(t, field, where, change, seed):
+    rng = np.random.default_rng(seed)
+    a = wire.RowScores(
+        token_logp=-rng.random(t),
+        topk_ids=rng.integers(0, 9, (t, 3)),
+        topk_logp=-rng.random((t, 3)),
+        candidate_logp=-rng.random((t, 2)),
+        student_topk_logp=-rng.random((t, 4)),
+    )
+    values = getattr(a, field).copy()
+    values.flat[where % values.size] -= change
+    b = dataclasses.replace(a, **{field: values})
+    assert wire.difference(a, b) == pytest.approx(change, rel=1e-9)
+    assert wire.difference(b, a) == pytest.approx(change, rel=1e-9)
+    assert wire.difference(a, a) == 0.0

@@ -49,7 +49,12 @@ from asyncopd_jax.pipeline.trace import Tracer
 
 
 class StageFailed(RuntimeError):
-    """A stage process exited while the run needed it."""
+    """A stage process exited while the run needed it, or (started by hand) never came."""
+
+
+#: With ``stages.start_processes: false``, how often the learner says what it waits for
+#: until the first group arrives.
+WAITING_REPORT_S = 60.0
 
 
 class StageProcesses:
@@ -71,6 +76,9 @@ class StageProcesses:
         self.cfg, self.layout, self.exchange, self.buffer = cfg, layout, exchange, buffer
         # stages.start_processes false: every stage process is started by hand, elsewhere
         self.specs = layout.stage_processes() if cfg.stages.start_processes else ()
+        self.by_hand = () if cfg.stages.start_processes else layout.stage_processes()
+        self._started_at = time.time()
+        self._first_group = threading.Event()
         self.group_size, self.tracer = layout.group_size, tracer
         self.platform = detect_platform()
         self.restarts_left = cfg.stages.restarts
@@ -245,9 +253,13 @@ class StageProcesses:
                     self._seen.add(name)
                     self._offered.append(name)
                 self.buffer.put(group)
+                self._first_group.set()
 
     def _monitor(self) -> None:
+        next_report = time.monotonic() + WAITING_REPORT_S
         while not self._stopping.wait(0.1):
+            if self.by_hand and not self._first_group.is_set():
+                next_report = self._wait_for_hand_started(next_report)
             with self._lock:
                 procs = dict(self._procs)
             for name, proc in procs.items():
@@ -272,6 +284,44 @@ class StageProcesses:
                     f"{_describe_exit(code)}; the end of its log "
                     f"{self.exchange.log_dir / (name + '.log')}:\n{self._log_tail(name)}"
                 )
+
+    def _wait_for_hand_started(self, next_report: float) -> float:
+        """Until the first group arrives from stage processes started by hand: say every
+        :data:`WAITING_REPORT_S` what the learner waits for; past ``stages.startup_timeout``,
+        stop the run in one line. Returns when to report next."""
+        waited = time.time() - self._started_at
+        absent = self._not_started()
+        what = (
+            f"the stage processes started by hand (stages.start_processes: false) to commit a group to "
+            f"{self.exchange.root}; none has started yet for {', '.join(absent)} (on its host: asyncopd stage "
+            f"ROLE --exchange {self.exchange.root} --index I)"
+            if absent
+            else f"the stage processes started by hand (stages.start_processes: false; all have started) to commit "
+            f"a group to {self.exchange.root}"
+        )
+        if waited > self.cfg.stages.startup_timeout:
+            raise StageFailed(
+                f"no rollout group arrived within stages.startup_timeout = {self.cfg.stages.startup_timeout:g} s "
+                f"from {what}"
+            )
+        if time.monotonic() >= next_report:
+            print(f"asyncopd: waiting {waited:.0f} s for {what}", file=sys.stderr, flush=True)
+            return time.monotonic() + WAITING_REPORT_S
+        return next_report
+
+    def _not_started(self) -> list[str]:
+        """The hand-started stage processes with no sign of life since this learner started
+        (a stage process writes its trace file every 2 s while it runs)."""
+        absent = []
+        for spec in self.by_hand:
+            trace = self.exchange.trace_dir / f"{spec.name}.json"
+            try:
+                alive = trace.stat().st_mtime >= self._started_at - 1.0
+            except OSError:
+                alive = False
+            if not alive:
+                absent.append(spec.name)
+        return absent
 
     def _log_tail(self, name: str, lines: int = 15) -> str:
         path = self.exchange.log_dir / f"{name}.log"

@@ -1,0 +1,75 @@
+"""``stages.start_processes: false``: the learner starts no stage process and waits for the
+ones started by hand, saying once a minute what it waits for, and stops in one line when
+none commits a group within ``stages.startup_timeout``."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from asyncopd_jax.config import load_config
+from asyncopd_jax.configs import DEMO
+from asyncopd_jax.pipeline.exchange import Exchange
+from asyncopd_jax.pipeline.layout import plan_layout
+from asyncopd_jax.pipeline.placements import stage_processes
+from asyncopd_jax.pipeline.placements.stage_processes import StageFailed, StageProcesses
+from asyncopd_jax.pipeline.staleness import PipelineStopped, StalenessBuffer
+from asyncopd_jax.pipeline.trace import Tracer
+
+
+def _hand_started(tmp_path, timeout_s: float) -> StageProcesses:
+    sets = [
+        "stages.placement=processes",
+        "stages.start_processes=false",
+        "stages.rollouts=2",
+        "stages.scoring_processes=1",
+        f"stages.startup_timeout={timeout_s}",
+        f"output_dir={tmp_path}",
+    ]
+    cfg = load_config(DEMO, sets)
+    tracer = Tracer()
+    layout = plan_layout(cfg, run_path=tmp_path, available_cores=[], trace_origin=tracer.origin)
+    buffer = StalenessBuffer(cfg.learner.batch_size, cfg.eta)
+    return StageProcesses(
+        cfg=cfg, layout=layout, exchange=Exchange(tmp_path / "exchange"), buffer=buffer, first_index=0, tracer=tracer
+    )
+
+
+def test_the_learner_says_what_it_waits_for_then_stops_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(stage_processes, "WAITING_REPORT_S", 0.3)
+    stages = _hand_started(tmp_path, timeout_s=2.0)
+    assert stages.pids == {}  # nothing started here
+    (stages.exchange.trace_dir / "rollout-1.json").write_text("{}")  # rollout-1 has started, by hand
+    begun = time.monotonic()
+    stages.start()
+    try:
+        with pytest.raises(PipelineStopped) as stopped:
+            stages.take(0)
+    finally:
+        stages.join(timeout=5)
+    assert 2.0 <= time.monotonic() - begun < 10.0
+    assert isinstance(stopped.value.__cause__, StageFailed)
+    message = str(stopped.value.__cause__)
+    assert "\n" not in message
+    assert message.startswith("no rollout group arrived within stages.startup_timeout = 2 s"), message
+    assert "none has started yet for rollout-0, scoring-0 (on its host: asyncopd stage ROLE --exchange" in message
+    reports = [line for line in capsys.readouterr().err.splitlines() if line.startswith("asyncopd: waiting")]
+    assert 2 <= len(reports) <= 8, reports  # once per (shortened) minute, not per poll
+    assert all(re.search(r"waiting \d+ s for the stage processes started by hand", r) for r in reports)
+    assert all(str(stages.exchange.root) in r and "rollout-1" not in r.split("none has")[1] for r in reports)
+
+
+def test_a_group_arriving_ends_the_wait(tmp_path, capsys, monkeypatch):
+    """Once a group is committed the learner no longer reports or times out."""
+    monkeypatch.setattr(stage_processes, "WAITING_REPORT_S", 0.2)
+    stages = _hand_started(tmp_path, timeout_s=1.0)
+    stages._first_group.set()  # what the collector does on the first scored group
+    stages.start()
+    time.sleep(1.5)
+    try:
+        assert stages.buffer._error is None
+    finally:
+        stages.join(timeout=5)
+    assert "asyncopd: waiting" not in capsys.readouterr().err
