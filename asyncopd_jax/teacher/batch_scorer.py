@@ -177,13 +177,13 @@ def parse_request(body: Any, settings: ServerSettings, vocab_size: int, context:
     prompts = body.get("prompt")
     if not isinstance(prompts, list) or not prompts:
         raise BadRequest("prompt must be a non-empty list of token-id lists")
-    if _is_int(prompts[0]):
+    if wire.is_json_int(prompts[0]):
         prompts = [prompts]  # one prompt as a flat id list, as vLLM accepts it
     if len(prompts) > settings.max_request_rows:
         raise BadRequest(f"{len(prompts)} prompts in one request; at most {settings.max_request_rows}", 413)
     topk = _int("prompt_logprobs", body.get("prompt_logprobs"), 0, settings.max_topk)
     temperature = body.get("temperature")
-    if temperature is not None and (type(temperature) not in (int, float) or temperature != settings.temperature):
+    if temperature is not None and (not wire.is_json_number(temperature) or temperature != settings.temperature):
         raise BadRequest(
             f"temperature {str(temperature)[:40]}: this server scores at temperature {settings.temperature:g} only"
         )
@@ -218,7 +218,7 @@ def parse_request(body: Any, settings: ServerSettings, vocab_size: int, context:
         if (
             not isinstance(pad_to, list)
             or len(pad_to) != 2
-            or not all(_is_int(w) for w in pad_to)
+            or not all(wire.is_json_int(w) for w in pad_to)
             or pad_to[0] < longest[0]
             or pad_to[1] < longest[1]
             or pad_to[0] + pad_to[1] > context
@@ -237,13 +237,8 @@ def parse_request(body: Any, settings: ServerSettings, vocab_size: int, context:
 MAX_IDS_PER_POSITION = 1 << 10
 
 
-def _is_int(value: Any) -> bool:
-    """A JSON integer (Python's ``bool`` is an ``int``; JSON's true / false are not numbers)."""
-    return type(value) is int
-
-
 def _int(name: str, value: Any, low: int, high: int) -> int:
-    if not _is_int(value) or not low <= value <= high:
+    if not wire.is_json_int(value) or not low <= value <= high:
         raise BadRequest(f"{name} must be an integer from {low} to {high}, got {str(value)[:40]}")
     return value
 
@@ -253,7 +248,7 @@ def _ids(values: list, vocab_size: int, where: str) -> np.ndarray:
     vocabulary while still a Python int (any size), before NumPy sees it; else a
     :class:`BadRequest` naming the first value that is not."""
     for position, value in enumerate(values):
-        if type(value) is not int or not 0 <= value < vocab_size:
+        if not wire.is_json_int(value) or not 0 <= value < vocab_size:
             raise BadRequest(
                 f"{where} holds {str(value)[:40]} at position {position}; allowed: token ids, integers from 0 to "
                 f"{vocab_size - 1}"
@@ -267,7 +262,7 @@ def _row(i: int, ids: Any, start: Any, vocab_size: int, context: int) -> Row:
     if len(ids) > context:
         raise BadRequest(f"prompt[{i}] has {len(ids)} tokens; the model's context is {context}", 413)
     array = _ids(ids, vocab_size, f"prompt[{i}]")
-    if not _is_int(start) or not 1 <= start <= len(array):
+    if not wire.is_json_int(start) or not 1 <= start <= len(array):
         raise BadRequest(
             f"asyncopd.response_start[{i}] must be an integer from 1 to {len(array)}, got {str(start)[:40]}"
         )

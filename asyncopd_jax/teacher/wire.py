@@ -99,6 +99,17 @@ class Row:
     student_topk_ids: np.ndarray | None = None
 
 
+def is_json_int(value: Any) -> bool:
+    """A JSON integer as Python's parser reads one: an ``int``, not a ``bool`` (``true`` is
+    not a number in JSON, though ``bool`` is an ``int`` in Python)."""
+    return type(value) is int  # noqa: E721 - exactly int: bool is a subclass
+
+
+def is_json_number(value: Any) -> bool:
+    """A JSON number: an integer (:func:`is_json_int`) or a float."""
+    return type(value) in (int, float)
+
+
 def json_of(content: bytes, where: str) -> Any:
     """The JSON value of a response body, else a :class:`ServerError` naming ``where``."""
     try:
@@ -138,7 +149,7 @@ def max_request_rows(answer: Any, server: str) -> int | None:
         limit = answer["data"][0].get("asyncopd", {}).get("max_request_rows")
     except (KeyError, IndexError, TypeError, AttributeError):
         raise ServerError(f"teacher server {server}/v1/models answered {str(answer)[:120]}, not a model list") from None
-    if limit is not None and not (type(limit) is int and limit >= 1):
+    if limit is not None and not (is_json_int(limit) and limit >= 1):
         raise ServerError(f"teacher server {server}/v1/models: max_request_rows = {limit!r}; expected an int >= 1")
     return limit
 
@@ -249,7 +260,7 @@ def _triples(entries: Any, vocab_size: int, where: str) -> dict[int, float]:
 
 
 def _is_triple(entry: Any, where: str) -> bool:
-    if not isinstance(entry, (list, tuple)) or len(entry) < 2 or type(entry[1]) is not int:
+    if not isinstance(entry, (list, tuple)) or len(entry) < 2 or not is_json_int(entry[1]):
         raise ServerError(f"{where}: expected [logprob, id, text], got {str(entry)[:80]}")
     return True
 
@@ -317,7 +328,7 @@ def _array(value: Any, integer: bool) -> np.ndarray | None:
             array = np.frombuffer(base64.b64decode(value["data"], validate=True), np.dtype(dtype))
             shape = value.get("shape")
             if shape is not None and not (
-                isinstance(shape, list) and all(type(d) is int for d in shape) and math.prod(shape) == array.size
+                isinstance(shape, list) and all(map(is_json_int, shape)) and math.prod(shape) == array.size
             ):
                 return None
             return array
@@ -332,13 +343,13 @@ def _array(value: Any, integer: bool) -> np.ndarray | None:
 def _plain_numbers(value: Any, integer: bool) -> bool:
     """Whether ``value`` is nested lists of JSON integers (or, unless ``integer``, numbers):
     checked before NumPy, which would read ``true`` as 1 beside integers."""
-    allowed = (int,) if integer else (int, float)
+    number = is_json_int if integer else is_json_number
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, list):
             stack.extend(item)
-        elif type(item) not in allowed:
+        elif not number(item):
             return False
     return True
 
@@ -352,7 +363,7 @@ def _choices(answer: Any, key: str, rows: int, where: str) -> list:
         raise ServerError(f"{where} answered without choices[].{key}: {str(answer)[:160]}") from None
     if len(choices) != rows:
         raise ServerError(f"{where} answered {len(choices)} rows for the {rows} sent")
-    if set(by_index) != set(range(rows)) or not all(type(i) is int for i in by_index):
+    if set(by_index) != set(range(rows)) or not all(map(is_json_int, by_index)):
         indices = [c["index"] for c in choices][:10]
         raise ServerError(f"{where} answered choices of index {indices} for the {rows} rows sent (0-{rows - 1})")
     return [by_index[i] for i in range(rows)]
@@ -406,7 +417,7 @@ def _entries(entry: Any, vocab_size: int, where: str) -> dict[int, float]:
     scored: dict[int, float] = {}
     for key, value in entry.items():
         logp = value.get("logprob") if isinstance(value, dict) else None
-        if not (isinstance(key, str) and _DECIMAL_ID.fullmatch(key)) or type(logp) not in (int, float):
+        if not (isinstance(key, str) and _DECIMAL_ID.fullmatch(key)) or not is_json_number(logp):
             raise ServerError(f"{where}: expected {{id: {{logprob}}}}, got {key[:40]!r}: {str(value)[:80]}")
         token, logp = int(key), float(logp)  # type: ignore[arg-type]  # an int or a float: checked above
         if math.isnan(logp) or logp > _LOGP_SLACK:
