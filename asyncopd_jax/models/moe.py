@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from asyncopd_jax.models.config import DecoderConfig
-from asyncopd_jax.models.partitioning import PARAMETER_AXES, logical_spec, mesh_axes
+from asyncopd_jax.models.partitioning import PARAMETER_AXES, logical_spec, mesh_axes, target_platform
 
 Array = jax.Array
 
@@ -142,16 +143,96 @@ def expert_layout(shape: tuple[int, ...], mesh: Mesh | AbstractMesh) -> ExpertLa
     )
 
 
-def exchange_bytes(config: DecoderConfig, tokens: int, devices: int, itemsize: int) -> float:
-    """Bytes one device sends over its links in a forward of its ``tokens`` tokens on an
-    expert-parallel mesh of ``devices`` (:func:`expert_parallel`): in each sparse layer, two
-    all-to-alls (there and back) each send ``D − 1`` of the ``D`` chunks of a ``[D, c·k, H]``
-    buffer per exchange of ``c`` tokens. Whole chunks travel, padding included: ``D`` times
-    the rows a device's tokens send on average, the price of never dropping one."""
+class ExchangeBytes(NamedTuple):
+    """Bytes one device sends over its links in a forward (:func:`exchange_bytes`)."""
+
+    uniform: float  # each token's experts spread evenly over the devices
+    worst: float  # one device holds every token's experts: it receives and returns all rows
+
+
+def exchange_bytes(config: DecoderConfig, tokens: int, devices: int, itemsize: int, routed: bool) -> ExchangeBytes:
+    """What one device sends over its links in a forward of its ``tokens`` tokens on an
+    expert-parallel mesh of ``devices`` (:func:`expert_parallel`), counted from one sparse
+    layer's two trips (there and back) of its ``tokens·k`` rows of ``H``.
+
+    ``routed`` (:func:`routed_exchange`): only the rows routed to another device travel:
+    ``(D − 1) / D`` of them at uniform routing; where one device holds every token's experts
+    it receives the rows of the ``D − 1`` others and sends them back. Padded: each trip
+    sends ``D − 1`` whole chunks of ``c·k`` rows, padding included, whatever the routing: the
+    routed worst case at every batch."""
     if devices <= 1:
-        return 0.0
+        return ExchangeBytes(0.0, 0.0)
     sparse = sum(config.is_sparse(i) for i in range(config.num_hidden_layers))
-    return float(sparse * 2 * (devices - 1) * tokens * config.num_experts_per_tok * config.hidden_size * itemsize)
+    rows = sparse * 2 * tokens * config.num_experts_per_tok * config.hidden_size * itemsize
+    worst = float(rows * (devices - 1))
+    return ExchangeBytes(rows * (devices - 1) / devices if routed else worst, worst)
+
+
+# Platforms whose compilers take jax.lax.ragged_all_to_all (XLA:TPU, XLA:GPU): there the
+# exchange sends only the routed rows. XLA:CPU refuses the op ("HLO opcode
+# `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter", JAX 0.10.2), so the CPU
+# (the tests, the built-in task, the CPU proxy of a GPU plan) sends padded chunks.
+ROUTED_EXCHANGE_PLATFORMS = frozenset({"tpu", "gpu", "cuda", "rocm"})
+
+
+def routed_exchange(platform: str) -> bool:
+    """Whether the experts' exchange on ``platform`` sends only routed rows (a ragged
+    all-to-all) rather than padded chunks: the one place this is decided."""
+    return platform in ROUTED_EXCHANGE_PLATFORMS
+
+
+class Slices(NamedTuple):
+    """The arguments of one :func:`jax.lax.ragged_all_to_all` on one device, ``[D]`` each:
+    slice ``i`` (``operand[input_offsets[i]:][:send_sizes[i]]``) goes to device ``i``, where it
+    is written at ``output_offsets[i]``; ``recv_sizes[i]`` rows arrive from device ``i``."""
+
+    input_offsets: Array
+    send_sizes: Array
+    output_offsets: Array
+    recv_sizes: Array
+
+
+def exchange_slices(
+    to_peers: Array, from_peers: Array, at_peers: Array, me: Array, capacity: int
+) -> tuple[Slices, Slices]:
+    """The two trips of one exchange of a device's rows sorted by expert (so by the device
+    holding it: device ``d``'s rows contiguous, in order of ``d``).
+
+    Args:
+      to_peers: ``[D]`` rows this device sends to device ``d``.
+      from_peers: ``[D]`` rows device ``s`` sends to this one.
+      at_peers: ``[D]`` where device ``s``'s rows for this one begin among its sorted rows.
+      me: this device's index over the expert axes.
+      capacity: ``a``, the rows of one chunk: at most this many go to any one device.
+
+    Returns:
+      ``(there, back)``. There: this device's ``[a]`` sorted rows to their devices, each
+      receiver keeping sender ``s``'s rows at ``s·a`` of its ``[D·a]`` (the layout of a padded
+      exchange, so the rows past a sender's count are the output's zeros). Back: each
+      receiver's rows from ``s`` return to ``s``, to the places they left from.
+    """
+    starts = jnp.cumsum(to_peers) - to_peers
+    chunks = jnp.arange(to_peers.shape[0], dtype=to_peers.dtype) * capacity
+    there = Slices(starts, to_peers, jnp.full_like(to_peers, me * capacity), from_peers)
+    back = Slices(chunks, from_peers, at_peers, to_peers)
+    return there, back
+
+
+def padded_all_to_all(operand: Array, output: Array, slices: Slices, axes: tuple[str, ...], capacity: int) -> Array:
+    """:func:`jax.lax.ragged_all_to_all`'s result from a dense :func:`jax.lax.all_to_all` of
+    ``[D, capacity, ...]``, each slice padded to ``capacity`` rows: the same rows arrive, and
+    ``D − 1`` whole chunks cross the links. For compilers without the ragged op (XLA:CPU).
+
+    ``operand [N, ...]`` and ``output [M, ...]`` as the ragged op takes them; every slice
+    at most ``capacity`` rows."""
+    offsets, sizes, written, received = slices
+    row = jnp.arange(capacity)
+    taken = (offsets[:, None] + row) % operand.shape[0]  # [D, capacity]: the slices' rows
+    send = jnp.where((row < sizes[:, None]).reshape(*taken.shape, *[1] * (operand.ndim - 1)), operand[taken], 0)
+    arrived = jax.lax.all_to_all(send, axes, 0, 0)  # [D, capacity, ...]: device s's slice for me
+    at = jax.lax.all_to_all(written, axes, 0, 0, tiled=True)  # [D]: where device s writes it here
+    target = jnp.where(row < received[:, None], at[:, None] + row, output.shape[0])  # past the end: dropped
+    return output.at[target].set(arrived.astype(output.dtype), mode="drop")
 
 
 # Tokens a device sends to the experts in one exchange (the rest wait for the next): its
@@ -169,19 +250,21 @@ def expert_parallel(x: Array, weights: Array, experts: Array, gate: Array, up: A
     split over fsdp too) and, per token, the ``k`` choices of the router:
 
     1. its ``a = c·k`` assignments of a chunk of ``c`` tokens (:data:`EXPERT_CHUNK_TOKENS`,
-       the chunks one after another), sorted by expert, go to the devices that hold
-       their experts: one ``all_to_all`` of a ``[D, a, H]`` buffer, chunk ``d`` holding the
-       rows for device ``d`` first, with each chunk's counts per expert;
-    2. each device runs its ``E / D`` experts on the ``D·a`` rows it received, grouped by
-       expert (the grouped matmul of :func:`_swiglu`), a tensor axis splitting each expert's
-       MLP width as in a dense MLP;
-    3. a second ``all_to_all`` brings the outputs back to the rows they came from, where
-       they are weighted and summed per token (and summed over the tensor axis).
+       the chunks one after another), sorted by expert, go to the devices that hold their
+       experts (:func:`exchange_slices`), after one small ``all_to_all`` of each device's
+       rows per expert: on TPU and GPU a ``ragged_all_to_all`` sends only the routed rows;
+       elsewhere every device sends every other a chunk of ``a`` rows, padding included
+       (:func:`padded_all_to_all`; :func:`routed_exchange` decides);
+    2. each device runs its ``E / D`` experts on the ``D·a`` rows it holds (sender ``s``'s at
+       ``s·a``), grouped by expert (the grouped matmul of :func:`_swiglu`), a tensor axis
+       splitting each expert's MLP width as in a dense MLP;
+    3. the outputs go back to the rows they came from (the same trip reversed), where they
+       are weighted and summed per token (and summed over the tensor axis).
 
-    No token is dropped, whatever the routing: a chunk holds all ``a`` rows, the case of
-    every assignment on one device sent to one expert device. The price is ``2·D·a·H`` of
-    buffers per device and a grouped matmul compiled for ``D·a`` rows (GShard's capacity
-    factor would bound both and drop the overflow, changing a teacher's scores).
+    No token is dropped, whatever the routing: a receiver has room for all ``a`` rows of
+    every sender, the case of every assignment sent to one expert device. The price is
+    ``D·a·H`` of buffers per device and a grouped matmul compiled for ``D·a`` rows (GShard's
+    capacity factor would bound both and drop the overflow, changing a teacher's scores).
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -199,6 +282,13 @@ def expert_parallel(x: Array, weights: Array, experts: Array, gate: Array, up: A
     rows = PartitionSpec(layout.batch)
     stacked = {"gate_proj": gate, "up_proj": up, "down_proj": down}  # each where the rules put it
     specs = tuple(logical_spec(PARAMETER_AXES["experts", name], w.shape, mesh) for name, w in stacked.items())
+    routed, capacity = routed_exchange(target_platform()), chunk * experts.shape[1]  # a: an exchange's rows
+
+    def trip(operand: Array, output: Array, slices: Slices) -> Array:
+        """One trip of the exchange: only the routed rows, or padded chunks of ``a``."""
+        if routed:
+            return jax.lax.ragged_all_to_all(operand, output, *slices, axis_name=ep)
+        return padded_all_to_all(operand, output, slices, ep, capacity)
 
     def exchange(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array) -> Array:
         """One chunk of this device's tokens through the experts, wherever they are."""
@@ -206,22 +296,22 @@ def expert_parallel(x: Array, weights: Array, experts: Array, gate: Array, up: A
         a, h, mine = t * k, x.shape[-1], gate.shape[0]  # mine: experts on this device
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)
-        owner = flat[order] // mine  # [a] the device each sorted assignment goes to
         counts = jnp.bincount(flat, length=e).astype(jnp.int32).reshape(devices, mine)  # [D, E/D]
-        per_device = jnp.sum(counts, axis=1)
-        slot = jnp.arange(a) - (jnp.cumsum(per_device) - per_device)[owner]  # its row in owner's chunk
-        send = jnp.zeros((devices, a, h), x.dtype).at[owner, slot].set(jnp.take(x, order // k, axis=0))
-        received = jax.lax.all_to_all(send, ep, 0, 0)  # [D, a, H]: chunk s from device s
-        arrived = jax.lax.all_to_all(counts, ep, 0, 0)  # [D, E/D]: device s's rows per expert of mine
-        # each received row's expert (rows past a chunk's count: E/D, grouped last and unread)
+        to_peers = jnp.sum(counts, axis=1)
+        # each device's rows per expert of mine, and where its rows for me begin
+        table = jnp.concatenate([counts, (jnp.cumsum(to_peers) - to_peers)[:, None]], axis=1)
+        table = jax.lax.all_to_all(table, ep, 0, 0)  # [D, E/D + 1]
+        arrived, at_peers = table[:, :-1], table[:, -1]
+        there, back = exchange_slices(to_peers, jnp.sum(arrived, axis=1), at_peers, jax.lax.axis_index(ep), a)
+        received = trip(jnp.take(x, order // k, axis=0), jnp.zeros((devices * a, h), x.dtype), there)
+        # each received row's expert (rows past a sender's count: E/D, grouped last and unread)
         ends = jnp.cumsum(arrived, axis=1)  # [D, E/D]
         expert_of = jax.vmap(lambda end: jnp.searchsorted(end, jnp.arange(a), side="right"))(ends)
         grouped = jnp.argsort(expert_of.reshape(-1), stable=True)
-        out = _swiglu(received.reshape(devices * a, h)[grouped], jnp.sum(arrived, axis=0), gate, up, down)
-        out = jnp.zeros_like(out).at[grouped].set(out).reshape(devices, a, h)
-        returned = jax.lax.all_to_all(out, ep, 0, 0)  # [D, a, H]: chunk d from device d, my rows
-        assignments = jnp.zeros((a, h), out.dtype).at[order].set(returned[owner, slot])
-        return _combine(assignments, weights)
+        out = _swiglu(received[grouped], jnp.sum(arrived, axis=0), gate, up, down)
+        out = jnp.zeros_like(out).at[grouped].set(out)  # [D·a, H]: sender s's rows at s·a
+        returned = trip(out, jnp.zeros((a, h), out.dtype), back)  # [a, H]: my rows, sorted
+        return _combine(jnp.zeros_like(returned).at[order].set(returned), weights)
 
     def local(x: Array, weights: Array, experts: Array, gate: Array, up: Array, down: Array) -> Array:
         """This device's tokens, ``chunk`` at a time (their buffers bounded), summed over tensor."""

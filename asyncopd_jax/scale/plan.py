@@ -38,7 +38,7 @@ from asyncopd_jax.learner.step import (
 from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.config import DecoderConfig, read_hf_config
 from asyncopd_jax.models.decoder import Remat, abstract_decoder, cast_floating
-from asyncopd_jax.models.moe import exchange_bytes, expert_layout
+from asyncopd_jax.models.moe import ExchangeBytes, exchange_bytes, expert_layout, routed_exchange
 from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
 from asyncopd_jax.pipeline.devices import stage_mesh, with_shardings
 from asyncopd_jax.pipeline.layout import Layout, Role, device_ids, plan_layout
@@ -89,8 +89,10 @@ class StageFigures:
     model_flops: float = 0.0
     textbook_flops: float = 0.0
     # Bytes one chip sends over its links per call where the program exchanges activations
-    # (a mixture of experts' all-to-alls: models/moe.py's exchange_bytes); 0: none counted
+    # (a mixture of experts' all-to-alls: models/moe.py's exchange_bytes); 0: none counted.
+    # At uniform routing (in the roofline), and where one chip holds every token's experts.
     interconnect_bytes: float = 0.0
+    interconnect_worst_bytes: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -319,25 +321,31 @@ def compile_teacher_scoring(
     textbook = transformer_flops(
         head, rows, shapes.prompt_tokens + shapes.response_tokens, shapes.response_tokens, backward=False
     )
+    exchange = teacher_exchange_bytes(config, mesh, tokens, jnp.dtype(source.dtype).itemsize)
     return dataclasses.replace(
         figures,
         executed_flops=counted,
         model_flops=counted,
         textbook_flops=textbook / len(devices),
-        interconnect_bytes=teacher_exchange_bytes(config, mesh, tokens, jnp.dtype(source.dtype).itemsize),
+        interconnect_bytes=exchange.uniform,
+        interconnect_worst_bytes=exchange.worst,
     )
 
 
-def teacher_exchange_bytes(config: DecoderConfig, mesh: Mesh, tokens: int, itemsize: int) -> float:
+def teacher_exchange_bytes(config: DecoderConfig, mesh: Mesh, tokens: int, itemsize: int) -> ExchangeBytes:
     """What one chip of ``mesh`` sends to the others in a forward of ``tokens`` tokens (all
     chips together) of a mixture of experts split over it: :func:`~asyncopd_jax.models.moe.exchange_bytes`
-    at its share of the tokens; 0 for a dense model or experts not split."""
-    if not config.num_experts:
-        return 0.0
-    layout = expert_layout((config.num_experts, config.hidden_size, config.moe_intermediate_size), mesh)
+    at its share of the tokens, by the exchange the chips' platform runs
+    (:func:`~asyncopd_jax.models.moe.routed_exchange`: routed rows on TPU and GPU chips,
+    where a GPU plan's XLA:CPU proxy compiles the padded one); 0 for a dense model or
+    experts not split."""
+    layout = None
+    if config.num_experts:
+        layout = expert_layout((config.num_experts, config.hidden_size, config.moe_intermediate_size), mesh)
     if layout is None:
-        return 0.0
-    return exchange_bytes(config, -(-tokens // layout.shards), layout.devices, itemsize)
+        return ExchangeBytes(0.0, 0.0)
+    routed = routed_exchange(target_platform(list(mesh.devices.flat)))
+    return exchange_bytes(config, -(-tokens // layout.shards), layout.devices, itemsize, routed)
 
 
 def rollout_sampling(cfg: RunConfig, shapes: Shapes) -> SamplingParams:

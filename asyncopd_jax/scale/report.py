@@ -66,9 +66,17 @@ def format_plan(plan: Plan) -> str:
         )
     for s in plan.stages:
         if s.interconnect_bytes and not s.error:
+            routed = s.interconnect_bytes < s.interconnect_worst_bytes
             lines.append(
                 f"{s.stage}: the experts' all-to-alls send {s.interconnect_bytes / 1e9:.1f} GB per chip and call, "
-                f"{s.interconnect_bytes / chip.copy_bytes_per_s:.3f} s over its links (in its roofline)"
+                f"{s.interconnect_bytes / chip.copy_bytes_per_s:.3f} s over its links (in its roofline), "
+                + (
+                    f"at uniform routing (routed rows only); {s.interconnect_worst_bytes / 1e9:.1f} GB, "
+                    f"{s.interconnect_worst_bytes / chip.copy_bytes_per_s:.3f} s, where one chip holds every "
+                    "token's experts"
+                    if routed
+                    else "whatever the routing (padded chunks)"
+                )
             )
     times = [t for t in plan.balance.values() if t == t]  # the stages that compile
     if times:

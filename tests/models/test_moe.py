@@ -285,19 +285,38 @@ def test_a_model_on_a_mesh_gives_the_one_device_logits(mesh_shape, experts, held
         got = forward(placed, tokens)
         hlo = forward.lower(placed, tokens).as_text()
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
-    # two all-to-alls of rows and one of counts per sparse layer, only where experts are split
-    assert hlo.count("all_to_all") == (3 * 2 if held < experts else 0), hlo.count("all_to_all")
+    # per sparse layer, only where experts are split: one of counts, and on the CPU two padded
+    # trips of rows, each with its slices' offsets (padded_all_to_all)
+    assert hlo.count("all_to_all") == (5 * 2 if held < experts else 0), hlo.count("all_to_all")
 
 
-@pytest.mark.parametrize("mesh_shape, chunk", [((1, 4, 2), 512), ((2, 4, 1), 512), ((1, 8, 1), 1)])
-def test_expert_parallel_drops_no_token_when_every_assignment_goes_to_one_device(mesh_shape, chunk, monkeypatch):
+def _fake_ragged_all_to_all(operand, output, *slices, axis_name):
+    """jax.lax.ragged_all_to_all, which XLA:CPU cannot compile, as padded_all_to_all (itself
+    checked against the documented semantics below), room for a whole operand per slice."""
+    from asyncopd_jax.models.moe import Slices, padded_all_to_all
+
+    return padded_all_to_all(operand, output, Slices(*slices), axis_name, operand.shape[0])
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["padded", "routed"])
+@pytest.mark.parametrize(
+    "mesh_shape, chunk", [((1, 4, 2), 512), ((2, 4, 1), 512), ((2, 2, 2), 512), ((1, 8, 1), 512), ((1, 8, 1), 1)]
+)
+def test_expert_parallel_drops_no_token_whatever_the_routing(mesh_shape, chunk, routed, monkeypatch):
     """The worst case of the all-to-all's buffers: every token of every device routed to
-    experts 6 and 7, which one device holds. Equal to the grouped experts on one device,
-    a device's tokens in one exchange or in two (1 token each: 16 tokens on 8 devices)."""
+    experts 6 and 7, which one device holds; then random routing. Equal to the grouped
+    experts on one device, a device's tokens in one exchange or in two (1 token each: 16
+    tokens on 8 devices), by either exchange: padded chunks (the CPU's), or the routed rows
+    of TPU and GPU, its ragged all-to-all stood in for by the padded one."""
     from asyncopd_jax.models import moe
     from asyncopd_jax.models.moe import _grouped, expert_parallel
 
     monkeypatch.setattr(moe, "EXPERT_CHUNK_TOKENS", chunk)
+    trips = []
+    if routed:
+        monkeypatch.setattr(moe, "routed_exchange", lambda platform: True)
+        counted = lambda *a, **kw: trips.append(1) or _fake_ragged_all_to_all(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(jax.lax, "ragged_all_to_all", counted)
     from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
 
     rng = np.random.default_rng(12)
@@ -314,8 +333,122 @@ def test_expert_parallel_drops_no_token_when_every_assignment_goes_to_one_device
         placed = jax.device_put(tree, parameter_shardings(tree, mesh))["experts"]
         stacked = [placed[name] for name in ("gate_proj", "up_proj", "down_proj")]
         with mesh_context(mesh):
-            got = jax.jit(expert_parallel)(x, weights, chosen, *stacked)
+            forward = jax.jit(lambda *args: expert_parallel(*args))  # traced anew: not the other exchange's
+            got = forward(x, weights, chosen, *stacked)
+            hlo = forward.lower(x, weights, chosen, *stacked).as_text()
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        assert hlo.count("all_to_all") == 5, hlo.count("all_to_all")  # the table, then two trips of two
+    assert len(trips) == (2 * 2 if routed else 0)  # the two trips, traced once per routing
+
+
+def _ragged_all_to_all_oracle(args: list[tuple[np.ndarray, ...]]) -> list[np.ndarray]:
+    """``jax.lax.ragged_all_to_all`` over ``D`` devices as its documentation states it (JAX
+    0.10.2, jax/_src/lax/parallel.py): device ``i``'s ``args[i] = (operand, output,
+    input_offsets, send_sizes, output_offsets, recv_sizes)``, one slice per device; device
+    ``j`` sends ``operand[input_offsets[d]:][:send_sizes[d]]`` to device ``d``, which writes it
+    at ``j``'s ``output_offsets[d]``, and expects ``recv_sizes[j]`` rows from ``j``."""
+    n = len(args)
+    results = [np.array(a[1], copy=True) for a in args]
+    for j, (operand, _, in_off, send, out_off, _) in enumerate(args):
+        for d in range(n):
+            assert send[d] == args[d][5][j], "send_sizes must equal the receivers' recv_sizes"
+            results[d][out_off[d] : out_off[d] + send[d]] = operand[in_off[d] : in_off[d] + send[d]]
+    return results
+
+
+def test_the_ragged_all_to_all_oracle_gives_the_documented_example():
+    """The example of jax.lax.ragged_all_to_all's docstring: [1, 3, 0, 0] and [2, 2, 4, 0]."""
+    i32 = lambda *v: np.asarray(v, np.int32)  # noqa: E731
+    got = _ragged_all_to_all_oracle(
+        [
+            (i32(1, 2, 2), i32(0, 0, 0, 0), i32(0, 1), i32(1, 2), i32(0, 0), i32(1, 1)),
+            (i32(3, 4, 0), i32(0, 0, 0, 0), i32(0, 1), i32(1, 1), i32(1, 2), i32(2, 1)),
+        ]
+    )
+    np.testing.assert_array_equal(got[0], [1, 3, 0, 0])
+    np.testing.assert_array_equal(got[1], [2, 2, 4, 0])
+
+
+def _routings(devices: int, e: int, a: int, rng) -> dict[str, np.ndarray]:
+    """Each device's ``a`` assignments (expert ids) for a few routings of ``e`` experts."""
+    return {
+        "random": rng.integers(0, e, size=(devices, a)),
+        "worst: all to the last device": np.full((devices, a), e - 1),
+        "device 0 sends to itself only": np.vstack([np.zeros((1, a), int), rng.integers(0, e, size=(devices - 1, a))]),
+        "one device each": np.repeat(((np.arange(devices) + 1) % devices * (e // devices))[:, None], a, axis=1),
+    }
+
+
+@pytest.mark.parametrize("devices", [2, 4, 8])  # the expert devices of the meshes above
+def test_exchange_slices_take_each_row_to_its_experts_device_and_back_to_its_place(devices):
+    """Through the documented ragged all-to-all (the oracle): after the first trip, receiver
+    ``d`` holds sender ``s``'s rows for it at ``s·a``, in the sender's sorted order, and zeros
+    past them; after the second, each sender holds every one of its rows, as the receiver
+    that has its expert changed it, where the row left from. At four routings, the worst
+    (every row on one device) among them."""
+    from asyncopd_jax.models.moe import exchange_slices
+
+    e, a, h = 2 * devices, 6, 3
+    rng = np.random.default_rng(devices)
+    for name, chosen in _routings(devices, e, a, rng).items():
+        owner = np.sort(chosen, axis=1) // (e // devices)  # [D, a]: each sorted row's device
+        to = np.stack([np.bincount(o, minlength=devices) for o in owner])  # [sender, receiver]
+        starts = np.cumsum(to, axis=1) - to
+        rows = rng.normal(size=(devices, a, h))  # each device's rows, sorted by expert
+        trips = [
+            exchange_slices(*(jnp.asarray(v, jnp.int32) for v in (to[d], to[:, d], starts[:, d], d)), a)
+            for d in range(devices)
+        ]
+        there = [tuple(np.asarray(v) for v in trip[0]) for trip in trips]
+        back = [tuple(np.asarray(v) for v in trip[1]) for trip in trips]
+        held = _ragged_all_to_all_oracle([(rows[d], np.zeros((devices * a, h)), *there[d]) for d in range(devices)])
+        for d in range(devices):
+            for s in range(devices):
+                chunk = held[d][s * a : (s + 1) * a]
+                np.testing.assert_array_equal(chunk[: to[s, d]], rows[s][owner[s] == d], err_msg=name)
+                assert not chunk[to[s, d] :].any(), name
+        changed = [held[d] + 100.0 * (d + 1) * (held[d] != 0) for d in range(devices)]  # marks who ran it
+        returned = _ragged_all_to_all_oracle([(changed[d], np.zeros((a, h)), *back[d]) for d in range(devices)])
+        for s in range(devices):
+            np.testing.assert_allclose(returned[s], rows[s] + 100.0 * (owner[s] + 1)[:, None], err_msg=name)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 2, 4), (1, 4, 2), (1, 8, 1)])
+def test_padded_all_to_all_is_the_documented_ragged_all_to_all(mesh_shape):
+    """On the CPU's all_to_all, any ragged arguments (slices anywhere in the operand, written
+    anywhere in the output, some empty) give the oracle's result on every device."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from asyncopd_jax.models.moe import Slices, padded_all_to_all
+
+    mesh = _mesh(*mesh_shape)
+    n, capacity, rows_in, rows_out = mesh_shape[1], 3, 7, 3 * mesh_shape[1] + 2
+    rng = np.random.default_rng(n)
+    sizes = rng.integers(0, capacity + 1, size=(n, n))  # [sender, receiver]
+    sizes[0, 1 % n] = 0
+    in_off = np.stack([rng.integers(0, rows_in - s + 1) for s in sizes])  # anywhere, overlaps allowed
+    # each receiver's slots for its senders: disjoint, in a random order, with gaps
+    out_off = np.zeros((n, n), int)
+    for d in range(n):
+        at = 1
+        for s in rng.permutation(n):
+            out_off[s, d], at = at, at + sizes[s, d] + int(rng.integers(0, 2))
+    operand = rng.normal(size=(n, rows_in, 2)).astype(np.float32)
+    output = rng.normal(size=(n, rows_out, 2)).astype(np.float32)
+    args = [(operand[d], output[d], in_off[d], sizes[d], out_off[d], sizes[:, d]) for d in range(n)]
+    want = _ragged_all_to_all_oracle(args)
+
+    split = PartitionSpec("fsdp")
+    stacked = [np.stack(v) for v in zip(*args, strict=True)]
+    stacked = [v.astype(np.int32) if v.dtype.kind == "i" else v for v in stacked]
+    placed = [jax.device_put(jnp.asarray(v), NamedSharding(mesh, split)) for v in stacked]
+
+    def local(operand, output, *slices):
+        got = padded_all_to_all(operand[0], output[0], Slices(*(v[0] for v in slices)), ("fsdp",), capacity)
+        return got[None]
+
+    got = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=split, out_specs=split))(*placed)
+    np.testing.assert_array_equal(np.asarray(got), np.stack(want))
 
 
 @pytest.mark.parametrize("engine", ["static", "continuous"])
@@ -360,22 +493,32 @@ def test_the_shipped_qwen3_30b_a3b_has_the_model_cards_parameter_counts():
     assert round((total - 2 * c.vocab_size * c.hidden_size) / 1e9, 1) == 29.9
 
 
-def test_the_exchange_bytes_are_whole_chunks_there_and_back_in_every_sparse_layer():
+def test_the_exchange_bytes_are_the_routed_rows_or_whole_chunks_there_and_back_in_every_sparse_layer():
     """Qwen3-30B-A3B (48 sparse layers, k 8, H 2,048) on 4 expert devices, 65,536 bf16 tokens
-    a device: each layer sends 3 of 4 chunks of [4, 4,096, 2,048] per 512 tokens, twice."""
+    a device, each layer's rows sent there and back. Routed: 3 in 4 of its rows leave it at
+    uniform routing; where one device holds every expert chosen, it receives and returns the
+    3 others' rows. Padded: 3 of 4 chunks of [4,096, 2,048] per 512 tokens, whatever the routing."""
     from asyncopd_jax.models.config import read_hf_config
-    from asyncopd_jax.models.moe import exchange_bytes
+    from asyncopd_jax.models.moe import ExchangeBytes, exchange_bytes
     from asyncopd_jax.scale.plan import ARCHITECTURES, teacher_exchange_bytes
 
     config, _ = read_hf_config(ARCHITECTURES / "Qwen3-30B-A3B-Instruct-2507")
-    per_exchange = 3 * 512 * 8 * 2048 * 2  # D − 1 chunks of c·k rows of H bf16
-    want = 48 * 2 * (65536 // 512) * per_exchange
-    assert exchange_bytes(config, 65536, 4, 2) == want
-    assert exchange_bytes(config, 65536, 1, 2) == 0.0
+    rows = 48 * 2 * 65536 * 8 * 2048 * 2  # a device's rows of H bf16, there and back, in 48 layers
+    padded = 48 * 2 * (65536 // 512) * 3 * 512 * 8 * 2048 * 2  # D − 1 chunks of c·k rows
+    assert exchange_bytes(config, 65536, 4, 2, routed=True) == ExchangeBytes(rows * 3 / 4, 3 * rows)
+    assert exchange_bytes(config, 65536, 4, 2, routed=False) == ExchangeBytes(padded, padded) == (3 * rows, 3 * rows)
+    assert exchange_bytes(config, 65536, 1, 2, routed=True) == (0.0, 0.0)
     every_other = dataclasses.replace(config, decoder_sparse_step=2)  # layers 1, 3, …: 24 sparse
-    assert exchange_bytes(every_other, 65536, 4, 2) == want / 2
-    # on a mesh: the expert devices are those fsdp puts the experts on, the tokens each's share
-    assert teacher_exchange_bytes(config, _mesh(2, 4, 1), 8 * 65536, 2) == want
-    assert teacher_exchange_bytes(config, _mesh(1, 1, 8), 8 * 65536, 2) == 0.0  # experts not split
+    assert exchange_bytes(every_other, 65536, 4, 2, routed=True) == (rows * 3 / 8, 3 * rows / 2)
+    # on a mesh: the expert devices are those fsdp puts the experts on, the tokens each's
+    # share; CPU devices stand for a plan's GPUs, whose exchange is routed
+    assert teacher_exchange_bytes(config, _mesh(2, 4, 1), 8 * 65536, 2) == (rows * 3 / 4, 3 * rows)
+    assert teacher_exchange_bytes(config, _mesh(1, 1, 8), 8 * 65536, 2) == (0.0, 0.0)  # experts not split
     dense, _ = read_hf_config(ARCHITECTURES / "Qwen3-8B")
-    assert teacher_exchange_bytes(dense, _mesh(2, 4, 1), 8 * 65536, 2) == 0.0
+    assert teacher_exchange_bytes(dense, _mesh(2, 4, 1), 8 * 65536, 2) == (0.0, 0.0)
+
+
+def test_the_exchange_is_routed_on_tpu_and_gpu_only():
+    from asyncopd_jax.models.moe import routed_exchange
+
+    assert [routed_exchange(p) for p in ("tpu", "gpu", "cuda", "rocm", "cpu")] == [True] * 4 + [False]

@@ -436,3 +436,23 @@ def test_stage_processes_started_by_hand_elsewhere_serve_a_learner_that_starts_n
     assert f"rollout-100: pid {stage.pid}," in (tmp_path / "rollout-100.log").read_text()
     assert "devices [0, 1]" in (tmp_path / "rollout-100.log").read_text()  # both devices of its process
     assert [r["step"] for r in _records(tmp_path / "t")] == [1, 2, 3, 4]
+
+
+def test_a_resumed_runs_tickets_ask_for_weights_within_eta_of_its_version(models, tmp_path):  # noqa: F811
+    """Resumed at step 4 (version 4), η = 1, its stage processes started by hand (none
+    here): the tickets it issues before a group arrives ask for weights of version 3 or
+    newer, as a run that never stopped would at step 4; counted from 0 instead, a rollout
+    process would keep sampling version-0 weights, every group dropped as stale."""
+    from asyncopd_jax.pipeline.spool import read_record
+
+    sets = {"schedule.mode": "fully_async", "schedule.max_staleness": 1, "train.checkpoint_every": 4}
+    Trainer(_config(models, tmp_path, **sets, **{"train.steps": 4}), progress=False).run()
+    hand_started = {"stages.placement": "processes", "stages.start_processes": False, "stages.startup_timeout": 3}
+    cfg = _config(models, tmp_path, **sets, **hand_started, **{"train.steps": 8})
+    resumed = Trainer(cfg, resume=True, progress=False)
+    assert resumed.start_step == 4 and resumed.learner.version == 4
+    with pytest.raises(PipelineStopped):  # no group within stages.startup_timeout
+        resumed.run()
+    tickets = sorted((tmp_path / "t" / "exchange" / "tickets").glob("*.npz"))
+    assert tickets, "no ticket was issued"
+    assert {int(read_record(path)["min_version"]) for path in tickets} == {3}

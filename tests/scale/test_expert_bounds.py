@@ -71,3 +71,31 @@ def test_an_expert_parallel_teacher_holds_its_experts_shards_and_one_layer():
         f"({detail}, margin {MARGIN / GIB:.2f})"
     )
     assert figures.interconnect_bytes > 0  # the all-to-alls are in its roofline
+
+
+def test_the_compiled_teacher_sends_only_routed_rows():
+    """XLA:TPU takes jax.lax.ragged_all_to_all: the teacher's forward on 4 v5e chips (fsdp 4,
+    32 experts a chip, 2 layers at Qwen3-30B-A3B's widths) sends its rows by ragged
+    all-to-alls, there and back, and no all-to-all of rows: its one plain all-to-all carries
+    each chip's int32 counts (docs/scaling.md: the ragged path has not run on hardware)."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from asyncopd_jax.config import MeshConfig
+    from asyncopd_jax.learner import make_mesh
+    from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
+    from asyncopd_jax.pipeline.devices import with_shardings
+
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), list(get_topology("v5e-4").devices))
+    graphdef, params = abstract_decoder(teacher(), "bfloat16")
+    tokens = jax.ShapeDtypeStruct((4, 512), np.int32, sharding=NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+    with mesh_context(mesh):
+        hlo = forward.lower(with_shardings(params, parameter_shardings(params, mesh)), tokens).compile().as_text()
+    # the exchange's collectives: those of the shard_map (the partitioner adds an all-to-all
+    # of its own for the embedding's gather)
+    exchange = [line.split("=", 1)[1].lstrip() for line in hlo.splitlines() if "shard_map" in line]
+    ragged = [line for line in exchange if " ragged-all-to-all(" in line]
+    plain = [line for line in exchange if " all-to-all(" in line]
+    assert len(ragged) >= 2 and all(line.startswith("bf16[") for line in ragged), ragged  # there and back
+    assert plain and all(line.startswith("s32[") for line in plain), plain

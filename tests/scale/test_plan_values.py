@@ -404,3 +404,28 @@ def test_the_sampler_is_compiled_at_the_plans_answer_length_not_the_configs():
     at_plan = decode_argument_bytes(config_tokens=8, plan_tokens=48)
     assert at_plan == decode_argument_bytes(config_tokens=48, plan_tokens=48)
     assert at_plan > decode_argument_bytes(config_tokens=48, plan_tokens=8)
+
+
+@pytest.mark.parametrize("routed", [True, False])
+def test_the_plan_prints_the_experts_link_bytes_at_uniform_routing_and_at_worst(routed):
+    """Bug guarded: the exchange's line giving the roofline's bytes without saying at what
+    routing, or the worst case lost. H100 links: 450 GB/s a direction; 90 GB → 0.200 s,
+    360 GB → 0.800 s. A padded exchange sends the same bytes whatever the routing."""
+    topology = Topology("h100-4", CHIPS["h100"], (0, 1, 2, 3), "XLA:CPU (a proxy for the GPUs)")
+    uniform = 90e9 if routed else 360e9
+    teacher = StageFigures(
+        "teacher scoring", 4, 8, 1024, flops=1e12, interconnect_bytes=uniform, interconnect_worst_bytes=360e9
+    )
+    plan = Plan(topology, Shapes(32, 96, 1), [teacher], {}, {"scoring": teacher.roofline_seconds(CHIPS["h100"])})
+    line = next(line for line in format_plan(plan).splitlines() if "all-to-alls" in line)
+    if routed:
+        assert line == (
+            "teacher scoring: the experts' all-to-alls send 90.0 GB per chip and call, 0.200 s over its links "
+            "(in its roofline), at uniform routing (routed rows only); 360.0 GB, 0.800 s, where one chip holds "
+            "every token's experts"
+        )
+    else:
+        assert line == (
+            "teacher scoring: the experts' all-to-alls send 360.0 GB per chip and call, 0.800 s over its links "
+            "(in its roofline), whatever the routing (padded chunks)"
+        )
