@@ -225,7 +225,7 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _rematerialised(layer: DecoderLayer, remat: Remat, method: str = "__call__", **static):
+def _rematerialised(layer: DecoderLayer, remat: Remat, method: str, **static):
     """``layer``'s ``method`` with ``static`` keyword arguments bound, keeping for the
     backward pass what ``remat`` says (the layer's weights are arguments of the
     checkpointed function, so their gradients flow)."""

@@ -33,7 +33,7 @@ from typing import Any
 from asyncopd_jax.teacher.batch_scorer import BadRequest, BatchScorer, Request, ServerSettings, answer, parse_request
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one waiting request: equal only to itself (the queue removes it by identity)
 class _Pending:
     request: Request
     done: asyncio.Future

@@ -4,6 +4,7 @@ still decode, and a group granted a minimum version starts from it."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -18,6 +19,7 @@ from asyncopd_jax.pipeline.snapshots import InMemorySnapshotStore
 from asyncopd_jax.pipeline.staleness import PipelineStopped
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.sampling import make_sampler
+from asyncopd_jax.teacher.routing import RoutedTeacher, Router, RoutingParams
 from tests.tiny_models import slot_sampling, tiny_decoder
 from tests.waits import WAIT_S
 
@@ -30,9 +32,13 @@ def _prompts(rng: np.random.Generator, n: int):
     return prompts, [None] * n
 
 
-def _producer(interruptible: bool = True, engine: str = "continuous") -> tuple[GroupProducer, InMemorySnapshotStore]:
+def _producer(
+    interruptible: bool = True, engine: str = "continuous", router: Router | None = None, slots: int | None = None
+) -> tuple[GroupProducer, InMemorySnapshotStore]:
     graphdef, state = nnx.split(tiny_decoder(0, scale=0.7))
     params = slot_sampling(engine)
+    if slots is not None:
+        params = dataclasses.replace(params, slots=slots)
     snapshots = InMemorySnapshotStore()
     snapshots.publish(0, state)
     producer = GroupProducer(
@@ -46,6 +52,7 @@ def _producer(interruptible: bool = True, engine: str = "continuous") -> tuple[G
         tracer=Tracer(),
         interruptible=interruptible,
         version_timeout=WAIT_S,
+        router=router,
     )
     return producer, snapshots
 
@@ -78,11 +85,26 @@ def _stream(producer: GroupProducer, grants: list[tuple[int, int]], before_grant
     return delivered, still_in_stream, in_stream_at_grant
 
 
-@pytest.mark.parametrize("engine", ["continuous", "static"])
-def test_streamed_groups_are_the_groups_their_indices_give_alone(engine):
+def _two_teachers() -> Router:
+    """Each prompt scored by teacher a or b, drawn 1 : 1 from the group's generator."""
+    return Router(
+        [RoutedTeacher("a"), RoutedTeacher("b")],
+        RoutingParams(by="mixture"),
+        fields=lambda item: item,
+        items=lambda: [],
+        where=str,
+        pad_id=0,
+        student_slots=PROMPT_SLOTS,
+    )
+
+
+@pytest.mark.parametrize("engine, slots", [("continuous", None), ("continuous", 0), ("static", None)])
+def test_streamed_groups_are_the_groups_their_indices_give_alone(engine, slots):
     """The one rollout loop, over either engine: the continuous engine hands a group on while
-    others still decode; the static one decodes a group at a time."""
-    producer, _ = _producer(engine=engine)
+    others still decode (its 3 slots, or with ``sampling.slots: 0`` one a prompt of a group);
+    the static one decodes a group at a time. Each group carries the teachers its index
+    routes its prompts to."""
+    producer, _ = _producer(engine=engine, router=_two_teachers(), slots=slots)
     delivered, still_in_stream, in_stream_at_grant = _stream(producer, [(i, 0) for i in range(4)])
     assert sorted(delivered) == [0, 1, 2, 3]
     if engine == "continuous":
@@ -91,6 +113,8 @@ def test_streamed_groups_are_the_groups_their_indices_give_alone(engine):
         assert max(in_stream_at_grant) == 0  # a group starts once the one before it was handed back
     for index, group in delivered.items():
         alone = producer.sample(index)
+        assert group.route is not None and len(set(group.route.teacher.tolist())) == 2
+        np.testing.assert_array_equal(group.route.teacher, alone.route.teacher)
         for field in ("response_tokens", "response_mask", "candidate_ids", "token_version"):
             np.testing.assert_array_equal(getattr(group.batch, field), getattr(alone.batch, field), err_msg=field)
         np.testing.assert_allclose(group.batch.behavior_logp, alone.batch.behavior_logp, atol=1e-5)
@@ -114,6 +138,14 @@ def test_a_group_granted_a_newer_minimum_version_starts_from_it():
         versions = np.asarray(batch.token_version)[np.asarray(batch.response_mask)]
         assert (versions == 1).all() and delivered[index].oldest_version == 1
     assert {delivered[i].newest_version for i in (0, 1)} <= {0, 1}
+    # the trace (trace.json, and the summary's stage seconds): the first load and the swap to 1, a
+    # rollout span per group with the version it started from and its answers' lengths
+    events = producer.tracer.events()
+    assert [e["args"] for e in events if e["name"] == "swap_weights"] == [{"version": 0}, {"version": 1}]
+    spans = [e["args"] for e in events if e["name"] == "rollout"]
+    assert sorted(a["version"] for a in spans) == [0, 0, 1, 1]
+    mask = np.concatenate([np.asarray(delivered[i].batch.response_mask) for i in range(4)])
+    assert sum(a["tokens"] for a in spans) == mask.sum() and sum(a["rows"] for a in spans) == len(mask)
 
 
 @pytest.mark.parametrize("interruptible", [False, True])
@@ -192,3 +224,37 @@ def test_the_loop_blocks_for_a_group_only_when_its_stream_is_idle(engine):
     busy = [b for b, idle in asked if not idle]
     assert not any(busy), asked  # never blocked while a group decoded
     assert busy or engine == "static", asked  # a continuous stream asks for more while it decodes
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_a_group_is_delivered_in_the_loop_only_when_nothing_is_left_to_decode(groups):
+    """A delivery (the teacher's scoring, in a rollout process) runs beside the next chunks
+    on the ``rollout-scoring`` thread; in the loop's own thread only when the stream is idle
+    and no other delivery runs (nothing would overlap it). One group: delivered in the
+    loop. Four on the continuous engine: the first ends while others decode, with no
+    delivery running, and still goes to the scoring thread."""
+    import threading
+
+    producer, _ = _producer()
+    streamer = RolloutLoop(producer)
+    grants = [(i, 0) for i in range(groups)]
+    deliveries: list[tuple[str, bool]] = []  # (thread, the stream idle) per delivery
+
+    def next_group(block: bool):
+        if grants:
+            return grants.pop(0)
+        if len(deliveries) == groups:
+            raise PipelineStopped("done")
+        return None
+
+    def deliver(index, group):
+        deliveries.append((threading.current_thread().name, streamer.stream.idle))
+
+    here = threading.current_thread().name
+    with pytest.raises(PipelineStopped):
+        streamer.run(next_group, deliver)
+    if groups == 1:
+        assert deliveries == [(here, True)]
+    else:
+        assert deliveries[0] == ("rollout-scoring_0", False), deliveries
+        assert all(idle for thread, idle in deliveries if thread == here), deliveries

@@ -135,7 +135,7 @@ def test_exactly_eta_old_is_consumed_eta_plus_one_dropped_future_refused(eta):
 
 def test_dropped_samples_give_their_capacity_back():
     buf = StalenessBuffer(batch_size=2, eta=1)
-    buf.acquire(4)  # (η + 0 + 1) · B = 4: full
+    buf.acquire(4, timeout=0)  # (η + 0 + 1) · B = 4: full
     with pytest.raises(TimeoutError):
         buf.acquire(1, timeout=0)
     for oldest in (0, 6, 5, 5):  # at version 5: stale, future, then two taken
@@ -168,7 +168,7 @@ def test_capacity_is_eta_in_batches_plus_one_batch_ahead(eta, mini_batches):
 
 def test_sync_capacity_admits_one_batch_at_a_time():
     buf = StalenessBuffer(batch_size=4, eta=0)
-    buf.acquire(4)
+    buf.acquire(4, timeout=0)
     assert buf.capacity() == 0
     with pytest.raises(TimeoutError):
         buf.acquire(1, timeout=0.01)
@@ -195,7 +195,7 @@ def _in_thread(fn) -> tuple[threading.Thread, list]:
 
 def test_a_failure_wakes_every_waiting_thread():
     buf = StalenessBuffer(batch_size=2, eta=0)
-    buf.acquire(2)
+    buf.acquire(2, timeout=0)
     waiters = [_in_thread(lambda: buf.acquire(2)), _in_thread(lambda: buf.take(0))]
     buf.fail(ValueError("worker exploded"))
     outcomes = []
@@ -209,7 +209,7 @@ def test_a_failure_wakes_every_waiting_thread():
 
 def test_release_gives_capacity_back_and_wakes_a_waiting_producer():
     buf = StalenessBuffer(batch_size=4, eta=0)
-    buf.acquire(4)
+    buf.acquire(4, timeout=0)
     thread, outcome = _in_thread(lambda: buf.acquire(1, timeout=30))
     thread.join(0.2)
     assert thread.is_alive()  # waiting for capacity
@@ -241,7 +241,7 @@ def test_acquire_names_the_oldest_version_a_rollout_may_start_from(eta, mini_bat
 
 def test_stop_wakes_every_waiter_and_refuses_new_work():
     buf = StalenessBuffer(batch_size=2, eta=0)
-    buf.acquire(2)
+    buf.acquire(2, timeout=0)
     waiters = [_in_thread(lambda: buf.acquire(1)), _in_thread(lambda: buf.take(0))]
     time.sleep(0.2)
     buf.stop()
@@ -256,7 +256,7 @@ def test_stop_wakes_every_waiter_and_refuses_new_work():
 
 def test_timeouts_and_a_batch_that_does_not_add_up_are_reported():
     buf = StalenessBuffer(batch_size=2, eta=0)
-    buf.acquire(2)
+    buf.acquire(2, timeout=0)
     with pytest.raises(TimeoutError, match="^no rollout capacity within the timeout$"):
         buf.acquire(1, timeout=0.01)
     with pytest.raises(TimeoutError, match=r"^no rollouts arrived within 0.01 s$"):

@@ -429,3 +429,24 @@ def test_the_plan_prints_the_experts_link_bytes_at_uniform_routing_and_at_worst(
             "teacher scoring: the experts' all-to-alls send 360.0 GB per chip and call, 0.800 s over its links "
             "(in its roofline), whatever the routing (padded chunks)"
         )
+
+
+def test_the_sampler_is_planned_at_the_vocabulary_the_teacher_shares(monkeypatch):
+    """Bug guarded: the sampler compiled with the student's whole vocabulary where the plan
+    cuts it to the ids the teacher embeds (``vocab_limit``), as it does the learner's and
+    the teacher's: its head, logits and sampling then larger than the run's."""
+    cfg = load_config(configs.DEMO, [])
+    config, _ = architecture(cfg.student)
+    handed = []
+
+    def recording(graphdef, params, mesh=None):
+        handed.append(graphdef)
+        raise _Stop
+
+    monkeypatch.setattr(plan_module, "make_sampler", recording)
+    limited, whole = (abstract_decoder(config, cfg.student.dtype, limit)[0] for limit in (config.vocab_size - 3, None))
+    assert limited != whole  # the limit is part of the model the engine compiles
+    for limit, want in ((config.vocab_size - 3, limited), (None, whole)):
+        with pytest.raises(_Stop):
+            plan_module.compile_sampler(cfg, config, jax.devices()[:1], Shapes(8, 16), 4, vocab_limit=limit)
+        assert handed.pop() == want

@@ -232,7 +232,6 @@ class StageProcesses:
                 f"{index:010d}",
                 {
                     "index": np.asarray(index),
-                    "size": np.asarray(self.group_size),
                     "min_version": np.asarray(min_version),
                 },
             )
