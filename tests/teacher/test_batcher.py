@@ -160,3 +160,31 @@ def test_the_queue_is_full_past_queue_rows(queued, more, full):
     batcher = Batcher(Scorer(), ServerSettings(queue_rows=8))  # type: ignore[arg-type]
     batcher.queued_rows = queued
     assert batcher.full(more) is full
+
+
+def test_the_head_waits_for_rows_of_its_own_kind_not_for_others():
+    """A (1 row) heads the queue beside B (4 rows of another kind), 4 rows a batch: B's rows
+    cannot join A's batch, so the batcher waits (up to max_wait_ms, a minute here) for rows
+    of A's kind; C (3 rows), arriving 20 ms later, fills A's batch, which is then scored
+    at once."""
+    scorer = Scorer()
+
+    async def scenario():
+        batcher = _batcher(scorer, max_rows=4, max_wait_ms=60_000.0)
+        first = [asyncio.ensure_future(batcher.score(r)) for r in (request(1), request(2, 3, 4, 5, topk=8))]
+        await asyncio.sleep(0.02)
+        last = await batcher.score(request(6, 7, 8))
+        await asyncio.gather(*first)
+        await batcher.stop()
+        assert last == [{"row": 6}, {"row": 7}, {"row": 8}]
+        assert [rows for rows, *_ in scorer.batches] == [[1, 6, 7, 8], [2, 3, 4, 5]]
+
+    run(scenario)
+
+
+def test_scoring_before_start_is_refused_by_name():
+    async def scenario():
+        with pytest.raises(AssertionError, match=r"Batcher\.start\(\) was not called"):
+            await Batcher(Scorer(), ServerSettings()).score(request(1))  # type: ignore[arg-type]
+
+    run(scenario)
