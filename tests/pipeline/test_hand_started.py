@@ -15,7 +15,7 @@ from asyncopd_jax.pipeline.exchange import Exchange
 from asyncopd_jax.pipeline.layout import plan_layout
 from asyncopd_jax.pipeline.placements import stage_processes
 from asyncopd_jax.pipeline.placements.stage_processes import StageFailed, StageProcesses
-from asyncopd_jax.pipeline.staleness import PipelineStopped, StalenessBuffer
+from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 
 
@@ -73,3 +73,51 @@ def test_a_group_arriving_ends_the_wait(tmp_path, capsys, monkeypatch):
     finally:
         stages.join(timeout=5)
     assert "asyncopd: waiting" not in capsys.readouterr().err
+
+
+def _scored_group(rows: int) -> RolloutGroup:
+    """A scored group of ``rows`` answers (its values do not matter here)."""
+    import numpy as np
+
+    from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
+
+    mask = np.ones((rows, 3), bool)
+    batch = RolloutBatch(
+        prompt_tokens=np.ones((rows, 2), np.int32),
+        prompt_mask=np.ones((rows, 2), bool),
+        response_tokens=np.ones((rows, 3), np.int32),
+        response_mask=mask,
+        behavior_logp=np.zeros((rows, 3), np.float32),
+        token_version=np.zeros((rows, 3), np.int32),
+    )
+    cache = TeacherScoreCache(
+        token_logp=np.zeros((rows, 3), np.float32),
+        topk_ids=np.zeros((rows, 3, 2), np.int32),
+        topk_logp=np.zeros((rows, 3, 2), np.float32),
+    )
+    return RolloutGroup(batch, cache, 0, 0)
+
+
+def test_a_group_committed_under_a_tickets_name_reaches_the_learner_and_no_other(tmp_path):
+    """A hand-started rollout process commits each group under its ticket's name (the first
+    ticket: group 1): the learner takes that group; a record under a name no ticket of this
+    run issued (a stray file, an earlier run's) is left alone."""
+    from asyncopd_jax.pipeline.spool import group_to_record
+
+    stages = _hand_started(tmp_path, timeout_s=30.0)
+    group_rows = stages.group_size
+    stages.buffer = StalenessBuffer(group_rows, 0)  # one group a batch
+    stages.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not stages.exchange.tickets.names():
+            assert time.monotonic() < deadline, "no ticket was issued"
+            time.sleep(0.01)
+        ticket = stages.exchange.tickets.names()[0]
+        assert ticket == "0000000001"  # groups numbered from 1: the index picks the group's prompts
+        stages.exchange.scored.put("0000099999", group_to_record(_scored_group(group_rows), 99999))
+        stages.exchange.scored.put(ticket, group_to_record(_scored_group(group_rows), int(ticket)))
+        taken = stages.buffer.take(0, timeout=10)  # what stages.take(0) does, bounded
+        assert [g.record for g in taken] == [ticket]
+    finally:
+        stages.join(timeout=5)
