@@ -80,8 +80,7 @@ def test_random_schedules_obey_the_capacity_rule_and_the_staleness_bound(eta, mi
                     started += group
                     running.append([published, published])
                 else:
-                    with pytest.raises(TimeoutError):
-                        buf.acquire(group, timeout=0)
+                    assert buf.try_acquire(group) is None  # refused without waiting
                     seen["refused_start"] += 1
             elif action == "swap" and running:  # interruptible generation picks up a newer snapshot
                 running[pick % len(running)][1] = published
@@ -136,14 +135,12 @@ def test_exactly_eta_old_is_consumed_eta_plus_one_dropped_future_refused(eta):
 def test_dropped_samples_give_their_capacity_back():
     buf = StalenessBuffer(batch_size=2, eta=1)
     buf.acquire(4, timeout=0)  # (η + 0 + 1) · B = 4: full
-    with pytest.raises(TimeoutError):
-        buf.acquire(1, timeout=0)
+    _refused(buf, 1, 0)
     for oldest in (0, 6, 5, 5):  # at version 5: stale, future, then two taken
         buf.put(_group(1, oldest, oldest))
     buf.take(version=5, timeout=0)
     buf.acquire(2, timeout=0)  # the slots of the stale and the future sample are free again
-    with pytest.raises(TimeoutError):
-        buf.acquire(1, timeout=0)
+    _refused(buf, 1, 0)
 
 
 @pytest.mark.parametrize("eta", [0, 1, 2, 5])
@@ -170,13 +167,22 @@ def test_sync_capacity_admits_one_batch_at_a_time():
     buf = StalenessBuffer(batch_size=4, eta=0)
     buf.acquire(4, timeout=0)
     assert buf.capacity() == 0
-    with pytest.raises(TimeoutError):
-        buf.acquire(1, timeout=0.01)
+    _refused(buf, 1, 0.01)
     buf.put(_group(4, 0, 0))
     buf.take(version=0, timeout=1)
     assert buf.capacity() == 0  # not until the learner has trained on it
     buf.finish_batch()
     assert buf.capacity() == 4
+
+
+def _refused(buf: StalenessBuffer, n: int, timeout: float = 0) -> None:
+    """``buf.acquire(n, timeout)`` gives up after its timeout with a TimeoutError. It runs on
+    a thread given 5 s, so that an ``acquire`` that ignored its timeout fails here instead
+    of waiting forever."""
+    thread, outcome = _in_thread(lambda: buf.acquire(n, timeout=timeout))
+    thread.join(5)
+    assert not thread.is_alive(), f"acquire({n}, timeout={timeout}) was still waiting after 5 s"
+    assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError), outcome
 
 
 def _in_thread(fn) -> tuple[threading.Thread, list]:
@@ -216,8 +222,7 @@ def test_release_gives_capacity_back_and_wakes_a_waiting_producer():
     buf.release(1)  # a rollout that failed before it could be put
     thread.join(5)
     assert not thread.is_alive() and outcome == [0]  # the oldest version it may start from
-    with pytest.raises(TimeoutError):
-        buf.acquire(1, timeout=0)
+    _refused(buf, 1, 0)
 
 
 @pytest.mark.parametrize(
