@@ -150,11 +150,7 @@ def test_capacity_is_eta_in_batches_plus_one_batch_ahead(eta, mini_batches):
     buf = StalenessBuffer(batch, eta, mini_batches)
     started = 0
     for consumed in range(3):
-        while True:  # start samples one by one until the buffer says no
-            try:
-                buf.acquire(1, timeout=0)
-            except TimeoutError:
-                break
+        while buf.try_acquire(1) is not None:  # start samples one by one until the buffer says no
             started += 1
         assert started == (eta // mini_batches + consumed + 1) * batch  # the formula, written out
         # The learner trains on one batch: B samples (all fresh) go through, one more batch opens.
