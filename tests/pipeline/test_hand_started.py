@@ -119,5 +119,10 @@ def test_a_group_committed_under_a_tickets_name_reaches_the_learner_and_no_other
         stages.exchange.scored.put(ticket, group_to_record(_scored_group(group_rows), int(ticket)))
         taken = stages.buffer.take(0, timeout=10)  # what stages.take(0) does, bounded
         assert [g.record for g in taken] == [ticket]
+        stages.buffer.finish_batch()  # the learner trained on it: room for the next group, ticket 2
+        while len(stages.exchange.tickets.names()) < 2:
+            assert time.monotonic() < deadline + 10, f"one ticket after the first: {stages.exchange.tickets.names()}"
+            time.sleep(0.01)
+        assert stages.exchange.tickets.names() == ["0000000001", "0000000002"]
     finally:
         stages.join(timeout=5)

@@ -456,3 +456,4 @@ def test_a_resumed_runs_tickets_ask_for_weights_within_eta_of_its_version(models
     tickets = sorted((tmp_path / "t" / "exchange" / "tickets").glob("*.npz"))
     assert tickets, "no ticket was issued"
     assert {int(read_record(path)["min_version"]) for path in tickets} == {3}
+    assert [int(read_record(path)["index"]) for path in tickets] == [int(path.stem) for path in tickets]
