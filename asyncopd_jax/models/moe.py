@@ -225,11 +225,11 @@ def padded_all_to_all(operand: Array, output: Array, slices: Slices, axes: tuple
 
     ``operand [N, ...]`` and ``output [M, ...]`` as the ragged op takes them; every slice
     at most ``capacity`` rows."""
-    offsets, sizes, written, received = slices
+    offsets, _, written, received = slices  # a slice's size: the receiver's recv_sizes
     row = jnp.arange(capacity)
-    taken = (offsets[:, None] + row) % operand.shape[0]  # [D, capacity]: the slices' rows
-    send = jnp.where((row < sizes[:, None]).reshape(*taken.shape, *[1] * (operand.ndim - 1)), operand[taken], 0)
-    arrived = jax.lax.all_to_all(send, axes, 0, 0)  # [D, capacity, ...]: device s's slice for me
+    # [D, capacity]: each slice's rows, then whatever follows them (padding the receiver never writes)
+    taken = (offsets[:, None] + row) % operand.shape[0]
+    arrived = jax.lax.all_to_all(operand[taken], axes, 0, 0)  # [D, capacity, ...]: device s's slice for me
     at = jax.lax.all_to_all(written, axes, 0, 0, tiled=True)  # [D]: where device s writes it here
     target = jnp.where(row < received[:, None], at[:, None] + row, output.shape[0])  # past the end: dropped
     return output.at[target].set(arrived.astype(output.dtype), mode="drop")
