@@ -120,3 +120,25 @@ def test_bench_swaps_times_every_route_of_a_shipped_students_swap(tmp_path):
     assert set(rows) == {"in-memory", "orbax", "safetensors"}, done.stdout
     assert all(float(row[1]) > 0 and float(row[3]) > 0 for row in rows.values()), done.stdout  # MB, seconds
     assert not list(tmp_path.iterdir())  # every snapshot directory removed
+
+
+def test_bench_delta_sync_measures_a_delta_per_published_version(tmp_path):
+    """``benchmarks/bench_delta_sync.py`` trains the demo's student for a few steps, diffs
+    each published version against the one before, and checks the rebuilt weights' digest
+    (it fails if a rebuilt version differs); bfloat16 at a tiny learning rate leaves most
+    elements unchanged, so the delta is smaller than the full snapshot."""
+    out = tmp_path / "delta.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_delta_sync.py"), "--model", "demo", "--lr", "1e-6"]
+        + ["--warmup", "1", "--versions", "3", "--batch", "4", "--seq", "16", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    (result,) = json.loads(out.read_text())
+    assert result["versions"] == 3 and len(result["rows"]) == 3 and result["publish_dtype"] == "bfloat16"
+    assert 0 < result["delta_bytes_mean"] < result["full_bytes"], result
