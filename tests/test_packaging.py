@@ -117,7 +117,7 @@ sys.exit(main(["train"]))
 
 
 # Import name → distribution name, where they differ (PEP 503-normalised on both sides).
-_DISTRIBUTION_OF = {"yaml": "pyyaml", "orbax": "orbax-checkpoint"}
+_DISTRIBUTION_OF = {"yaml": "pyyaml", "orbax": "orbax-checkpoint", "google": "google-cloud-storage"}
 
 
 def _normalised(name: str) -> str:
