@@ -35,7 +35,7 @@ def pointed_at(kind: str, endpoint: str) -> Iterator[str]:
     """A fresh bucket on the server at ``endpoint``; clients made inside the block talk to
     ``endpoint`` (the server itself or a proxy in front of it). Yields the bucket's URL."""
     bucket = servers.new_bucket(kind, endpoint)
-    with contextlib.contextmanager(servers.environment)(servers.client_env(kind, endpoint)):
+    with servers.environment(servers.client_env(kind, endpoint)):
         yield f"{SCHEME[kind]}://{bucket}/run"
 
 

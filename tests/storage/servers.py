@@ -11,6 +11,7 @@ Each test gets a bucket of its own on servers shared by the test session.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import http.server
@@ -19,20 +20,18 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from asyncopd_jax.teacher import launch
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30.0) -> None:
+    """Return once ``port`` accepts connections (neither server has a health route)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -47,31 +46,33 @@ def _wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float 
 
 @dataclasses.dataclass
 class Server:
-    """A storage server process on ``127.0.0.1:port``."""
+    """A storage server process on ``127.0.0.1:port``, its output in ``log``."""
 
     kind: str  # "s3" or "gcs"
     port: int
-    proc: subprocess.Popen
     command: list[str]
+    log: Path
+    proc: subprocess.Popen = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.start()
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def start(self) -> None:
+        self.proc = launch.start(self.command, self.log)
+        _wait_for_port(self.port, self.proc, self.command[0])
+
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        launch.stop(self.proc, timeout=10)
 
     def restart(self) -> None:
         """Stop the server and start it again on the same port (its objects are lost:
         both servers here keep them in memory)."""
         self.stop()
-        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_for_port(self.port, self.proc, self.command[0])
+        self.start()
 
 
 def fake_gcs_binary() -> Path:
@@ -86,30 +87,19 @@ def fake_gcs_binary() -> Path:
 
 
 def start_s3() -> Server:
-    port = free_port()
+    port = launch.free_port()
     moto = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
-    command = [moto, "-H", "127.0.0.1", "-p", str(port)]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_for_port(port, proc, "moto_server")
-    return Server("s3", port, proc, command)
+    return Server("s3", port, [moto, "-H", "127.0.0.1", "-p", str(port)], _log("moto"))
 
 
 def start_gcs() -> Server:
-    port = free_port()
-    command = [
-        str(fake_gcs_binary()),
-        "-host",
-        "127.0.0.1",
-        "-port",
-        str(port),
-        "-scheme",
-        "http",
-        "-backend",
-        "memory",
-    ]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_for_port(port, proc, "fake-gcs-server")
-    return Server("gcs", port, proc, command)
+    port = launch.free_port()
+    command = [str(fake_gcs_binary()), "-host", "127.0.0.1", "-port", str(port), "-scheme", "http"]
+    return Server("gcs", port, [*command, "-backend", "memory"], _log("fake-gcs-server"))
+
+
+def _log(name: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f"asyncopd-{name}-")) / "server.log"
 
 
 def client_env(kind: str, endpoint: str) -> dict[str, str]:
@@ -257,8 +247,9 @@ class Proxy:
         self._server.server_close()
 
 
+@contextlib.contextmanager
 def environment(env: dict[str, str]) -> Iterator[None]:
-    """Set ``env`` in this process for a with-block (helper for fixtures)."""
+    """Set ``env`` in this process for a with-block."""
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
