@@ -43,6 +43,7 @@ from asyncopd_jax.config import (
     migrate_saved_config,
 )
 from asyncopd_jax.config_checks import storage_url_error
+from asyncopd_jax.storage.location import SCHEMES, is_url
 from asyncopd_jax.studies.training_runs import default_jobs
 from asyncopd_jax.teacher import wire
 
@@ -361,6 +362,16 @@ def _local_dir(value: str) -> Path:
     return Path(_local_path(value))
 
 
+def _storage_location(value: str) -> str:
+    """An argument that names a local path or a bucket (``gs://…``, ``s3://…``)."""
+    url = is_url(value) and value.split("://", 1)[0].lower()
+    if url and url not in SCHEMES:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: {url}:// is not a storage this tool reads; allowed: a path, gs://, s3://"
+        )
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncopd", description="Asynchronous on-policy distillation in JAX.")
     common = argparse.ArgumentParser(add_help=False)
@@ -526,7 +537,10 @@ def _add_stage(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     )
     stage.add_argument("role", choices=["rollout", "scoring"])
     stage.add_argument(
-        "--exchange", type=_local_dir, required=True, help="the run's exchange directory (runs/<name>/exchange)"
+        "--exchange",
+        type=_storage_location,
+        required=True,
+        help="the run's exchange: runs/<name>/exchange, or its bucket URL (gs://…/exchange, s3://…/exchange)",
     )
     stage.add_argument("--index", type=int, default=0, help="this process's number within its role")
     stage.add_argument("--cores", default="", help="CPU list to pin to before JAX starts, e.g. 2-3")

@@ -9,6 +9,9 @@ import pytest
 
 from tests.xla_flags import host_devices
 
+# The storage servers and a store on each backend, for every test that asks (tests/storage/fixtures.py).
+pytest_plugins = ["tests.storage.fixtures"]
+
 # Tests run on the CPU; the mesh tests ask for 8 virtual devices before JAX starts, and XLA
 # compiles without LLVM's optimisation passes (tests/xla_flags.py says why).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

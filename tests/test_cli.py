@@ -211,7 +211,6 @@ def test_the_launch_scripts_pass_each_stage_process_its_devices():
         ["study", "staleness", "--out", "gs://b/out"],
         ["plan", "--topology", "v6e-8", "--config", "gs://b/c.yaml"],
         ["serve-teacher", "--model", "gs://b/teacher"],
-        ["stage", "rollout", "--exchange", "gs://b/runs/demo/exchange"],
     ],
 )
 def test_a_storage_url_argument_is_refused_in_one_line(capsys, argv):

@@ -245,5 +245,10 @@ def _section(data: Any, keys: list[str], create: bool) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def config_yaml(cfg: RunConfig) -> str:
+    """``cfg`` as the YAML a run saves (and :func:`load_config` reads back)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    write_text_atomically(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    write_text_atomically(path, config_yaml(cfg))

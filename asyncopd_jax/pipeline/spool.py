@@ -1,18 +1,27 @@
-"""A spool: a directory of records, each committed atomically, claimed by one consumer.
+"""A spool: records committed atomically to a store, each claimed by one consumer.
 
-The channel between stage processes (and hosts sharing a file system). A producer writes
-a record to a temporary file, flushes it to disk and renames it to ``<name>.npz``: a
-rename within one directory is atomic, so a consumer sees either nothing or the whole
-record, and a record that was committed survives a crash of either side. A consumer
-claims a record by renaming it into ``claimed/`` under its own name: exactly one of
-several competing consumers wins the rename.
+The channel between stage processes, on whatever store the run's exchange is in (a local
+directory, or a bucket every host reaches: :mod:`asyncopd_jax.storage`). It relies only
+on the two conditional writes every backend has:
+
+* **commit**: a producer creates ``<name>.npz`` if absent (a whole object or nothing is
+  visible). A second commit under a taken name is refused; :meth:`Spool.put` returns
+  False — the same group's output committed by a consumer that took over a claim.
+* **claim**: a consumer creates ``claims/<name>`` (a JSON lease: owner, beat) if absent.
+  While it works it renews the lease every ``lease_s / 3`` seconds (a replace against
+  the generation it wrote); another consumer takes a claim over only after seeing it
+  unchanged for ``lease_s`` seconds of its own clock (:class:`~asyncopd_jax.storage.records.LeaseClock`)
+  — a consumer that died without giving back.
+* **done**: the record is deleted, then its claim: a consumer that wins a claim after
+  that finds no record and lets the claim go, so nothing is consumed twice from here;
+  a group's *output*, committed under the same name, is at most one object.
 
 Records are ``.npz`` archives of named NumPy arrays, read with ``allow_pickle=False``:
 no code is ever loaded from a record. :func:`group_to_record` / :func:`group_from_record`
 turn a :class:`~asyncopd_jax.pipeline.staleness.RolloutGroup` (rollout batch, teacher
 scores, policy versions, rewards) into a record and back.
 
-    spool = Spool(root)
+    spool = Spool(open_store(root))
     spool.put("000000042", {"x": np.arange(3)})      # producer
     claim = spool.claim("rollout-0")                  # a consumer: a Claim or None
     arrays = claim.read(); ...; claim.done()          # or claim.give_back()
@@ -22,8 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
-import uuid
+import threading
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -31,102 +40,195 @@ import numpy as np
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.pipeline.staleness import RolloutGroup
+from asyncopd_jax.storage import Store, open_store, records
 from asyncopd_jax.teacher.routing import TeacherRoute
 from asyncopd_jax.teacher.scorer import TeacherUse
 
 SUFFIX = ".npz"
-POLL_SECONDS = 0.002  # how often a consumer with nothing to claim looks again
+CLAIMS = "claims/"
+LEASE_S = 30.0  # a claim not renewed for this long (by the observer's clock) may be taken over
 
 
-@dataclasses.dataclass(frozen=True)
 class Claim:
-    """A record one consumer has taken out of the spool (``claimed/<name>@<owner>.npz``)."""
+    """A record one consumer has taken out of the spool: its lease ``claims/<name>`` is
+    renewed in the background until :meth:`done` or :meth:`give_back`."""
 
-    name: str
-    owner: str
-    path: Path
-    spool: Spool
+    def __init__(self, name: str, owner: str, generation: str, beat: int, spool: Spool, arrays: dict | None):
+        self.name, self.owner, self.spool = name, owner, spool
+        self.generation, self.beat = generation, beat
+        self._arrays = arrays
+
+    @property
+    def key(self) -> str:
+        return f"{CLAIMS}{self.name}"
 
     def read(self) -> dict[str, np.ndarray]:
-        return read_record(self.path)
+        if self._arrays is None:
+            arrays = self.spool.read(self.name)
+            if arrays is None:
+                raise FileNotFoundError(f"{self.spool.url}/{self.name}{SUFFIX} is gone")
+            self._arrays = arrays
+        return self._arrays
 
     def done(self) -> None:
-        """The record is consumed: delete it."""
-        self.path.unlink(missing_ok=True)
+        """The record is consumed: delete it, then its claim."""
+        self.spool._release(self)
+        self.spool.delete(self.name)
+        self.spool.store.delete(self.key)
 
     def give_back(self) -> None:
-        """Return the record to the spool (its consumer failed or stopped)."""
-        os.rename(self.path, self.spool.root / f"{self.name}{SUFFIX}")
+        """Return the record to the spool (its consumer failed or stopped): delete the
+        claim, if it is still this one (a claim taken over is left to its new owner)."""
+        self.spool._release(self)
+        current = self.spool.store.read(self.key)
+        if current is not None and current.generation == self.generation:
+            self.spool.store.delete(self.key)
 
 
 class Spool:
-    """Atomically committed ``<name>.npz`` records under ``root`` (created)."""
+    """Committed ``<name>.npz`` records in ``store`` (see the module docstring).
 
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-        self.claimed = self.root / "claimed"
-        self.claimed.mkdir(parents=True, exist_ok=True)
+    ``store``: a :class:`~asyncopd_jax.storage.Store`, or a local directory (created)."""
 
-    def put(self, name: str, arrays: dict[str, np.ndarray]) -> Path:
-        """Commit a record: write a temporary file, fsync it, rename it into place."""
-        if "@" in name or "/" in name or name.startswith("."):
-            raise ValueError(f"a record name must not contain '@' or '/' nor start with '.': {name!r}")
+    def __init__(self, store: Store | str | Path, lease_s: float = LEASE_S):
+        self.store = open_store(store) if isinstance(store, (str, Path)) else store
+        self.url = self.store.url
+        self.lease_s = lease_s
+        self._leases = records.LeaseClock(lease_s)
+        self._held: dict[str, Claim] = {}
+        self._lock = threading.Lock()
+        self._renewer: threading.Thread | None = None
+        self._next_scan = 0.0  # when claims held by others are looked at next
+
+    def put(self, name: str, arrays: dict[str, np.ndarray]) -> bool:
+        """Commit a record; False if ``name`` already holds another writer's record."""
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"a record name must not contain '/' nor start with '.': {name!r}")
         buffer = io.BytesIO()
         np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle's bool
-        tmp = self.root / f".{name}.{uuid.uuid4().hex}.tmp"
-        _write_durably(tmp, buffer.getbuffer())
-        final = self.root / f"{name}{SUFFIX}"
-        os.rename(tmp, final)
-        return final
+        return records.create(self.store, f"{name}{SUFFIX}", buffer.getvalue()) is not None
+
+    def _listing(self) -> tuple[list[str], set[str]]:
+        """(committed record names in name order, names with a claim), from one listing."""
+        names, claimed = [], set()
+        for key in self.store.list(""):
+            if key.startswith(CLAIMS):
+                claimed.add(key[len(CLAIMS) :])
+            elif key.endswith(SUFFIX) and "/" not in key:
+                names.append(key[: -len(SUFFIX)])
+        return names, claimed
 
     def names(self) -> list[str]:
         """Committed, unclaimed records, in name order."""
-        return sorted(
-            p.name[: -len(SUFFIX)]
-            for p in self.root.iterdir()
-            if p.name.endswith(SUFFIX) and not p.name.startswith(".")
-        )
+        names, claimed = self._listing()
+        return [n for n in names if n not in claimed]
 
-    def path(self, name: str) -> Path:
-        return self.root / f"{name}{SUFFIX}"
+    def read(self, name: str) -> dict[str, np.ndarray] | None:
+        """The record ``name``'s arrays; None if it is not (or no longer) there."""
+        blob = self.store.read(f"{name}{SUFFIX}")
+        return None if blob is None else _arrays(blob.data)
+
+    def delete(self, name: str) -> None:
+        self.store.delete(f"{name}{SUFFIX}")
 
     def claim(self, owner: str, name: str | None = None) -> Claim | None:
-        """Take ``name`` (default: the first record in name order) for ``owner``; None if gone."""
-        for candidate in [name] if name is not None else self.names():
-            target = self.claimed / f"{candidate}@{owner}{SUFFIX}"
-            try:
-                os.rename(self.root / f"{candidate}{SUFFIX}", target)
-            except FileNotFoundError:
-                continue  # another consumer was faster
-            return Claim(candidate, owner, target, self)
+        """Take ``name`` (default: the first free record in name order) for ``owner``;
+        None if there is none. Claims held by others are looked at every ``lease_s / 4``
+        seconds at most, and taken over once expired."""
+        if name is not None:
+            return self._take(owner, name) or self._take_over(owner, name)
+        names, claimed = self._listing()
+        for candidate in (n for n in names if n not in claimed):
+            if (claim := self._take(owner, candidate)) is not None:
+                return claim
+        if claimed and time.monotonic() >= self._next_scan:
+            self._next_scan = time.monotonic() + self.lease_s / 4
+            for candidate in (n for n in names if n in claimed):
+                if (claim := self._take_over(owner, candidate)) is not None:
+                    return claim
         return None
+
+    def _take(self, owner: str, name: str) -> Claim | None:
+        """Create the claim of ``name`` (None if one exists)."""
+        blob = records.create(self.store, f"{CLAIMS}{name}", records.record_bytes({"owner": owner, "beat": 0}))
+        return None if blob is None else self._held_claim(owner, name, blob.generation, 0)
+
+    def _take_over(self, owner: str, name: str) -> Claim | None:
+        """Replace the claim of ``name`` if it has expired by this process's clock."""
+        key = f"{CLAIMS}{name}"
+        current = self.store.read(key)
+        if current is None or not self._leases.expired(key, current.generation):
+            return None
+        beat = int(records.parse(current)["beat"]) + 1
+        data = records.record_bytes({"owner": owner, "beat": beat})
+        blob = records.replace(self.store, key, data, current.generation)
+        return None if blob is None else self._held_claim(owner, name, blob.generation, beat)
+
+    def _held_claim(self, owner: str, name: str, generation: str, beat: int) -> Claim | None:
+        """The claim just won, renewed from now on; None (and the claim let go) if the
+        record is gone: consumed meanwhile (done deletes the record before its claim)."""
+        key = f"{CLAIMS}{name}"
+        self._leases.forget(key)
+        arrays = self.read(name)
+        if arrays is None:
+            self.store.delete(key)
+            return None
+        claim = Claim(name, owner, generation, beat, self, arrays)
+        with self._lock:
+            self._held[name] = claim
+            if self._renewer is None:
+                self._renewer = threading.Thread(target=self._renew, name="claim-renewer", daemon=True)
+                self._renewer.start()
+        return claim
+
+    def _release(self, claim: Claim) -> None:
+        with self._lock:
+            if self._held.get(claim.name) is claim:
+                del self._held[claim.name]
+
+    def _renew(self) -> None:
+        """Renew every held claim's lease every ``lease_s / 3`` seconds."""
+        while True:
+            time.sleep(self.lease_s / 3)
+            with self._lock:
+                held = list(self._held.values())
+            for claim in held:
+                data = records.record_bytes({"owner": claim.owner, "beat": claim.beat + 1})
+                blob = records.replace(self.store, claim.key, data, claim.generation)
+                if blob is not None:
+                    claim.generation, claim.beat = blob.generation, claim.beat + 1
+                else:  # taken over, or done meanwhile: stop renewing it
+                    self._release(claim)
 
     def claims_of(self, owner: str) -> list[Claim]:
         """Records ``owner`` has claimed and not finished (to give back when it died)."""
         out = []
-        for p in sorted(self.claimed.glob(f"*@{owner}{SUFFIX}")):
-            out.append(Claim(p.name[: -len(SUFFIX)].rsplit("@", 1)[0], owner, p, self))
+        for key in self.store.list(CLAIMS):
+            blob = self.store.read(key)
+            if blob is not None and records.parse(blob)["owner"] == owner:
+                record = records.parse(blob)
+                out.append(Claim(key[len(CLAIMS) :], owner, blob.generation, int(record["beat"]), self, None))
         return out
 
+    def release_all(self) -> None:
+        """Drop every claim (the run starts: no consumer of an earlier incarnation runs)."""
+        for key in self.store.list(CLAIMS):
+            self.store.delete(key)
+
     def clear(self) -> None:
-        """Remove every record, claimed or not, and left-over temporary files."""
-        for p in [*self.root.iterdir(), *self.claimed.iterdir()]:
-            if p.is_file():
-                p.unlink(missing_ok=True)
+        """Remove every record and claim."""
+        for key in self.store.list(""):
+            self.store.delete(key)
 
 
-def _write_durably(path: Path, data: memoryview) -> None:
-    """Write ``data`` to a new file and fsync it. A function of its own so that a test can
-    pause a writer half-way and check that readers see nothing of the record meanwhile."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def _arrays(data: bytes) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+        return {k: archive[k] for k in archive.files}
 
 
 def read_record(path: str | Path) -> dict[str, np.ndarray]:
-    with np.load(path, allow_pickle=False) as data:
-        return {k: data[k] for k in data.files}
+    """A record file's arrays (a local spool's ``<name>.npz``)."""
+    return _arrays(Path(path).read_bytes())
 
 
 # --- rollout groups as records -------------------------------------------------------------

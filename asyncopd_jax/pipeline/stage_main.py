@@ -27,9 +27,11 @@ from asyncopd_jax.pipeline.heap import HeapTrimmer
 from asyncopd_jax.pipeline.host_env import pin_this_process
 from asyncopd_jax.pipeline.probes import teacher_accuracies
 from asyncopd_jax.pipeline.rollout_loop import RolloutLoop
-from asyncopd_jax.pipeline.spool import POLL_SECONDS, Claim, Spool, group_from_record, group_to_record
+from asyncopd_jax.pipeline.spool import Claim, Spool, group_from_record, group_to_record
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup
 from asyncopd_jax.pipeline.trace import Tracer
+from asyncopd_jax.storage.records import Backoff
+from asyncopd_jax.storage.store import StorageError
 
 
 def run_stage(
@@ -51,7 +53,11 @@ def run_stage(
     pin_this_process(cores)
     if niceness:
         os.nice(niceness)
-    exchange = Exchange(exchange_dir)
+    try:
+        exchange = Exchange(exchange_dir)
+    except StorageError as err:  # a bucket missing, no credentials, no storage extra: one line
+        print(f"asyncopd stage: {err}", file=sys.stderr, flush=True)
+        return 2
     name = f"{role}-{index}"
     tracer = None
     try:
@@ -92,7 +98,11 @@ def run_stage(
         return 1
     finally:
         if tracer is not None:
-            tracer.dump(exchange.trace_dir / f"{name}.json")
+            exchange.dump_trace(tracer, name)
+
+
+# A stage process writes its trace this often to a bucket (each write is a billed request).
+TRACE_EVERY_S_REMOTE = 30.0
 
 
 class _Heartbeat:
@@ -108,8 +118,8 @@ class _Heartbeat:
         """Raise :class:`PipelineStopped` once the run stopped."""
         if self.exchange.stopped or (self.parent_pid is not None and os.getppid() != self.parent_pid):
             raise PipelineStopped("the run stopped")
-        if time.monotonic() - self.last_dump > 2.0:
-            self.tracer.dump(self.exchange.trace_dir / f"{self.name}.json")
+        if time.monotonic() - self.last_dump > (TRACE_EVERY_S_REMOTE if self.exchange.store.remote else 2.0):
+            self.exchange.dump_trace(self.tracer, self.name)
             self.last_dump = time.monotonic()
         self.trim_heap()
 
@@ -125,21 +135,23 @@ def _roll_out(process: RunProcess, tickets: Spool, outbox: Spool, beat: _Heartbe
     # the first policy: published by the learner as it starts
     rollout.producer.snapshots.wait_for(0, timeout=process.cfg.stages.startup_timeout)
     claims: dict[int, Claim] = {}
+    backoff = Backoff(tickets.store)
 
     def next_group(block: bool) -> tuple[int, int] | None:
         while True:
             beat()
             claim = tickets.claim(beat.name)
             if claim is not None:
+                backoff.reset()
                 record = claim.read()
                 claims[int(record["index"])] = claim
                 return int(record["index"]), int(record.get("min_version", 0))
             if not block:
                 return None
-            time.sleep(POLL_SECONDS)
+            backoff.wait()
 
     def commit(index: int, group: RolloutGroup) -> None:
-        outbox.put(claims[index].name, group_to_record(rollout.scored(group, index), index))
+        _commit(outbox, claims[index].name, group_to_record(rollout.scored(group, index), index), beat.name)
         claims.pop(index).done()
 
     try:
@@ -157,23 +169,32 @@ def _score(process: RunProcess, sampled: Spool, outbox: Spool, beat: _Heartbeat)
     scoring = process.scoring
     if scoring is None:  # not reached: a stage process hosts a rollout stage, a scoring stage or both
         raise RuntimeError(f"stage process {beat.name} has neither a rollout nor a scoring stage")
+    backoff = Backoff(sampled.store)
     try:
         while True:
             beat()
             claim = sampled.claim(beat.name)
             if claim is None:
-                time.sleep(POLL_SECONDS)
+                backoff.wait()
                 continue
+            backoff.reset()
             try:
                 group, index = group_from_record(claim.read())
                 record = group_to_record(scoring.score(group, process.layout.seed, index, process.tracer), index)
             except BaseException:
                 claim.give_back()
                 raise
-            outbox.put(claim.name, record)
+            _commit(outbox, claim.name, record, beat.name)
             claim.done()
     except PipelineStopped:
         return
+
+
+def _commit(outbox: Spool, name: str, record: dict, stage: str) -> None:
+    """Commit a group's output; a refused commit means another consumer, which took this
+    group's claim over while this one was slow, committed it first: it is not sent twice."""
+    if not outbox.put(name, record):
+        print(f"{stage}: group {name} was already committed by a stage that took its claim over", flush=True)
 
 
 def _write_teacher_accuracy(process: RunProcess, exchange: Exchange) -> None:

@@ -111,7 +111,7 @@ def test_a_stage_process_whose_run_stopped_under_it_exits_cleanly(tmp_path, monk
 
     def read(self):
         if stopped:
-            self.stop_file.touch()
+            self.stop()
         raise FileNotFoundError("the snapshot directory was removed while the run was using it")
 
     monkeypatch.setattr(Exchange, "read", read)

@@ -41,7 +41,7 @@ def test_the_learner_says_what_it_waits_for_then_stops_in_one_line(tmp_path, cap
     monkeypatch.setattr(stage_processes, "WAITING_REPORT_S", 0.3)
     stages = _hand_started(tmp_path, timeout_s=2.0)
     assert stages.pids == {}  # nothing started here
-    (stages.exchange.trace_dir / "rollout-1.json").write_text("{}")  # rollout-1 has started, by hand
+    stages.exchange.store.write("trace/rollout-1.json", b"{}")  # rollout-1 has started, by hand
     begun = time.monotonic()
     stages.start()
     try:
@@ -58,7 +58,7 @@ def test_the_learner_says_what_it_waits_for_then_stops_in_one_line(tmp_path, cap
     reports = [line for line in capsys.readouterr().err.splitlines() if line.startswith("asyncopd: waiting")]
     assert 2 <= len(reports) <= 8, reports  # once per (shortened) minute, not per poll
     assert all(re.search(r"waiting \d+ s for the stage processes started by hand", r) for r in reports)
-    assert all(str(stages.exchange.root) in r and "rollout-1" not in r.split("none has")[1] for r in reports)
+    assert all(stages.exchange.url in r and "rollout-1" not in r.split("none has")[1] for r in reports)
 
 
 def test_a_group_arriving_ends_the_wait(tmp_path, capsys, monkeypatch):

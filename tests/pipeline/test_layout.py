@@ -177,7 +177,7 @@ def test_the_exchange_writes_the_layout_atomically(models, tmp_path, monkeypatch
     layout = plan_layout(cfg, run_path=tmp_path / "t", available_cores=[])
     exchange = Exchange(tmp_path / "exchange")
     exchange.write(cfg, layout)
-    before = exchange.layout_file.read_text()
+    before = exchange.store.read("layout.json").data
     bigger = Layout(**{**layout.__dict__, "group_size": 2})
     real_open = Path.open
 
@@ -198,20 +198,24 @@ def test_the_exchange_writes_the_layout_atomically(models, tmp_path, monkeypatch
         def __getattr__(self, name):
             return getattr(self.f, name)
 
-    monkeypatch.setattr(
-        Path,
+    from asyncopd_jax.storage import local
+
+    monkeypatch.setattr(  # the local store's own open: each object is written to a temporary file first
+        local,
         "open",
-        lambda self, mode="r", *a, **k: (
-            DiesHalfWay(real_open(self, mode, *a, **k))
-            if "w" in mode and self.name.startswith("layout.json")
-            else real_open(self, mode, *a, **k)
+        lambda path, mode="r", *a, **k: (
+            DiesHalfWay(real_open(Path(path), mode, *a, **k))
+            if "w" in mode and Path(path).name.startswith(".layout.json")
+            else real_open(Path(path), mode, *a, **k)
         ),
+        raising=False,
     )
     with pytest.raises(OSError, match="No space"):
         exchange.write(cfg, bigger)
     monkeypatch.undo()
-    assert exchange.layout_file.read_text() == before
+    assert exchange.store.read("layout.json").data == before
     assert exchange.read()[1] == layout
+    assert not [p for p in (tmp_path / "exchange").iterdir() if p.name.endswith(".tmp")]  # no half-written leftover
 
 
 @pytest.mark.parametrize(

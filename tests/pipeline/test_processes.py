@@ -131,12 +131,10 @@ def test_the_stages_run_in_their_own_processes_and_the_run_learns(models, tmp_pa
 
 
 def _claims(exchange: Path, owner: str) -> set[str]:
-    """Record names ``owner`` has claimed (a ticket to sample, a sampled group to score)."""
-    return {
-        p.name.rsplit("@", 1)[0] + ".npz"
-        for spool in ("tickets", "sampled")
-        for p in (exchange / spool / "claimed").glob(f"*@{owner}.npz")
-    }
+    """Record files ``owner`` has claimed (a ticket to sample, a sampled group to score)."""
+    from asyncopd_jax.pipeline.spool import Spool
+
+    return {f"{c.name}.npz" for spool in ("tickets", "sampled") for c in Spool(exchange / spool).claims_of(owner)}
 
 
 def _kill_when(

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
-from asyncopd_jax.pipeline import spool as spool_module
 from asyncopd_jax.pipeline.spool import Spool, group_from_record, group_to_record
 from asyncopd_jax.pipeline.staleness import RolloutGroup
+from asyncopd_jax.storage.local import LocalStore
 
 
 def test_a_record_is_invisible_until_committed_and_then_whole(tmp_path):
@@ -29,7 +29,7 @@ def test_a_record_is_invisible_until_committed_and_then_whole(tmp_path):
     got = claim.read()
     np.testing.assert_array_equal(got["y"], np.ones((2, 2), np.float32))
     claim.done()
-    assert not claim.path.exists()
+    assert spool.read("a") is None and spool.store.list("claims/") == []
 
 
 def test_a_record_being_written_is_invisible_to_readers_until_put_returns(tmp_path, monkeypatch):
@@ -38,18 +38,20 @@ def test_a_record_being_written_is_invisible_to_readers_until_put_returns(tmp_pa
     spool = Spool(tmp_path)
     arrays = {"x": np.arange(1000, dtype=np.int64), "y": np.ones((4, 4), np.float32)}
     halfway, resume = threading.Event(), threading.Event()
-    real_write = spool_module._write_durably
+    real_temporary = LocalStore._temporary
 
-    def write_half_then_wait(path: Path, data: memoryview) -> None:
-        data = bytes(data)
-        with open(path, "wb") as f:
+    def write_half_then_wait(local: LocalStore, key: str, data: bytes) -> Path:
+        if not key.endswith(".npz"):
+            return real_temporary(local, key, data)
+        path = local.path(key)
+        with open(path.with_name(f".{path.name}.partial.tmp"), "wb") as f:
             f.write(data[: len(data) // 2])
             f.flush()  # the half is on disk where a reader could find it
         halfway.set()
         assert resume.wait(timeout=30), "the test never let the writer finish"
-        real_write(path, data)
+        return real_temporary(local, key, data)
 
-    monkeypatch.setattr(spool_module, "_write_durably", write_half_then_wait)
+    monkeypatch.setattr(LocalStore, "_temporary", write_half_then_wait)
     errors: list[BaseException] = []
 
     def writer() -> None:
@@ -63,10 +65,10 @@ def test_a_record_being_written_is_invisible_to_readers_until_put_returns(tmp_pa
     try:
         deadline = time.monotonic() + 30
         while not halfway.wait(timeout=0.05):
-            assert thread.is_alive() and time.monotonic() < deadline, "put never wrote through _write_durably"
+            assert thread.is_alive() and time.monotonic() < deadline, "put never wrote through LocalStore._temporary"
         assert spool.names() == []
         assert spool.claim("reader") is None and spool.claim("reader", "r") is None
-        assert not spool.path("r").exists()
+        assert spool.read("r") is None
     finally:
         resume.set()
         thread.join(timeout=30)
@@ -149,3 +151,52 @@ def test_a_rollout_group_round_trips_exactly(tmp_path):
             assert np.asarray(g).dtype == w.dtype, (name, path)
             np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"{name}{path}")
     assert back.batch.student_topk_ids is None and back.cache.sample_ids is None
+
+
+# --- on every store: leases, takeovers, commits refused -------------------------------------
+# (the object stores' cases run in CI's second step with the storage tests)
+
+
+def test_a_held_claim_is_renewed_and_not_taken_over(store):
+    spool = Spool(store.child("tickets"), lease_s=0.6)
+    spool.put("g", {"v": np.zeros(1)})
+    claim = spool.claim("a")
+    other = Spool(store.child("tickets"), lease_s=0.6)  # another process's view
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:  # > 3 leases: renewed every 0.2 s, never expired
+        assert other.claim("b") is None and other.claim("b", "g") is None
+        time.sleep(0.05)
+    assert claim.beat >= 3
+    claim.done()
+    assert other.claim("b") is None and spool.names() == [] and store.list("") == []
+
+
+def test_an_abandoned_claim_is_taken_over_after_the_lease_and_its_output_committed_once(store):
+    dead = Spool(store.child("tickets"), lease_s=0.5)
+    dead.put("g", {"v": np.arange(3)})
+    abandoned = dead.claim("dead")
+    dead._release(abandoned)  # its renewals stop, as when its process is killed
+    alive = Spool(store.child("tickets"), lease_s=0.5)
+    assert alive.claim("alive") is None  # first sight of the lease starts this process's clock
+    time.sleep(0.6)
+    taken = alive.claim("alive")
+    assert taken is not None and taken.name == "g" and taken.beat == 1
+    np.testing.assert_array_equal(taken.read()["v"], np.arange(3))
+    # both commit the group's output under its name: the first commit stands
+    outbox = Spool(store.child("scored"))
+    assert outbox.put("g", {"by": np.asarray(1)}) is True
+    assert outbox.put("g", {"by": np.asarray(2)}) is False
+    assert int(outbox.read("g")["by"]) == 1
+    # the slow consumer gives back: the claim is no longer its own, so it stays the new owner's
+    abandoned.give_back()
+    assert [c.owner for c in alive.claims_of("alive")] == ["alive"]
+    taken.done()
+    assert alive.names() == [] and alive.claim("x") is None
+
+
+def test_a_record_consumed_while_its_claim_was_being_won_is_let_go(store):
+    spool = Spool(store.child("tickets"))
+    spool.put("g", {"v": np.zeros(1)})
+    spool.delete("g")  # done by another consumer between our listing and our claim
+    assert spool.claim("late", "g") is None
+    assert store.list("") == []  # the claim won on a missing record is deleted

@@ -13,7 +13,7 @@ import pytest
 
 from asyncopd_jax.storage import open_store, records
 from tests.storage import servers
-from tests.storage.conftest import pointed_at
+from tests.storage.fixtures import pointed_at
 
 pytestmark = pytest.mark.extended
 

@@ -84,7 +84,7 @@ def test_a_url_without_the_storage_extra_names_what_is_missing(monkeypatch):
 @pytest.mark.extended
 @pytest.mark.parametrize("kind", ["s3", "gcs"])
 def test_a_bucket_that_does_not_exist_is_named(kind, request):
-    from tests.storage.conftest import SCHEME, pointed_at
+    from tests.storage.fixtures import SCHEME, pointed_at
 
     scheme = SCHEME[kind]
 

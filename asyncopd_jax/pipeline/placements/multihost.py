@@ -17,7 +17,7 @@ import numpy as np
 from asyncopd_jax.learner import distributed
 from asyncopd_jax.pipeline.exchange import Exchange
 from asyncopd_jax.pipeline.placements import Stages
-from asyncopd_jax.pipeline.spool import group_from_record, read_record
+from asyncopd_jax.pipeline.spool import group_from_record
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup
 
 
@@ -82,11 +82,11 @@ class FollowerStages:
         if (named[:, 0] < 0).any():
             raise PipelineStopped("the leader learner process stopped the run (its log has the cause)")
         scored = self.exchange.scored
-        groups = [group_from_record(read_record(scored.path(f"{n:010d}")))[0] for n in named[:, 0]]
+        groups = [group_from_record(_read(scored, f"{n:010d}"))[0] for n in named[:, 0]]
         for group, (number, expected) in zip(groups, named):
             if fingerprint(group) != expected:
                 raise RuntimeError(
-                    f"rollout record {number:010d} in {scored.root} differs from the one the leader "
+                    f"rollout record {number:010d} in {scored.url} differs from the one the leader "
                     "trains on: is the run directory on storage every host sees consistently?"
                 )
         return groups
@@ -105,3 +105,13 @@ class FollowerStages:
 
     def trace_files(self) -> list[Path]:
         return []
+
+
+def _read(scored, name: str) -> dict:
+    """The scored record the leader named; it exists until the leader checkpoints past it."""
+    arrays = scored.read(name)
+    if arrays is None:
+        raise RuntimeError(
+            f"rollout record {name} is not in {scored.url}: is the run directory on storage every host sees?"
+        )
+    return arrays

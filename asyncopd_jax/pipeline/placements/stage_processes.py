@@ -43,9 +43,10 @@ from asyncopd_jax.config import RunConfig
 from asyncopd_jax.pipeline.exchange import Exchange
 from asyncopd_jax.pipeline.host_env import detect_platform, stage_process_env
 from asyncopd_jax.pipeline.layout import Layout, StagePlan
-from asyncopd_jax.pipeline.spool import POLL_SECONDS, group_from_record, read_record
+from asyncopd_jax.pipeline.spool import group_from_record
 from asyncopd_jax.pipeline.staleness import PipelineStopped, RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
+from asyncopd_jax.storage.records import Backoff
 
 
 class StageFailed(RuntimeError):
@@ -78,6 +79,8 @@ class StageProcesses:
         self.specs = layout.stage_processes() if cfg.stages.start_processes else ()
         self.by_hand = () if cfg.stages.start_processes else layout.stage_processes()
         self._started_at = time.time()
+        # each hand-started stage's trace as this learner found it (None: none yet)
+        self._traces_at_start = {spec.name: exchange.trace_generation(spec.name) for spec in self.by_hand}
         self._first_group = threading.Event()
         self.group_size, self.tracer = layout.group_size, tracer
         self.platform = detect_platform()
@@ -91,13 +94,12 @@ class StageProcesses:
         self._seen: set[str] = set()
         self._offered: deque[str] = deque()  # records put into the buffer, in order
         self._consumed: list[str] = []  # records taken or dropped by the learner, not yet checkpointed
-        exchange.stop_file.unlink(missing_ok=True)
+        exchange.clear_stop()
         # Tickets of a previous incarnation are void (their capacity was never acquired
         # here); sampled and scored records are committed work and are kept.
         exchange.tickets.clear()
         for spool in (exchange.sampled, exchange.scored):
-            for p in spool.claimed.iterdir():
-                os.rename(p, spool.root / (p.name.rsplit("@", 1)[0] + ".npz"))
+            spool.release_all()
         # Committed by an earlier incarnation of this run: they count against the capacity
         # like groups started now, and are admitted (in order) before any new ticket.
         self._leftovers = sorted(int(n) for s in (exchange.sampled, exchange.scored) for n in s.names())
@@ -126,7 +128,7 @@ class StageProcesses:
             *self.stage_command,
             spec.role,
             "--exchange",
-            str(self.exchange.root),
+            self.exchange.url,
             "--index",
             str(spec.index),
             "--cores",
@@ -150,7 +152,7 @@ class StageProcesses:
     def join(self, timeout: float = 60.0) -> None:
         """Stop every stage process (``STOP``, then SIGTERM, then SIGKILL) and the threads."""
         self._stopping.set()
-        self.exchange.stop_file.touch()
+        self.exchange.stop()
         deadline = time.monotonic() + timeout
         with self._lock:
             procs = dict(self._procs)
@@ -177,7 +179,7 @@ class StageProcesses:
             return self._counter
 
     def trace_files(self) -> list[Path]:
-        return sorted(self.exchange.trace_dir.glob("*.json"))
+        return self.exchange.trace_files()
 
     # --- bookkeeping of scored records -------------------------------------------------------
 
@@ -199,7 +201,7 @@ class StageProcesses:
         with self._lock:
             done, self._consumed = self._consumed, []
         for name in done:
-            self.exchange.scored.path(name).unlink(missing_ok=True)
+            self.exchange.scored.delete(name)
         with self._lock:  # deleted: never listed again, so forget them (the sets stay bounded)
             self._seen.difference_update(done)
             self._admitted.difference_update(int(name) for name in done)
@@ -238,15 +240,20 @@ class StageProcesses:
 
     def _collect(self) -> None:
         scored = self.exchange.scored
+        backoff = Backoff(scored.store)
         while not self._stopping.is_set():
             with self._lock:
                 fresh = [n for n in scored.names() if n not in self._seen and int(n) in self._admitted]
             if not fresh:
-                time.sleep(POLL_SECONDS)
+                backoff.wait()
                 continue
+            backoff.reset()
             for name in fresh:
                 with self.tracer.span("receive"):
-                    group, _ = group_from_record(read_record(scored.path(name)))
+                    arrays = scored.read(name)
+                if arrays is None:
+                    continue  # not reached: only the learner deletes scored records
+                group, _ = group_from_record(arrays)
                 group.record = name
                 with self._lock:
                     self._seen.add(name)
@@ -292,11 +299,11 @@ class StageProcesses:
         absent = self._not_started()
         what = (
             f"the stage processes started by hand (stages.start_processes: false) to commit a group to "
-            f"{self.exchange.root}; none has started yet for {', '.join(absent)} (on its host: asyncopd stage "
-            f"ROLE --exchange {self.exchange.root} --index I)"
+            f"{self.exchange.url}; none has started yet for {', '.join(absent)} (on its host: asyncopd stage "
+            f"ROLE --exchange {self.exchange.url} --index I)"
             if absent
             else f"the stage processes started by hand (stages.start_processes: false; all have started) to commit "
-            f"a group to {self.exchange.root}"
+            f"a group to {self.exchange.url}"
         )
         if waited > self.cfg.stages.startup_timeout:
             raise StageFailed(
@@ -309,18 +316,14 @@ class StageProcesses:
         return next_report
 
     def _not_started(self) -> list[str]:
-        """The hand-started stage processes with no sign of life since this learner started
-        (a stage process writes its trace file every 2 s while it runs)."""
-        absent = []
-        for spec in self.by_hand:
-            trace = self.exchange.trace_dir / f"{spec.name}.json"
-            try:
-                alive = trace.stat().st_mtime >= self._started_at - 1.0
-            except OSError:
-                alive = False
-            if not alive:
-                absent.append(spec.name)
-        return absent
+        """The hand-started stage processes with no sign of life since this learner started:
+        a stage process rewrites its trace while it runs, so one whose trace has not changed
+        since then (compared by generation, not by the hosts' clocks) has not started."""
+        return [
+            spec.name
+            for spec in self.by_hand
+            if self.exchange.trace_generation(spec.name) in (None, self._traces_at_start.get(spec.name))
+        ]
 
     def _log_tail(self, name: str, lines: int = 15) -> str:
         path = self.exchange.log_dir / f"{name}.log"

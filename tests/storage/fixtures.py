@@ -1,4 +1,5 @@
-"""Fixtures: the storage servers of the test session, and a fresh store on each backend."""
+"""Fixtures (a plugin of the whole suite: tests/conftest.py): the storage servers of the test
+session, and a fresh store on each backend."""
 
 from __future__ import annotations
 
