@@ -104,8 +104,10 @@ def check_learner_processes(cfg: RunConfig, processes: int) -> None:
             f"learner.token_budget = {cfg.learner.token_budget} is invalid {where}; allowed: 0 "
             "(each process feeds its own rows)"
         )
-    if cfg.stages.snapshot_format == "safetensors":
-        raise ConfigError(f"stages.snapshot_format = 'safetensors' is invalid {where}; allowed: auto, orbax")
+    if cfg.stages.snapshot_format in ("safetensors", "objects"):
+        raise ConfigError(
+            f"stages.snapshot_format = {cfg.stages.snapshot_format!r} is invalid {where}; allowed: auto, orbax"
+        )
     if cfg.train.diagnostics_every:
         raise ConfigError(f"train.diagnostics_every = {cfg.train.diagnostics_every} is invalid {where}; allowed: 0")
 

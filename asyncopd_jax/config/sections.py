@@ -337,9 +337,12 @@ class StagesConfig:
     rollout_niceness: int = 5  # lower CPU priority: where cores are shared the learner goes first
     snapshot_dir: LocalPath = "auto"  # "auto": /dev/shm/asyncopd-<run> (RAM) if there, else <run>/snapshots
     # How a snapshot is written: "safetensors" (one flat file; ~1 ms for the demo's student),
-    # "orbax" (sharded; needed by a learner over several processes), "auto": the former for
-    # one learner process, the latter for several.
-    snapshot_format: Literal["auto", "orbax", "safetensors"] = "auto"
+    # "orbax" (sharded; needed by a learner over several processes), "objects" (versions and
+    # sparse deltas between them as objects, each load checked by a digest: the format for a
+    # bucket, docs/storage.md), "auto": safetensors for one learner process, orbax for several.
+    snapshot_format: Literal["auto", "orbax", "safetensors", "objects"] = "auto"
+    # objects: a full version every this many versions, sparse deltas in between (1: no deltas)
+    snapshot_full_every: int = 10
     restarts: int = 0  # times a stage process that died is restarted before the run stops
     startup_timeout: float = 600.0  # seconds a stage process waits for the first policy snapshot
 
@@ -348,6 +351,7 @@ class StagesConfig:
             "stages",
             [
                 ("rollouts", self.rollouts, self.rollouts >= 1, ">= 1"),
+                ("snapshot_full_every", self.snapshot_full_every, self.snapshot_full_every >= 1, ">= 1"),
                 ("scoring_processes", self.scoring_processes, self.scoring_processes >= 0, ">= 0"),
                 ("restarts", self.restarts, self.restarts >= 0, ">= 0"),
                 ("rollout_niceness", self.rollout_niceness, 0 <= self.rollout_niceness <= 19, "0 to 19"),

@@ -32,6 +32,7 @@ from asyncopd_jax.pipeline.exchange import Exchange
 from asyncopd_jax.pipeline.layout import LEARNER_PROCESS, Layout, StagePlan
 from asyncopd_jax.pipeline.learner_stage import LearnerStage
 from asyncopd_jax.pipeline.model_loading import student_graph
+from asyncopd_jax.pipeline.object_snapshots import ObjectSnapshotStore
 from asyncopd_jax.pipeline.placements import Stages
 from asyncopd_jax.pipeline.placements.fixed_lag import FixedLagRollouts
 from asyncopd_jax.pipeline.placements.multihost import FollowerStages, LeaderStages
@@ -43,6 +44,7 @@ from asyncopd_jax.pipeline.scoring_stage import ScoringStage, build_scoring_stag
 from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore, InMemorySnapshotStore, SnapshotStore
 from asyncopd_jax.pipeline.staleness import StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
+from asyncopd_jax.storage import is_url, open_store
 
 
 @dataclasses.dataclass
@@ -118,22 +120,38 @@ def _learner_snapshots(cfg: RunConfig, layout: Layout, learner: LearnerStage, le
     # policy; rollouts from them would be refused as "future". The learner is the only
     # writer and no reader runs yet, so start from an empty directory.
     if leader:
-        shutil.rmtree(channel.directory, ignore_errors=True)
+        if is_url(channel.directory):
+            store = open_store(channel.directory)
+            for key in store.list(""):
+                store.delete(key)
+        else:
+            shutil.rmtree(channel.directory, ignore_errors=True)
     distributed.barrier("snapshot directory emptied")
     abstract = with_shardings(params, state_shardings(params, learner.mesh))
-    return DiskSnapshotStore(channel.directory, abstract, keep=channel.keep, format=channel.format)
+    return _stored_snapshots(layout, abstract, read_only=False, reader="learner")
 
 
-def _reader(cfg: RunConfig, layout: Layout, plan: StagePlan, models: RunModels) -> DiskSnapshotStore:
-    """A rollout stage's reading end of the snapshots on disk: each version restored straight
+def _reader(cfg: RunConfig, layout: Layout, plan: StagePlan, models: RunModels) -> SnapshotStore:
+    """A rollout stage's reading end of the stored snapshots: each version restored straight
     into the stage's own shardings."""
     _, abstract = student_graph(cfg, models)
-    return DiskSnapshotStore(
-        layout.snapshots.directory,
-        with_shardings(abstract, rollout_shardings(cfg, layout, plan, abstract)),
-        read_only=True,
-        format=layout.snapshots.format,
-    )
+    placed = with_shardings(abstract, rollout_shardings(cfg, layout, plan, abstract))
+    return _stored_snapshots(layout, placed, read_only=True, reader=plan.name)
+
+
+def _stored_snapshots(layout: Layout, abstract, *, read_only: bool, reader: str) -> SnapshotStore:
+    """The snapshot store of the layout's channel in its format (one writer, many readers)."""
+    channel = layout.snapshots
+    if channel.format == "objects":
+        return ObjectSnapshotStore(
+            open_store(channel.directory),
+            abstract,
+            keep=channel.keep,
+            read_only=read_only,
+            full_every=channel.full_every,
+            reader=reader,
+        )
+    return DiskSnapshotStore(channel.directory, abstract, keep=channel.keep, read_only=read_only, format=channel.format)
 
 
 def start_stages(process: RunProcess, buffer: StalenessBuffer, first_index: int, run_path: Path) -> Stages:

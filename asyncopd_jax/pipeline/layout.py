@@ -46,7 +46,7 @@ Placement = Literal["threads", "processes"]
 LEARNER_PROCESS = "learner"
 # The layout written for stage processes carries this number; a stage of another version
 # refuses it (a stage started by hand from another checkout of the project).
-LAYOUT_VERSION = 2  # 2: the learner's mesh (learner_mesh)
+LAYOUT_VERSION = 3  # 2: the learner's mesh (learner_mesh); 3: snapshots.full_every
 
 # The learner's share of the cores when they are split automatically: the demo's stage
 # times on one pinned core are 23 ms (learn + publish) against 40 ms (rollout + scoring)
@@ -90,9 +90,10 @@ class SnapshotChannel:
     """How weights travel from the learner to the rollout stages.
 
     ``in_memory``: a device-to-device copy inside the learner's process; otherwise
-    versioned snapshots under ``directory`` in ``format`` (``orbax`` or ``safetensors``),
-    of which ``keep`` are kept; ``temporary``: the directory is removed after the run
-    (RAM-backed ``/dev/shm``; the checkpoints are the record).
+    versioned snapshots under ``directory`` in ``format`` (``orbax``, ``safetensors`` or
+    ``objects``), of which ``keep`` are kept; ``temporary``: the directory is removed after
+    the run (RAM-backed ``/dev/shm``; the checkpoints are the record); ``full_every``:
+    ``objects`` publishes a full version every this many, sparse deltas in between.
     """
 
     in_memory: bool
@@ -100,6 +101,7 @@ class SnapshotChannel:
     format: str
     keep: int
     temporary: bool
+    full_every: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +240,14 @@ def snapshot_channel(cfg: RunConfig, run_path: Path, multi_process: bool) -> Sna
     fmt = cfg.stages.snapshot_format
     if fmt == "auto":  # a flat file when one process holds every parameter; Orbax's shards else
         fmt = "orbax" if multi_process else "safetensors"
-    return SnapshotChannel(in_memory=False, directory=str(directory), format=fmt, keep=keep, temporary=temporary)
+    return SnapshotChannel(
+        in_memory=False,
+        directory=str(directory),
+        format=fmt,
+        keep=keep,
+        temporary=temporary,
+        full_every=cfg.stages.snapshot_full_every,
+    )
 
 
 def plan_layout(

@@ -83,6 +83,7 @@ class Trainer:
         # diverged step's error points to (step, path), None before the first one.
         self.nonfinite_rows_total = 0
         self.last_checkpoint: tuple[int, Path] | None = None
+        self._published: dict[str, int] = {}  # the last committed snapshot's bytes, for the next record
         if resume:
             self._resume()
         else:
@@ -183,6 +184,9 @@ class Trainer:
                 version = self.learner.version
                 with self.tracer.span("publish", version=version):
                     snapshots.publish(version, self.learner.state.params)
+                # the version before it is committed now (one write in flight at a time):
+                # its bytes go into the next step's record (stored snapshots in objects only)
+                self._published = dict(getattr(snapshots, "last_published", {}))
                 buffer.finish_batch()
                 if step // cfg.train.checkpoint_every > last_checkpoint_slot or step >= cfg.train.steps:
                     self._checkpoint(step)
@@ -291,7 +295,8 @@ class Trainer:
                 **jump,
                 **self.probes.update_geometry(step),
             }
-            probe = {}  # on the first step of the batch only
+            record.update(self._published)
+            probe, self._published = {}, {}  # on the first step of the batch only
             if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
                 start = time.perf_counter()
                 record["eval_accuracy"] = self.evaluate_student()

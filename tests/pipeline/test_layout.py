@@ -163,7 +163,7 @@ def test_the_layout_round_trips_through_json_and_refuses_another_version(models,
     )
     assert Layout.from_json(layout.to_json()) == layout
     data = json.loads(layout.to_json())
-    with pytest.raises(LayoutError, match="layout version 0; this asyncopd reads version 2"):
+    with pytest.raises(LayoutError, match="layout version 0; this asyncopd reads version 3"):
         Layout.from_json(json.dumps({**data, "version": 0}), "x/layout.json")
     del data["group_size"]
     with pytest.raises(LayoutError, match="not a layout of this version"):

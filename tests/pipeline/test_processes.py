@@ -182,6 +182,39 @@ def _slow(param):
     return pytest.param(*param.values, marks=pytest.mark.slow, id=param.id)
 
 
+def test_snapshots_as_objects_ship_sparse_deltas_that_every_stage_loads_by_digest(models, tmp_path):  # noqa: F811
+    """``stages.snapshot_format: objects`` with a bf16 student at a small learning rate: the
+    learner publishes a full version every 3 and deltas between them (their bytes in
+    metrics.jsonl, far below the full version's), and the rollout processes rebuild each
+    version from them, every load checked by its digest (a mismatch would stop the run)."""
+    cfg = _config(
+        models,
+        tmp_path,
+        **{
+            "stages.placement": "processes",
+            "stages.snapshot_format": "objects",
+            "stages.snapshot_full_every": 3,
+            "stages.scoring_processes": 0,
+            "student.dtype": "bfloat16",
+            "optim.learning_rate": 1e-5,
+            "schedule.mode": "sync",
+            "train.steps": 8,
+        },
+    )
+    trainer = Trainer(cfg, progress=False)
+    trainer.run()
+    records = _records(tmp_path / "t")
+    published = [
+        (r["snapshot_version"], r["snapshot_full"], r["snapshot_bytes"]) for r in records if "snapshot_version" in r
+    ]
+    assert [v for v, _, _ in published] == list(range(len(published))) and len(published) >= 6, published
+    assert [full for _, full, _ in published] == [int(v % 3 == 0) for v, _, _ in published]
+    full_bytes = min(b for _, full, b in published if full)
+    assert all(b < full_bytes / 4 for _, full, b in published if not full), published
+    log = (tmp_path / "t" / "exchange" / "logs" / "rollout-0.log").read_text()
+    assert "digest" not in log
+
+
 @pytest.mark.parametrize("role,stages", [ROLLOUT, _slow(SCORING)])
 def test_a_killed_stage_process_stops_the_run_in_seconds_and_resume_loses_nothing(models, tmp_path, role, stages):  # noqa: F811
     cfg = _config(
