@@ -43,7 +43,7 @@ from asyncopd_jax.config import (
     migrate_saved_config,
 )
 from asyncopd_jax.config_checks import storage_url_error
-from asyncopd_jax.storage.location import SCHEMES, is_url
+from asyncopd_jax.storage.location import SCHEMES, is_url, join, open_store, staging_dir
 from asyncopd_jax.studies.training_runs import default_jobs
 from asyncopd_jax.teacher import wire
 
@@ -92,10 +92,8 @@ def _train(args: argparse.Namespace) -> None:
     from asyncopd_jax.pipeline.trainer import Trainer
 
     if args.resume:
-        run_dir = Path(args.resume)
-        config_file = run_dir / "config.yaml"
-        if not config_file.is_file():
-            raise ConfigError(f"cannot resume: {config_file} does not exist")
+        run = args.resume.rstrip("/")
+        config_file = _saved_config(run)
         if args.config is not None:
             raise ConfigError("--resume reads the run's own config.yaml; change fields with --set instead of --config")
         moves = migrate_saved_config(config_file)
@@ -104,7 +102,8 @@ def _train(args: argparse.Namespace) -> None:
             print(f"asyncopd train: {config_file} now uses the current field names: {renamed}", file=sys.stderr)
         cfg = load_config(config_file, args.set)
         check_resume_changes(load_config(config_file), cfg)
-        cfg = cfg.__class__(**{**cfg.__dict__, "name": run_dir.name, "output_dir": str(run_dir.parent)})
+        parent, name = run.rsplit("/", 1) if is_url(run) else (str(Path(run).parent), Path(run).name)
+        cfg = cfg.__class__(**{**cfg.__dict__, "name": name, "output_dir": parent})
     else:
         cfg = load_config(args.config or DEMO_CONFIG, args.set)
     from asyncopd_jax.config import check_learner_processes
@@ -113,13 +112,13 @@ def _train(args: argparse.Namespace) -> None:
 
     layout = plan_layout(
         cfg,
-        run_path=Path(cfg.output_dir) / cfg.name,
+        run_path=join(cfg.output_dir, cfg.name),
         available_cores=sorted(os.sched_getaffinity(0)),
         multi_process=cfg.distributed.initialize,
     )
     print(
         f"asyncopd train: {cfg.name} ({cfg.estimator.name}, {cfg.schedule.mode}, {layout.placement}) → "
-        f"{Path(cfg.output_dir) / cfg.name}"
+        f"{join(cfg.output_dir, cfg.name)}"
     )
     print("\n".join(describe(layout)))
     prepare_learner_process(layout, detect_platform())  # before JAX starts in this process
@@ -141,7 +140,24 @@ def _train(args: argparse.Namespace) -> None:
     if teacher is not None and teacher == teacher:
         ratio = summary["student_after"] / max(teacher, 1e-9)
         print(f"  student after / teacher = {ratio:.1%}")
-    print(f"wrote {Path(cfg.output_dir) / cfg.name}/: config.yaml metrics.jsonl trace.json checkpoints/ report.png")
+    print(f"wrote {join(cfg.output_dir, cfg.name)}/: config.yaml metrics.jsonl trace.json checkpoints/ report.png")
+
+
+def _saved_config(run: str) -> Path:
+    """The config a run saved, as a local file (downloaded into the staging copy of a run
+    in a bucket)."""
+    if not is_url(run):
+        config_file = Path(run) / "config.yaml"
+        if not config_file.is_file():
+            raise ConfigError(f"cannot resume: {config_file} does not exist")
+        return config_file
+    blob = open_store(run).read("config.yaml")
+    if blob is None:
+        raise ConfigError(f"cannot resume: {run}/config.yaml does not exist")
+    config_file = staging_dir(run) / "config.yaml"
+    config_file.parent.mkdir(parents=True, exist_ok=True)
+    config_file.write_bytes(blob.data)
+    return config_file
 
 
 def _sft(args: argparse.Namespace) -> None:
@@ -397,7 +413,10 @@ def _add_train(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     )
     train.add_argument("--set", action="append", default=[], metavar="A.B=C", help="override a config field")
     train.add_argument(
-        "--resume", type=_local_path, metavar="RUN_DIR", help="continue runs/<name> from its last checkpoint"
+        "--resume",
+        type=_storage_location,
+        metavar="RUN_DIR",
+        help="continue runs/<name> (or gs://…/<name>, s3://…/<name>) from its last checkpoint",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(fn=_train)

@@ -52,7 +52,17 @@ def parse_id_list(spec: str) -> IdList:
 #: (:func:`storage_url_error`); the sections mark theirs with this type.
 LocalPath = Annotated[str, "a path on this machine's file system"]
 
+#: A setting that names a directory here or in a bucket every host reaches (``gs://…``,
+#: ``s3://…``; :mod:`asyncopd_jax.storage`): the run directory, the snapshots.
+StorageLocation = Annotated[str, "a path, or a gs:// or s3:// URL"]
+
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def url_scheme(value: str) -> str | None:
+    """The scheme of ``value`` when it is a URL (``gs`` of ``gs://b/x``, lower case), else None."""
+    url = _URL_SCHEME.match(value)
+    return None if url is None else url.group(1).lower()
 
 
 def storage_url_error(name: str | None, value: str) -> str | None:
@@ -65,6 +75,6 @@ def storage_url_error(name: str | None, value: str) -> str | None:
         return None
     return (
         f"{'' if name is None else f'{name} = '}{value!r} is a storage URL ({url.group(1)}://); allowed: a "
-        "path on this machine's file system (storage URLs, gs:// and s3://, come with object-storage support, "
-        "which is not there yet)"
+        "path on this machine's file system (object-storage support covers output_dir and stages.snapshot_dir; "
+        "models, tokenizers, data and configs are read from local paths)"
     )

@@ -203,7 +203,6 @@ def test_the_launch_scripts_pass_each_stage_process_its_devices():
     "argv",
     [
         ["train", "--config", "gs://b/demo.yaml"],
-        ["train", "--resume", "gs://b/runs/demo"],
         ["sft", "--model", "student", "--out", "s3://b/student"],
         ["sft", "--model", "student", "--out", "d", "--init", "gs://b/m"],
         ["eval", "--model", "s3://b/m"],

@@ -454,14 +454,12 @@ def test_dead_fields_are_gone():
 #: Every setting that names a file or directory (the test's own list, so a path setting added
 #: without the LocalPath mark shows up as one the sections do not mark).
 PATH_SETTINGS = (
-    "output_dir",
     "task.path",
     "student.path",
     "reference.path",
     "teacher.path",
     "teacher.tokenizer",
     "teacher.prompt.tokenizer",
-    "stages.snapshot_dir",
 )
 
 
@@ -474,6 +472,32 @@ def test_a_storage_url_in_a_path_setting_is_refused_in_one_line(setting, url):
     assert "\n" not in message
     assert message.startswith(f"{setting} = {url!r} is a storage URL ({url[:2]}://)"), message
     assert "object-storage support" in message
+
+
+@pytest.mark.parametrize("setting", ["output_dir", "stages.snapshot_dir"])
+def test_the_run_directory_and_the_snapshots_may_be_in_a_bucket_of_a_known_kind(setting):
+    for url in ("gs://bucket/runs", "s3://bucket/runs"):
+        assert getattr(load_config(DEMO_CONFIG, [f"{setting}={url}"]), setting.split(".")[0]) is not None
+    with pytest.raises(
+        ConfigError, match=rf"^{setting} = 'ftp://h/runs' is invalid; allowed: a path, gs://BUCKET/PREFIX"
+    ):
+        load_config(DEMO_CONFIG, [f"{setting}=ftp://h/runs"])
+
+
+def test_snapshots_in_a_bucket_are_objects_and_a_multi_process_learner_keeps_a_shared_path():
+    bucket = ["output_dir=s3://b/runs", "stages.placement=processes"]
+    for fmt in ("orbax", "safetensors"):
+        with pytest.raises(
+            ConfigError, match=rf"^stages.snapshot_format = '{fmt}' is invalid with snapshots in a bucket"
+        ):
+            load_config(DEMO_CONFIG, [*bucket, f"stages.snapshot_format={fmt}"])
+    load_config(DEMO_CONFIG, [*bucket, "stages.snapshot_format=objects"])
+    load_config(DEMO_CONFIG, ["output_dir=s3://b/runs", "stages.snapshot_format=safetensors"])  # threads: in memory
+    with pytest.raises(ConfigError, match=r"^output_dir = 's3://b/runs' is invalid for a learner over 2 processes"):
+        load_config(
+            DEMO_CONFIG,
+            [*bucket, "distributed.initialize=true", "distributed.num_processes=2", "distributed.process_id=0"],
+        )
 
 
 def test_a_storage_url_in_a_second_teacher_names_that_teacher():

@@ -10,9 +10,10 @@ import typing
 from typing import TYPE_CHECKING, Any
 
 from asyncopd_jax.config.sections import TeacherSource
-from asyncopd_jax.config_checks import ConfigError, LocalPath, storage_url_error
+from asyncopd_jax.config_checks import ConfigError, LocalPath, storage_url_error, url_scheme
 from asyncopd_jax.estimator_ids import ID_SOURCES
 from asyncopd_jax.estimator_registry import ESTIMATORS, RL_ESTIMATORS
+from asyncopd_jax.storage.location import SCHEMES as STORAGE_SCHEMES
 
 if TYPE_CHECKING:
     from asyncopd_jax.config.run_config import RunConfig
@@ -22,6 +23,7 @@ def validate(cfg: RunConfig) -> None:
     """The checks that span sections, each naming the fields involved (each section has
     checked its own fields when it was built)."""
     _refuse_storage_urls(cfg)
+    _check_storage_locations(cfg)
     spec = cfg.estimator.spec
     _validate_teacher(cfg)  # first: what the teacher cannot score, before the settings that make it
     for need in spec.needs:  # each id set the estimator reads, and the setting that makes it
@@ -98,6 +100,11 @@ def check_learner_processes(cfg: RunConfig, processes: int) -> None:
         raise ConfigError(
             f"stages.placement = {cfg.stages.placement!r} is invalid {where}; allowed: "
             "processes (each learner process reads its rows of a batch from the run's spool)"
+        )
+    if url_scheme(cfg.output_dir):
+        raise ConfigError(
+            f"output_dir = {cfg.output_dir!r} is invalid {where}; allowed: a path every learner host shares "
+            "(a run directory in a bucket for a learner over several processes is not built yet)"
         )
     if cfg.learner.token_budget:
         raise ConfigError(
@@ -222,6 +229,25 @@ def _refuse_storage_urls(section: Any, prefix: str = "") -> None:
         for i, item in enumerate(items):
             if dataclasses.is_dataclass(item):
                 _refuse_storage_urls(item, f"{name}[{i}]." if isinstance(value, tuple) else f"{name}.")
+
+
+def _check_storage_locations(cfg: RunConfig) -> None:
+    """The settings that may name a bucket name one this tool reads, and snapshots in a
+    bucket are written as objects (Orbax's and the flat file's commits rest on rename)."""
+    for name, value in (("output_dir", cfg.output_dir), ("stages.snapshot_dir", cfg.stages.snapshot_dir)):
+        scheme = url_scheme(value)
+        if scheme is not None and scheme not in STORAGE_SCHEMES:
+            raise ConfigError(
+                f"{name} = {value!r} is invalid; allowed: a path, gs://BUCKET/PREFIX or s3://BUCKET/PREFIX"
+            )
+    in_bucket = url_scheme(cfg.stages.snapshot_dir) or (
+        cfg.stages.snapshot_dir == "auto" and url_scheme(cfg.output_dir) and cfg.stages.placement != "threads"
+    )
+    if in_bucket and cfg.stages.snapshot_format in ("orbax", "safetensors"):
+        raise ConfigError(
+            f"stages.snapshot_format = {cfg.stages.snapshot_format!r} is invalid with snapshots in a bucket; "
+            "allowed: auto, objects"
+        )
 
 
 @functools.cache

@@ -20,7 +20,7 @@ from asyncopd_jax.config.sections import (
     TeacherSource,
     TrainConfig,
 )
-from asyncopd_jax.config_checks import LocalPath
+from asyncopd_jax.config_checks import StorageLocation
 from asyncopd_jax.estimator_registry import EstimatorConfig
 from asyncopd_jax.sampling.distribution import SamplingParams
 from asyncopd_jax.teacher.routing import RoutingParams
@@ -30,7 +30,7 @@ from asyncopd_jax.teacher.scorer import ScoringParams
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     name: str = "run"
-    output_dir: LocalPath = "runs"
+    output_dir: StorageLocation = "runs"  # a directory, or gs://BUCKET/PREFIX, s3://BUCKET/PREFIX
     seed: int = 0
     # "opd": distil from the teacher's scores (the estimator is a KL estimator);
     # "rl": reinforce from the task's rewards (see RLConfig; the estimator is a stabiliser).

@@ -8,7 +8,7 @@ import dataclasses
 import re
 from typing import Literal
 
-from asyncopd_jax.config_checks import ConfigError, IdList, LocalPath, check_fields, parse_id_list
+from asyncopd_jax.config_checks import ConfigError, IdList, LocalPath, StorageLocation, check_fields, parse_id_list
 from asyncopd_jax.teacher.client import ServerParams
 from asyncopd_jax.teacher.prompts import TeacherPrompt
 from asyncopd_jax.teacher.scorer import ScoringParams
@@ -335,7 +335,8 @@ class StagesConfig:
     rollout_mesh: MeshConfig = MeshConfig()
     scoring_mesh: MeshConfig = MeshConfig()
     rollout_niceness: int = 5  # lower CPU priority: where cores are shared the learner goes first
-    snapshot_dir: LocalPath = "auto"  # "auto": /dev/shm/asyncopd-<run> (RAM) if there, else <run>/snapshots
+    # "auto": /dev/shm/asyncopd-<run> (RAM) if there, else <run>/snapshots (a run in a bucket: <run>/snapshots there)
+    snapshot_dir: StorageLocation = "auto"
     # How a snapshot is written: "safetensors" (one flat file; ~1 ms for the demo's student),
     # "orbax" (sharded; needed by a learner over several processes), "objects" (versions and
     # sparse deltas between them as objects, each load checked by a digest: the format for a

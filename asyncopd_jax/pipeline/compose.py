@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from pathlib import Path
 
 from asyncopd_jax.config import RunConfig
 from asyncopd_jax.learner import distributed, state_shardings
@@ -154,14 +153,14 @@ def _stored_snapshots(layout: Layout, abstract, *, read_only: bool, reader: str)
     return DiskSnapshotStore(channel.directory, abstract, keep=channel.keep, read_only=read_only, format=channel.format)
 
 
-def start_stages(process: RunProcess, buffer: StalenessBuffer, first_index: int, run_path: Path) -> Stages:
+def start_stages(process: RunProcess, buffer: StalenessBuffer, first_index: int, exchange: Exchange | None) -> Stages:
     """In the learner's process: the rollout and scoring stages, started where the layout
     puts them (rollout threads, the ``fixed_lag`` schedule's on-demand batches, or stage
-    processes; a follower learner process sees the leader's)."""
+    processes, which meet the learner through ``exchange``; a follower learner process sees
+    the leader's)."""
     cfg, layout, learner = process.cfg, process.layout, process.learner
     assert learner is not None, "the stages are started from the learner's process"
     groups_per_batch = cfg.learner.batch_size // layout.group_size
-    exchange = Exchange(run_path / "exchange") if layout.stage_processes() else None
     stages: Stages
     if not process.leader:
         if exchange is None:  # not reached: the config puts a learner over processes with stage processes

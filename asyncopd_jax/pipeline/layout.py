@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from asyncopd_jax.config import MeshConfig
+from asyncopd_jax.storage import is_url, join
 
 if TYPE_CHECKING:
     from asyncopd_jax.config import IdList, RunConfig, StagesConfig
@@ -223,26 +224,28 @@ def default_snapshot_dir(run_path: Path) -> Path:
     return run_path / "snapshots"
 
 
-def snapshot_channel(cfg: RunConfig, run_path: Path, multi_process: bool) -> SnapshotChannel:
+def snapshot_channel(cfg: RunConfig, run_path: str | Path, multi_process: bool) -> SnapshotChannel:
     """The weights channel. A version is published once per rollout batch (M optimizer
     steps), so the versions a rollout may still start from span ⌈η / M⌉ + 1; one more is in
-    flight."""
+    flight. ``run_path``: the run directory, a path or a bucket URL; a run in a bucket keeps
+    its snapshots there (its stage processes may share nothing else), as objects."""
     keep = -(-cfg.eta // cfg.learner.mini_batches) + 2
     in_process = cfg.stages.placement == "threads"
     if in_process and cfg.stages.snapshot_in_memory and not multi_process:
         return SnapshotChannel(in_memory=True, directory="", format="", keep=keep, temporary=False)
     configured = cfg.stages.snapshot_dir
-    temporary = configured == "auto" and not in_process and not multi_process
+    in_bucket = is_url(configured) or (configured == "auto" and is_url(run_path))
+    temporary = configured == "auto" and not in_process and not multi_process and not in_bucket
     if temporary:
-        directory = default_snapshot_dir(run_path)
+        directory = str(default_snapshot_dir(Path(run_path)))
     else:
-        directory = run_path / "snapshots" if configured == "auto" else Path(configured)
+        directory = join(run_path, "snapshots") if configured == "auto" else configured
     fmt = cfg.stages.snapshot_format
-    if fmt == "auto":  # a flat file when one process holds every parameter; Orbax's shards else
-        fmt = "orbax" if multi_process else "safetensors"
+    if fmt == "auto":  # objects in a bucket; a flat file when one process holds every parameter; Orbax's shards else
+        fmt = "objects" if in_bucket else "orbax" if multi_process else "safetensors"
     return SnapshotChannel(
         in_memory=False,
-        directory=str(directory),
+        directory=directory,
         format=fmt,
         keep=keep,
         temporary=temporary,
@@ -253,7 +256,7 @@ def snapshot_channel(cfg: RunConfig, run_path: Path, multi_process: bool) -> Sna
 def plan_layout(
     cfg: RunConfig,
     *,
-    run_path: Path,
+    run_path: str | Path,
     available_cores: Sequence[int],
     multi_process: bool = False,
     trace_origin: float | None = None,

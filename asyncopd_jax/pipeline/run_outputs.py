@@ -1,4 +1,14 @@
-"""What a run writes under ``runs/<name>/``: config, metrics, trace, checkpoints, report."""
+"""What a run writes under ``runs/<name>/``: config, metrics, trace, checkpoints, report.
+
+The run directory may be a bucket (``output_dir: s3://…`` or ``gs://…``). The run then
+works in a local staging copy (:func:`~asyncopd_jax.storage.location.staging_dir`)
+and uploads each output as it changes: the config, the summary, the trace, the report at
+once; ``metrics.jsonl`` at most every :data:`METRICS_UPLOAD_S` seconds and at every
+checkpoint; a checkpoint — written by Orbax into the staging copy, since Orbax cannot be
+pointed at an S3-compatible endpoint through a path — file by file, then committed by a
+record ``checkpoints/<step>.commit`` (the bucket's checkpoints are those with a record).
+A resumed run, on this host or another, downloads what it needs from the bucket first.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +27,8 @@ import orbax.checkpoint as ocp
 from asyncopd_jax.atomic_files import write_text_atomically
 from asyncopd_jax.config import RunConfig, save_config
 from asyncopd_jax.pipeline.learner_stage import teacher_metric, teacher_names
+from asyncopd_jax.storage import is_url, join, open_store, records
+from asyncopd_jax.storage.location import staging_dir
 
 
 class CheckpointSaveFailed(OSError):
@@ -31,38 +44,90 @@ def _io_reason(err: BaseException) -> str:
     return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
 
 
-class RunDir:
-    """``config.yaml``, ``metrics.jsonl``, ``trace.json``, ``checkpoints/``, ``report.png``, ``summary.json``."""
+METRICS_UPLOAD_S = 10.0  # a run in a bucket uploads metrics.jsonl at most this often (and at checkpoints)
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path).resolve()  # Orbax wants absolute paths
+
+class RunDir:
+    """``config.yaml``, ``metrics.jsonl``, ``trace.json``, ``checkpoints/``, ``report.png``,
+    ``summary.json``: in a local directory, or staged here and uploaded to a bucket (see
+    the module docstring). ``location``: the run directory, a path or a bucket URL."""
+
+    def __init__(self, location: str | Path):
+        self.location = str(location)
+        self.store = open_store(self.location) if is_url(self.location) else None
+        # Orbax wants absolute paths
+        self.path = staging_dir(self.location) if self.store is not None else Path(location).resolve()
         self.path.mkdir(parents=True, exist_ok=True)
         self.metrics_file = self.path / "metrics.jsonl"
         self._checkpoints: ocp.CheckpointManager | None = None
+        self._metrics_uploaded = 0.0  # monotonic time of the last upload of metrics.jsonl
+
+    def where(self, *parts: str) -> str:
+        """``parts`` under the run directory: a URL for a run in a bucket, else a path."""
+        return join(self.location, *parts)
+
+    # --- a run in a bucket: uploads and downloads ---------------------------------------------
+
+    def upload(self, name: str) -> None:
+        """Copy the staged file ``name`` to the bucket (nothing to do for a local run)."""
+        if self.store is not None and (self.path / name).is_file():
+            self.store.write(name, (self.path / name).read_bytes())
+
+    def upload_tree(self, name: str) -> None:
+        """Every file under the staged directory ``name``, to the bucket."""
+        if self.store is None:
+            return
+        for file in sorted(p for p in (self.path / name).rglob("*") if p.is_file()):
+            self.store.write(file.relative_to(self.path).as_posix(), file.read_bytes())
+
+    def download(self, *names: str) -> None:
+        """Copy ``names`` from the bucket into the staging copy (those the bucket has)."""
+        if self.store is None:
+            return
+        for name in names:
+            blob = self.store.read(name)
+            if blob is not None:
+                (self.path / name).write_bytes(blob.data)
+
+    def _committed_steps(self) -> list[int]:
+        assert self.store is not None
+        keys = self.store.list("checkpoints/")
+        return sorted(int(k[len("checkpoints/") : -len(".commit")]) for k in keys if k.endswith(".commit"))
 
     def start_fresh(self, cfg: RunConfig, *, write: bool = True) -> None:
         """Begin a new run here: refuse a directory holding another run's checkpoints, drop
         the metrics and summary of an earlier attempt, write the config (``write``: this
         process writes the run's files)."""
         checkpoints = self.path / "checkpoints"
-        if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        if self._committed_steps() if self.store is not None else checkpoints.is_dir() and any(checkpoints.iterdir()):
             raise FileExistsError(
-                f"{self.path} already holds a run with checkpoints; continue it with --resume "
-                f"{self.path}, or start another with --set name=<new name>"
+                f"{self.location} already holds a run with checkpoints; continue it with --resume "
+                f"{self.location}, or start another with --set name=<new name>"
             )
+        if self.store is not None and checkpoints.is_dir():
+            shutil.rmtree(checkpoints)  # staged by an earlier run of this name that never committed one
         if write:
             for stale in ("metrics.jsonl", "summary.json"):
                 (self.path / stale).unlink(missing_ok=True)
+                if self.store is not None:
+                    self.store.delete(stale)
             self.write_config(cfg)
 
     def write_config(self, cfg: RunConfig) -> None:
         save_config(cfg, self.path / "config.yaml")
+        self.upload("config.yaml")
 
     # --- metrics -----------------------------------------------------------------------
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         with self.metrics_file.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.store is not None and time.monotonic() - self._metrics_uploaded >= METRICS_UPLOAD_S:
+            self._upload_metrics()
+
+    def _upload_metrics(self) -> None:
+        self.upload("metrics.jsonl")
+        self._metrics_uploaded = time.monotonic()
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """Every record; a torn last line (the process was killed while appending it) is
@@ -86,9 +151,11 @@ class RunDir:
         """Keep records up to ``last_step``: a resumed run repeats nothing after its checkpoint."""
         kept = [r for r in self.read_metrics() if r.get("step", 0) <= last_step]
         write_text_atomically(self.metrics_file, "".join(json.dumps(r) + "\n" for r in kept))
+        self._upload_metrics()
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         write_text_atomically(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
+        self.upload("summary.json")
 
     def read_summary(self) -> dict[str, Any]:
         path = self.path / "summary.json"
@@ -155,17 +222,53 @@ class RunDir:
             )
             raise CheckpointSaveFailed(
                 f"saving the checkpoint of step {step} failed ({_io_reason(err)}); {kept}; free space or fix "
-                f"the cause, then continue with: asyncopd train --resume {self.path}"
+                f"the cause, then continue with: asyncopd train --resume {self.location}"
             ) from err
+        if self.store is not None:
+            self._commit_checkpoint(step)
+
+    def _commit_checkpoint(self, step: int) -> None:
+        """Upload the staged checkpoint of ``step`` file by file, then its commit record;
+        then retire the bucket's checkpoints that Orbax retired here."""
+        assert self.store is not None
+        self.upload_tree(f"checkpoints/{step}")
+        self.store.write(f"checkpoints/{step}.commit", records.record_bytes({"step": step}))
+        self._upload_metrics()
+        kept = set(self.checkpoints.all_steps())
+        for old in self._committed_steps():
+            if old not in kept:
+                self.store.delete(f"checkpoints/{old}.commit")  # the record first: no resume starts on it
+                for key in self.store.list(f"checkpoints/{old}/"):
+                    self.store.delete(key)
 
     def latest_checkpoint(self) -> int | None:
+        if self.store is not None:  # the bucket is the record: a staged step may never have been committed
+            steps = self._committed_steps()
+            return steps[-1] if steps else None
         return self.checkpoints.latest_step()
+
+    def _stage_checkpoint(self, step: int) -> None:
+        """Download the bucket's checkpoint of ``step`` into the staging copy (replacing
+        whatever is staged under that step), and reopen Orbax's manager on it."""
+        assert self.store is not None
+        local = self.path / "checkpoints" / str(step)
+        shutil.rmtree(local, ignore_errors=True)
+        for key in self.store.list(f"checkpoints/{step}/"):
+            blob = self.store.read(key)
+            if blob is not None:
+                (self.path / key).parent.mkdir(parents=True, exist_ok=True)
+                (self.path / key).write_bytes(blob.data)
+        if self._checkpoints is not None:
+            self._checkpoints.close()
+        self._checkpoints = self._open_checkpoints(remove_unfinished=True)
 
     def restore_checkpoint(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Restore onto the structure, shapes and shardings of ``abstract_state``."""
         step = self.latest_checkpoint() if step is None else step
         if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.path / 'checkpoints'} to resume from")
+            raise FileNotFoundError(f"no checkpoint in {self.where('checkpoints')} to resume from")
+        if self.store is not None:
+            self._stage_checkpoint(step)
         leaves, treedef = jax.tree_util.tree_flatten(abstract_state)
         target = {f"{i:05d}": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for i, x in enumerate(leaves)}
         restored = self.checkpoints.restore(
@@ -242,4 +345,5 @@ class RunDir:
         out = self.path / "report.png"
         fig.savefig(out, dpi=110)
         plt.close(fig)
+        self.upload("report.png")
         return out

@@ -47,6 +47,7 @@ from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.snapshots import SnapshotStore
 from asyncopd_jax.pipeline.staleness import RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
+from asyncopd_jax.storage import join
 
 
 class Trainer:
@@ -57,12 +58,12 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False, progress: bool = True, layout: Layout | None = None):
         self.cfg, self.progress = cfg, progress
-        self.run_dir = RunDir(Path(cfg.output_dir) / cfg.name)
+        self.run_dir = RunDir(join(cfg.output_dir, cfg.name))
         self.multi_process = jax.process_count() > 1
         self.leader = distributed.is_leader()
         self.layout = layout or plan_layout(
             cfg,
-            run_path=self.run_dir.path,
+            run_path=self.run_dir.location,
             multi_process=self.multi_process,
             available_cores=sorted(os.sched_getaffinity(0)),
         )
@@ -100,6 +101,7 @@ class Trainer:
     # --- set-up ------------------------------------------------------------------------
 
     def _resume(self) -> None:
+        self.run_dir.download("metrics.jsonl", "summary.json")  # a run in a bucket, resumed on any host
         self.learner.state, meta = self.run_dir.restore_checkpoint(self.learner.state)
         self.start_step = int(meta["step"])
         self.worker_index = int(meta.get("worker_index", 0))
@@ -113,7 +115,13 @@ class Trainer:
         return teacher_on(self.learner.mesh, self.cfg, self.models, self.scoring)
 
     def _start_stages(self, buffer: StalenessBuffer) -> Stages:
-        return start_stages(self.process, buffer, self.worker_index, self.run_dir.path)
+        exchange = self._exchange() if self.layout.stage_processes() else None
+        return start_stages(self.process, buffer, self.worker_index, exchange)
+
+    def _exchange(self) -> Exchange:
+        """The run's exchange: ``<run>/exchange``, its stage logs with the run's local files."""
+        log_dir = None if self.run_dir.store is None else self.run_dir.path / "logs"
+        return Exchange(self.run_dir.where("exchange"), log_dir=log_dir)
 
     # --- evaluation ---------------------------------------------------------------------
 
@@ -133,7 +141,7 @@ class Trainer:
         in_process = any(not teacher.served for teacher in self.models.teachers)
         if not (self.leader and self.layout.stage_processes() and self.cfg.needs_teacher_scores and in_process):
             return {}
-        exchange = Exchange(self.run_dir.path / "exchange")
+        exchange = self._exchange()
         return exchange.wait_for_teacher_accuracies(self.cfg.stages.startup_timeout) or {}
 
     def _teacher_summary(self) -> dict[str, float]:
@@ -224,6 +232,7 @@ class Trainer:
         if self.leader:
             save_pretrained(student, self.run_dir.path / "student")  # Hugging Face layout
             self.data.tokenizer.save_pretrained(self.run_dir.path / "student")
+            self.run_dir.upload_tree("student")
             self.run_dir.write_summary(summary)
             kind = "RL, " if cfg.algorithm == "rl" else ""
             self.run_dir.write_report(f"{cfg.name}: {kind}{cfg.estimator.name}, {cfg.schedule.mode} (η = {self.eta})")
@@ -249,6 +258,7 @@ class Trainer:
     def _write_trace(self) -> None:
         if self.leader:
             self.tracer.write(self.run_dir.path / "trace.json", others=self.stages.trace_files())
+            self.run_dir.upload("trace.json")
 
     def _train_on_batch(
         self,

@@ -11,7 +11,7 @@ store and the run directory are written against it, so one protocol runs everywh
     store.create("exchange/tickets/0000000001.npz", data)   # a Blob, or None: it existed
 """
 
-from asyncopd_jax.storage.location import is_url, open_store
+from asyncopd_jax.storage.location import is_url, join, open_store
 from asyncopd_jax.storage.store import Blob, Store
 
-__all__ = ["Blob", "Store", "is_url", "open_store"]
+__all__ = ["Blob", "Store", "is_url", "join", "open_store"]

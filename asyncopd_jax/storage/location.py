@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import tempfile
 from pathlib import Path
 
+from asyncopd_jax.config_checks import url_scheme
 from asyncopd_jax.storage.store import StorageError, Store
 
 SCHEMES = ("gs", "s3")
@@ -16,7 +20,14 @@ _CLIENTS = {"gs": "google.cloud.storage", "s3": "boto3"}
 
 def is_url(value: str | Path) -> bool:
     """Whether ``value`` is a ``scheme://`` URL rather than a path."""
-    return _URL.match(str(value)) is not None
+    return url_scheme(str(value)) is not None
+
+
+def join(location: str | Path, *parts: str) -> str:
+    """``location`` / ``parts``: a URL joined with ``/``, a path as a path."""
+    if is_url(location):
+        return "/".join([str(location).rstrip("/"), *parts])
+    return str(Path(location, *parts))
 
 
 def open_store(location: str | Path, *, check: bool = True) -> Store:
@@ -55,3 +66,11 @@ def open_store(location: str | Path, *, check: bool = True) -> Store:
     if check:
         store.check()  # type: ignore[attr-defined]
     return store
+
+
+def staging_dir(url: str) -> Path:
+    """Where the bucket directory ``url`` (a run) is staged on this host:
+    ``$ASYNCOPD_STAGING`` (default ``<tmp>/asyncopd-staging``) / ``<last part>-<hash>``, the
+    same for every process of this host, so a run resumed here finds what it wrote."""
+    root = Path(os.environ.get("ASYNCOPD_STAGING") or Path(tempfile.gettempdir()) / "asyncopd-staging")
+    return root / f"{url.rstrip('/').rsplit('/', 1)[-1]}-{hashlib.sha1(url.rstrip('/').encode()).hexdigest()[:12]}"
