@@ -301,7 +301,10 @@ def _stage(args: argparse.Namespace) -> int:
         os.environ.update(device_env(platform, parse_id_list(args.devices), stage_port(args.index)))
     from asyncopd_jax.pipeline.stage_main import run_stage
 
-    return run_stage(args.exchange, args.role, args.index, parse_id_list(args.cores), args.parent_pid, args.niceness)
+    cores = parse_id_list(args.cores)
+    return run_stage(
+        args.exchange, args.role, args.index, cores, args.parent_pid, args.niceness, args.wait_for_exchange
+    )
 
 
 @contextlib.contextmanager
@@ -565,6 +568,13 @@ def _add_stage(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     stage.add_argument("--cores", default="", help="CPU list to pin to before JAX starts, e.g. 2-3")
     stage.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer the parent")
     stage.add_argument("--niceness", type=int, default=0, help="lower this process's CPU priority by this much")
+    stage.add_argument(
+        "--wait-for-exchange",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long for the learner to set the exchange up (default: not at all)",
+    )
     stage.add_argument(
         "--devices",
         default="",

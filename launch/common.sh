@@ -36,7 +36,7 @@ parser.add_argument("--set", action="append", default=[])
 parser.add_argument("--resume")
 args, _ = parser.parse_known_args(sys.argv[1:])
 if args.resume:
-    print(Path(args.resume).resolve())
+    print(args.resume.rstrip("/") if "://" in args.resume else Path(args.resume).resolve())
     sys.exit(0)
 try:
     from asyncopd_jax.cli import DEMO_CONFIG
@@ -47,7 +47,7 @@ try:
     cfg = load_config(args.config or DEMO_CONFIG, args.set)
 except (ConfigError, ValueError) as err:
     sys.exit(f"error: {err}")
-print((Path(cfg.output_dir) / cfg.name).resolve())
+print(f"{cfg.output_dir.rstrip('/')}/{cfg.name}" if "://" in cfg.output_dir else (Path(cfg.output_dir) / cfg.name).resolve())
 EOF
 }
 
@@ -63,19 +63,6 @@ wait_for_exchange() {
         waited=$((waited + 2))
     done
     sleep 2  # the learner writes layout.json last; let it finish
-}
-
-# Return the records a dead stage process had claimed to their spools, as the learner
-# does for the processes it starts itself. $1: exchange directory, $2: process name.
-give_back_claims() {
-    local exchange=$1 name=$2 spool claimed base
-    for spool in tickets sampled; do
-        for claimed in "$exchange/$spool/claimed/"*"@$name.npz"; do
-            [[ -e $claimed ]] || continue
-            base=${claimed##*/}
-            mv -n "$claimed" "$exchange/$spool/${base%@*}.npz" || true
-        done
-    done
 }
 
 # The `asyncopd stage` options that give one stage process its devices; the process sets

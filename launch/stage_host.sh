@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
 # Rollout / teacher-scoring stage processes started by hand, one per device, on a host
-# that mounts the run directory (the learner's host or another one).
+# that reaches the run's exchange: a bucket URL, or a directory it mounts.
 set -euo pipefail
 
 usage() {
     cat <<'EOF'
-usage: launch/stage_host.sh EXCHANGE_DIR
+usage: launch/stage_host.sh EXCHANGE
 
 Starts `asyncopd stage rollout|scoring` processes that join a running
-`asyncopd train` (stages.placement = processes) through its exchange directory
-EXCHANGE_DIR = <output_dir>/<name>/exchange. Each process takes tickets (rollout)
-or sampled groups (scoring) from the shared spools, like the stage processes the
-learner starts itself. Waits until the learner has set the directory up, restarts a
-process that dies (handing its claimed records back first) and returns when the
-run stops (EXCHANGE_DIR/STOP) or on Ctrl-C / SIGTERM, which stops its processes.
+`asyncopd train` (stages.placement = processes) through its exchange
+EXCHANGE = <output_dir>/<name>/exchange: a bucket URL (gs://BUCKET/runs/NAME/exchange,
+s3://…; the credentials and AWS_ENDPOINT_URL_S3 of this host's environment) or a
+directory. Each process takes tickets (rollout) or sampled groups (scoring) from the
+shared spools, like the stage processes the learner starts itself. Waits until the
+learner has set the exchange up, restarts a process that dies (a restarted process
+hands back what it had claimed) and returns when the run stops or on Ctrl-C / SIGTERM,
+which stops its processes.
 
-The host must see the run directory, the snapshot directory and the model
-directories at the same absolute paths as the learner (layout.json and config.yaml
-in the exchange directory name them).
+With a bucket the host needs nothing else of the learner's but the model directories,
+at the paths the config names; with a directory it must also see the run and snapshot
+directories at the learner's absolute paths.
 
 Environment (default in brackets):
   DEVICE_KIND      cuda | tpu | cpu                                        [cuda]
@@ -36,12 +38,14 @@ Environment (default in brackets):
   NICENESS         lower the stage processes' CPU priority by this much    [0]
   STAGE_RESTARTS   restarts per process before it is given up              [3]
   EXCHANGE_TIMEOUT seconds to wait for the learner to set up the exchange  [3600]
+  LOG_DIR          where the logs go     [EXCHANGE/logs; ./stage-logs for a bucket]
   PYTHON           the Python of the environment asyncopd is installed in  [python]
 
-Logs: EXCHANGE_DIR/logs/<name>.log (next to those of the learner's own processes).
+Logs: LOG_DIR/<name>.log.
 
-Example (4 more rollout processes on GPUs 0-3 of a second node):
+Examples (4 more rollout processes on GPUs 0-3 of a second node; on 4 chips of a TPU VM):
   ROLLOUT_DEVICES="0 1 2 3" INDEX_BASE=100 launch/stage_host.sh /shared/runs/qwen3/exchange
+  DEVICE_KIND=tpu ROLLOUT_DEVICES="0-3" launch/stage_host.sh gs://my-bucket/runs/qwen3/exchange
 EOF
 }
 
@@ -61,6 +65,12 @@ STAGE_CORES=${STAGE_CORES-}
 NICENESS=${NICENESS:-0}
 STAGE_RESTARTS=${STAGE_RESTARTS:-3}
 EXCHANGE_TIMEOUT=${EXCHANGE_TIMEOUT:-3600}
+if [[ $EXCHANGE == *://* ]]; then in_bucket=1; else in_bucket=0; fi
+if ((in_bucket)); then LOG_DIR=${LOG_DIR:-stage-logs}; else LOG_DIR=${LOG_DIR:-$EXCHANGE/logs}; fi
+
+# Whether the run has stopped, as far as this script can see: a bucket's STOP is read by
+# the stage processes themselves (they exit 0 once the run stopped).
+stopped() { ((in_bucket == 0)) && [[ -e $EXCHANGE/STOP ]]; }
 
 command -v asyncopd >/dev/null || die "asyncopd is not on PATH (activate the environment it is installed in)"
 read -r -a rollout_devices <<<"$ROLLOUT_DEVICES"
@@ -82,22 +92,22 @@ cores_for() {
 stage_loop() {
     local role=$1 index=$2 device=$3 cores=$4 name="$1-$2" tries=0 rc=0 child=""
     trap '[[ -n $child ]] && kill -TERM "$child" 2>/dev/null; wait 2>/dev/null; exit 143' TERM INT
-    while [[ ! -e $EXCHANGE/STOP ]]; do
-        give_back_claims "$EXCHANGE" "$name"
+    while ! stopped; do
         (
             if [[ $DEVICE_KIND == cpu ]]; then export JAX_PLATFORMS=cpu; fi
             # shellcheck disable=SC2046  # the device options split into words on purpose
             exec asyncopd stage "$role" --exchange "$EXCHANGE" --index "$index" --cores "$cores" \
-                --niceness "$NICENESS" $(stage_device_args "$DEVICE_KIND" "$device")
-        ) >>"$EXCHANGE/logs/$name.log" 2>&1 &
+                --niceness "$NICENESS" --wait-for-exchange "$EXCHANGE_TIMEOUT" \
+                $(stage_device_args "$DEVICE_KIND" "$device")
+        ) >>"$LOG_DIR/$name.log" 2>&1 &
         child=$!
         rc=0
         wait "$child" || rc=$?
         child=""
         ((rc == 0)) && return 0
-        [[ -e $EXCHANGE/STOP ]] && return 0
+        stopped && return 0
         if ((tries >= STAGE_RESTARTS)); then
-            log "$name exited with code $rc and has no restarts left; see $EXCHANGE/logs/$name.log"
+            log "$name exited with code $rc and has no restarts left; see $LOG_DIR/$name.log"
             return "$rc"
         fi
         tries=$((tries + 1))
@@ -106,9 +116,11 @@ stage_loop() {
     done
 }
 
-log "waiting for the learner to set up $EXCHANGE"
-wait_for_exchange "$EXCHANGE" "$EXCHANGE_TIMEOUT"
-mkdir -p "$EXCHANGE/logs"
+if ((in_bucket == 0)); then  # a bucket: each stage process waits for the exchange itself
+    log "waiting for the learner to set up $EXCHANGE"
+    wait_for_exchange "$EXCHANGE" "$EXCHANGE_TIMEOUT"
+fi
+mkdir -p "$LOG_DIR"
 
 pids=()
 stop_all() {

@@ -17,7 +17,7 @@ Commands (each runs on every worker of $TPU_NAME through
                         the process count and this worker's id itself.
                         Continue a stopped run: train --resume $RUN_DIR/<name>
   stages [CONFIG] [ARGS] on every worker of $STAGE_TPU_NAME (a second slice that
-                        mounts the same shared directory): launch/stage_host.sh
+                        reaches the same bucket or mounts the same directory): launch/stage_host.sh
                         with one rollout process per chip in $STAGE_CHIPS; give the
                         same CONFIG and ARGS as to train (they name the run)
   stop                  kill what train / stages started (by the process ids they
@@ -30,9 +30,12 @@ Environment (default in brackets):
   TPU_NAME          the learner's TPU slice                              (required)
   ZONE              its zone                                             (required)
   PROJECT           Google Cloud project       [gcloud's configured project]
-  RUN_DIR           shared directory for the runs, mounted at the same path
-                    on every worker (Filestore/NFS); becomes output_dir, so the
-                    run is $RUN_DIR/<name>/                     (required: train, stages)
+  RUN_DIR           where the runs go: a bucket (gs://BUCKET/runs; the workers'
+                    service account needs read and write on it) or a directory
+                    every worker mounts at the same path (Filestore/NFS); becomes
+                    output_dir, so the run is $RUN_DIR/<name>/. A learner over
+                    several hosts still needs the directory (a learner slice of
+                    one host, e.g. v6e-8, runs from a bucket) (required: train, stages)
   REMOTE_DIR        the project's directory on each worker, relative to the
                     home directory or absolute                             [asyncopd]
   SOURCE            setup from: tarball (this checkout's tracked and untracked,
@@ -41,7 +44,8 @@ Environment (default in brackets):
   REMOTE_PYTHON     Python >= 3.11 on the workers for the venv           [python3]
   PIP_ARGS          extra arguments to pip install                       []
   COORDINATOR_ADDRESS  "host:port" of worker 0; "" lets JAX detect it    []
-  LOG_DIR           per-worker logs (shared)               [$RUN_DIR/launch-logs]
+  LOG_DIR           per-worker logs    [$RUN_DIR/launch-logs; for a bucket,
+                    launch-logs in $REMOTE_DIR on each worker]
   STAGE_TPU_NAME    the stage slice (stages; stop and exec also reach it) []
   STAGE_ZONE        its zone                                             [$ZONE]
   STAGE_CHIPS       chips of each stage worker, one rollout process each [0 1 2 3]
@@ -86,7 +90,7 @@ GIT_REF=${GIT_REF:-main}
 REMOTE_PYTHON=${REMOTE_PYTHON:-python3}
 PIP_ARGS=${PIP_ARGS:-}
 COORDINATOR_ADDRESS=${COORDINATOR_ADDRESS:-}
-LOG_DIR=${LOG_DIR:-${RUN_DIR:+$RUN_DIR/launch-logs}}
+if [[ $RUN_DIR == *://* ]]; then LOG_DIR=${LOG_DIR:-launch-logs}; else LOG_DIR=${LOG_DIR:-${RUN_DIR:+$RUN_DIR/launch-logs}}; fi
 STAGE_TPU_NAME=${STAGE_TPU_NAME:-}
 STAGE_ZONE=${STAGE_ZONE:-$ZONE}
 STAGE_CHIPS=${STAGE_CHIPS-0 1 2 3}
@@ -191,14 +195,15 @@ pip install --quiet $PIP_ARGS -e \"${remote_dir}[tpu]\"
 echo \"\$(hostname): \$(asyncopd --help >/dev/null && echo asyncopd installed), jax \$(python -c 'import jax; print(jax.__version__)')\""
         ;;
     train)
-        [[ -n $RUN_DIR ]] || die "set RUN_DIR (a directory every worker mounts at the same path)"
+        [[ -n $RUN_DIR ]] || die "set RUN_DIR (a bucket URL, or a directory every worker mounts at the same path)"
         command="exec asyncopd train --no-progress $(train_args "$@")"
+        mounted="[[ $(printf '%q' "$RUN_DIR") == *://* || -d $(printf '%q' "$RUN_DIR") ]] || { echo \"\$(hostname): $RUN_DIR is not mounted\" >&2; exit 1; }"
         on_workers "$TPU_NAME" "$ZONE" "$(enter_project)
-[ -d $(printf '%q' "$RUN_DIR") ] || { echo \"\$(hostname): $RUN_DIR is not mounted\" >&2; exit 1; }
+$mounted
 $(detached train "$command")"
         ;;
     stages)
-        [[ -n $RUN_DIR ]] || die "set RUN_DIR (a directory every worker mounts at the same path)"
+        [[ -n $RUN_DIR ]] || die "set RUN_DIR (a bucket URL, or a directory every worker mounts at the same path)"
         [[ -n $STAGE_TPU_NAME ]] || die "set STAGE_TPU_NAME (the slice that runs rollout and scoring)"
         # The exchange directory of the run, resolved on the worker from the same
         # arguments as train; each worker numbers its processes from 100·(worker + 1).

@@ -21,10 +21,12 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from asyncopd_jax.config import RunConfig
 from asyncopd_jax.pipeline.compose import RunProcess, build_process
 from asyncopd_jax.pipeline.exchange import Exchange
 from asyncopd_jax.pipeline.heap import HeapTrimmer
 from asyncopd_jax.pipeline.host_env import pin_this_process
+from asyncopd_jax.pipeline.layout import Layout
 from asyncopd_jax.pipeline.probes import teacher_accuracies
 from asyncopd_jax.pipeline.rollout_loop import RolloutLoop
 from asyncopd_jax.pipeline.spool import Claim, Spool, group_from_record, group_to_record
@@ -41,8 +43,11 @@ def run_stage(
     cores: Sequence[int] = (),
     parent_pid: int | None = None,
     niceness: int = 0,
+    wait_s: float = 0.0,
 ) -> int:
-    """Run stage process ``role-index`` until the run stops; returns its exit status."""
+    """Run stage process ``role-index`` until the run stops; returns its exit status.
+    ``wait_s``: how long to wait for the learner to set the exchange up (a stage started
+    by hand, perhaps before the learner)."""
     if parent_pid is not None:
         # Ctrl-C in a terminal reaches every process of the foreground group. A child of the
         # learner leaves it to the learner, which checkpoints and then stops its stages;
@@ -61,7 +66,12 @@ def run_stage(
     name = f"{role}-{index}"
     tracer = None
     try:
-        cfg, layout = exchange.read()
+        cfg, layout = _read_when_set_up(exchange, wait_s)
+        # A process of this name starting means the last one of it is gone: what it had
+        # claimed goes back now rather than when its leases expire.
+        for spool in (exchange.tickets, exchange.sampled):
+            for claim in spool.claims_of(name):
+                claim.give_back()
         tracer = Tracer(origin=layout.trace_origin, process=name)
         process = build_process(cfg, layout, name, tracer=tracer)
         _write_teacher_accuracy(process, exchange)
@@ -103,6 +113,18 @@ def run_stage(
 
 # A stage process writes its trace this often to a bucket (each write is a billed request).
 TRACE_EVERY_S_REMOTE = 30.0
+
+
+def _read_when_set_up(exchange: Exchange, wait_s: float) -> tuple[RunConfig, Layout]:
+    """The exchange's config and layout, waiting up to ``wait_s`` seconds for them."""
+    deadline, backoff = time.monotonic() + wait_s, Backoff(exchange.store, local_s=1.0)
+    while True:
+        try:
+            return exchange.read()
+        except FileNotFoundError:
+            if time.monotonic() >= deadline or exchange.stopped:
+                raise
+            backoff.wait()
 
 
 class _Heartbeat:

@@ -503,6 +503,53 @@ def test_stage_processes_started_by_hand_elsewhere_serve_a_learner_that_starts_n
     assert [r["step"] for r in _records(tmp_path / "t")] == [1, 2, 3, 4]
 
 
+def test_a_stage_host_shares_nothing_with_the_learner_but_the_bucket(models, tmp_path, s3_server):  # noqa: F811
+    """launch/stage_host.sh on a stand-in host (its own working directory, nothing of the
+    learner's but the bucket URL and the models), started before the learner: its stage
+    process waits for the exchange to appear in the bucket, samples and scores every group
+    of a learner that starts none, and the script returns 0 when the run stops."""
+    from tests.storage.fixtures import pointed_at
+
+    with pointed_at("s3", s3_server.endpoint) as url:
+        host = tmp_path / "stage-host"
+        host.mkdir()
+        env = {
+            **os.environ,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "DEVICE_KIND": "cpu",
+            "ROLLOUT_DEVICES": "0-1",
+            "EXCHANGE_TIMEOUT": "120",
+            "STAGE_RESTARTS": "0",  # it must wait for the exchange, not be rescued by a restart
+            "JAX_PLATFORMS": "cpu",
+        }
+        script = Path(__file__).resolve().parents[2] / "launch" / "stage_host.sh"
+        stage_host = subprocess.Popen(
+            ["bash", str(script), f"{url}/t/exchange"],
+            cwd=host,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            time.sleep(10)  # the stage process is up well before the learner writes the exchange
+            sets = {
+                "output_dir": url,
+                "stages.placement": "processes",
+                "stages.start_processes": False,
+                "stages.scoring_processes": 0,
+                "train.steps": 4,
+            }
+            summary = Trainer(_config(models, tmp_path, **sets), progress=False).run()
+            assert summary["steps"] == 4
+            out, _ = stage_host.communicate(timeout=120)
+            logs = "".join(p.read_text() for p in (host / "stage-logs").glob("*.log"))
+            assert stage_host.returncode == 0, out.decode()[-2000:] + logs[-3000:]
+            assert "rollout-100: pid" in logs  # the stage process ran on the stand-in host
+        finally:
+            if stage_host.poll() is None:
+                stage_host.kill()
+
+
 def test_a_resumed_runs_tickets_ask_for_weights_within_eta_of_its_version(models, tmp_path):  # noqa: F811
     """Resumed at step 4 (version 4), η = 1, its stage processes started by hand (none
     here): the tickets it issues before a group arrives ask for weights of version 3 or
