@@ -308,7 +308,3 @@ class ObjectSnapshotStore:
     def close(self) -> None:
         if not self.read_only:
             self.flush()
-
-    def published_bytes(self) -> dict[int, int]:
-        """Each committed version's payload bytes (what the learner wrote for it)."""
-        return {v: r.nbytes for v, r in self._records().items()}

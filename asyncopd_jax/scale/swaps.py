@@ -21,7 +21,10 @@ snapshot_channel``) decides the route:
   background and the learner waits for it only at the next publish.
 
 Bytes are those of the published parameters: ``student.dtype`` (the learner's master
-copy), which the sampler casts to ``sampling.compute_dtype`` inside its programs.
+copy), which the sampler casts to ``sampling.compute_dtype`` inside its programs. Through
+storage the plan also prints what a version costs as sparse deltas (``objects``: a full
+version every N, deltas between at :data:`DELTA_FRACTION` of it); the balance keeps the
+full version's seconds, an upper bound.
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ from asyncopd_jax.pipeline.layout import SnapshotChannel
 from asyncopd_jax.scale.chips import Chip
 
 DEFAULT_STORAGE_BYTES_PER_S = 1e9  # --storage-gbps 1: a cloud VM's persistent disk or object store, roughly
+# A sparse delta's bytes against its full version: measured for a Qwen3-0.6B-shaped model
+# published as bf16 at lr 1e-6 (4.05 %; 15.2 % at lr 1e-5), benchmarks/bench_delta_sync.py,
+# docs/storage.md. The fraction grows with the learning rate and with the published dtype's
+# width (fp32 weights change everywhere: no delta then).
+DELTA_FRACTION = 0.0405
+DELTA_FULL_EVERY = 10  # stages.snapshot_full_every's default, for channels that publish no deltas
 
 
 def bytes_per_device(tree: Any) -> int:
@@ -72,12 +81,27 @@ class SwapFigures:
     reader_chip_bytes: int  # what the busiest sampler chip receives (in memory) or a sampler process reads
     publish_seconds: float
     load_seconds: float
+    # through storage: the mean bytes a version costs as sparse deltas with a full version
+    # every ``delta_full_every`` (at DELTA_FRACTION), and the seconds each way; None in
+    # memory, and for 32-bit weights (every element changes: a delta is the whole version)
+    delta_bytes: float | None = None
+    delta_seconds: float | None = None
+    delta_full_every: int = DELTA_FULL_EVERY
 
     def describe(self) -> str:
-        return (
+        line = (
             f"a weight swap per published version ({self.route}): {self.published_bytes / 1e9:.2f} GB published, "
             f"learner {self.publish_seconds:.3f} s, each sampler {self.load_seconds:.3f} s to load "
             f"({self.reader_chip_bytes / 1e9:.2f} GB)"
+        )
+        if self.route.startswith("in memory"):
+            return line
+        if self.delta_bytes is None or self.delta_seconds is None:
+            return f"{line}; sparse deltas would save nothing (32-bit weights change in every element each step)"
+        return (
+            f"{line}; as sparse deltas (stages.snapshot_format: objects, a full version every "
+            f"{self.delta_full_every}, deltas at {100 * DELTA_FRACTION:.2f} % of it): {self.delta_bytes / 1e9:.3f} GB "
+            f"and {self.delta_seconds:.3f} s each way per version on average"
         )
 
 
@@ -112,10 +136,17 @@ def swap_figures(
             publish_seconds=samplers * published / learner_chips / rate,
             load_seconds=per_chip / rate,
         )
+    every = channel.full_every if channel.format == "objects" else DELTA_FULL_EVERY
+    # 32-bit weights move in every element each step: a delta would be the whole version
+    narrow = all(np.dtype(x.dtype).itemsize <= 2 for x in jax.tree_util.tree_leaves(params))
+    delta = published * (1 + (every - 1) * DELTA_FRACTION) / every if narrow else None
     return SwapFigures(
         route=f"{channel.format} through storage at {storage_bytes_per_s / 1e9:.2f} GB/s",
         published_bytes=published,
         reader_chip_bytes=published,
         publish_seconds=published / storage_bytes_per_s,
         load_seconds=published / storage_bytes_per_s,
+        delta_bytes=delta,
+        delta_seconds=None if delta is None else delta / storage_bytes_per_s,
+        delta_full_every=every,
     )

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asyncopd_jax.pipeline.layout import SnapshotChannel
 from asyncopd_jax.scale.chips import CHIPS
-from asyncopd_jax.scale.swaps import bytes_per_device, swap_figures, total_bytes
+from asyncopd_jax.scale.swaps import DELTA_FRACTION, bytes_per_device, swap_figures, total_bytes
 
 
 def _tree(mesh: Mesh) -> dict:
@@ -56,3 +56,20 @@ def test_through_storage_the_version_is_written_once_and_read_whole_by_each_samp
     assert swap.publish_seconds == pytest.approx(total / 2.5e9)
     assert swap.load_seconds == pytest.approx(total / 2.5e9)
     assert swap.route == "orbax through storage at 2.50 GB/s"
+    # its fp32 and int32 leaves change in every element each step: no delta would save anything
+    assert swap.delta_bytes is None and "sparse deltas would save nothing" in swap.describe()
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_as_objects_a_version_costs_a_full_one_every_n_and_deltas_between(every):
+    tree = {"w": jax.ShapeDtypeStruct((64, 32), jnp.bfloat16), "b": jax.ShapeDtypeStruct((10,), jnp.bfloat16)}
+    channel = SnapshotChannel(
+        in_memory=False, directory="gs://b/s", format="objects", keep=3, temporary=False, full_every=every
+    )
+    swap = swap_figures(channel, tree, tree, learner_chips=8, samplers=2, chip=CHIPS["v5e"], storage_bytes_per_s=2e9)
+    total = total_bytes(tree)
+    expected = total * (1 + (every - 1) * DELTA_FRACTION) / every
+    assert swap.delta_bytes == pytest.approx(expected) and swap.delta_seconds == pytest.approx(expected / 2e9)
+    assert f"a full version every {every}" in swap.describe() and f"{expected / 1e9:.3f} GB" in swap.describe()
+    in_memory = SnapshotChannel(in_memory=True, directory="", format="", keep=3, temporary=False)
+    assert swap_figures(in_memory, tree, tree, learner_chips=8, samplers=2, chip=CHIPS["v5e"]).delta_bytes is None
