@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from collections.abc import Sequence
 
 from asyncopd_jax.config import RunConfig
 from asyncopd_jax.learner import distributed, state_shardings
@@ -153,11 +154,18 @@ def _stored_snapshots(layout: Layout, abstract, *, read_only: bool, reader: str)
     return DiskSnapshotStore(channel.directory, abstract, keep=channel.keep, read_only=read_only, format=channel.format)
 
 
-def start_stages(process: RunProcess, buffer: StalenessBuffer, first_index: int, exchange: Exchange | None) -> Stages:
+def start_stages(
+    process: RunProcess,
+    buffer: StalenessBuffer,
+    first_index: int,
+    exchange: Exchange | None,
+    unlearned: Sequence[int] | None = None,
+) -> Stages:
     """In the learner's process: the rollout and scoring stages, started where the layout
     puts them (rollout threads, the ``fixed_lag`` schedule's on-demand batches, or stage
     processes, which meet the learner through ``exchange``; a follower learner process sees
-    the leader's)."""
+    the leader's). ``first_index``, ``unlearned``: what a resumed run's checkpoint says of
+    the groups started before it (``Stages.unlearned``)."""
     cfg, layout, learner = process.cfg, process.layout, process.learner
     assert learner is not None, "the stages are started from the learner's process"
     groups_per_batch = cfg.learner.batch_size // layout.group_size
@@ -168,7 +176,13 @@ def start_stages(process: RunProcess, buffer: StalenessBuffer, first_index: int,
         return FollowerStages(exchange, groups_per_batch)
     if exchange is not None:
         stages = StageProcesses(
-            cfg=cfg, layout=layout, exchange=exchange, buffer=buffer, first_index=first_index, tracer=process.tracer
+            cfg=cfg,
+            layout=layout,
+            exchange=exchange,
+            buffer=buffer,
+            first_index=first_index,
+            tracer=process.tracer,
+            unlearned=unlearned,
         )
     elif cfg.schedule.mode == "fixed_lag":  # whole batches from one policy, in this thread
         stages = FixedLagRollouts(stage=process.rollouts[0], lag=cfg.schedule.lag, first_version=learner.version)

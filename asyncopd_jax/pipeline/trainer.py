@@ -80,6 +80,7 @@ class Trainer:
         self.data, self.vocab_limit = self.models.task, self.models.vocab_limit
         self.probes = Probes(cfg, self.models, self.learner, self._teacher_on_learner, self.leader, self.tracer)
         self.start_step, self.worker_index = 0, 0
+        self.unlearned: list[int] | None = None  # of the groups started before a resumed checkpoint
         # Faults at run time: rows dropped for NaN / inf scores so far, and the checkpoint a
         # diverged step's error points to (step, path), None before the first one.
         self.nonfinite_rows_total = 0
@@ -105,6 +106,7 @@ class Trainer:
         self.learner.state, meta = self.run_dir.restore_checkpoint(self.learner.state)
         self.start_step = int(meta["step"])
         self.worker_index = int(meta.get("worker_index", 0))
+        self.unlearned = meta.get("unlearned")  # None: a checkpoint from before it was recorded
         self.nonfinite_rows_total = int(meta.get("nonfinite_rows_total", 0))
         self.last_checkpoint = (self.start_step, self._checkpoint_path(self.start_step))
         if self.leader:
@@ -116,7 +118,7 @@ class Trainer:
 
     def _start_stages(self, buffer: StalenessBuffer) -> Stages:
         exchange = self._exchange() if self.layout.stage_processes() else None
-        return start_stages(self.process, buffer, self.worker_index, exchange)
+        return start_stages(self.process, buffer, self.worker_index, exchange, self.unlearned)
 
     def _exchange(self) -> Exchange:
         """The run's exchange: ``<run>/exchange``, its stage logs with the run's local files."""
@@ -244,6 +246,7 @@ class Trainer:
             meta = {
                 "step": step,
                 "worker_index": self.stages.groups_started,
+                "unlearned": self.stages.unlearned(),
                 "nonfinite_rows_total": self.nonfinite_rows_total,
             }
             self.run_dir.save_checkpoint(step, self.learner.state, meta)

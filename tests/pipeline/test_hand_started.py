@@ -126,3 +126,34 @@ def test_a_group_committed_under_a_tickets_name_reaches_the_learner_and_no_other
         assert stages.exchange.tickets.names() == ["0000000001", "0000000002"]
     finally:
         stages.join(timeout=5)
+
+
+@pytest.mark.parametrize(("unlearned", "kept"), [([4], [4, 7]), (None, [2, 3, 4, 7])])
+def test_a_resumed_learner_takes_only_the_committed_groups_its_checkpoint_had_not_learned(tmp_path, unlearned, kept):
+    """Groups an earlier incarnation left committed: those started after the checkpoint
+    (7 > 5) and those it had started but not learned (4) are admitted; the others (2, 3),
+    learned before the checkpoint and left by a crash before their deletion or committed
+    again by a stage whose claim was taken over, are deleted, not learned twice. A
+    checkpoint that does not say (None) keeps them all, as before."""
+    import numpy as np
+
+    exchange = Exchange(tmp_path / "exchange")
+    for n, spool in ((2, exchange.sampled), (3, exchange.scored), (4, exchange.scored), (7, exchange.sampled)):
+        spool.put(f"{n:010d}", {"index": np.asarray(n)})
+    cfg = load_config(DEMO, ["stages.placement=processes", "stages.start_processes=false", f"output_dir={tmp_path}"])
+    layout = plan_layout(cfg, run_path=tmp_path, available_cores=[])
+    stages = StageProcesses(
+        cfg=cfg,
+        layout=layout,
+        exchange=exchange,
+        buffer=StalenessBuffer(cfg.learner.batch_size, cfg.eta),
+        first_index=5,
+        tracer=Tracer(),
+        unlearned=unlearned,
+    )
+    assert stages._leftovers == kept
+    left = sorted(int(n) for spool in (exchange.sampled, exchange.scored) for n in spool.names())
+    assert left == kept
+    stages._admitted.update(kept)  # what its dispatcher admits first
+    stages._consumed.append(f"{kept[0]:010d}")
+    assert stages.unlearned() == kept[1:]  # what its next checkpoint records

@@ -243,6 +243,7 @@ def test_a_run_in_a_bucket_needs_no_shared_directory_and_resumes_on_another_host
         shutil.rmtree(trainer.run_dir.path)  # another host: nothing staged here
         resumed = Trainer(_config(models, tmp_path, **{**sets, "train.steps": 12}), resume=True, progress=False)
         assert resumed.start_step == 8
+        assert isinstance(resumed.unlearned, list)  # the checkpoint says which started groups it had not learned
         resumed.run()
         records = [json.loads(line) for line in bucket.read("metrics.jsonl").data.decode().splitlines()]
         assert [r["step"] for r in records] == list(range(1, 13))

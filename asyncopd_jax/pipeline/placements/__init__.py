@@ -36,6 +36,12 @@ class Stages(Protocol):
         """The learner trained on ``taken``."""
         ...
 
+    def unlearned(self) -> list[int]:
+        """Groups started that the learner has not trained on yet. A checkpoint keeps them:
+        of the groups an earlier incarnation committed, a resumed run takes only these and
+        later ones (any other was learned before the checkpoint)."""
+        ...
+
     def checkpointed(self) -> None:
         """A checkpoint covering every batch consumed so far was saved."""
         ...

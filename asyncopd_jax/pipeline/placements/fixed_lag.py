@@ -51,6 +51,10 @@ class FixedLagRollouts:
     def consumed(self, taken: list[RolloutGroup]) -> None:
         """Nothing to do: groups never leave this process."""
 
+    def unlearned(self) -> list[int]:
+        """None: groups never outlive this process."""
+        return []
+
     def checkpointed(self) -> None:
         """Nothing to do: groups never leave this process."""
 

@@ -58,6 +58,9 @@ class LeaderStages:
     def consumed(self, taken: list[RolloutGroup]) -> None:
         self.stages.consumed(taken)
 
+    def unlearned(self) -> list[int]:
+        return self.stages.unlearned()
+
     def checkpointed(self) -> None:
         self.stages.checkpointed()
 
@@ -96,6 +99,9 @@ class FollowerStages:
 
     def consumed(self, taken: list[RolloutGroup]) -> None:
         pass
+
+    def unlearned(self) -> list[int]:
+        return []  # the leader's checkpoint meta is the one that counts
 
     def checkpointed(self) -> None:
         pass

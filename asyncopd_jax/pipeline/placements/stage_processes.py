@@ -72,6 +72,7 @@ class StageProcesses:
         buffer: StalenessBuffer,
         first_index: int,
         tracer: Tracer,
+        unlearned: Sequence[int] | None = None,
         stage_command: Sequence[str] | None = None,
     ):
         self.cfg, self.layout, self.exchange, self.buffer = cfg, layout, exchange, buffer
@@ -101,8 +102,18 @@ class StageProcesses:
         for spool in (exchange.sampled, exchange.scored):
             spool.release_all()
         # Committed by an earlier incarnation of this run: they count against the capacity
-        # like groups started now, and are admitted (in order) before any new ticket.
-        self._leftovers = sorted(int(n) for s in (exchange.sampled, exchange.scored) for n in s.names())
+        # like groups started now, and are admitted (in order) before any new ticket --
+        # except those its checkpoint had learned (``unlearned``: the groups started up to
+        # ``first_index`` and not learned then; None: a checkpoint that does not say), left
+        # by a crash between a checkpoint and the deletion of what it covers, or committed
+        # again by a stage whose lease had been taken over.
+        found = sorted(int(n) for s in (exchange.sampled, exchange.scored) for n in s.names())
+        keep = set(unlearned) if unlearned is not None else set(found)
+        learned = [n for n in found if n <= first_index and n not in keep]
+        for n in learned:
+            exchange.sampled.delete(f"{n:010d}")
+            exchange.scored.delete(f"{n:010d}")
+        self._leftovers = [n for n in found if n not in learned]
         self._counter = max([first_index, *self._leftovers])
         exchange.write(cfg, layout)
         self._threads = [
@@ -195,6 +206,10 @@ class StageProcesses:
                 self._consumed.append(name)
                 if name == last:
                     break
+
+    def unlearned(self) -> list[int]:
+        with self._lock:
+            return sorted(self._admitted - {int(name) for name in self._consumed})
 
     def checkpointed(self) -> None:
         """A checkpoint covering every consumed record was saved: delete them."""
