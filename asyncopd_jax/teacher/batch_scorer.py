@@ -225,7 +225,7 @@ def parse_request(body: Any, settings: ServerSettings, vocab_size: int, context:
         ):
             raise BadRequest(
                 f"asyncopd.pad_to must be [prompt, response] widths of at least {list(longest)} (the longest "
-                f"prompt and response sent) and at most {context} together, got {str(pad_to)[:80]}"
+                f"prompt and response sent) and at most {context} together, got {wire.shown(pad_to)}"
             )
         pad_to = tuple(pad_to)
     binary = encoding == "base64"

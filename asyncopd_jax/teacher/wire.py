@@ -99,6 +99,12 @@ class Row:
     student_topk_ids: np.ndarray | None = None
 
 
+def shown(value: object) -> str:
+    """A peer's value in an error message: its repr (a newline in it stays on the one
+    line), cut to 80 characters."""
+    return repr(value)[:80]
+
+
 def is_json_int(value: Any) -> bool:
     """A JSON integer as Python's parser reads one: an ``int``, not a ``bool`` (``true`` is
     not a number in JSON, though ``bool`` is an ``int`` in Python)."""
@@ -255,13 +261,13 @@ def _sglang_row(item: Any, row: Row, topk: int, vocab_size: int, where: str) -> 
 def _triples(entries: Any, vocab_size: int, where: str) -> dict[int, float]:
     """``{id: log-prob}`` of SGLang's ``[logprob, id, text]`` entries, checked."""
     if not isinstance(entries, list):
-        raise ServerError(f"{where}: expected [[logprob, id, text], …], got {str(entries)[:80]}")
+        raise ServerError(f"{where}: expected [[logprob, id, text], …], got {shown(entries)}")
     return _entries({str(e[1]): {"logprob": e[0]} for e in entries if _is_triple(e, where)}, vocab_size, where)
 
 
 def _is_triple(entry: Any, where: str) -> bool:
     if not isinstance(entry, (list, tuple)) or len(entry) < 2 or not is_json_int(entry[1]):
-        raise ServerError(f"{where}: expected [logprob, id, text], got {str(entry)[:80]}")
+        raise ServerError(f"{where}: expected [logprob, id, text], got {shown(entry)}")
     return True
 
 
@@ -276,7 +282,7 @@ def parse_asyncopd(
     for i, (scores, row) in enumerate(zip(per_row, rows, strict=True)):
         at, t = f"{where}, row {i}", len(row.response)
         if not isinstance(scores, dict):
-            raise ServerError(f"{at}: expected the extension's arrays, got {str(scores)[:80]}")
+            raise ServerError(f"{at}: expected the extension's arrays, got {shown(scores)}")
         read = functools.partial(_dense, scores, t=t, vocab_size=vocab_size, where=at)
         candidates, student_topk = row.candidate_ids, row.student_topk_ids
         out.append(
@@ -413,12 +419,12 @@ def _row_scores(
 def _entries(entry: Any, vocab_size: int, where: str) -> dict[int, float]:
     """``{id: log-prob}`` of one position's ``{"<id>": {"logprob": …}}``, checked."""
     if not isinstance(entry, dict):
-        raise ServerError(f"{where}: expected {{id: {{logprob}}}}, got {str(entry)[:80]}")
+        raise ServerError(f"{where}: expected {{id: {{logprob}}}}, got {shown(entry)}")
     scored: dict[int, float] = {}
     for key, value in entry.items():
         logp = value.get("logprob") if isinstance(value, dict) else None
         if not (isinstance(key, str) and _DECIMAL_ID.fullmatch(key)) or not is_json_number(logp):
-            raise ServerError(f"{where}: expected {{id: {{logprob}}}}, got {key[:40]!r}: {str(value)[:80]}")
+            raise ServerError(f"{where}: expected {{id: {{logprob}}}}, got {key[:40]!r}: {shown(value)}")
         token, logp = int(key), float(logp)  # type: ignore[arg-type]  # an int or a float: checked above
         if math.isnan(logp) or logp > _LOGP_SLACK:
             raise ServerError(f"{where}: log-prob {logp} of id {token} is not a log-prob (NaN or > 0)")
