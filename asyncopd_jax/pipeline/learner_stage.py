@@ -117,7 +117,8 @@ class LearnerStage:
 
 def batch_stats(groups: list[RolloutGroup], version: int) -> dict[str, Any]:
     """A rollout batch's metrics at learner ``version``: the mean, max and histogram of its
-    token staleness, and the mean reward of its rollouts (where the task can check them)."""
+    token staleness, the mean reward of its rollouts (where the task can check them), and
+    the newest weights loaded for it with the seconds that load took (``snapshot_load_*``)."""
     ages = np.concatenate(
         [version - np.asarray(g.batch.token_version)[np.asarray(g.batch.response_mask)] for g in groups]
     )
@@ -131,6 +132,9 @@ def batch_stats(groups: list[RolloutGroup], version: int) -> dict[str, Any]:
     )
     if np.isfinite(rewards).any():  # NaN: a response the task cannot check (no reference answers)
         stats["rollout_accuracy"] = float(np.nanmean(rewards))
+    loads = [g.last_load for g in groups if g.last_load is not None]
+    if loads:  # the newest weights a stage loaded for this batch, and how long that load took
+        stats["snapshot_load_version"], stats["snapshot_load_s"] = max(loads)
     stats.update(teacher_stats(groups))
     return stats
 

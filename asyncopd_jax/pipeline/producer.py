@@ -10,6 +10,7 @@ placement and with either sampling engine (prompt i of a group samples with
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import jax
@@ -63,14 +64,22 @@ class GroupProducer:
         self.tracer, self.interruptible = tracer, interruptible
         self.version_timeout = version_timeout  # how long a group waits for the version it must start from
         self.router = router  # which teacher scores each prompt (None: no teacher scores)
+        self.last_load: tuple[int, float] | None = None  # the version loaded last, and the seconds it took
 
     def newer_snapshot(self, version: int):
         """The newest snapshot as ``(version, weights)`` when it is newer than ``version``."""
         latest = self.snapshots.latest_version()
         if latest is not None and latest > version:
-            with self.tracer.span("swap_weights", version=latest):
-                return self.snapshots.load()
+            return self.load_snapshot()
         return None
+
+    def load_snapshot(self):
+        """The newest snapshot as ``(version, weights)``, its load timed (``last_load``)."""
+        start = time.perf_counter()
+        with self.tracer.span("swap_weights", version=self.snapshots.latest_version()):
+            loaded = self.snapshots.load()
+        self.last_load = (loaded[0], time.perf_counter() - start)
+        return loaded
 
     def prompts_of(self, index: int) -> tuple[list[list[int]], list, TeacherRoute | None]:
         """Group ``index``'s prompts (each repeated ``samples_per_prompt`` times), the
@@ -113,7 +122,7 @@ class GroupProducer:
         newest = int(versions.max()) if versions.size else version
         with self.tracer.span("reward"):
             batch, rewards = self.reward(problems, batch)
-        return RolloutGroup(batch, None, oldest, newest, rewards=rewards, route=route)
+        return RolloutGroup(batch, None, oldest, newest, rewards=rewards, route=route, last_load=self.last_load)
 
 
 def answer_lengths(batch: RolloutBatch) -> dict[str, int]:

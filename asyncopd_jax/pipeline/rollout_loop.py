@@ -72,8 +72,7 @@ class RolloutLoop:
             return
         with p.tracer.span("wait_for_version", version=min_version):
             p.snapshots.wait_for(min_version, timeout=p.version_timeout)
-        with p.tracer.span("swap_weights", version=p.snapshots.latest_version()):
-            version, state = p.snapshots.load()
+        version, state = p.load_snapshot()
         if self.stream is None:
             engine = p.sampler
             self.stream = engine.open_stream(

@@ -251,6 +251,8 @@ def group_to_record(group: RolloutGroup, index: int) -> dict[str, np.ndarray]:
                 out[f"{prefix}.{field.name}"] = np.asarray(value)
     if group.rewards is not None:
         out["rewards"] = np.asarray(group.rewards, dtype=np.float32)
+    if group.last_load is not None:
+        out["last_load"] = np.asarray(group.last_load, np.float64)
     if group.route is not None:
         for field in dataclasses.fields(group.route):
             value = getattr(group.route, field.name)
@@ -279,6 +281,7 @@ def group_from_record(arrays: dict[str, np.ndarray]) -> tuple[RolloutGroup, int]
         int(arrays["oldest_version"]),
         int(arrays["newest_version"]),
         rewards=arrays.get("rewards"),
+        last_load=(int(arrays["last_load"][0]), float(arrays["last_load"][1])) if "last_load" in arrays else None,
         route=TeacherRoute(arrays["route.teacher"], arrays.get("route.prompt_tokens"), arrays.get("route.prompt_mask"))
         if "route.teacher" in arrays
         else None,

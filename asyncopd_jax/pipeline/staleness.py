@@ -42,6 +42,8 @@ class RolloutGroup:
     record: str | None = None  # the spool record it was read from (stage processes)
     route: TeacherRoute | None = None  # which teacher scores each row, and under which prompt (None: the only one)
     teacher_uses: dict[str, TeacherUse] = dataclasses.field(default_factory=dict)  # each teacher's scoring cost
+    # the policy version its stage loaded last before it finished, and the seconds the load took
+    last_load: tuple[int, float] | None = None
 
     @property
     def size(self) -> int:

@@ -214,6 +214,10 @@ def test_snapshots_as_objects_ship_sparse_deltas_that_every_stage_loads_by_diges
     assert all(b < full_bytes / 4 for _, full, b in published if not full), published
     log = (tmp_path / "t" / "exchange" / "logs" / "rollout-0.log").read_text()
     assert "digest" not in log
+    # the rollout side's loads: the newest version loaded for each batch and its seconds
+    loads = [(r["snapshot_load_version"], r["snapshot_load_s"]) for r in records if "snapshot_load_s" in r]
+    assert len(loads) == len(records) and all(s > 0 for _, s in loads), loads
+    assert [v for v, _ in loads] == sorted(v for v, _ in loads) and loads[-1][0] >= 1
 
 
 @pytest.mark.parametrize("kind", ["s3", "gcs"])

@@ -137,12 +137,13 @@ def test_a_rollout_group_round_trips_exactly(tmp_path):
         topk_ids=rng.integers(0, 9, (B, T, K)).astype(np.int32),
         topk_logp=rng.normal(size=(B, T, K)).astype(np.float32),
     )
-    group = RolloutGroup(batch, cache, 3, 5, rewards=np.array([1.0, 0.0, 1.0], np.float32))
+    group = RolloutGroup(batch, cache, 3, 5, rewards=np.array([1.0, 0.0, 1.0], np.float32), last_load=(5, 0.25))
     spool = Spool(tmp_path)
     spool.put("g", group_to_record(group, index=41))
     back, index = group_from_record(spool.claim("learner").read())
     assert index == 41 and (back.oldest_version, back.newest_version) == (3, 5)
     np.testing.assert_array_equal(back.rewards, [1.0, 0.0, 1.0])
+    assert back.last_load == (5, 0.25)
     for name, want, got in [("batch", batch, back.batch), ("cache", cache, back.cache)]:
         want_leaves = jax.tree_util.tree_leaves_with_path(want)
         got_leaves = jax.tree_util.tree_leaves(got)
