@@ -26,8 +26,16 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
-from asyncopd_jax.teacher import launch
+
+def _launch() -> ModuleType:
+    """The project's process helpers, imported when a server starts: this module is loaded by
+    a plugin of the whole suite, which also runs on the base install (tools/oldest_jax.sh),
+    where the teacher package's training stack is absent."""
+    from asyncopd_jax.teacher import launch
+
+    return launch
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30.0) -> None:
@@ -62,11 +70,11 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        self.proc = launch.start(self.command, self.log)
+        self.proc = _launch().start(self.command, self.log)
         _wait_for_port(self.port, self.proc, self.command[0])
 
     def stop(self) -> None:
-        launch.stop(self.proc, timeout=10)
+        _launch().stop(self.proc, timeout=10)
 
     def restart(self) -> None:
         """Stop the server and start it again on the same port (its objects are lost:
@@ -87,13 +95,13 @@ def fake_gcs_binary() -> Path:
 
 
 def start_s3() -> Server:
-    port = launch.free_port()
+    port = _launch().free_port()
     moto = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
     return Server("s3", port, [moto, "-H", "127.0.0.1", "-p", str(port)], _log("moto"))
 
 
 def start_gcs() -> Server:
-    port = launch.free_port()
+    port = _launch().free_port()
     command = [str(fake_gcs_binary()), "-host", "127.0.0.1", "-port", str(port), "-scheme", "http"]
     return Server("gcs", port, [*command, "-backend", "memory"], _log("fake-gcs-server"))
 
