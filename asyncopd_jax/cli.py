@@ -460,7 +460,12 @@ def _add_sft(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
 
 def _add_eval(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     ev = sub.add_parser("eval", parents=[common], help="held-out accuracy of a model on the built-in task")
-    ev.add_argument("--model", type=_local_path, required=True, help="builtin:NAME or a Hugging Face directory")
+    ev.add_argument(
+        "--model",
+        type=_storage_location,
+        required=True,
+        help="builtin:NAME or a Hugging Face directory (or gs:// / s3://)",
+    )
     ev.add_argument("--task", action="append", default=[], metavar="FIELD=VALUE", help="task config field")
     ev.set_defaults(fn=_eval)
 
@@ -534,7 +539,12 @@ def _add_serve_teacher(sub: _SubCommands, common: argparse.ArgumentParser) -> No
         help="serve a teacher model over HTTP: vLLM's completions API, plus the scoring of the student's "
         "candidates (a run's teacher.server.api: asyncopd)",
     )
-    served.add_argument("--model", type=_local_path, required=True, help="builtin:NAME or a Hugging Face directory")
+    served.add_argument(
+        "--model",
+        type=_storage_location,
+        required=True,
+        help="builtin:NAME or a Hugging Face directory (or gs:// / s3://)",
+    )
     served.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     served.add_argument("--name", default="teacher", help="the model's name in the API (default: teacher)")
     served.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: loopback only)")

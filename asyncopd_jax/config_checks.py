@@ -47,13 +47,11 @@ def parse_id_list(spec: str) -> IdList:
     return tuple(dict.fromkeys(ids))
 
 
-#: A setting that names a file or directory on this machine's file system (or on a mount
-#: every host shares). The run's checks refuse a URL in any such setting
-#: (:func:`storage_url_error`); the sections mark theirs with this type.
-LocalPath = Annotated[str, "a path on this machine's file system"]
-
-#: A setting that names a directory here or in a bucket every host reaches (``gs://…``,
-#: ``s3://…``; :mod:`asyncopd_jax.storage`): the run directory, the snapshots.
+#: A setting that names a file or directory here or in a bucket every host reaches
+#: (``gs://…``, ``s3://…``; :mod:`asyncopd_jax.storage`): the run directory and the
+#: snapshots, written there; the models, tokenizers and dataset, read from there through a
+#: local copy (:mod:`asyncopd_jax.storage.local_copy`). The run's checks refuse any other
+#: URL scheme in such a setting; the sections mark theirs with this type.
 StorageLocation = Annotated[str, "a path, or a gs:// or s3:// URL"]
 
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -75,6 +73,6 @@ def storage_url_error(name: str | None, value: str) -> str | None:
         return None
     return (
         f"{'' if name is None else f'{name} = '}{value!r} is a storage URL ({url.group(1)}://); allowed: a "
-        "path on this machine's file system (object-storage support covers output_dir and stages.snapshot_dir; "
-        "models, tokenizers, data and configs are read from local paths)"
+        "path on this machine's file system (configs and the outputs of sft and study are local; the run "
+        "directory, snapshots, models, tokenizers and datasets may be in a bucket)"
     )

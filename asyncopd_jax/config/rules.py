@@ -10,7 +10,7 @@ import typing
 from typing import TYPE_CHECKING, Any
 
 from asyncopd_jax.config.sections import TeacherSource
-from asyncopd_jax.config_checks import ConfigError, LocalPath, storage_url_error, url_scheme
+from asyncopd_jax.config_checks import ConfigError, StorageLocation, url_scheme
 from asyncopd_jax.estimator_ids import ID_SOURCES
 from asyncopd_jax.estimator_registry import ESTIMATORS, RL_ESTIMATORS
 from asyncopd_jax.storage.location import SCHEMES as STORAGE_SCHEMES
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 def validate(cfg: RunConfig) -> None:
     """The checks that span sections, each naming the fields involved (each section has
     checked its own fields when it was built)."""
-    _refuse_storage_urls(cfg)
     _check_storage_locations(cfg)
     spec = cfg.estimator.spec
     _validate_teacher(cfg)  # first: what the teacher cannot score, before the settings that make it
@@ -218,28 +217,27 @@ def _validate_algorithm(cfg: RunConfig) -> None:
         )
 
 
-def _refuse_storage_urls(section: Any, prefix: str = "") -> None:
-    """Every :data:`~asyncopd_jax.config_checks.LocalPath` setting, in every section and
-    every teacher, holds a path, not a storage URL."""
+def _check_locations(section: Any, prefix: str = "") -> None:
+    """Every :data:`~asyncopd_jax.config_checks.StorageLocation` setting, in every section
+    and every teacher, names a path or a bucket of a kind this tool reads (read as a path,
+    ``ftp://h/x`` would silently become the local directory ``./ftp:/h/x``)."""
     for field in dataclasses.fields(section):
         value, name = getattr(section, field.name), prefix + field.name
-        if field.name in _path_fields(section.__class__) and (error := storage_url_error(name, value)):
-            raise ConfigError(error)
-        items = value if isinstance(value, tuple) else (value,)
-        for i, item in enumerate(items):
-            if dataclasses.is_dataclass(item):
-                _refuse_storage_urls(item, f"{name}[{i}]." if isinstance(value, tuple) else f"{name}.")
-
-
-def _check_storage_locations(cfg: RunConfig) -> None:
-    """The settings that may name a bucket name one this tool reads, and snapshots in a
-    bucket are written as objects (Orbax's and the flat file's commits rest on rename)."""
-    for name, value in (("output_dir", cfg.output_dir), ("stages.snapshot_dir", cfg.stages.snapshot_dir)):
-        scheme = url_scheme(value)
+        scheme = url_scheme(value) if field.name in _location_fields(section.__class__) else None
         if scheme is not None and scheme not in STORAGE_SCHEMES:
             raise ConfigError(
                 f"{name} = {value!r} is invalid; allowed: a path, gs://BUCKET/PREFIX or s3://BUCKET/PREFIX"
             )
+        items = value if isinstance(value, tuple) else (value,)
+        for i, item in enumerate(items):
+            if dataclasses.is_dataclass(item):
+                _check_locations(item, f"{name}[{i}]." if isinstance(value, tuple) else f"{name}.")
+
+
+def _check_storage_locations(cfg: RunConfig) -> None:
+    """Snapshots in a bucket are written as objects (Orbax's and the flat file's commits
+    rest on rename)."""
+    _check_locations(cfg)
     in_bucket = url_scheme(cfg.stages.snapshot_dir) or (
         cfg.stages.snapshot_dir == "auto" and url_scheme(cfg.output_dir) and cfg.stages.placement != "threads"
     )
@@ -251,7 +249,7 @@ def _check_storage_locations(cfg: RunConfig) -> None:
 
 
 @functools.cache
-def _path_fields(cls: type) -> frozenset[str]:
-    """The fields of a config section typed :data:`~asyncopd_jax.config_checks.LocalPath`."""
+def _location_fields(cls: type) -> frozenset[str]:
+    """The fields of a config section typed :data:`~asyncopd_jax.config_checks.StorageLocation`."""
     hints = typing.get_type_hints(cls, include_extras=True)
-    return frozenset(f.name for f in dataclasses.fields(cls) if hints[f.name] == LocalPath)
+    return frozenset(f.name for f in dataclasses.fields(cls) if hints[f.name] == StorageLocation)

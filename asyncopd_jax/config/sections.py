@@ -8,7 +8,7 @@ import dataclasses
 import re
 from typing import Literal
 
-from asyncopd_jax.config_checks import ConfigError, IdList, LocalPath, StorageLocation, check_fields, parse_id_list
+from asyncopd_jax.config_checks import ConfigError, IdList, StorageLocation, check_fields, parse_id_list
 from asyncopd_jax.teacher.client import ServerParams
 from asyncopd_jax.teacher.prompts import TeacherPrompt
 from asyncopd_jax.teacher.scorer import ScoringParams
@@ -28,7 +28,7 @@ class TaskConfig:
     lengths: Literal["fixed", "long_tailed"] = "fixed"
     max_operands: int = 40  # arith, lengths = long_tailed: the most operands a problem has
     tail_exponent: float = 2.0  # arith, lengths = long_tailed: the Zipf exponent (0: uniform counts)
-    path: LocalPath = ""  # dataset: a .jsonl or .parquet file, one example per line / row
+    path: StorageLocation = ""  # dataset: a .jsonl or .parquet file (here or in a bucket), one example per line / row
     prompt_field: str = "prompt"  # dataset: the field holding the prompt (dots reach into nested objects)
     answer_field: str = "answer"  # dataset: the reference answer ("" for none: distillation needs none)
     eval_fraction: float = 0.05  # dataset: share of the examples held out (fixed by prompt hash)
@@ -60,7 +60,7 @@ class TaskConfig:
 class ModelSource:
     """A model directory in the Hugging Face layout; ``builtin:NAME`` for a shipped one."""
 
-    path: LocalPath = ""
+    path: StorageLocation = ""  # a directory here or in a bucket (copied to this host once: storage/local_copy.py)
     dtype: Literal["float32", "bfloat16"] = "float32"
     # How whole-sequence attention is computed (the learner, the teacher's scoring): "auto"
     # is Pallas splash attention on TPU, a pure-JAX flash attention on GPU, the plain one on
@@ -91,7 +91,7 @@ class TeacherSource(ModelSource):
     # served teacher, the student's). A tokenizer other than the student's makes the teacher
     # a cross-tokenizer one: answers are re-tokenised for it and compared by text spans
     # (asyncopd_jax.teacher.cross_tokenizer), under a prompt in its own tokens.
-    tokenizer: LocalPath = ""
+    tokenizer: StorageLocation = ""
 
     def __post_init__(self) -> None:
         if not TEACHER_NAME.fullmatch(self.name):

@@ -254,10 +254,8 @@ class RunDir:
         local = self.path / "checkpoints" / str(step)
         shutil.rmtree(local, ignore_errors=True)
         for key in self.store.list(f"checkpoints/{step}/"):
-            blob = self.store.read(key)
-            if blob is not None:
-                (self.path / key).parent.mkdir(parents=True, exist_ok=True)
-                (self.path / key).write_bytes(blob.data)
+            (self.path / key).parent.mkdir(parents=True, exist_ok=True)
+            self.store.download(key, self.path / key)  # streamed: a real checkpoint is larger than memory allows
         if self._checkpoints is not None:
             self._checkpoints.close()
         self._checkpoints = self._open_checkpoints(remove_unfinished=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 from asyncopd_jax.storage.store import Blob, StorageError
 
@@ -95,6 +96,27 @@ class GCSStore:
             self.bucket_name, prefix=self._key(prefix), retry=self._retry, timeout=TIMEOUT_S
         )
         return sorted(b.name[start:] for b in blobs)
+
+    def versions(self, prefix: str) -> dict[str, str]:
+        start = len(self.prefix) + 1 if self.prefix else 0
+        blobs = self._client.list_blobs(
+            self.bucket_name, prefix=self._key(prefix), retry=self._retry, timeout=TIMEOUT_S
+        )
+        return {b.name[start:]: str(b.generation) for b in blobs}
+
+    def download(self, key: str, path: Path) -> str:
+        from google.api_core.exceptions import GoogleAPICallError
+        from google.cloud.storage.exceptions import DataCorruption
+
+        blob = self._bucket.blob(self._key(key))
+        try:
+            # checksum="auto": the bytes are checked against the object's CRC32C (else MD5).
+            blob.download_to_filename(str(path), checksum="auto", retry=self._retry, timeout=TIMEOUT_S)
+        except DataCorruption as err:
+            raise StorageError(f"{self.url}/{key}: the bytes downloaded do not match the object's checksum") from err
+        except GoogleAPICallError as err:
+            raise StorageError(f"{self.url}/{key}: {err}") from err
+        return str(blob.generation)
 
     def child(self, prefix: str) -> GCSStore:
         return GCSStore(self.bucket_name, self._key(prefix), self._client)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -107,6 +108,18 @@ class LocalStore:
                 if key.startswith(prefix):
                     keys.append(key)
         return sorted(keys)
+
+    def versions(self, prefix: str) -> dict[str, str]:
+        found = {}
+        for key in self.list(prefix):
+            with contextlib.suppress(FileNotFoundError):  # deleted since the listing
+                found[key] = _generation(os.stat(self.path(key)))
+        return found
+
+    def download(self, key: str, path: Path) -> str:
+        with open(self.path(key), "rb") as source, open(path, "wb") as target:
+            shutil.copyfileobj(source, target, 1 << 20)
+            return _generation(os.fstat(source.fileno()))
 
     def child(self, prefix: str) -> LocalStore:
         return LocalStore(self.root / prefix)

@@ -10,9 +10,16 @@ the old object or the new one.
 
 from __future__ import annotations
 
+import hashlib
+import re
 import time
+from pathlib import Path
 
 from asyncopd_jax.storage.store import Blob, StorageError
+
+# An ETag that is the MD5 of the object's bytes: one written in a single request without
+# KMS encryption (a multipart upload's ETag has a "-N" suffix and is no digest of the bytes).
+_MD5_ETAG = re.compile(r'"?([0-9a-f]{32})"?')
 
 # How many times a request is tried (botocore's standard mode: exponential backoff with
 # full jitter, capped at 20 s) and how long a connection or a read may take.
@@ -85,12 +92,39 @@ class S3Store:
 
     def list(self, prefix: str) -> list[str]:
         start = len(self.prefix) + 1 if self.prefix else 0
-        keys: list[str] = []
+        return sorted(item["Key"][start:] for item in self._pages(prefix))
+
+    def _pages(self, prefix: str):
         for page in self._client.get_paginator("list_objects_v2").paginate(
             Bucket=self.bucket, Prefix=self._key(prefix)
         ):
-            keys.extend(item["Key"][start:] for item in page.get("Contents", []))
-        return sorted(keys)
+            yield from page.get("Contents", [])
+
+    def versions(self, prefix: str) -> dict[str, str]:
+        start = len(self.prefix) + 1 if self.prefix else 0
+        return {item["Key"][start:]: item["ETag"] for item in self._pages(prefix)}
+
+    def download(self, key: str, path: Path) -> str:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            etag = self._client.head_object(Bucket=self.bucket, Key=self._key(key))["ETag"]
+            # boto3's managed transfer: ranged parts in parallel, each retried; S3's own
+            # checksums of the object (where it was written with one) are checked on the way.
+            self._client.download_file(self.bucket, self._key(key), str(path), ExtraArgs={"ChecksumMode": "ENABLED"})
+        except (BotoCoreError, ClientError) as err:
+            raise StorageError(f"{self.url}/{key}: {err}") from err
+        if md5 := _MD5_ETAG.fullmatch(etag):
+            digest = hashlib.md5(usedforsecurity=False)
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+            if digest.hexdigest() != md5.group(1):
+                raise StorageError(
+                    f"{self.url}/{key}: the bytes downloaded do not match the object's MD5 (ETag {etag}): "
+                    "it changed during the download or was corrupted on the way"
+                )
+        return etag
 
     def child(self, prefix: str) -> S3Store:
         return S3Store(self.bucket, self._key(prefix), self._client)

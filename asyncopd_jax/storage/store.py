@@ -21,6 +21,7 @@ and its answer lost is told apart by reading the object back
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Protocol
 
 
@@ -64,6 +65,17 @@ class Store(Protocol):
 
     def list(self, prefix: str) -> list[str]:
         """Every key that starts with ``prefix``, sorted."""
+        ...
+
+    def versions(self, prefix: str) -> dict[str, str]:
+        """Every key that starts with ``prefix`` → its current generation (one listing, no
+        object read): what changed since a copy was made."""
+        ...
+
+    def download(self, key: str, path: Path) -> str:
+        """Stream the object at ``key`` into the file ``path`` (never whole in memory),
+        checked against the backend's own checksum of the object where it keeps one (a
+        mismatch is a :class:`StorageError`); returns the generation downloaded."""
         ...
 
     def child(self, prefix: str) -> Store:

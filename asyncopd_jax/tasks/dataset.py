@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from asyncopd_jax.storage.local_copy import resolve_location
 from asyncopd_jax.teacher.prompts import field
 
 SUFFIXES = (".jsonl", ".parquet")
@@ -106,8 +107,9 @@ def read_examples(
     them, not just the first) if any row is not a JSON object (invalid JSON, not UTF-8, an
     array, …), lacks the prompt field (or, with ``require_answers``, the answer field, or
     holds a null answer), or holds a prompt that is not a non-empty string. A Parquet file
-    that cannot be read is named too."""
-    path = Path(path)
+    that cannot be read is named too. ``path`` may be a bucket URL (read through its local
+    copy, :mod:`asyncopd_jax.storage.local_copy`)."""
+    path = resolve_location(path)
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found")
     if require_answers and not answer_field:

@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from asyncopd_jax.config_checks import LocalPath
+from asyncopd_jax.config_checks import StorageLocation
 
 _SLOT = re.compile(r"\{\{|\}\}|\{([A-Za-z0-9_.]*)\}|[{}]")
 
@@ -46,7 +46,7 @@ class TeacherPrompt:
     template: str = ""
     system: str = ""
     chat_template: Literal["auto", "on", "off"] = "auto"
-    tokenizer: LocalPath = ""
+    tokenizer: StorageLocation = ""
 
     def __post_init__(self) -> None:
         if self.system and not self.template:

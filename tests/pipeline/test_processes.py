@@ -508,18 +508,28 @@ def test_stage_processes_started_by_hand_elsewhere_serve_a_learner_that_starts_n
     assert [r["step"] for r in _records(tmp_path / "t")] == [1, 2, 3, 4]
 
 
-def test_a_stage_host_shares_nothing_with_the_learner_but_the_bucket(models, tmp_path, s3_server):  # noqa: F811
-    """launch/stage_host.sh on a stand-in host (its own working directory, nothing of the
-    learner's but the bucket URL and the models), started before the learner: its stage
-    process waits for the exchange to appear in the bucket, samples and scores every group
-    of a learner that starts none, and the script returns 0 when the run stops."""
+def test_a_stage_host_shares_nothing_with_the_learner_but_the_bucket(models, tmp_path, s3_server, monkeypatch):  # noqa: F811
+    """launch/stage_host.sh on a stand-in host (its own working directory and model cache,
+    nothing of the learner's but the bucket URL), started before the learner: the student
+    and the teacher are read from the bucket by both hosts, each into its own cache; the
+    stage process waits for the exchange to appear in the bucket, samples and scores every
+    group of a learner that starts none, and the script returns 0 when the run stops."""
+    from asyncopd_jax.storage import open_store
+    from asyncopd_jax.tasks.assets import resolve_model_path
     from tests.storage.fixtures import pointed_at
 
     with pointed_at("s3", s3_server.endpoint) as url:
+        bucket = open_store(url)
+        for name, directory in (("student", models / "student"), ("teacher", resolve_model_path("builtin:teacher"))):
+            for file in directory.rglob("*"):
+                if file.is_file():
+                    bucket.write(f"models/{name}/{file.relative_to(directory)}", file.read_bytes())
+        monkeypatch.setenv("ASYNCOPD_CACHE", str(tmp_path / "learner-cache"))
         host = tmp_path / "stage-host"
         host.mkdir()
         env = {
             **os.environ,
+            "ASYNCOPD_CACHE": str(host / "cache"),
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
             "DEVICE_KIND": "cpu",
             "ROLLOUT_DEVICES": "0-1",
@@ -543,6 +553,8 @@ def test_a_stage_host_shares_nothing_with_the_learner_but_the_bucket(models, tmp
                 "stages.start_processes": False,
                 "stages.scoring_processes": 0,
                 "train.steps": 4,
+                "student.path": f"{url}/models/student",
+                "teacher.path": f"{url}/models/teacher",
             }
             summary = Trainer(_config(models, tmp_path, **sets), progress=False).run()
             assert summary["steps"] == 4
@@ -550,6 +562,8 @@ def test_a_stage_host_shares_nothing_with_the_learner_but_the_bucket(models, tmp
             logs = "".join(p.read_text() for p in (host / "stage-logs").glob("*.log"))
             assert stage_host.returncode == 0, out.decode()[-2000:] + logs[-3000:]
             assert "rollout-100: pid" in logs  # the stage process ran on the stand-in host
+            for cache in (tmp_path / "learner-cache", host / "cache"):  # each host read both models from the bucket
+                assert {p.name.rsplit("-", 1)[0] for p in cache.iterdir()} == {"student", "teacher"}, cache
         finally:
             if stage_host.poll() is None:
                 stage_host.kill()

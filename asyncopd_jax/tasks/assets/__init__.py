@@ -25,12 +25,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from asyncopd_jax.storage.local_copy import resolve_location
+
 ASSETS = Path(__file__).parent
 BUILTIN_PREFIX = "builtin:"
 
 
 def resolve_model_path(path: str) -> Path:
-    """``builtin:NAME`` → the shipped directory; anything else → ``Path(path)``."""
+    """``builtin:NAME`` → the shipped directory; ``gs://…`` / ``s3://…`` → its local copy
+    (:func:`~asyncopd_jax.storage.local_copy.local_copy`, downloaded once, checked at each
+    use); anything else → ``Path(path)``."""
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX) :]
         directory = ASSETS / name
@@ -40,4 +44,4 @@ def resolve_model_path(path: str) -> Path:
         return directory
     if not path:
         raise FileNotFoundError("no model path given (set student.path / teacher.path, e.g. builtin:teacher)")
-    return Path(path)
+    return resolve_location(path)
