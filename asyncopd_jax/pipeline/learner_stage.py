@@ -118,7 +118,8 @@ class LearnerStage:
 def batch_stats(groups: list[RolloutGroup], version: int) -> dict[str, Any]:
     """A rollout batch's metrics at learner ``version``: the mean, max and histogram of its
     token staleness, the mean reward of its rollouts (where the task can check them), and
-    the newest weights loaded for it with the seconds that load took (``snapshot_load_*``)."""
+    the newest weights loaded for it with the seconds that load took (``snapshot_load_*``),
+    and, from a spool, the indices of its groups (``groups``)."""
     ages = np.concatenate(
         [version - np.asarray(g.batch.token_version)[np.asarray(g.batch.response_mask)] for g in groups]
     )
@@ -132,6 +133,9 @@ def batch_stats(groups: list[RolloutGroup], version: int) -> dict[str, Any]:
     )
     if np.isfinite(rewards).any():  # NaN: a response the task cannot check (no reference answers)
         stats["rollout_accuracy"] = float(np.nanmean(rewards))
+    learned = [int(g.record) for g in groups if g.record is not None]
+    if learned:  # stage processes: the spool indices of the groups learned (each once in a run)
+        stats["groups"] = learned
     loads = [g.last_load for g in groups if g.last_load is not None]
     if loads:  # the newest weights a stage loaded for this batch, and how long that load took
         stats["snapshot_load_version"], stats["snapshot_load_s"] = max(loads)

@@ -77,8 +77,8 @@ class Server:
         _launch().stop(self.proc, timeout=10)
 
     def restart(self) -> None:
-        """Stop the server and start it again on the same port (its objects are lost:
-        both servers here keep them in memory)."""
+        """Stop the server and start it again on the same port (its objects are lost
+        unless they are kept in files: fake-gcs-server with a ``root``)."""
         self.stop()
         self.start()
 
@@ -100,10 +100,13 @@ def start_s3() -> Server:
     return Server("s3", port, [moto, "-H", "127.0.0.1", "-p", str(port)], _log("moto"))
 
 
-def start_gcs() -> Server:
+def start_gcs(root: Path | None = None) -> Server:
+    """fake-gcs-server, its objects in memory or, with ``root``, in files there (kept
+    across a restart, preconditions enforced the same: checked 2026-11-28)."""
     port = _launch().free_port()
     command = [str(fake_gcs_binary()), "-host", "127.0.0.1", "-port", str(port), "-scheme", "http"]
-    return Server("gcs", port, [*command, "-backend", "memory"], _log("fake-gcs-server"))
+    backend = ["-backend", "memory"] if root is None else ["-backend", "filesystem", "-filesystem-root", str(root)]
+    return Server("gcs", port, [*command, *backend], _log("fake-gcs-server"))
 
 
 def _log(name: str) -> Path:
@@ -150,6 +153,7 @@ class Seen:
     path: str
     headers: dict[str, str]
     body: bytes = b""
+    status: int | None = None  # the server's answer (also when the proxy lost it); None: not forwarded
 
     def names(self, part: str) -> bool:
         """Whether the request's path or body (a GCS multipart upload carries the object's
@@ -210,6 +214,7 @@ class Proxy:
                 }
                 upstream.request(self.command, self.path, body=body, headers=headers)
                 answer = upstream.getresponse()
+                seen.status = answer.status
                 data = answer.read()
                 upstream.close()
                 if lose is not None:
