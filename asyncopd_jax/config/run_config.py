@@ -111,6 +111,12 @@ class RunConfig:
         return 1 if self.schedule.mode == "fixed_lag" else self.stages.rollouts
 
     @property
+    def published_dtype(self) -> str:
+        """The dtype of the policy's weights as the samplers receive them
+        (``stages.snapshot_dtype``; auto: ``student.dtype``)."""
+        return self.student.dtype if self.stages.snapshot_dtype == "auto" else self.stages.snapshot_dtype
+
+    @property
     def group_size(self) -> int:
         """Samples per rollout group: the batch split over the rollout stages (the whole
         batch per group when it does not split evenly)."""

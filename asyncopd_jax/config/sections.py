@@ -344,6 +344,11 @@ class StagesConfig:
     snapshot_format: Literal["auto", "orbax", "safetensors", "objects"] = "auto"
     # objects: a full version every this many versions, sparse deltas in between (1: no deltas)
     snapshot_full_every: int = 10
+    # The dtype of the weights the learner publishes to the samplers, whatever the placement:
+    # "auto" is student.dtype (the master copy); "bfloat16" from float32 master weights halves
+    # each version and makes sparse deltas pay (most bf16 elements are unchanged by a step,
+    # docs/storage.md); the samplers then run on the bf16-rounded weights.
+    snapshot_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     restarts: int = 0  # times a stage process that died is restarted before the run stops
     startup_timeout: float = 600.0  # seconds a stage process waits for the first policy snapshot
 

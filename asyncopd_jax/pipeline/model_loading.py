@@ -29,8 +29,8 @@ def load_model(source: ModelSource, vocab_limit: int | None, mesh: Mesh) -> Deco
 
 def student_graph(cfg: RunConfig, models: RunModels) -> tuple[nnx.GraphDef, Any]:
     """The student's graph and abstract parameters (shapes and dtypes; nothing allocated):
-    what a rollout stage needs to receive the policy's weights."""
-    return abstract_decoder(models.student_config, cfg.student.dtype, models.vocab_limit)  # dtype: as the learner's
+    what a rollout stage needs to receive the policy's weights, in the published dtype."""
+    return abstract_decoder(models.student_config, cfg.published_dtype, models.vocab_limit)
 
 
 def load_model_and_tokenizer(path: str, dtype: str) -> tuple[nnx.Module, Any]:

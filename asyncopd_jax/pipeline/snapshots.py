@@ -53,6 +53,22 @@ class SnapshotStore(Protocol):
     def close(self) -> None: ...
 
 
+def as_published(tree: Any, dtype: str) -> Any:
+    """``tree`` (arrays or ``ShapeDtypeStruct`` s) with its floating leaves in ``dtype``: the
+    weights as the samplers receive them (``RunConfig.published_dtype``). A leaf already in
+    ``dtype`` is returned as it is (no copy: the default publishes the master weights)."""
+    target = jnp.dtype(dtype)
+
+    def cast(x: Any) -> Any:
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == target:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, target, sharding=x.sharding)
+        return x.astype(target)
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
 def _copy(params: nnx.State) -> nnx.State:
     return jax.tree_util.tree_map(jnp.copy, params)
 

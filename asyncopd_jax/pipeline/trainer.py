@@ -44,7 +44,7 @@ from asyncopd_jax.pipeline.placements import Stages
 from asyncopd_jax.pipeline.probes import Probes, teacher_accuracies, teacher_on
 from asyncopd_jax.pipeline.progress import ProgressBar, Throughput
 from asyncopd_jax.pipeline.run_outputs import RunDir
-from asyncopd_jax.pipeline.snapshots import SnapshotStore
+from asyncopd_jax.pipeline.snapshots import SnapshotStore, as_published
 from asyncopd_jax.pipeline.staleness import RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.storage import join
@@ -156,6 +156,10 @@ class Trainer:
 
     # --- the run ------------------------------------------------------------------------
 
+    def _publish_weights(self, snapshots: SnapshotStore, version: int) -> None:
+        """Publish the learner's weights as ``version``, in the dtype the samplers receive."""
+        snapshots.publish(version, as_published(self.learner.state.params, self.cfg.published_dtype))
+
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         summary = self.run_dir.read_summary()
@@ -169,7 +173,7 @@ class Trainer:
         )
         snapshots = self.snapshots
         version = self.learner.version
-        snapshots.publish(version, self.learner.state.params)
+        self._publish_weights(snapshots, version)
         snapshots.wait_for(version)
         self.stages = stages = self._start_stages(buffer)
         bar = ProgressBar(self.start_step, cfg.train.steps, enabled=self.progress and self.leader)
@@ -193,7 +197,7 @@ class Trainer:
                 stages.consumed(groups)
                 version = self.learner.version
                 with self.tracer.span("publish", version=version):
-                    snapshots.publish(version, self.learner.state.params)
+                    self._publish_weights(snapshots, version)
                 # the version before it is committed now (one write in flight at a time):
                 # its bytes go into the next step's record (stored snapshots in objects only)
                 self._published = dict(getattr(snapshots, "last_published", {}))

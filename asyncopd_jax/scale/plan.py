@@ -384,9 +384,9 @@ def compile_sampler(
     for one group of ``rows`` prompts: prefill, one decode step (a chunk of
     ``sampling.chunk_steps`` steps compiled, its figures per step: the compiler counts a
     loop's body once) and the KV cache's rewrite after a weight swap, each holding the
-    weights as the rollout stage receives them (``student.dtype``, by the partition rules)."""
+    weights as the rollout stage receives them (the published dtype, by the partition rules)."""
     mesh = stage_mesh(devices, cfg.stages.rollout_mesh)
-    graphdef, params = abstract_decoder(config, cfg.student.dtype, vocab_limit)
+    graphdef, params = abstract_decoder(config, cfg.published_dtype, vocab_limit)
     sampling = rollout_sampling(cfg, shapes)
     weights = with_shardings(params, parameter_shardings(params, mesh))
     # the rows one decode call holds: the group's (static), or ``sampling.slots`` over the
@@ -408,10 +408,10 @@ def compile_sampler(
 
 
 def sampler_weights(cfg: RunConfig, config: DecoderConfig, devices: list, vocab_limit: int | None = None) -> Any:
-    """The student's parameters as a rollout stage receives them (``student.dtype``, placed
+    """The student's parameters as a rollout stage receives them (the published dtype, placed
     by the partition rules on ``stages.rollout_mesh`` over ``devices``): shapes only."""
     mesh = stage_mesh(devices, cfg.stages.rollout_mesh)
-    _, params = abstract_decoder(config, cfg.student.dtype, vocab_limit)
+    _, params = abstract_decoder(config, cfg.published_dtype, vocab_limit)
     return with_shardings(params, parameter_shardings(params, mesh))
 
 
@@ -532,7 +532,7 @@ def make_plan(
     sampler = compile_sampler(cfg, student, devices_of("rollout"), shapes, group, vocab_limit)
     engine = rollout_engine(cfg, student, shapes)  # what the engine says of its cost and programs
     held = decode_bytes(cfg, student, devices_of("rollout"), shapes, vocab_limit)
-    _, published = abstract_decoder(student, cfg.student.dtype, vocab_limit)
+    _, published = abstract_decoder(student, cfg.published_dtype, vocab_limit)
     swap = swap_figures(
         layout.snapshots,
         published,

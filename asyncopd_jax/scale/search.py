@@ -459,7 +459,7 @@ def splits(
         False: SnapshotChannel(in_memory=True, directory="", format="", keep=0, temporary=False),
         True: SnapshotChannel(in_memory=False, directory="", format="safetensors", keep=0, temporary=False),
     }
-    _, published = abstract_decoder(search.models.student, cfg.student.dtype, search.models.vocab_limit)
+    _, published = abstract_decoder(search.models.student, cfg.published_dtype, search.models.vocab_limit)
     found = []
     for l_chips, seconds in learners.items():
         for r_chips, sampler in samplers.items():

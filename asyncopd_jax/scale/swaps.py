@@ -20,8 +20,9 @@ snapshot_channel``) decides the route:
   The write is counted against the learner in full, an upper bound: Orbax writes in the
   background and the learner waits for it only at the next publish.
 
-Bytes are those of the published parameters: ``student.dtype`` (the learner's master
-copy), which the sampler casts to ``sampling.compute_dtype`` inside its programs. Through
+Bytes are those of the published parameters: ``stages.snapshot_dtype`` (auto: the
+learner's master copy, ``student.dtype``), which the sampler casts to
+``sampling.compute_dtype`` inside its programs. Through
 storage the plan also prints what a version costs as sparse deltas (``objects``: a full
 version every N, deltas between at :data:`DELTA_FRACTION` of it); the balance keeps the
 full version's seconds, an upper bound.
@@ -77,7 +78,7 @@ class SwapFigures:
     sampler once per version, before its recompute."""
 
     route: str
-    published_bytes: int  # the version: every parameter, in student.dtype
+    published_bytes: int  # the version: every parameter, in the published dtype
     reader_chip_bytes: int  # what the busiest sampler chip receives (in memory) or a sampler process reads
     publish_seconds: float
     load_seconds: float

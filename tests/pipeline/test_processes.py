@@ -16,6 +16,8 @@ import threading
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from asyncopd_jax.config import StagesConfig, load_config, save_config
@@ -184,8 +186,9 @@ def _slow(param):
 
 
 def test_snapshots_as_objects_ship_sparse_deltas_that_every_stage_loads_by_digest(models, tmp_path):  # noqa: F811
-    """``stages.snapshot_format: objects`` with a bf16 student at a small learning rate: the
-    learner publishes a full version every 3 and deltas between them (their bytes in
+    """``stages.snapshot_format: objects``, fp32 master weights published in bf16
+    (``stages.snapshot_dtype``) at a small learning rate: the learner publishes a full
+    version every 3 (half the fp32 bytes) and deltas between them (their bytes in
     metrics.jsonl, far below the full version's), and the rollout processes rebuild each
     version from them, every load checked by its digest (a mismatch would stop the run)."""
     cfg = _config(
@@ -196,8 +199,10 @@ def test_snapshots_as_objects_ship_sparse_deltas_that_every_stage_loads_by_diges
             "stages.snapshot_format": "objects",
             "stages.snapshot_full_every": 3,
             "stages.scoring_processes": 0,
-            "student.dtype": "bfloat16",
-            "optim.learning_rate": 1e-5,
+            "stages.snapshot_dtype": "bfloat16",
+            # the regime of real OPD / RL runs: at 1e-5 this tiny model's small weights cross
+            # a bf16 rounding step in ~10 % of elements per step (deltas ~30 % of a version)
+            "optim.learning_rate": 1e-6,
             "schedule.mode": "sync",
             "train.steps": 8,
         },
@@ -211,6 +216,9 @@ def test_snapshots_as_objects_ship_sparse_deltas_that_every_stage_loads_by_diges
     assert [v for v, _, _ in published] == list(range(len(published))) and len(published) >= 6, published
     assert [full for _, full, _ in published] == [int(v % 3 == 0) for v, _, _ in published]
     full_bytes = min(b for _, full, b in published if full)
+    params = jax.tree_util.tree_leaves(trainer.learner.state.params)
+    assert {x.dtype for x in params} == {jnp.dtype("float32")}  # the master copy
+    assert full_bytes < 0.51 * sum(x.nbytes for x in params), (full_bytes, sum(x.nbytes for x in params))
     assert all(b < full_bytes / 4 for _, full, b in published if not full), published
     log = (tmp_path / "t" / "exchange" / "logs" / "rollout-0.log").read_text()
     assert "digest" not in log

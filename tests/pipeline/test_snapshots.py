@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore, InMemorySnapshotStore
+from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore, InMemorySnapshotStore, as_published
 from tests.tiny_models import tiny_decoder
 from tests.waits import WAIT_S
 
@@ -265,3 +265,14 @@ def test_a_snapshot_directory_removed_under_its_users_is_a_clear_error(tmp_path,
     for action in (reader.load, reader.latest_version, lambda: writer.publish(2, _params_of_version(template, 2))):
         with pytest.raises(FileNotFoundError, match=f"the snapshot directory {tmp_path / 'snapshots'} was removed"):
             action()
+
+
+def test_the_published_weights_are_the_floating_leaves_in_the_published_dtype():
+    tree = {"w": jnp.full((2, 3), 1 + 2**-10, jnp.float32), "step": jnp.arange(3), "b": jnp.ones(2, jnp.bfloat16)}
+    cast = as_published(tree, "bfloat16")
+    assert (cast["w"].dtype, cast["step"].dtype, cast["b"].dtype) == (jnp.bfloat16, tree["step"].dtype, jnp.bfloat16)
+    assert float(cast["w"][0, 0]) == 1.0  # rounded to bf16's 8 bits
+    assert cast["step"] is tree["step"] and cast["b"] is tree["b"]  # nothing to cast: no copy
+    assert as_published(tree, "float32")["w"] is tree["w"]
+    abstract = as_published(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree), "bfloat16")
+    assert abstract["w"] == jax.ShapeDtypeStruct((2, 3), jnp.bfloat16)

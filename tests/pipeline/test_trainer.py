@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -65,13 +66,18 @@ def _kl_start_end(records, k=4):
     "mode,extra",
     [
         ("sync", {}),
-        ("n_step_off", {"schedule.n_step": 1}),
+        # the samplers on bf16 weights published from the fp32 master copy
+        ("n_step_off", {"schedule.n_step": 1, "stages.snapshot_dtype": "bfloat16"}),
         ("fully_async", {"schedule.max_staleness": 2, "stages.rollouts": 2}),
     ],
 )
 def test_every_schedule_reduces_the_kl_to_the_teacher(models, tmp_path, mode, extra):
     cfg = _config(models, tmp_path, **{"schedule.mode": mode, **extra})
-    summary = Trainer(cfg, progress=False).run()
+    trainer = Trainer(cfg, progress=False)
+    summary = trainer.run()
+    published = {x.dtype for x in jax.tree_util.tree_leaves(trainer.snapshots.load()[1])}
+    assert published == {jnp.dtype(extra.get("stages.snapshot_dtype", "float32"))}, published
+    assert {x.dtype for x in jax.tree_util.tree_leaves(trainer.learner.state.params)} == {jnp.dtype("float32")}
     run = tmp_path / "t"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 13))

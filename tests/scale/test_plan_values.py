@@ -73,7 +73,10 @@ def _timed(stage: str, rows: int, tokens: int, seconds: float) -> StageFigures:
     return StageFigures(stage, 4, rows, tokens, executed_flops=seconds * CHIPS["h100"].peak_flops)
 
 
-def test_make_plan_compiles_each_stage_at_the_reduced_depth_and_the_shared_vocabulary(tmp_path, monkeypatch):
+@pytest.mark.parametrize("published,itemsize", [("auto", 4), ("bfloat16", 2)])
+def test_make_plan_compiles_each_stage_at_the_reduced_depth_and_the_shared_vocabulary(
+    tmp_path, monkeypatch, published, itemsize
+):
     """Bug guarded: ``make_plan`` compiling the student at its full depth (``shapes.layers``
     not passed on), at the whole vocabulary when the teacher embeds fewer ids
     (``vocab_limit`` lost), or adding the stages' times up wrongly. The compiles are
@@ -92,6 +95,7 @@ def test_make_plan_compiles_each_stage_at_the_reduced_depth_and_the_shared_vocab
             "learner.batch_size=8",
             "learner.mini_batches=2",
             "stages.rollouts=2",
+            f"stages.snapshot_dtype={published}",  # bf16: the version as the samplers receive it
         ],
     )
     seen = {}
@@ -143,10 +147,11 @@ def test_make_plan_compiles_each_stage_at_the_reduced_depth_and_the_shared_vocab
             "scoring": 2 * 0.25,
         }
     )
-    # the student's parameters at the shared vocabulary, fp32 (student.dtype), both rollout
-    # stages' copies sent by the learner's 4 chips, each received whole (no rollout mesh)
-    _, published = abstract_decoder(plan_module.read_models(cfg, Shapes(32, 96, 1)).student, "float32", 151000)
-    size = sum(x.size * 4 for x in jax.tree_util.tree_leaves(published))
+    # the student's parameters at the shared vocabulary, in the published dtype (auto: fp32,
+    # student.dtype), both rollout stages' copies sent by the learner's 4 chips, each
+    # received whole (no rollout mesh)
+    _, params = abstract_decoder(plan_module.read_models(cfg, Shapes(32, 96, 1)).student, "float32", 151000)
+    size = sum(x.size * itemsize for x in jax.tree_util.tree_leaves(params))
     rate = CHIPS["h100"].interconnect_bytes_per_s / 2
     assert (swap.published_bytes, swap.reader_chip_bytes) == (size, size)
     assert swap.publish_seconds == pytest.approx(2 * size / 4 / rate)
