@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import pytest
 
+from asyncopd_jax.config import save_config
 from asyncopd_jax.pipeline.placements.stage_processes import StageFailed
 from asyncopd_jax.pipeline.staleness import PipelineStopped
 from asyncopd_jax.pipeline.trainer import Trainer
@@ -191,3 +192,56 @@ def test_lost_answers_and_racing_claimants_in_a_run(models, tmp_path, s3_server)
     assert all(m.hit.is_set() for m in always), [m.count for m in always]
     assert proxy.lost == len(always) + renewal.hit.is_set()
     print(f"lost answers: {proxy.lost} (a renewal among them: {renewal.hit.is_set()})")
+
+
+def test_the_learner_killed_mid_checkpoint_upload_resumes_from_the_last_committed_one(models, tmp_path, s3_server):  # noqa: E501, F811
+    """``asyncopd train`` (stages in processes) SIGKILLed while the first file of its step-8
+    checkpoint is held in the proxy: the bucket has checkpoint 4 committed and checkpoint 8
+    partial, without its commit record. Its stage processes exit by themselves; resumed with
+    ``--resume s3://…`` on another host (a fresh staging directory), the run continues from
+    step 4 and ends with every step once and no group learned twice."""
+    from tests.pipeline.test_processes import _children
+    from tests.scenarios.test_kill_resume import _alive, _cli
+
+    proxy = servers.Proxy(s3_server.port)
+    held = _Nth(lambda s: s.method == "PUT" and "/t/checkpoints/8/" in s.path, 1)
+    proxy.delay(held, 5.0)
+    with pointed_at("s3", proxy.endpoint) as url:
+        sets = {**FAST, "output_dir": url, "train.steps": 12, "train.checkpoint_every": 4}
+        config_file = tmp_path / "config.yaml"
+        save_config(_config(models, tmp_path, **sets), config_file)
+        os.environ["ASYNCOPD_STAGING"] = str(tmp_path / "host-a")
+        try:
+            learner = _cli("--config", str(config_file))
+        finally:
+            del os.environ["ASYNCOPD_STAGING"]
+        stages: set[int] = set()
+        try:
+            while not held.hit.is_set() and learner.poll() is None:
+                stages |= _children(learner.pid)
+                time.sleep(0.05)
+            assert held.hit.is_set(), learner.stdout.read().decode(errors="replace")[-3000:]
+            os.kill(learner.pid, signal.SIGKILL)
+            learner.wait(30)
+        finally:
+            if learner.poll() is None:
+                os.killpg(learner.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(p) for p in stages):
+            time.sleep(0.1)
+        assert stages and not any(_alive(p) for p in stages), "stage processes outlived their learner"
+        bucket = open_store(f"{url}/t")
+        time.sleep(5.0)  # the held upload lands after its writer died
+        assert "checkpoints/4.commit" in bucket.list("checkpoints/")
+        assert "checkpoints/8.commit" not in bucket.list("checkpoints/")
+        assert any(k.startswith("checkpoints/8/") for k in bucket.list("checkpoints/"))  # partial
+
+        os.environ["ASYNCOPD_STAGING"] = str(tmp_path / "host-b")
+        try:
+            resumed = _cli("--resume", f"{url}/t")
+        finally:
+            del os.environ["ASYNCOPD_STAGING"]
+        output = resumed.communicate(timeout=240)[0].decode(errors="replace")
+        assert resumed.returncode == 0, output[-3000:]
+        _nothing_lost_or_repeated(url, 12, proxy)
+        assert "checkpoints/12.commit" in bucket.list("checkpoints/")
