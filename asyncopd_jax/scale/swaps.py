@@ -98,7 +98,10 @@ class SwapFigures:
         if self.route.startswith("in memory"):
             return line
         if self.delta_bytes is None or self.delta_seconds is None:
-            return f"{line}; sparse deltas would save nothing (32-bit weights change in every element each step)"
+            return (
+                f"{line}; sparse deltas would save nothing (32-bit weights change in every element each step; "
+                "stages.snapshot_dtype: bfloat16 publishes them as bf16)"
+            )
         return (
             f"{line}; as sparse deltas (stages.snapshot_format: objects, a full version every "
             f"{self.delta_full_every}, deltas at {100 * DELTA_FRACTION:.2f} % of it): {self.delta_bytes / 1e9:.3f} GB "

@@ -58,6 +58,7 @@ def test_through_storage_the_version_is_written_once_and_read_whole_by_each_samp
     assert swap.route == "orbax through storage at 2.50 GB/s"
     # its fp32 and int32 leaves change in every element each step: no delta would save anything
     assert swap.delta_bytes is None and "sparse deltas would save nothing" in swap.describe()
+    assert "stages.snapshot_dtype: bfloat16" in swap.describe()  # what would make them pay
 
 
 @pytest.mark.parametrize("every", [1, 3])
