@@ -460,12 +460,7 @@ def _add_sft(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
 
 def _add_eval(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     ev = sub.add_parser("eval", parents=[common], help="held-out accuracy of a model on the built-in task")
-    ev.add_argument(
-        "--model",
-        type=_storage_location,
-        required=True,
-        help="builtin:NAME or a Hugging Face directory (or gs:// / s3://)",
-    )
+    ev.add_argument("--model", type=_storage_location, required=True, help="builtin:NAME, a directory, a bucket URL")
     ev.add_argument("--task", action="append", default=[], metavar="FIELD=VALUE", help="task config field")
     ev.set_defaults(fn=_eval)
 
@@ -540,10 +535,7 @@ def _add_serve_teacher(sub: _SubCommands, common: argparse.ArgumentParser) -> No
         "candidates (a run's teacher.server.api: asyncopd)",
     )
     served.add_argument(
-        "--model",
-        type=_storage_location,
-        required=True,
-        help="builtin:NAME or a Hugging Face directory (or gs:// / s3://)",
+        "--model", type=_storage_location, required=True, help="builtin:NAME, a directory, a bucket URL"
     )
     served.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     served.add_argument("--name", default="teacher", help="the model's name in the API (default: teacher)")

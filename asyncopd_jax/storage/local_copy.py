@@ -24,11 +24,10 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from asyncopd_jax.storage.location import is_url, open_store
+from asyncopd_jax.storage.location import is_url, local_name, open_store
 from asyncopd_jax.storage.store import StorageError, Store
 
 MANIFEST = ".asyncopd-manifest.json"
@@ -48,27 +47,20 @@ def resolve_location(value: str | Path) -> Path:
 def local_copy(url: str) -> Path:
     """The local copy of the directory or object at ``url`` (see the module docstring)."""
     url = url.rstrip("/")
-    home = _home(url)
+    home = cache_root() / local_name(url)
     home.mkdir(parents=True, exist_ok=True)
     copy = home / url.rsplit("/", 1)[-1]
-    store = open_store(url)
+    store, root = open_store(url), copy
     objects = store.versions("")
-    if objects:  # a directory: every object under url/
-        files = {key: copy / key for key in objects}
-    else:  # one object: its parent's listing names it
+    if not objects:  # not a directory: one object, which its parent's listing names
         parent_url, _, name = url.rpartition("/")
-        store = open_store(parent_url)
+        store, root = open_store(parent_url), home
         objects = {k: g for k, g in store.versions(name).items() if k == name}
         if not objects:
             raise StorageError(f"{url}: no object and no directory there")
-        files = {name: copy}
     with _locked(home):
-        _sync(store, objects, files, home / MANIFEST, url)
+        _sync(store, objects, root, home / MANIFEST, url)
     return copy
-
-
-def _home(url: str) -> Path:
-    return cache_root() / f"{url.rsplit('/', 1)[-1]}-{hashlib.sha1(url.encode()).hexdigest()[:12]}"
 
 
 @contextlib.contextmanager
@@ -89,8 +81,8 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _sync(store: Store, objects: dict[str, str], files: dict[str, Path], manifest_path: Path, url: str) -> None:
-    """Make each ``files[key]`` hold the object ``key`` of ``store`` at generation
+def _sync(store: Store, objects: dict[str, str], root: Path, manifest_path: Path, url: str) -> None:
+    """Make each ``root / key`` hold the object ``key`` of ``store`` at generation
     ``objects[key]``, reusing what the manifest says is already here and intact."""
     try:
         manifest: dict[str, dict[str, str]] = json.loads(manifest_path.read_text())["files"]
@@ -99,7 +91,7 @@ def _sync(store: Store, objects: dict[str, str], files: dict[str, Path], manifes
     manifest_path.unlink(missing_ok=True)  # until the copy is whole again
     kept: dict[str, dict[str, str]] = {}
     for key, generation in sorted(objects.items()):
-        local, entry = files[key], manifest.get(key)
+        local, entry = root / key, manifest.get(key)
         if entry and entry["generation"] == generation and local.is_file() and _sha256(local) == entry["sha256"]:
             kept[key] = entry
             continue
@@ -112,11 +104,5 @@ def _sync(store: Store, objects: dict[str, str], files: dict[str, Path], manifes
             partial.unlink(missing_ok=True)
         kept[key] = {"generation": got, "sha256": _sha256(local)}
     for gone in set(manifest) - set(objects):  # deleted in the bucket since the last copy
-        if (directory := manifest_path.parent / url.rsplit("/", 1)[-1]).is_dir():
-            (directory / gone).unlink(missing_ok=True)
+        (root / gone).unlink(missing_ok=True)
     manifest_path.write_text(json.dumps({"url": url, "files": kept}, indent=1, sort_keys=True))
-
-
-def clear(url: str) -> None:
-    """Remove the local copy of ``url`` (a test's or a user's way to start over)."""
-    shutil.rmtree(_home(url.rstrip("/")), ignore_errors=True)

@@ -68,9 +68,16 @@ def open_store(location: str | Path, *, check: bool = True) -> Store:
     return store
 
 
+def local_name(url: str) -> str:
+    """A directory name for ``url`` on this host: ``<last part>-<hash of the URL>``, the same
+    for every process (and every run) of this host, distinct for distinct URLs."""
+    url = url.rstrip("/")
+    return f"{url.rsplit('/', 1)[-1]}-{hashlib.sha1(url.encode()).hexdigest()[:12]}"
+
+
 def staging_dir(url: str) -> Path:
     """Where the bucket directory ``url`` (a run) is staged on this host:
-    ``$ASYNCOPD_STAGING`` (default ``<tmp>/asyncopd-staging``) / ``<last part>-<hash>``, the
-    same for every process of this host, so a run resumed here finds what it wrote."""
+    ``$ASYNCOPD_STAGING`` (default ``<tmp>/asyncopd-staging``) / :func:`local_name`, so a
+    run resumed here finds what it wrote."""
     root = Path(os.environ.get("ASYNCOPD_STAGING") or Path(tempfile.gettempdir()) / "asyncopd-staging")
-    return root / f"{url.rstrip('/').rsplit('/', 1)[-1]}-{hashlib.sha1(url.rstrip('/').encode()).hexdigest()[:12]}"
+    return root / local_name(url)
