@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from flax import nnx
 
 from asyncopd_jax import configs
+from asyncopd_jax.atomic_files import write_text_atomically
 from asyncopd_jax.config import (
     ConfigError,
     OptimConfig,
@@ -156,7 +157,7 @@ def _saved_config(run: str) -> Path:
         raise ConfigError(f"cannot resume: {run}/config.yaml does not exist")
     config_file = staging_dir(run) / "config.yaml"
     config_file.parent.mkdir(parents=True, exist_ok=True)
-    config_file.write_bytes(blob.data)
+    write_text_atomically(config_file, blob.data.decode())  # the learner processes of one host race here
     return config_file
 
 

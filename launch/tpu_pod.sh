@@ -33,9 +33,9 @@ Environment (default in brackets):
   RUN_DIR           where the runs go: a bucket (gs://BUCKET/runs; the workers'
                     service account needs read and write on it) or a directory
                     every worker mounts at the same path (Filestore/NFS); becomes
-                    output_dir, so the run is $RUN_DIR/<name>/. A learner over
-                    several hosts still needs the directory (a learner slice of
-                    one host, e.g. v6e-8, runs from a bucket) (required: train, stages)
+                    output_dir, so the run is $RUN_DIR/<name>/ (a learner over
+                    several hosts too: each checkpoints its own part)
+                                                             (required: train, stages)
   REMOTE_DIR        the project's directory on each worker, relative to the
                     home directory or absolute                             [asyncopd]
   SOURCE            setup from: tarball (this checkout's tracked and untracked,

@@ -150,6 +150,11 @@ def test_resume_refuses_changes_that_alter_the_computation(capsys, tmp_path):
     assert "--set instead of --config" in _error(capsys, ["train", "--resume", str(run), "--config", "demo"])
     saved = load_config(run / "config.yaml")
     check_resume_changes(saved, load_config(run / "config.yaml", ["train.steps=999", "train.eval_every=7"]))
+    # each process of a learner over several resumes with its own id and its coordinator's address
+    where = ["distributed.initialize=true", "distributed.process_id=1", "distributed.coordinator_address=h:1"]
+    check_resume_changes(saved, load_config(run / "config.yaml", where))
+    err = _error(capsys, ["train", "--resume", str(run), "--set", "stages.rollouts=3"])
+    assert "stages.rollouts (1 → 3)" in err and "distributed.*" in err
 
 
 @pytest.mark.parametrize(

@@ -391,7 +391,8 @@ TWO_LEARNERS = [
         ),
         (
             [*TWO_LEARNERS, "stages.snapshot_format=safetensors"],
-            r"^stages.snapshot_format = 'safetensors' is invalid for a learner over 2 processes; allowed: auto, orbax$",
+            r"^stages.snapshot_format = 'safetensors' is invalid for a learner over 2 processes; "
+            r"allowed: auto, orbax, objects$",
         ),
         (
             [*TWO_LEARNERS, "train.diagnostics_every=5"],
@@ -417,6 +418,8 @@ def test_the_learner_process_count_is_checked_where_the_config_fixes_it():
     with pytest.raises(ConfigError, match=r"^stages.placement = 'threads' is invalid for a learner over 3 "):
         check_learner_processes(cfg, 3)
     assert load_config(DEMO_CONFIG, TWO_LEARNERS).distributed.learner_processes == 2
+    with pytest.raises(ConfigError, match=r"^distributed.heartbeat_timeout = 0 is invalid; allowed: > 0$"):
+        load_config(DEMO_CONFIG, ["distributed.heartbeat_timeout=0"])
 
 
 @pytest.mark.parametrize(
@@ -481,7 +484,9 @@ def test_a_path_setting_takes_a_bucket_of_a_known_kind_and_refuses_other_urls_in
     )
 
 
-def test_snapshots_in_a_bucket_are_objects_and_a_multi_process_learner_keeps_a_shared_path():
+def test_snapshots_in_a_bucket_are_objects_for_one_learner_process_or_several():
+    from asyncopd_jax.pipeline.layout import snapshot_channel
+
     bucket = ["output_dir=s3://b/runs", "stages.placement=processes"]
     for fmt in ("orbax", "safetensors"):
         with pytest.raises(
@@ -490,11 +495,13 @@ def test_snapshots_in_a_bucket_are_objects_and_a_multi_process_learner_keeps_a_s
             load_config(DEMO_CONFIG, [*bucket, f"stages.snapshot_format={fmt}"])
     load_config(DEMO_CONFIG, [*bucket, "stages.snapshot_format=objects"])
     load_config(DEMO_CONFIG, ["output_dir=s3://b/runs", "stages.snapshot_format=safetensors"])  # threads: in memory
-    with pytest.raises(ConfigError, match=r"^output_dir = 's3://b/runs' is invalid for a learner over 2 processes"):
-        load_config(
-            DEMO_CONFIG,
-            [*bucket, "distributed.initialize=true", "distributed.num_processes=2", "distributed.process_id=0"],
-        )
+    # a learner over several processes: each checkpoints its own part; snapshots as objects
+    two = load_config(
+        DEMO_CONFIG, [*bucket, "distributed.initialize=true", "distributed.num_processes=2", "distributed.process_id=0"]
+    )
+    channel = snapshot_channel(two, "s3://b/runs/demo", multi_process=True)
+    assert (channel.format, channel.directory) == ("objects", "s3://b/runs/demo/snapshots")
+    assert snapshot_channel(two, "/shared/runs/demo", multi_process=True).format == "orbax"
 
 
 def test_a_bad_url_in_a_second_teacher_names_that_teacher():

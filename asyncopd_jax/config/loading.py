@@ -135,7 +135,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 # Fields a resumed run may change (``asyncopd train --resume DIR --set …``): how long it
-# runs and what it logs, never what it computes.
+# runs, what it logs, how its learner processes find each other (each process of a learner
+# over several sets its own process_id), never what it computes. ``section.*``: every field.
 SAFE_ON_RESUME = (
     "train.steps",
     "train.eval_every",
@@ -143,7 +144,12 @@ SAFE_ON_RESUME = (
     "train.diagnostics_every",
     "train.diagnostic_prompts",
     "train.update_geometry_every",
+    "distributed.*",
 )
+
+
+def _safe_on_resume(field: str) -> bool:
+    return any(field == safe or (safe.endswith(".*") and field.startswith(safe[:-1])) for safe in SAFE_ON_RESUME)
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -156,7 +162,7 @@ def check_resume_changes(saved: RunConfig, resumed: RunConfig) -> None:
     """Raise a :class:`ConfigError` naming every field that ``resumed`` changes from the
     run's ``saved`` config, unless all of them are in :data:`SAFE_ON_RESUME`."""
     old, new = _flat(to_dict(saved)), _flat(to_dict(resumed))
-    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in SAFE_ON_RESUME)
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and not _safe_on_resume(k))
     if changed:
         diffs = ", ".join(f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in changed)
         raise ConfigError(

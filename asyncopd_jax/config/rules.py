@@ -100,20 +100,13 @@ def check_learner_processes(cfg: RunConfig, processes: int) -> None:
             f"stages.placement = {cfg.stages.placement!r} is invalid {where}; allowed: "
             "processes (each learner process reads its rows of a batch from the run's spool)"
         )
-    if url_scheme(cfg.output_dir):
-        raise ConfigError(
-            f"output_dir = {cfg.output_dir!r} is invalid {where}; allowed: a path every learner host shares "
-            "(a run directory in a bucket for a learner over several processes is not built yet)"
-        )
     if cfg.learner.token_budget:
         raise ConfigError(
             f"learner.token_budget = {cfg.learner.token_budget} is invalid {where}; allowed: 0 "
             "(each process feeds its own rows)"
         )
-    if cfg.stages.snapshot_format in ("safetensors", "objects"):
-        raise ConfigError(
-            f"stages.snapshot_format = {cfg.stages.snapshot_format!r} is invalid {where}; allowed: auto, orbax"
-        )
+    if cfg.stages.snapshot_format == "safetensors":  # one file, written by one process holding every parameter
+        raise ConfigError(f"stages.snapshot_format = 'safetensors' is invalid {where}; allowed: auto, orbax, objects")
     if cfg.train.diagnostics_every:
         raise ConfigError(f"train.diagnostics_every = {cfg.train.diagnostics_every} is invalid {where}; allowed: 0")
 

@@ -337,10 +337,11 @@ class StagesConfig:
     rollout_niceness: int = 5  # lower CPU priority: where cores are shared the learner goes first
     # "auto": /dev/shm/asyncopd-<run> (RAM) if there, else <run>/snapshots (a run in a bucket: <run>/snapshots there)
     snapshot_dir: StorageLocation = "auto"
-    # How a snapshot is written: "safetensors" (one flat file; ~1 ms for the demo's student),
-    # "orbax" (sharded; needed by a learner over several processes), "objects" (versions and
-    # sparse deltas between them as objects, each load checked by a digest: the format for a
-    # bucket, docs/storage.md), "auto": safetensors for one learner process, orbax for several.
+    # How a snapshot is written: "safetensors" (one flat file; ~1 ms for the demo's student;
+    # one learner process only), "orbax" (sharded: each learner process writes its shards),
+    # "objects" (versions and sparse deltas between them as objects, each load checked by a
+    # digest: the format for a bucket, docs/storage.md), "auto": objects in a bucket, else
+    # safetensors for one learner process, orbax for several.
     snapshot_format: Literal["auto", "orbax", "safetensors", "objects"] = "auto"
     # objects: a full version every this many versions, sparse deltas in between (1: no deltas)
     snapshot_full_every: int = 10
@@ -404,6 +405,9 @@ class DistributedConfig:
     num_processes: int = 0  # 0: detected from the environment
     process_id: int = -1  # -1: detected from the environment
     initialization_timeout: int = 300  # seconds to wait for every process to join
+    # seconds without a process's heartbeat before the others stop (a lost host ends the
+    # learner, which resumes from its last checkpoint, instead of leaving it waiting)
+    heartbeat_timeout: int = 100
 
     def __post_init__(self) -> None:
         n, i = self.num_processes, self.process_id
@@ -411,6 +415,7 @@ class DistributedConfig:
             "distributed",
             [
                 ("num_processes", n, n >= 0, ">= 0 (0: from the environment)"),
+                ("heartbeat_timeout", self.heartbeat_timeout, self.heartbeat_timeout > 0, "> 0"),
                 (
                     "process_id",
                     i,

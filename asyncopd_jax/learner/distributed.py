@@ -11,8 +11,9 @@ Each process feeds only its own rows of a batch (:func:`process_rows`,
 :func:`global_batch`): ``jax.make_array_from_process_local_data`` stitches the local
 rows into one global ``jax.Array`` whose shards stay where they were loaded. Orbax
 checkpoints of such arrays are written and restored by all processes together (each
-writes its own shards), so :class:`~asyncopd_jax.pipeline.run_outputs.RunDir` works
-unchanged, as long as the run directory is on storage every host sees.
+writes its own shards): into the one run directory every host sees, or, for a run in a
+bucket, each into its own staging copy, uploaded as its part
+(:class:`~asyncopd_jax.pipeline.run_outputs.RunDir`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ def initialize(cfg: DistributedConfig) -> bool:
     multi-process run. Call it before anything else uses JAX (it fixes the device list)."""
     if not cfg.initialize:
         return False
-    kwargs: dict[str, Any] = {"initialization_timeout": cfg.initialization_timeout}
+    kwargs: dict[str, Any] = {
+        "initialization_timeout": cfg.initialization_timeout,
+        "heartbeat_timeout_seconds": cfg.heartbeat_timeout,
+    }
     if cfg.coordinator_address:
         kwargs["coordinator_address"] = cfg.coordinator_address
     if cfg.num_processes:

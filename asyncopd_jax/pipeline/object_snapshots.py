@@ -37,6 +37,7 @@ from flax import nnx
 from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 
+from asyncopd_jax.learner import distributed
 from asyncopd_jax.pipeline import snapshot_deltas
 from asyncopd_jax.storage import Store, records
 from asyncopd_jax.storage.records import Backoff, LeaseClock
@@ -123,11 +124,16 @@ class ObjectSnapshotStore:
     # --- writer side --------------------------------------------------------------------
 
     def publish(self, version: int, params: nnx.State) -> None:
-        """Start publishing ``version``; returns once the arrays are copied off the device."""
+        """Start publishing ``version``; returns once the arrays are copied off the device.
+
+        A learner over several processes: every process calls it (the leaves are gathered
+        from all of them), process 0 alone writes."""
         if self.read_only:
             raise RuntimeError(f"this snapshot store is read-only (a reader of {self.url})")
         self.flush()
-        leaves = [np.asarray(x) for x in jax.device_get(jax.tree_util.tree_leaves(nnx.to_pure_dict(params)))]
+        leaves = [np.asarray(x) for x in distributed.gather(jax.tree_util.tree_leaves(nnx.to_pure_dict(params)))]
+        if not distributed.is_leader():
+            return
         self._thread = threading.Thread(target=self._write, args=(version, leaves), name="snapshot-writer", daemon=True)
         self._thread.start()
 
@@ -170,7 +176,7 @@ class ObjectSnapshotStore:
         if self._error is not None:
             err, self._error = self._error, None
             raise err
-        if not self.read_only and jax.process_index() == 0:
+        if not self.read_only and distributed.is_leader():
             self._retire()
 
     def _retire(self) -> None:

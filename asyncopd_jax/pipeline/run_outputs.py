@@ -8,6 +8,13 @@ checkpoint; a checkpoint — written by Orbax into the staging copy, since Orbax
 pointed at an S3-compatible endpoint through a path — file by file, then committed by a
 record ``checkpoints/<step>.commit`` (the bucket's checkpoints are those with a record).
 A resumed run, on this host or another, downloads what it needs from the bucket first.
+
+A learner over several processes shares no directory in a bucket: each process stages
+under a directory of its own, Orbax saves there what that process holds (its shards and
+the replicated arrays, :func:`_each_process_handlers`), and each uploads its *part* under
+``checkpoints/<step>/p<process>/``; process 0 writes the commit record, naming the process
+count, once every part is uploaded. A resume downloads each process's own part, and only
+with the process count that wrote it.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import orbax.checkpoint as ocp
 
 from asyncopd_jax.atomic_files import write_text_atomically
 from asyncopd_jax.config import RunConfig, save_config
+from asyncopd_jax.learner import distributed
 from asyncopd_jax.pipeline.learner_stage import teacher_metric, teacher_names
 from asyncopd_jax.storage import is_url, join, open_store, records
 from asyncopd_jax.storage.location import staging_dir
@@ -46,6 +54,25 @@ def _io_reason(err: BaseException) -> str:
 
 METRICS_UPLOAD_S = 10.0  # a run in a bucket uploads metrics.jsonl at most this often (and at checkpoints)
 
+# Every process saves into a directory of its own (Orbax's default: process 0 creates and
+# finalizes one directory all processes share).
+_EACH_PROCESS = ocp.options.MultiprocessingOptions(primary_host=None)
+
+
+def _each_process_handlers() -> dict[str, ocp.CheckpointHandler]:
+    """Orbax's item handlers for a checkpoint every process saves and restores alone.
+
+    Besides ``primary_host=None``, the array handler must write the replicas a process holds
+    (``replica_id=None``): by default one process writes each replicated array, and the
+    other's directory would lack it (Orbax 0.12.8, checked with two CPU processes). A
+    registry of its own, so snapshots and other checkpoints keep Orbax's defaults."""
+    arrays = ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)
+    registry = ocp.type_handlers.create_type_handler_registry((jax.Array, arrays))
+    return {
+        "state": ocp.PyTreeCheckpointHandler(multiprocessing_options=_EACH_PROCESS, type_handler_registry=registry),
+        "meta": ocp.JsonCheckpointHandler(multiprocessing_options=_EACH_PROCESS),
+    }
+
 
 class RunDir:
     """``config.yaml``, ``metrics.jsonl``, ``trace.json``, ``checkpoints/``, ``report.png``,
@@ -55,8 +82,15 @@ class RunDir:
     def __init__(self, location: str | Path):
         self.location = str(location)
         self.store = open_store(self.location) if is_url(self.location) else None
-        # Orbax wants absolute paths
-        self.path = staging_dir(self.location) if self.store is not None else Path(location).resolve()
+        self.processes = jax.process_count()
+        # A learner over several processes with its run in a bucket: this process's part of
+        # each checkpoint (see the module docstring); None: the checkpoint is one directory.
+        self.part = f"p{jax.process_index()}" if self.store is not None and self.processes > 1 else None
+        if self.store is None:
+            self.path = Path(location).resolve()  # Orbax wants absolute paths
+        else:  # processes of one host (as in the tests) must not share a staging copy
+            staged = staging_dir(self.location)
+            self.path = staged.with_name(f"{staged.name}-{self.part}") if self.part else staged
         self.path.mkdir(parents=True, exist_ok=True)
         self.metrics_file = self.path / "metrics.jsonl"
         self._checkpoints: ocp.CheckpointManager | None = None
@@ -73,12 +107,14 @@ class RunDir:
         if self.store is not None and (self.path / name).is_file():
             self.store.write(name, (self.path / name).read_bytes())
 
-    def upload_tree(self, name: str) -> None:
-        """Every file under the staged directory ``name``, to the bucket."""
+    def upload_tree(self, name: str, key: str | None = None) -> None:
+        """Every file under the staged directory ``name``, to the bucket under ``key``
+        (default: ``name``)."""
         if self.store is None:
             return
-        for file in sorted(p for p in (self.path / name).rglob("*") if p.is_file()):
-            self.store.write(file.relative_to(self.path).as_posix(), file.read_bytes())
+        root = self.path / name
+        for file in sorted(p for p in root.rglob("*") if p.is_file()):
+            self.store.write(f"{key or name}/{file.relative_to(root).as_posix()}", file.read_bytes())
 
     def download(self, *names: str) -> None:
         """Copy ``names`` from the bucket into the staging copy (those the bucket has)."""
@@ -180,11 +216,17 @@ class RunDir:
         # several processes Orbax's background commit and finalize threads each hold a
         # cross-process barrier; seen deadlocked here with process 0 in the finalize barrier
         # and process 1 still in the commit barrier (tests/pipeline/test_multi_process_learner.py).
+        each = {"multiprocessing_options": _EACH_PROCESS} if self.part else {}
         return ocp.CheckpointManager(
             self.path / "checkpoints",
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=2, create=True, enable_async_checkpointing=False, cleanup_tmp_directories=remove_unfinished
+                max_to_keep=2,
+                create=True,
+                enable_async_checkpointing=False,
+                cleanup_tmp_directories=remove_unfinished,
+                **each,
             ),
+            item_handlers=_each_process_handlers() if self.part else None,
         )
 
     def save_checkpoint(self, step: int, state: Any, meta: dict[str, Any]) -> None:
@@ -197,12 +239,9 @@ class RunDir:
         """
         leaves = jax.tree_util.tree_leaves(state)
         flat = {f"{i:05d}": leaf for i, leaf in enumerate(leaves)}
+        state = ocp.args.PyTreeSave(flat) if self.part else ocp.args.StandardSave(flat)
         try:
-            self.checkpoints.save(
-                step,
-                args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)),
-                force=True,
-            )
+            self.checkpoints.save(step, args=ocp.args.Composite(state=state, meta=ocp.args.JsonSave(meta)), force=True)
             self.checkpoints.wait_until_finished()
         except Exception as err:  # Orbax and TensorStore report I/O failures as ValueError and others
             # Orbax leaves the failed save's temporary directory (<step>.orbax-checkpoint-tmp) behind.
@@ -227,12 +266,22 @@ class RunDir:
         if self.store is not None:
             self._commit_checkpoint(step)
 
+    def _part_key(self, step: int) -> str:
+        """Where this process's checkpoint of ``step`` lives in the bucket."""
+        return f"checkpoints/{step}/{self.part}" if self.part else f"checkpoints/{step}"
+
     def _commit_checkpoint(self, step: int) -> None:
-        """Upload the staged checkpoint of ``step`` file by file, then its commit record;
-        then retire the bucket's checkpoints that Orbax retired here."""
+        """Upload the staged checkpoint of ``step`` file by file (each process its part),
+        then process 0 writes its commit record and retires the bucket's checkpoints that
+        Orbax retired here."""
         assert self.store is not None
-        self.upload_tree(f"checkpoints/{step}")
-        self.store.write(f"checkpoints/{step}.commit", records.record_bytes({"step": step}))
+        self.upload_tree(f"checkpoints/{step}", key=self._part_key(step))
+        distributed.barrier(f"checkpoint {step} uploaded")  # every part is in the bucket
+        if not distributed.is_leader():
+            return
+        self.store.write(
+            f"checkpoints/{step}.commit", records.record_bytes({"step": step, "processes": self.processes})
+        )
         self._upload_metrics()
         kept = set(self.checkpoints.all_steps())
         for old in self._committed_steps():
@@ -248,30 +297,49 @@ class RunDir:
         return self.checkpoints.latest_step()
 
     def _stage_checkpoint(self, step: int) -> None:
-        """Download the bucket's checkpoint of ``step`` into the staging copy (replacing
-        whatever is staged under that step), and reopen Orbax's manager on it."""
+        """Download the bucket's checkpoint of ``step`` (this process's part) into the
+        staging copy, replacing whatever is staged under that step, and reopen Orbax's
+        manager on it.
+
+        Raises:
+          ValueError: the checkpoint was written by another number of learner processes
+            (each process's part holds the shards it held)."""
         assert self.store is not None
+        commit = self.store.read(f"checkpoints/{step}.commit")
+        written_by = int(records.parse(commit).get("processes", 1)) if commit is not None else 1
+        if written_by != self.processes:
+            raise ValueError(
+                f"{self.where('checkpoints', str(step))} was written by a learner over {written_by} process(es); "
+                f"this one has {self.processes}: resume it with {written_by}"
+            )
         local = self.path / "checkpoints" / str(step)
         shutil.rmtree(local, ignore_errors=True)
-        for key in self.store.list(f"checkpoints/{step}/"):
-            (self.path / key).parent.mkdir(parents=True, exist_ok=True)
-            self.store.download(key, self.path / key)  # streamed: a real checkpoint is larger than memory allows
+        prefix = self._part_key(step) + "/"
+        for key in self.store.list(prefix):
+            path = local / key[len(prefix) :]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.store.download(key, path)  # streamed: a real checkpoint is larger than memory allows
         if self._checkpoints is not None:
             self._checkpoints.close()
         self._checkpoints = self._open_checkpoints(remove_unfinished=True)
 
     def restore_checkpoint(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Restore onto the structure, shapes and shardings of ``abstract_state``."""
-        step = self.latest_checkpoint() if step is None else step
-        if step is None:
+        if step is None:  # process 0's answer: the others must restore the same step
+            latest = self.latest_checkpoint()
+            step = int(distributed.from_leader(-1 if latest is None else latest))
+        if step < 0:
             raise FileNotFoundError(f"no checkpoint in {self.where('checkpoints')} to resume from")
         if self.store is not None:
             self._stage_checkpoint(step)
         leaves, treedef = jax.tree_util.tree_flatten(abstract_state)
         target = {f"{i:05d}": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for i, x in enumerate(leaves)}
-        restored = self.checkpoints.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+        state = (
+            ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+            if self.part
+            else ocp.args.StandardRestore(target)
         )
+        restored = self.checkpoints.restore(step, args=ocp.args.Composite(state=state, meta=ocp.args.JsonRestore()))
         flat = restored["state"]
         return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in sorted(flat)]), dict(restored["meta"])
 

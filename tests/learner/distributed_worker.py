@@ -1,15 +1,18 @@
 """One learner process of the multi-process test (``tests/learner/test_distributed.py``).
 
-    python -m tests.learner.distributed_worker OUT PROCESS_ID NUM_PROCESSES PORT
+    python -m tests.learner.distributed_worker OUT PROCESS_ID NUM_PROCESSES PORT [RUN]
 
 Joins the others through ``jax.distributed`` (CPU collectives over localhost), feeds only
 its own rows of the shared test batch, runs two sharded train steps on the global mesh,
-writes an Orbax checkpoint with every process and restores it. Process 0 saves the
-losses and the gathered parameters (trained and restored) to ``OUT/result.npz``.
+writes a checkpoint with every process into the run directory ``RUN`` (default
+``OUT/run``; a bucket URL: staged under ``OUT/host-a-*``) and restores it (from a bucket:
+staged afresh under ``OUT/host-b-*``, as another host would). Process 0 saves the losses
+and the gathered parameters (trained and restored) to ``OUT/result.npz``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -33,7 +36,7 @@ def optimizer() -> optax.GradientTransformation:
     return optax.sgd(1.0)  # parameter change = gradient: exact comparisons (Adam's first step is ≈ sign(g))
 
 
-def main(out: str, process_id: int, num_processes: int, port: int) -> None:
+def main(out: str, process_id: int, num_processes: int, port: int, run_dir: str) -> None:
     distributed.initialize(
         DistributedConfig(
             initialize=True,
@@ -57,10 +60,12 @@ def main(out: str, process_id: int, num_processes: int, port: int) -> None:
         state, metrics = step(state, distributed.global_batch(local, mesh))
         losses.append(float(metrics["loss"]))
 
-    run = RunDir(Path(out) / "run")
+    os.environ["ASYNCOPD_STAGING"] = str(Path(out) / "host-a")
+    run = RunDir(run_dir)
     run.save_checkpoint(STEPS, state, {"step": STEPS, "process_count": jax.process_count()})
     run.close()
-    restored, meta = RunDir(Path(out) / "run").restore_checkpoint(state)
+    os.environ["ASYNCOPD_STAGING"] = str(Path(out) / "host-b")
+    restored, meta = RunDir(run_dir).restore_checkpoint(state)
     trained, restored = distributed.gather(state.params), distributed.gather(restored.params)
     if distributed.is_leader():
         leaves = {f"trained/{i}": x for i, x in enumerate(jax.tree_util.tree_leaves(trained))}
@@ -70,4 +75,5 @@ def main(out: str, process_id: int, num_processes: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    out = sys.argv[1]
+    main(out, int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else f"{out}/run")

@@ -16,8 +16,11 @@ import pytest
 
 from asyncopd_jax.config import ConfigError, EstimatorConfig, load_config
 from asyncopd_jax.learner import PolicyLoss, create_train_state, distributed, make_mesh, make_train_step
+from asyncopd_jax.pipeline.run_outputs import RunDir
+from asyncopd_jax.storage import location, open_store, records
 from tests.learner import distributed_worker as worker
 from tests.learner.batches import make_learner_batch
+from tests.storage.fixtures import pointed_at
 from tests.tiny_models import tiny_decoder
 from tests.waits import communicate_all
 from tests.xla_flags import host_devices
@@ -46,8 +49,8 @@ def _one_process_reference():
     return np.asarray(losses), jax.tree_util.tree_leaves(jax.device_get(state.params))
 
 
-@pytest.mark.e2e  # two learner processes: the end-to-end step (-m e2e)
-def test_two_learner_processes_equal_one(tmp_path):
+def _run_workers(tmp_path: Path, *run_dir: str) -> None:
+    """The two learner processes of :mod:`tests.learner.distributed_worker`, to the end."""
     port = _free_port()
     env = {
         **os.environ,
@@ -57,7 +60,7 @@ def test_two_learner_processes_equal_one(tmp_path):
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.learner.distributed_worker", str(tmp_path), str(i), "2", str(port)],
+            [sys.executable, "-m", "tests.learner.distributed_worker", str(tmp_path), str(i), "2", str(port), *run_dir],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -72,6 +75,8 @@ def test_two_learner_processes_equal_one(tmp_path):
         if p.returncode != 0
     )
 
+
+def _check_result(tmp_path: Path) -> None:
     result = np.load(tmp_path / "result.npz")
     losses, params = _one_process_reference()
     np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
@@ -81,6 +86,35 @@ def test_two_learner_processes_equal_one(tmp_path):
         np.testing.assert_allclose(result[f"trained/{i}"], leaf, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(result[f"restored/{i}"], result[f"trained/{i}"])
     assert int(result["meta_step"]) == worker.STEPS
+
+
+@pytest.mark.e2e  # two learner processes: the end-to-end step (-m e2e)
+def test_two_learner_processes_equal_one(tmp_path):
+    _run_workers(tmp_path)
+    _check_result(tmp_path)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_two_learner_processes_checkpoint_to_a_bucket_each_its_own_part(tmp_path, kind, request):
+    """The run directory in a bucket (moto, fake-gcs-server): each process stages its checkpoint in a
+    directory of its own, uploads its part, and restores from a fresh staging copy (another
+    host) what it wrote; process 0 commits once both parts are in. A learner over another
+    number of processes is refused the checkpoint in one line."""
+    server = request.getfixturevalue(f"{kind}_server")
+    with pointed_at(kind, server.endpoint) as url:
+        _run_workers(tmp_path, f"{url}/t")
+        _check_result(tmp_path)
+        bucket = open_store(f"{url}/t")
+        keys = bucket.list("checkpoints/")
+        parts = {k.split("/")[2] for k in keys if k.count("/") > 2}
+        assert parts == {"p0", "p1"}, keys
+        assert records.parse(bucket.read(f"checkpoints/{worker.STEPS}.commit"))["processes"] == 2
+        assert sorted(p.name for p in tmp_path.glob("host-b/*")) == [
+            f"{location.local_name(f'{url}/t')}-p{i}" for i in range(2)
+        ]
+        with pytest.raises(ValueError, match=r"written by a learner over 2 process\(es\); this one has 1: resume"):
+            RunDir(f"{url}/t").restore_checkpoint(None)
 
 
 def test_each_process_feeds_its_own_contiguous_rows():

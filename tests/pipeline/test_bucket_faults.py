@@ -28,7 +28,7 @@ from asyncopd_jax.config import save_config
 from asyncopd_jax.pipeline.placements.stage_processes import StageFailed
 from asyncopd_jax.pipeline.staleness import PipelineStopped
 from asyncopd_jax.pipeline.trainer import Trainer
-from asyncopd_jax.storage import open_store
+from asyncopd_jax.storage import open_store, records
 from tests.pipeline.test_processes import ROLLOUT, SCORING, _slow
 from tests.pipeline.test_trainer import _config, models  # noqa: F401 - fixture
 from tests.storage import servers
@@ -245,3 +245,72 @@ def test_the_learner_killed_mid_checkpoint_upload_resumes_from_the_last_committe
         assert resumed.returncode == 0, output[-3000:]
         _nothing_lost_or_repeated(url, 12, proxy)
         assert "checkpoints/12.commit" in bucket.list("checkpoints/")
+
+
+def test_a_learner_over_two_processes_killed_mid_checkpoint_resumes_on_other_hosts(models, tmp_path, s3_server):  # noqa: F811
+    """A learner over two ``jax.distributed`` processes (stand-in hosts: a staging directory
+    each) with its run in the bucket and a rollout stage process. Process 1 is SIGKILLed
+    while its part of checkpoint 8 is held in the proxy; process 0 stops by itself when the
+    peer's heartbeat is missed (``distributed.heartbeat_timeout``), and its stage with it.
+    Both processes resume with ``--resume s3://…`` on two fresh hosts: each downloads its
+    own part of checkpoint 4, and the run ends with every step once, no group learned
+    twice, each checkpoint in two parts committed by process 0. CI's e2e step, ~1 min."""
+    from tests.pipeline.test_multi_process_learner import learner_processes, learners_finish
+    from tests.pipeline.test_processes import _children
+    from tests.scenarios.test_kill_resume import _alive
+
+    proxy = servers.Proxy(s3_server.port)
+    held = _Nth(lambda s: s.method == "PUT" and "/t/checkpoints/8/p1/" in s.path, 1)
+    proxy.delay(held, 5.0)
+    with pointed_at("s3", proxy.endpoint) as url:
+        sets = {
+            **FAST,
+            "output_dir": url,
+            "train.steps": 12,
+            "train.checkpoint_every": 4,
+            "schedule.mode": "fully_async",
+            "schedule.max_staleness": 2,
+            # parameters sharded over both processes' devices: no process holds them whole
+            "learner.mesh": "{data: 1, fsdp: -1}",
+            "distributed.heartbeat_timeout": 10,
+        }
+        config_file = tmp_path / "config.yaml"
+        save_config(_config(models, tmp_path, **sets), config_file)
+        procs = learner_processes(
+            ["--config", str(config_file)], staging=[tmp_path / "host-a", tmp_path / "host-b"], start_new_session=True
+        )
+        stages: set[int] = set()
+        try:
+            deadline = time.monotonic() + 240
+            while not held.hit.is_set() and all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                stages |= _children(procs[0].pid)
+                time.sleep(0.05)
+            assert held.hit.is_set(), [p.stdout.read().decode(errors="replace")[-3000:] for p in procs]
+            os.kill(procs[1].pid, signal.SIGKILL)
+            procs[1].wait(30)
+            start = time.monotonic()
+            # process 0, waiting for the lost peer's part, stops by itself once the peer's
+            # heartbeat is missed (10 s here; 100 s by default would fail this wait)
+            procs[0].wait(45)
+            print(f"process 0 ended {time.monotonic() - start:.1f} s after its peer with {procs[0].returncode}")
+            assert procs[0].returncode != 0
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(p) for p in stages):
+            time.sleep(0.1)
+        assert stages and not any(_alive(p) for p in stages), "stage processes outlived their learner"
+        bucket = open_store(f"{url}/t")
+        time.sleep(5.0)  # the held upload lands after its writer died
+        keys = bucket.list("checkpoints/")
+        assert "checkpoints/4.commit" in keys and "checkpoints/8.commit" not in keys, keys
+        assert {k.split("/")[2] for k in keys if k.startswith("checkpoints/4/")} == {"p0", "p1"}
+
+        resumed = learner_processes(["--resume", f"{url}/t"], staging=[tmp_path / "host-c", tmp_path / "host-d"])
+        learners_finish(resumed, timeout=300)
+        _nothing_lost_or_repeated(url, 12, proxy)
+        keys = bucket.list("checkpoints/")
+        assert records.parse(bucket.read("checkpoints/12.commit"))["processes"] == 2
+        assert {k.split("/")[2] for k in keys if k.startswith("checkpoints/12/")} == {"p0", "p1"}

@@ -23,6 +23,46 @@ pytestmark = pytest.mark.e2e  # several JAX processes: the end-to-end step (-m e
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def learner_processes(
+    args: list[str], processes: int = 2, staging: list[Path] | None = None, **popen
+) -> list[subprocess.Popen]:
+    """``asyncopd train ARGS`` as the ``processes`` processes of one learner
+    (``distributed.initialize``, CPU collectives on localhost, two CPU devices each);
+    ``staging``: each process's ``$ASYNCOPD_STAGING`` (stand-in hosts of a run in a bucket)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": host_devices(2), "PYTHONPATH": str(ROOT)}
+    distributed = [
+        "distributed.initialize=true",
+        f"distributed.coordinator_address=127.0.0.1:{port}",
+        f"distributed.num_processes={processes}",
+    ]
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "asyncopd_jax.cli", "train", "--no-progress", *args]
+            + [a for item in [*distributed, f"distributed.process_id={i}"] for a in ("--set", item)],
+            cwd=ROOT,
+            env={**env, **({"ASYNCOPD_STAGING": str(staging[i])} if staging else {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            **popen,
+        )
+        for i in range(processes)
+    ]
+
+
+def learners_finish(procs: list[subprocess.Popen], timeout: float = 600) -> list[str]:
+    """Each process's output, once all exited with 0 (else the failures' output)."""
+    outputs = communicate_all(procs, timeout=timeout)  # a peer that fails ends the other at once
+    assert all(p.returncode == 0 for p in procs), "\n".join(
+        f"learner process {i} exited with {p.returncode}:\n{text[-5000:]}"
+        for i, (p, text) in enumerate(zip(procs, outputs))
+        if p.returncode != 0
+    )
+    return outputs
+
+
 @pytest.mark.slow  # CI time: tests/learner/test_distributed.py runs a two-process learner in CI
 def test_a_learner_over_two_processes_runs_the_pipeline(models, tmp_path):  # noqa: F811
     cfg = _config(
@@ -40,47 +80,7 @@ def test_a_learner_over_two_processes_runs_the_pipeline(models, tmp_path):  # no
     )
     config_file = tmp_path / "config.yaml"
     save_config(cfg, config_file)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": host_devices(2),
-        "PYTHONPATH": str(ROOT),
-    }
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "asyncopd_jax.cli",
-                "train",
-                "--no-progress",
-                "--config",
-                str(config_file),
-                "--set",
-                "distributed.initialize=true",
-                "--set",
-                f"distributed.coordinator_address=127.0.0.1:{port}",
-                "--set",
-                "distributed.num_processes=2",
-                "--set",
-                f"distributed.process_id={i}",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for i in range(2)
-    ]
-    outputs = communicate_all(procs, timeout=600)  # a peer that fails ends the other at once
-    assert all(p.returncode == 0 for p in procs), "\n".join(
-        f"learner process {i} exited with {p.returncode}:\n{text[-5000:]}"
-        for i, (p, text) in enumerate(zip(procs, outputs))
-        if p.returncode != 0
-    )
+    outputs = learners_finish(learner_processes(["--config", str(config_file)]))
 
     run = tmp_path / "t"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
