@@ -117,7 +117,12 @@ sys.exit(main(["train"]))
 
 
 # Import name → distribution name, where they differ (PEP 503-normalised on both sides).
-_DISTRIBUTION_OF = {"yaml": "pyyaml", "orbax": "orbax-checkpoint", "google": "google-cloud-storage"}
+_DISTRIBUTION_OF = {
+    "yaml": "pyyaml",
+    "orbax": "orbax-checkpoint",
+    "google": "google-cloud-storage",
+    "mlflow": "mlflow-skinny",
+}
 
 
 def _normalised(name: str) -> str:

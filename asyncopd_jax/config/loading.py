@@ -145,6 +145,7 @@ SAFE_ON_RESUME = (
     "train.diagnostic_prompts",
     "train.update_geometry_every",
     "distributed.*",
+    "logging.*",
 )
 
 
@@ -152,16 +153,17 @@ def _safe_on_resume(field: str) -> bool:
     return any(field == safe or (safe.endswith(".*") and field.startswith(safe[:-1])) for safe in SAFE_ON_RESUME)
 
 
-def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` → ``{"a.b": 1}`` (a config as :func:`to_dict` gives it)."""
     if isinstance(data, dict):
-        return {k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+        return {k: v for key, value in data.items() for k, v in flatten(value, f"{prefix}{key}.").items()}
     return {prefix.rstrip("."): data}
 
 
 def check_resume_changes(saved: RunConfig, resumed: RunConfig) -> None:
     """Raise a :class:`ConfigError` naming every field that ``resumed`` changes from the
     run's ``saved`` config, unless all of them are in :data:`SAFE_ON_RESUME`."""
-    old, new = _flat(to_dict(saved)), _flat(to_dict(resumed))
+    old, new = flatten(to_dict(saved)), flatten(to_dict(resumed))
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and not _safe_on_resume(k))
     if changed:
         diffs = ", ".join(f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in changed)

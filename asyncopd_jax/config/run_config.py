@@ -11,6 +11,7 @@ from asyncopd_jax.config.rules import validate
 from asyncopd_jax.config.sections import (
     DistributedConfig,
     LearnerConfig,
+    LoggingConfig,
     ModelSource,
     OptimConfig,
     RLConfig,
@@ -54,6 +55,7 @@ class RunConfig:
     stages: StagesConfig = StagesConfig()
     distributed: DistributedConfig = DistributedConfig()
     train: TrainConfig = TrainConfig()
+    logging: LoggingConfig = LoggingConfig()
     rl: RLConfig = RLConfig()
 
     def __post_init__(self) -> None:

@@ -459,3 +459,22 @@ class TrainConfig:
                 ("update_geometry_every", self.update_geometry_every, self.update_geometry_every >= 0, ">= 0 (0: off)"),
             ],
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """Where the run's metrics go (asyncopd_jax.tracking). ``metrics.jsonl`` is always
+    written; the others (each an extra: tensorboard, wandb, mlflow) get the same records
+    under grouped names (``train/…``, ``teacher/NAME/…``, ``rollout/…``, ``eval/…``,
+    ``system/…``). A sink that fails is warned about once; the run goes on."""
+
+    sinks: tuple[Literal["jsonl", "tensorboard", "wandb", "mlflow"], ...] = ("jsonl",)
+    project: str = "asyncopd"  # the W&B project and the MLflow experiment
+    # W&B: "auto" logs online where a key is set up (WANDB_API_KEY or `wandb login`), else offline
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"
+    # MLflow: "" = a SQLite store in the run directory (<run>/mlflow.db)
+    mlflow_tracking_uri: str = ""
+
+    def __post_init__(self) -> None:
+        if "jsonl" not in self.sinks:
+            raise ValueError(f"logging.sinks = {list(self.sinks)!r} is invalid; allowed: a list with jsonl (always on)")

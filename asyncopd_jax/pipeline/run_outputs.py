@@ -31,6 +31,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from asyncopd_jax import tracking
 from asyncopd_jax.atomic_files import write_text_atomically
 from asyncopd_jax.config import RunConfig, save_config
 from asyncopd_jax.learner import distributed
@@ -95,6 +96,7 @@ class RunDir:
         self.metrics_file = self.path / "metrics.jsonl"
         self._checkpoints: ocp.CheckpointManager | None = None
         self._metrics_uploaded = 0.0  # monotonic time of the last upload of metrics.jsonl
+        self._uploaded: dict[str, tuple[int, int]] = {}  # key → (size, mtime) of the file uploaded there
 
     def where(self, *parts: str) -> str:
         """``parts`` under the run directory: a URL for a run in a bucket, else a path."""
@@ -108,22 +110,31 @@ class RunDir:
             self.store.write(name, (self.path / name).read_bytes())
 
     def upload_tree(self, name: str, key: str | None = None) -> None:
-        """Every file under the staged directory ``name``, to the bucket under ``key``
-        (default: ``name``)."""
+        """Every file under the staged directory ``name`` that changed since its last
+        upload, to the bucket under ``key`` (default: ``name``)."""
         if self.store is None:
             return
         root = self.path / name
         for file in sorted(p for p in root.rglob("*") if p.is_file()):
-            self.store.write(f"{key or name}/{file.relative_to(root).as_posix()}", file.read_bytes())
+            target = f"{key or name}/{file.relative_to(root).as_posix()}"
+            stat = file.stat()
+            if self._uploaded.get(target) == (stat.st_size, stat.st_mtime_ns):
+                continue  # the sinks' files are uploaded every few seconds; most have not changed
+            self.store.write(target, file.read_bytes())
+            self._uploaded[target] = (stat.st_size, stat.st_mtime_ns)
 
     def download(self, *names: str) -> None:
-        """Copy ``names`` from the bucket into the staging copy (those the bucket has)."""
+        """Copy the files or directories ``names`` from the bucket into the staging copy
+        (those the bucket has)."""
         if self.store is None:
             return
         for name in names:
             blob = self.store.read(name)
             if blob is not None:
                 (self.path / name).write_bytes(blob.data)
+            for key in self.store.list(f"{name}/"):
+                (self.path / key).parent.mkdir(parents=True, exist_ok=True)
+                self.store.download(key, self.path / key)
 
     def _committed_steps(self) -> list[int]:
         assert self.store is not None
@@ -143,10 +154,14 @@ class RunDir:
         if self.store is not None and checkpoints.is_dir():
             shutil.rmtree(checkpoints)  # staged by an earlier run of this name that never committed one
         if write:
-            for stale in ("metrics.jsonl", "summary.json"):
-                (self.path / stale).unlink(missing_ok=True)
+            for stale in ("metrics.jsonl", "summary.json", *tracking.FILES):
+                path = self.path / stale
+                if path.is_dir():
+                    shutil.rmtree(path)
+                path.unlink(missing_ok=True)
                 if self.store is not None:
-                    self.store.delete(stale)
+                    for key in [stale, *self.store.list(f"{stale}/")]:
+                        self.store.delete(key)
             self.write_config(cfg)
 
     def write_config(self, cfg: RunConfig) -> None:
@@ -162,8 +177,16 @@ class RunDir:
             self._upload_metrics()
 
     def _upload_metrics(self) -> None:
+        """``metrics.jsonl`` and what the metric sinks wrote here, to the bucket."""
         self.upload("metrics.jsonl")
+        for name in tracking.FILES:
+            self.upload(name)  # a file (nothing for a directory) …
+            self.upload_tree(name)  # … or a directory (nothing for a file)
         self._metrics_uploaded = time.monotonic()
+
+    def sync_logs(self) -> None:
+        """Upload the metrics and the sinks' files now (a run in a bucket; else nothing)."""
+        self._upload_metrics()
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """Every record; a torn last line (the process was killed while appending it) is

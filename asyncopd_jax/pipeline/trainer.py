@@ -38,7 +38,7 @@ from asyncopd_jax.models import save_pretrained
 from asyncopd_jax.pipeline.compose import build_process, start_stages
 from asyncopd_jax.pipeline.exchange import Exchange
 from asyncopd_jax.pipeline.heap import HeapTrimmer
-from asyncopd_jax.pipeline.layout import LEARNER_PROCESS, Layout, plan_layout
+from asyncopd_jax.pipeline.layout import LEARNER_PROCESS, Layout, describe, plan_layout
 from asyncopd_jax.pipeline.learner_stage import LearnerStage, batch_stats
 from asyncopd_jax.pipeline.placements import Stages
 from asyncopd_jax.pipeline.probes import Probes, teacher_accuracies, teacher_on
@@ -48,6 +48,9 @@ from asyncopd_jax.pipeline.snapshots import SnapshotStore, as_published
 from asyncopd_jax.pipeline.staleness import RolloutGroup, StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.storage import join
+from asyncopd_jax.tracking import FILES as tracking_files
+from asyncopd_jax.tracking import RunInfo, Tracking
+from asyncopd_jax.tracking.hparams import run_hparams
 
 
 class Trainer:
@@ -90,6 +93,7 @@ class Trainer:
             self._resume()
         else:
             self.run_dir.start_fresh(cfg, write=self.leader)
+        self.tracking = self._open_tracking() if self.leader else Tracking()  # one log per run
 
     @property
     def state(self) -> TrainState:
@@ -101,8 +105,16 @@ class Trainer:
 
     # --- set-up ------------------------------------------------------------------------
 
+    def _open_tracking(self) -> Tracking:
+        """The metric sinks of ``logging.sinks`` (TensorBoard, W&B, MLflow), continuing a
+        resumed run's."""
+        cfg = self.cfg
+        hparams = run_hparams(cfg, describe(self.layout))
+        return Tracking.open(RunInfo(self.run_dir.path, cfg.name, self.start_step, hparams, cfg.logging))
+
     def _resume(self) -> None:
-        self.run_dir.download("metrics.jsonl", "summary.json")  # a run in a bucket, resumed on any host
+        # a run in a bucket, resumed on any host
+        self.run_dir.download("metrics.jsonl", "summary.json", *tracking_files)
         self.learner.state, meta = self.run_dir.restore_checkpoint(self.learner.state)
         self.start_step = int(meta["step"])
         self.worker_index = int(meta.get("worker_index", 0))
@@ -148,8 +160,13 @@ class Trainer:
 
     def _teacher_summary(self) -> dict[str, float]:
         """``teacher_accuracy`` of the run's only teacher, or ``teacher_accuracy/NAME`` of
-        each of several (the in-process ones: a server's model cannot be evaluated here)."""
+        each of several (the in-process ones: a server's model cannot be evaluated here);
+        a learner over several processes: the leader's figures, on every process (a
+        collective: all call it)."""
         accuracies = self._teacher_accuracies()
+        if self.multi_process:  # the others' stages are the leader's: they measured nothing
+            measured = {t.name: distributed.from_leader(accuracies.get(t.name, -1.0)) for t in self.models.teachers}
+            accuracies = {name: value for name, value in measured.items() if value >= 0}
         if len(self.models.teachers) == 1:
             return {"teacher_accuracy": next(iter(accuracies.values()))} if accuracies else {}
         return {f"teacher_accuracy/{name}": value for name, value in accuracies.items()}
@@ -167,6 +184,7 @@ class Trainer:
             summary = {"student_before": self.evaluate_student()}
             if self.leader:
                 self.run_dir.write_summary(summary)
+                self.tracking.log({"step": 0, **summary})  # the eval curve starts at step 0
         self.probes.start()
         buffer = StalenessBuffer(
             cfg.learner.batch_size, self.eta, cfg.learner.mini_batches, first_version=self.learner.version
@@ -207,6 +225,10 @@ class Trainer:
                 trim_heap()
         except KeyboardInterrupt:
             self._checkpoint(step)
+            self.tracking.close()
+            raise
+        except BaseException:
+            self.tracking.close()  # what the sinks hold is written
             raise
         finally:
             if previous_sigint is not None:
@@ -224,7 +246,8 @@ class Trainer:
         """The trained student in Hugging Face layout, the summary and the report."""
         cfg = self.cfg
         student = nnx.merge(self.learner.graphdef, distributed.gather(self.learner.state.params))
-        measured = any(key.startswith("teacher_accuracy") for key in summary)  # a resumed run's
+        # a resumed run's (the leader's summary.json: every process must agree for the collective)
+        measured = bool(distributed.from_leader(int(any(key.startswith("teacher_accuracy") for key in summary))))
         summary = {
             **({} if measured else self._teacher_summary()),
             **summary,
@@ -241,7 +264,14 @@ class Trainer:
             self.run_dir.upload_tree("student")
             self.run_dir.write_summary(summary)
             kind = "RL, " if cfg.algorithm == "rl" else ""
-            self.run_dir.write_report(f"{cfg.name}: {kind}{cfg.estimator.name}, {cfg.schedule.mode} (η = {self.eta})")
+            report = self.run_dir.write_report(
+                f"{cfg.name}: {kind}{cfg.estimator.name}, {cfg.schedule.mode} (η = {self.eta})"
+            )
+            teachers = {k: v for k, v in summary.items() if k.startswith("teacher_accuracy")}
+            self.tracking.log({"step": step, **teachers})  # the teacher's line, at the last step
+            self.tracking.image("report", report, step)
+            self.tracking.close()
+            self.run_dir.sync_logs()
         self.run_dir.close()
         return summary
 
@@ -253,6 +283,7 @@ class Trainer:
                 "unlearned": self.stages.unlearned(),
                 "nonfinite_rows_total": self.nonfinite_rows_total,
             }
+            self.tracking.flush()  # the sinks hold every step the checkpoint covers
             self.run_dir.save_checkpoint(step, self.learner.state, meta)
         self.last_checkpoint = (step, self._checkpoint_path(step))
         self.stages.checkpointed()
@@ -320,5 +351,6 @@ class Trainer:
                 record["eval_seconds"] = time.perf_counter() - start  # inside the next step's "time"
             if self.leader:
                 self.run_dir.append_metrics(record)
+                self.tracking.log(record)
             bar.update(record)
         return step

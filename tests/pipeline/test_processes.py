@@ -236,6 +236,7 @@ def test_a_run_in_a_bucket_needs_no_shared_directory_and_resumes_on_another_host
     run continues from the bucket's checkpoint with nothing repeated or lost."""
     from asyncopd_jax.storage import open_store
     from tests.storage.fixtures import pointed_at
+    from tests.tracking.readers import mlflow_scalars, tensorboard_scalars
 
     server = request.getfixturevalue(f"{kind}_server")
     with pointed_at(kind, server.endpoint) as url:
@@ -245,6 +246,7 @@ def test_a_run_in_a_bucket_needs_no_shared_directory_and_resumes_on_another_host
             "stages.scoring_processes": 0,
             "train.steps": 8,
             "train.checkpoint_every": 4,
+            "logging.sinks": "[jsonl,tensorboard,mlflow]",  # their files travel with the run
         }
         trainer = Trainer(_config(models, tmp_path, **sets), progress=False)
         trainer.run()
@@ -260,6 +262,14 @@ def test_a_run_in_a_bucket_needs_no_shared_directory_and_resumes_on_another_host
         records = [json.loads(line) for line in bucket.read("metrics.jsonl").data.decode().splitlines()]
         assert [r["step"] for r in records] == list(range(1, 13))
         assert "checkpoints/12.commit" in bucket.list("checkpoints/")
+        # the sinks' records, as a third host reads them from the bucket: both incarnations, one run
+        copy = tmp_path / "host-c"
+        for key in bucket.list("tensorboard/") + ["mlflow.db", "tracking.json"]:
+            (copy / key).parent.mkdir(parents=True, exist_ok=True)
+            bucket.download(key, copy / key)
+        mlflow_run = json.loads((copy / "tracking.json").read_text())["mlflow"]
+        for sink, logged in [("tensorboard", tensorboard_scalars(copy)), ("mlflow", mlflow_scalars(copy, mlflow_run))]:
+            assert {s: len(v) for s, v in logged["train/loss"].items()} == dict.fromkeys(range(1, 13), 1), sink
 
 
 @pytest.mark.parametrize("role,stages", [ROLLOUT, _slow(SCORING)])

@@ -1,0 +1,79 @@
+"""Each sink's record read back with the sink's own reader: TensorBoard's event
+accumulator, W&B's record log decoded with W&B's protobuf schema, MLflow's client.
+Each returns ``{name: {step: [values]}}`` (a list: a step logged twice shows twice)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+Series = dict[str, dict[int, list[float]]]
+
+
+def tensorboard_scalars(run: Path) -> Series:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()  # honours purge_step: events of an earlier incarnation after it are dropped
+    out: Series = collections.defaultdict(lambda: collections.defaultdict(list))
+    for tag in events.Tags()["scalars"]:
+        for event in events.Scalars(tag):
+            out[tag][event.step].append(event.value)
+    return out
+
+
+# The record log W&B writes offline (run-<id>.wandb): a 7-byte header, then LevelDB's log
+# format — 32 KiB blocks of chunks, each `crc32 u32, length u16, type u8` then the bytes;
+# type 1 a whole record, 2/3/4 its first/middle/last piece — each record a `Record` message
+# of W&B's schema (wandb/proto/wandb_internal.proto).
+_HEADER, _BLOCK, _CHUNK = b":W&B\xe1\xbe\x00", 32768, 7
+
+
+def _wandb_records(path: Path) -> Iterator[bytes]:
+    data = path.read_bytes()
+    assert data[: len(_HEADER)] == _HEADER, f"{path}: not a W&B record log"
+    pos, pieces = len(_HEADER), b""
+    while pos + _CHUNK <= len(data):
+        if _BLOCK - pos % _BLOCK < _CHUNK:  # a block's tail too short for a chunk header: padding
+            pos += _BLOCK - pos % _BLOCK
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + _CHUNK])
+        pieces += data[pos + _CHUNK : pos + _CHUNK + length]
+        pos += _CHUNK + length
+        if kind in (1, 4):
+            yield pieces
+            pieces = b""
+
+
+def wandb_history(run: Path) -> list[Series]:
+    """Each offline run's history (one per incarnation, in the order they were written)."""
+    from wandb.proto import wandb_internal_pb2
+
+    incarnations = []
+    for log in sorted((run / "wandb").glob("offline-run-*/run-*.wandb")):
+        out: Series = collections.defaultdict(lambda: collections.defaultdict(list))
+        for data in _wandb_records(log):
+            record = wandb_internal_pb2.Record.FromString(data)
+            if record.WhichOneof("record_type") != "history":
+                continue
+            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+            step = int(items.pop("_step"))
+            for name, value in items.items():
+                if isinstance(value, (int, float)) and not name.startswith("_"):
+                    out[name][step].append(float(value))
+        incarnations.append(out)
+    return incarnations
+
+
+def mlflow_scalars(run: Path, run_id: str) -> Series:
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
+    out: Series = collections.defaultdict(lambda: collections.defaultdict(list))
+    for name in client.get_run(run_id).data.metrics:
+        for metric in client.get_metric_history(run_id, name):
+            out[name][metric.step].append(metric.value)
+    return out
