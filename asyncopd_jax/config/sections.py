@@ -474,7 +474,12 @@ class LoggingConfig:
     wandb_mode: Literal["auto", "online", "offline"] = "auto"
     # MLflow: "" = a SQLite store in the run directory (<run>/mlflow.db)
     mlflow_tracking_uri: str = ""
+    # answers in a table of samples (prompt, answer, per-token teacher KL) at each evaluation,
+    # for the sinks that show one (0: none)
+    samples: int = 4
 
     def __post_init__(self) -> None:
+        if self.samples < 0:
+            raise ValueError(f"logging.samples = {self.samples} is invalid; allowed: >= 0 (0: no table)")
         if "jsonl" not in self.sinks:
             raise ValueError(f"logging.sinks = {list(self.sinks)!r} is invalid; allowed: a list with jsonl (always on)")

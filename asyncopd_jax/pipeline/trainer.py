@@ -51,6 +51,8 @@ from asyncopd_jax.storage import join
 from asyncopd_jax.tracking import FILES as tracking_files
 from asyncopd_jax.tracking import RunInfo, Tracking
 from asyncopd_jax.tracking.hparams import run_hparams
+from asyncopd_jax.tracking.samples import COLUMNS as SAMPLE_COLUMNS
+from asyncopd_jax.tracking.samples import sample_table
 
 
 class Trainer:
@@ -349,6 +351,9 @@ class Trainer:
                 start = time.perf_counter()
                 record["eval_accuracy"] = self.evaluate_student()
                 record["eval_seconds"] = time.perf_counter() - start  # inside the next step's "time"
+                if self.leader and self.tracking.sinks and cfg.logging.samples:
+                    rows = sample_table(groups, self.data.tokenizer, cfg.logging.samples)
+                    self.tracking.table("samples", SAMPLE_COLUMNS, rows, step)
             if self.leader:
                 self.run_dir.append_metrics(record)
                 self.tracking.log(record)

@@ -11,8 +11,11 @@ at those steps (warned once).
 
 from __future__ import annotations
 
+import json
 import logging
+import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +73,14 @@ class MlflowSink:
 
     def image(self, name: str, path: Path, step: int) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path="images")
+
+    def table(self, name: str, columns: Sequence[str], rows: list[list], step: int) -> None:
+        """An artifact ``<name>/step_<step>.json`` in the layout of MLflow's tables
+        (``{"columns": …, "data": …}``); ``log_table`` itself needs pandas."""
+        with tempfile.TemporaryDirectory() as directory:
+            path = Path(directory, f"step_{step:08d}.json")
+            path.write_text(json.dumps({"columns": list(columns), "data": rows}))
+            self.client.log_artifact(self.run_id, str(path), artifact_path=name)
 
     def flush(self) -> None:
         pass  # every call is written at once

@@ -4,6 +4,7 @@ the backends implement it, :class:`~asyncopd_jax.tracking.sinks.Tracking` calls 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,6 +40,8 @@ class Sink(Protocol):
     def log(self, step: int, scalars: dict[str, float], histograms: dict[str, np.ndarray]) -> None: ...
 
     def image(self, name: str, path: Path, step: int) -> None: ...
+
+    def table(self, name: str, columns: Sequence[str], rows: list[list], step: int) -> None: ...
 
     def flush(self) -> None:
         """Write what the sink buffers (at every checkpoint: a killed run keeps its steps

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,10 @@ class Tracking:
     def image(self, name: str, path: Path, step: int) -> None:
         for sink_name, sink in list(self.sinks.items()):
             self._call(sink_name, sink.image, name, path, step)
+
+    def table(self, name: str, columns: Sequence[str], rows: list[list], step: int) -> None:
+        for sink_name, sink in list(self.sinks.items()):
+            self._call(sink_name, sink.table, name, columns, rows, step)
 
     def flush(self) -> None:
         for name, sink in list(self.sinks.items()):

@@ -8,6 +8,7 @@ Scalars are stored as float32 (TensorBoard's ``simple_value``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,12 @@ class TensorBoardSink:
 
         pixels = matplotlib.image.imread(path)  # [H, W, C] floats in [0, 1] for a PNG
         self.writer.add_image(name, pixels, step, dataformats="HWC")
+
+    def table(self, name: str, columns: Sequence[str], rows: list[list], step: int) -> None:
+        """TensorBoard has no tables: a Markdown table in its text tab."""
+        cells = [[str(c).replace("|", "\\|").replace("\n", " ") for c in row] for row in rows]
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        self.writer.add_text(name, "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells]), step)
 
     def flush(self) -> None:
         self.writer.flush()

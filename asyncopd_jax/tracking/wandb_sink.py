@@ -15,6 +15,7 @@ import netrc
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,9 @@ class WandbSink:
 
     def image(self, name: str, path: Path, step: int) -> None:
         self.run.log({name: self._wandb.Image(str(path))}, step=step)
+
+    def table(self, name: str, columns: Sequence[str], rows: list[list], step: int) -> None:
+        self.run.log({name: self._wandb.Table(columns=list(columns), data=rows)}, step=step)
 
     def flush(self) -> None:
         # W&B's service process writes the record log every FLUSH_S (by default every 15 s: a

@@ -77,3 +77,39 @@ def mlflow_scalars(run: Path, run_id: str) -> Series:
         for metric in client.get_metric_history(run_id, name):
             out[name][metric.step].append(metric.value)
     return out
+
+
+def tensorboard_text(run: Path, tag: str) -> dict[int, str]:
+    """The text TensorBoard shows under ``tag``, by step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    return {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors(f"{tag}/text_summary")}
+
+
+def wandb_table(run: Path, name: str, step: int) -> dict:
+    """The W&B table ``name`` logged at ``step`` (the newest offline run that has it): its
+    history item points at a JSON file in the run's files."""
+    from wandb.proto import wandb_internal_pb2
+
+    found = None
+    for log in sorted((run / "wandb").glob("offline-run-*/run-*.wandb")):
+        for data in _wandb_records(log):
+            record = wandb_internal_pb2.Record.FromString(data)
+            if record.WhichOneof("record_type") != "history":
+                continue
+            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+            if items.get("_step") == step and f"{name}/path" in items:  # the table's fields, flattened
+                found = json.loads((log.parent / "files" / items[f"{name}/path"]).read_text())
+    assert found is not None, f"no table {name} at step {step} in {run / 'wandb'}"
+    return found
+
+
+def mlflow_table(run: Path, run_id: str, artifact: str) -> dict:
+    """The MLflow table artifact ``artifact`` of run ``run_id``: ``{"columns", "data"}``."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
+    path = client.download_artifacts(run_id, artifact, str(run / "downloaded"))
+    return json.loads(Path(path).read_text())

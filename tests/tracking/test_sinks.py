@@ -23,8 +23,17 @@ from asyncopd_jax.config import LoggingConfig
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from asyncopd_jax.pipeline.trainer import Trainer
 from asyncopd_jax.tracking import RunInfo, Tracking, grouped
+from asyncopd_jax.tracking.samples import COLUMNS as SAMPLE_COLUMNS
 from tests.pipeline.test_trainer import _config, models  # noqa: F401 - fixture
-from tests.tracking.readers import Series, mlflow_scalars, tensorboard_scalars, wandb_history
+from tests.tracking.readers import (
+    Series,
+    mlflow_scalars,
+    mlflow_table,
+    tensorboard_scalars,
+    tensorboard_text,
+    wandb_history,
+    wandb_table,
+)
 
 ALL = "[jsonl,tensorboard,wandb,mlflow]"
 
@@ -72,6 +81,21 @@ def test_every_metric_reaches_each_sink_and_a_resume_drops_what_metrics_jsonl_dr
     assert len(incarnations) == 2  # the killed run's record log and the resumed one's, one id
     assert max(incarnations[0]["train/loss"]) > resumed_from  # it had logged past the checkpoint
     _equal_to_metrics(records, _latest_wins(incarnations), "wandb")
+    # the table of sample answers at the last evaluation: four rows, each answer's KL mean
+    # that of its tokens' (3 decimals each); TensorBoard shows it as text
+    columns = list(SAMPLE_COLUMNS)
+    tables = [
+        ("wandb", wandb_table(run, "samples", 12)),
+        ("mlflow", mlflow_table(run, ids["mlflow"], "samples/step_00000012.json")),
+    ]
+    for sink, table in tables:
+        assert table["columns"] == columns, sink
+        rows = [dict(zip(columns, values)) for values in table["data"]]
+        assert len(rows) == 4 and all(r["prompt"] and r["kl_per_token"] for r in rows), (sink, rows)
+        for r in rows:
+            kl = [float(cell.rsplit("(", 1)[1][:-1]) for cell in r["kl_per_token"].split(" ")]
+            assert abs(np.mean(kl) - r["kl_mean"]) < 1e-3, (sink, r)
+    assert rows[0]["prompt"] in tensorboard_text(run, "samples")[12]
     # the eval curve starts at step 0 (before training) in each
     for series in (tensorboard_scalars(run), mlflow_scalars(run, ids["mlflow"])):
         assert 0 in series["eval/accuracy"] and 12 in series["eval/accuracy"]
