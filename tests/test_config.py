@@ -579,3 +579,17 @@ def test_a_saved_config_with_a_field_under_both_names_is_refused(tmp_path):
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match="holds both estimator.mc_clip_eps and estimator.mc.clip_eps"):
         migrate_saved_config(path)
+
+
+def test_a_served_teacher_or_a_teacher_list_given_by_override_replaces_the_files_teacher():
+    """The demo config's teacher.path is builtin:teacher: a URL or a list of teachers on the
+    command line is enough (the README's commands), unless teacher.path is set with it."""
+    served = load_config(DEMO_CONFIG, ["teacher.server.url=http://h:8000"])
+    assert (served.teacher.path, served.teacher.server.url) == ("", "http://h:8000")
+    listed = load_config(DEMO_CONFIG, ["teachers=[{name: a, path: builtin:teacher}, {name: b, path: builtin:teacher}]"])
+    assert listed.teacher.path == "" and [t.name for t in listed.teachers] == ["a", "b"]
+    assert load_config(DEMO_CONFIG, ["teacher.server.url=''"]).teacher.path == "builtin:teacher"  # no URL: kept
+    with pytest.raises(
+        ConfigError, match=r"^teacher.path = 'builtin:teacher' and teacher.server.url = 'http://h:8000' are"
+    ):
+        load_config(DEMO_CONFIG, ["teacher.server.url=http://h:8000", "teacher.path=builtin:teacher"])

@@ -187,7 +187,24 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
         node[parts[-1]] = yaml.safe_load(raw)
+    _command_line_teacher_replaces_the_files(data, {item.split("=", 1)[0].strip() for item in overrides})
     return data
+
+
+def _command_line_teacher_replaces_the_files(data: dict[str, Any], keys: set[str]) -> None:
+    """A served teacher (``teacher.server.url``) or a list of ``teachers`` given by override,
+    where the overrides leave ``teacher.path`` alone, replaces the config file's in-process
+    teacher: ``--set teacher.server.url=http://host:8000`` is enough with the demo config
+    (whose ``teacher.path`` would otherwise make two teachers). Both in one file, or both by
+    override, are still refused by the config's rules."""
+    if "teacher.path" in keys:
+        return
+    teacher = data.get("teacher")
+    server = teacher.get("server") if isinstance(teacher, dict) else None
+    served = "teacher.server.url" in keys and isinstance(server, dict) and server.get("url")
+    listed = "teachers" in keys and data.get("teachers")
+    if (served or listed) and isinstance(teacher, dict):
+        teacher["path"] = ""
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:

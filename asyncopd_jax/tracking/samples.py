@@ -30,8 +30,10 @@ def sample_table(groups: Sequence[RolloutGroup], tokenizer: PreTrainedTokenizerB
         batch = group.batch
         prompts, prompt_masks = np.asarray(batch.prompt_tokens), np.asarray(batch.prompt_mask, bool)
         answers, masks = np.asarray(batch.response_tokens), np.asarray(batch.response_mask, bool)
-        per_token = group.cache is not None and group.cache.span_end is None
-        gap = np.asarray(batch.behavior_logp) - np.asarray(group.cache.token_logp) if per_token else None
+        cache = group.cache
+        gap = None  # unscored, or scored by spans: no per-token score
+        if cache is not None and cache.span_end is None:
+            gap = np.asarray(batch.behavior_logp) - np.asarray(cache.token_logp)
         for row in range(group.size):
             if len(table) == rows:
                 return table

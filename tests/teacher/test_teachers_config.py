@@ -34,8 +34,8 @@ def test_two_teachers_each_with_its_own_settings():
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (
-            TWO[1:],
+        (  # teachers given by override replace the file's teacher, unless teacher.path is set with them
+            ["teacher.path=builtin:teacher", *TWO[1:]],
             r"^teacher.path = 'builtin:teacher' / teacher.server.url = '' is set with teachers \(2 listed\); "
             r"allowed: one of them",
         ),
