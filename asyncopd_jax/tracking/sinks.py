@@ -17,8 +17,11 @@ the checkpoint's step, and drops what it logged after that step where the backen
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import queue
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,12 +55,17 @@ def _opener(name: str) -> Callable[[RunInfo], Sink]:
 
 
 class Tracking:
-    """The run's sinks, each called in turn; a sink that raises is warned about once and
-    dropped (``failed`` says which, with the reason)."""
+    """The run's sinks, called in turn on a thread of their own, so the learner's step never
+    waits for them (a write to W&B's service or MLflow's database takes milliseconds;
+    inline, three sinks slowed the demo's learner by about a fifth). A sink that raises is
+    warned about once and dropped (``failed`` says which, with the reason). :meth:`flush`
+    and :meth:`close` return once everything submitted before them is written."""
 
     def __init__(self, sinks: Mapping[str, Sink] | None = None):
-        self.sinks: dict[str, Sink] = dict(sinks or {})
+        self.sinks: dict[str, Sink] = dict(sinks or {})  # changed on the worker only, once it runs
         self.failed: dict[str, str] = {}
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
 
     @classmethod
     def open(cls, info: RunInfo) -> Tracking:
@@ -91,25 +99,48 @@ class Tracking:
                 "the %s sink failed (%s); the run goes on without it (metrics.jsonl has every metric)", name, reason
             )
 
-    def log(self, record: Mapping[str, Any]) -> None:
-        """One ``metrics.jsonl`` record, at its ``step``."""
-        scalars, histograms = grouped(record)
+    def _submit(self, method: str, *args: Any) -> None:
+        """Call ``method(*args)`` of every sink on the worker thread (started on first use)."""
+        if not self.sinks:
+            return
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="metric-sinks", daemon=True)
+            self._worker.start()
+        self._queue.put(functools.partial(self._each, method, *args))
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            job()
+            self._queue.task_done()
+        self._queue.task_done()
+
+    def _each(self, method: str, *args: Any) -> None:
         for name, sink in list(self.sinks.items()):
-            self._call(name, sink.log, int(record["step"]), scalars, histograms)
+            self._call(name, getattr(sink, method), *args)
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        """One ``metrics.jsonl`` record, at its ``step`` (grouped here: the record may change)."""
+        scalars, histograms = grouped(record)
+        self._submit("log", int(record["step"]), scalars, histograms)
 
     def image(self, name: str, path: Path, step: int) -> None:
-        for sink_name, sink in list(self.sinks.items()):
-            self._call(sink_name, sink.image, name, path, step)
+        self._submit("image", name, path, step)
 
     def table(self, name: str, columns: Sequence[str], rows: list[list], step: int) -> None:
-        for sink_name, sink in list(self.sinks.items()):
-            self._call(sink_name, sink.table, name, columns, rows, step)
+        self._submit("table", name, list(columns), rows, step)
 
     def flush(self) -> None:
-        for name, sink in list(self.sinks.items()):
-            self._call(name, sink.flush)
+        """Write everything logged so far (each sink's own buffers too) before returning."""
+        self._submit("flush")
+        if self._worker is not None:
+            self._queue.join()
 
     def close(self) -> None:
-        for name, sink in list(self.sinks.items()):
-            self._call(name, sink.close)
+        """Write everything, close each sink, stop the worker."""
+        self._submit("close")
+        if self._worker is not None:
+            self._queue.put(None)
+            self._queue.join()
+            self._worker.join()
+            self._worker = None
         self.sinks.clear()

@@ -126,12 +126,35 @@ def test_a_sink_that_fails_mid_run_is_warned_about_once_and_dropped(caplog):
     with caplog.at_level(logging.WARNING):
         for step in range(1, 6):
             tracking.log({"step": step, "loss": 1.0})
+        tracking.flush()  # the sinks run on a thread of their own: wait for it
     warnings = [r.getMessage() for r in caplog.records if "sink failed" in r.getMessage()]
     assert warnings == [
         "the tensorboard sink failed (OSError: No space left on device); the run goes on without it "
         "(metrics.jsonl has every metric)"
     ]
     assert (broken.logged, fine.logged) == (1, 5) and list(tracking.sinks) == ["wandb"]
+    tracking.close()
+    assert tracking._worker is None and not tracking.sinks
+
+
+def test_the_learner_does_not_wait_for_a_slow_sink():
+    """log returns before the sink has written; flush waits for it."""
+    import threading
+
+    release, written = threading.Event(), []
+
+    class Slow(_Broken):
+        def log(self, step, scalars, histograms):
+            release.wait(10)
+            written.append(step)
+
+    tracking = Tracking({"wandb": Slow("never")})
+    tracking.log({"step": 1, "loss": 1.0})
+    assert written == []  # the caller went on while the sink waits
+    release.set()
+    tracking.flush()
+    assert written == [1]
+    tracking.close()
 
 
 @pytest.mark.e2e
