@@ -28,7 +28,7 @@ from asyncopd_jax.config import save_config
 from asyncopd_jax.pipeline.placements.stage_processes import StageFailed
 from asyncopd_jax.pipeline.staleness import PipelineStopped
 from asyncopd_jax.pipeline.trainer import Trainer
-from asyncopd_jax.storage import open_store, records
+from asyncopd_jax.storage import Store, open_store, records
 from tests.pipeline.test_processes import ROLLOUT, SCORING, _slow
 from tests.pipeline.test_trainer import _config, models  # noqa: F401 - fixture
 from tests.storage import servers
@@ -75,6 +75,19 @@ class _Nth:
             self.hit.set()
             return True
         return False
+
+
+def _after_the_learner_died(url: str, stages: set[int]) -> Store:
+    """Once the learner is killed: its stage processes exit by themselves (within 30 s), and
+    the upload the proxy held lands after its writer died; the run's bucket."""
+    from tests.scenarios.test_kill_resume import _alive
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(p) for p in stages):
+        time.sleep(0.1)
+    assert stages and not any(_alive(p) for p in stages), "stage processes outlived their learner"
+    time.sleep(5.0)  # the held upload lands after its writer died
+    return open_store(f"{url}/t")
 
 
 def _scored_commit(seen: servers.Seen) -> bool:
@@ -201,7 +214,7 @@ def test_the_learner_killed_mid_checkpoint_upload_resumes_from_the_last_committe
     ``--resume s3://…`` on another host (a fresh staging directory), the run continues from
     step 4 and ends with every step once and no group learned twice."""
     from tests.pipeline.test_processes import _children
-    from tests.scenarios.test_kill_resume import _alive, _cli
+    from tests.scenarios.test_kill_resume import _cli
 
     proxy = servers.Proxy(s3_server.port)
     held = _Nth(lambda s: s.method == "PUT" and "/t/checkpoints/8/" in s.path, 1)
@@ -226,12 +239,7 @@ def test_the_learner_killed_mid_checkpoint_upload_resumes_from_the_last_committe
         finally:
             if learner.poll() is None:
                 os.killpg(learner.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(_alive(p) for p in stages):
-            time.sleep(0.1)
-        assert stages and not any(_alive(p) for p in stages), "stage processes outlived their learner"
-        bucket = open_store(f"{url}/t")
-        time.sleep(5.0)  # the held upload lands after its writer died
+        bucket = _after_the_learner_died(url, stages)
         assert "checkpoints/4.commit" in bucket.list("checkpoints/")
         assert "checkpoints/8.commit" not in bucket.list("checkpoints/")
         assert any(k.startswith("checkpoints/8/") for k in bucket.list("checkpoints/"))  # partial
@@ -257,7 +265,6 @@ def test_a_learner_over_two_processes_killed_mid_checkpoint_resumes_on_other_hos
     twice, each checkpoint in two parts committed by process 0. CI's e2e step, ~1 min."""
     from tests.pipeline.test_multi_process_learner import learner_processes, learners_finish
     from tests.pipeline.test_processes import _children
-    from tests.scenarios.test_kill_resume import _alive
 
     proxy = servers.Proxy(s3_server.port)
     held = _Nth(lambda s: s.method == "PUT" and "/t/checkpoints/8/p1/" in s.path, 1)
@@ -298,12 +305,7 @@ def test_a_learner_over_two_processes_killed_mid_checkpoint_resumes_on_other_hos
             for p in procs:
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(_alive(p) for p in stages):
-            time.sleep(0.1)
-        assert stages and not any(_alive(p) for p in stages), "stage processes outlived their learner"
-        bucket = open_store(f"{url}/t")
-        time.sleep(5.0)  # the held upload lands after its writer died
+        bucket = _after_the_learner_died(url, stages)
         keys = bucket.list("checkpoints/")
         assert "checkpoints/4.commit" in keys and "checkpoints/8.commit" not in keys, keys
         assert {k.split("/")[2] for k in keys if k.startswith("checkpoints/4/")} == {"p0", "p1"}
