@@ -142,3 +142,19 @@ def test_bench_delta_sync_measures_a_delta_per_published_version(tmp_path):
     (result,) = json.loads(out.read_text())
     assert result["versions"] == 3 and len(result["rows"]) == 3 and result["publish_dtype"] == "bfloat16"
     assert 0 < result["delta_bytes_mean"] < result["full_bytes"], result
+
+
+def test_bench_eval_times_no_eval_inline_and_background_in_one_run():
+    """The demo three ways: each arm's learning steps/s and its evaluations (at 4, 8, 12)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_eval.py")]
+        + ["--steps", "12", "--every", "4", "--rounds", "1", "--prompts", "32", "--skip", "2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line[:12].strip(): line[12:].split() for line in done.stdout.splitlines()[2:5]}
+    assert [rows[arm][2] for arm in ("no eval", "inline", "background")] == ["1", "3", "3"], done.stdout
+    assert all(float(rows[arm][0]) > 0 for arm in rows), done.stdout
+    assert "background / inline learning steps/s: " in done.stdout

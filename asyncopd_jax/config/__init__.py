@@ -26,6 +26,7 @@ from asyncopd_jax.config.run_config import RunConfig
 from asyncopd_jax.config.sections import (
     TEACHER_NAME,
     DistributedConfig,
+    EvalConfig,
     ExtrapolationConfig,
     LearnerConfig,
     LoggingConfig,
@@ -49,6 +50,7 @@ __all__ = [
     "ConfigError",
     "DistributedConfig",
     "EstimatorConfig",
+    "EvalConfig",
     "ExtrapolationConfig",
     "IdList",
     "LearnerConfig",

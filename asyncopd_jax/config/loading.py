@@ -135,8 +135,9 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 # Fields a resumed run may change (``asyncopd train --resume DIR --set …``): how long it
-# runs, what it logs, how its learner processes find each other (each process of a learner
-# over several sets its own process_id), never what it computes. ``section.*``: every field.
+# runs, what it logs, how it evaluates, how its learner processes find each other (each
+# process of a learner over several sets its own process_id), never what it computes.
+# ``section.*``: every field.
 SAFE_ON_RESUME = (
     "train.steps",
     "train.eval_every",
@@ -146,6 +147,7 @@ SAFE_ON_RESUME = (
     "train.update_geometry_every",
     "distributed.*",
     "logging.*",
+    "eval.*",
 )
 
 

@@ -10,6 +10,7 @@ from typing import Literal
 from asyncopd_jax.config.rules import validate
 from asyncopd_jax.config.sections import (
     DistributedConfig,
+    EvalConfig,
     LearnerConfig,
     LoggingConfig,
     ModelSource,
@@ -55,6 +56,7 @@ class RunConfig:
     stages: StagesConfig = StagesConfig()
     distributed: DistributedConfig = DistributedConfig()
     train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
     rl: RLConfig = RLConfig()
 

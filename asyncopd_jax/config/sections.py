@@ -462,6 +462,23 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """How the held-out set is evaluated every ``train.eval_every`` steps (and at the last).
+
+    ``inline``: the learner stops while the current weights are evaluated; the step's
+    record carries ``eval_accuracy``. ``background``: a copy of the weights of the version
+    just published is evaluated on a worker thread while learning goes on; the result is
+    a record of its own, ``{"step": v, "eval_accuracy", "eval_version": v, …}``, written
+    when it is ready (metrics.jsonl is then not in step order). The learner waits for it
+    only at a checkpoint (a resumed run has every evaluation the checkpoint covers), at
+    the end, or when the evaluation before it is still running (one runs, one waits).
+    Both evaluate the learner's weights (not the published dtype): the same version gives
+    the same figure in either mode."""
+
+    mode: Literal["inline", "background"] = "inline"
+
+
+@dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     """Where the run's metrics go (asyncopd_jax.tracking). ``metrics.jsonl`` is always
     written; the others (each an extra: tensorboard, wandb, mlflow) get the same records

@@ -27,7 +27,7 @@ class ProgressBar:
 
     def __init__(self, start: int, total: int, enabled: bool):
         self.bar = None
-        self.last_eval = None
+        self.last_eval: float | None = None
         if enabled:
             from tqdm import tqdm
 

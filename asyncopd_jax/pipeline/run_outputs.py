@@ -75,6 +75,13 @@ def _each_process_handlers() -> dict[str, ocp.CheckpointHandler]:
     }
 
 
+def optimizer_step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of optimizer steps, in step order, from ``metrics.jsonl``'s records: a
+    background evaluation (``eval.mode: background``) writes records of its own (no
+    ``loss``), later than the steps after its version."""
+    return [r for r in records if "loss" in r]
+
+
 class RunDir:
     """``config.yaml``, ``metrics.jsonl``, ``trace.json``, ``checkpoints/``, ``report.png``,
     ``summary.json``: in a local directory, or staged here and uploaded to a bucket (see
@@ -381,7 +388,8 @@ class RunDir:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        records = self.read_metrics()
+        everything = self.read_metrics()
+        records = optimizer_step_records(everything)
         steps = np.array([r["step"] for r in records])
         fig, axes = plt.subplots(2, 2, figsize=(11, 7))
         panels = [
@@ -403,7 +411,7 @@ class RunDir:
             ax.legend(fontsize=8)
         ax = axes[1, 0]
         summary = self.read_summary()
-        evals = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
+        evals = sorted((r["step"], r["eval_accuracy"]) for r in everything if "eval_accuracy" in r)
         if "student_before" in summary:
             evals = [(0, summary["student_before"])] + evals
         if evals:

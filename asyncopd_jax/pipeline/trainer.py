@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from asyncopd_jax.config import RunConfig
@@ -36,6 +37,7 @@ from asyncopd_jax.learner import TrainState, distributed
 from asyncopd_jax.learner.faults import nonfinite_step_error, step_is_finite
 from asyncopd_jax.models import save_pretrained
 from asyncopd_jax.pipeline.compose import build_process, start_stages
+from asyncopd_jax.pipeline.evaluation import BackgroundEval, EvalResult
 from asyncopd_jax.pipeline.exchange import Exchange
 from asyncopd_jax.pipeline.heap import HeapTrimmer
 from asyncopd_jax.pipeline.layout import LEARNER_PROCESS, Layout, describe, plan_layout
@@ -91,6 +93,15 @@ class Trainer:
         self.nonfinite_rows_total = 0
         self.last_checkpoint: tuple[int, Path] | None = None
         self._published: dict[str, int] = {}  # the last committed snapshot's bytes, for the next record
+        # Evaluation (eval.mode): the last version evaluated (every process knows it) and its
+        # accuracy (the leader's, once measured); in the background, the leader's worker and
+        # whether the version the current batch publishes is due.
+        self.evaluated_version: int | None = None
+        self.evaluated_accuracy = float("nan")
+        in_background = cfg.eval.mode == "background" and self.leader
+        self.background = BackgroundEval(self._accuracy, self.tracer) if in_background else None
+        self._eval_due = False
+        self.bar: ProgressBar | None = None
         if resume:
             self._resume()
         else:
@@ -141,13 +152,52 @@ class Trainer:
 
     # --- evaluation ---------------------------------------------------------------------
 
+    def _accuracy(self, params: nnx.State) -> float:
+        """Held-out accuracy of the student with ``params`` (host arrays, or the background
+        worker's copy on the learner's devices: read to the host here, on its thread)."""
+        return self.data.accuracy(self.learner.graphdef, jax.device_get(params))
+
     def evaluate_student(self) -> float:
         """Held-out accuracy of the current student (computed by the leader; every process
         takes part in gathering the parameters and gets the leader's figure)."""
         with self.tracer.span("eval"):
             params = distributed.gather(self.learner.state.params)
-            accuracy = self.data.accuracy(self.learner.graphdef, params) if self.leader else 0.0
+            accuracy = self._accuracy(params) if self.leader else 0.0
+            self.evaluated_version, self.evaluated_accuracy = self.learner.version, accuracy
             return distributed.from_leader(accuracy)
+
+    def _evaluate_in_background(self, version: int) -> None:
+        """Hand the learner's weights, just published as ``version``, to the background
+        worker (the leader's; a learner over several processes: all take part in the gather)."""
+        params = self.learner.state.params
+        # the worker's own copy pins the version: the learner donates its buffers at the next step
+        pinned = distributed.gather(params) if self.multi_process else jax.tree_util.tree_map(jnp.copy, params)
+        if self.background is not None:
+            self.background.submit(version, pinned)
+        self.evaluated_version = version
+
+    def _write_evals(self, results: list[EvalResult]) -> None:
+        """Background evaluations' records, into metrics.jsonl and the sinks (the leader)."""
+        for result in results:
+            record = result.record()
+            self.run_dir.append_metrics(record)
+            self.tracking.log(record)
+            self.evaluated_accuracy = result.accuracy
+            if self.bar is not None:
+                self.bar.last_eval = result.accuracy
+
+    def _drain_evals(self) -> None:
+        """Wait for every background evaluation submitted and write it (a checkpoint: the
+        run it resumes has each evaluation up to its step; the end: the last version's)."""
+        if self.background is not None:
+            self._write_evals(self.background.drain())
+
+    def _student_after(self) -> float:
+        """The trained student's accuracy: the evaluation of the last version where the
+        run made one (the leader's figure, on every process), else measured now."""
+        if self.evaluated_version == self.learner.version:
+            return distributed.from_leader(self.evaluated_accuracy if self.leader else 0.0)
+        return self.evaluate_student()
 
     def _teacher_accuracies(self) -> dict[str, float]:
         """Each in-process teacher's held-out accuracy, by name, from the stage that holds
@@ -186,7 +236,8 @@ class Trainer:
             summary = {"student_before": self.evaluate_student()}
             if self.leader:
                 self.run_dir.write_summary(summary)
-                self.tracking.log({"step": 0, **summary})  # the eval curve starts at step 0
+                # the eval curve starts at step 0
+                self.tracking.log({"step": 0, **summary, "eval_version": self.learner.version})
         self.probes.start()
         buffer = StalenessBuffer(
             cfg.learner.batch_size, self.eta, cfg.learner.mini_batches, first_version=self.learner.version
@@ -196,7 +247,7 @@ class Trainer:
         self._publish_weights(snapshots, version)
         snapshots.wait_for(version)
         self.stages = stages = self._start_stages(buffer)
-        bar = ProgressBar(self.start_step, cfg.train.steps, enabled=self.progress and self.leader)
+        self.bar = bar = ProgressBar(self.start_step, cfg.train.steps, enabled=self.progress and self.leader)
         step, throughput, trim_heap = self.start_step, Throughput(), HeapTrimmer()  # trim: RSS flat over days
         # Ctrl-C sets a flag read between steps: a KeyboardInterrupt raised wherever the main thread
         # happens to be was seen swallowed (a CI run kept training after SIGINT; docs/reliability.md).
@@ -221,16 +272,21 @@ class Trainer:
                 # the version before it is committed now (one write in flight at a time):
                 # its bytes go into the next step's record (stored snapshots in objects only)
                 self._published = dict(getattr(snapshots, "last_published", {}))
+                if self._eval_due:  # a step of this batch was due: evaluate what it published
+                    self._evaluate_in_background(version)
+                    self._eval_due = False
+                if self.background is not None:
+                    self._write_evals(self.background.finished())
                 buffer.finish_batch()
                 if step // cfg.train.checkpoint_every > last_checkpoint_slot or step >= cfg.train.steps:
                     self._checkpoint(step)
                 trim_heap()
         except KeyboardInterrupt:
             self._checkpoint(step)
-            self.tracking.close()
+            self._close_outputs()
             raise
         except BaseException:
-            self.tracking.close()  # what the sinks hold is written
+            self._close_outputs()
             raise
         finally:
             if previous_sigint is not None:
@@ -244,16 +300,26 @@ class Trainer:
                 shutil.rmtree(self.snapshot_dir, ignore_errors=True)  # RAM; the checkpoints are the record
         return self._finish(summary, step, buffer)
 
+    def _close_outputs(self) -> None:
+        """A run that stops early: what the sinks hold is written; waiting evaluations are
+        dropped (the checkpoint a resume starts from has every evaluation before it)."""
+        if self.background is not None:
+            self.background.close()
+        self.tracking.close()
+
     def _finish(self, summary: dict[str, Any], step: int, buffer: StalenessBuffer) -> dict[str, Any]:
         """The trained student in Hugging Face layout, the summary and the report."""
         cfg = self.cfg
+        self._drain_evals()  # the last version's (always evaluated)
+        if self.background is not None:
+            self.background.close()
         student = nnx.merge(self.learner.graphdef, distributed.gather(self.learner.state.params))
         # a resumed run's (the leader's summary.json: every process must agree for the collective)
         measured = bool(distributed.from_leader(int(any(key.startswith("teacher_accuracy") for key in summary))))
         summary = {
             **({} if measured else self._teacher_summary()),
             **summary,
-            "student_after": self.evaluate_student(),
+            "student_after": self._student_after(),
             "steps": step,
             "dropped_stale": buffer.dropped_stale,
             "dropped_future": buffer.dropped_future,
@@ -285,6 +351,7 @@ class Trainer:
                 "unlearned": self.stages.unlearned(),
                 "nonfinite_rows_total": self.nonfinite_rows_total,
             }
+            self._drain_evals()
             self.tracking.flush()  # the sinks hold every step the checkpoint covers
             self.run_dir.save_checkpoint(step, self.learner.state, meta)
         self.last_checkpoint = (step, self._checkpoint_path(step))
@@ -348,9 +415,13 @@ class Trainer:
             record.update(self._published)
             probe, self._published = {}, {}  # on the first step of the batch only
             if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
-                start = time.perf_counter()
-                record["eval_accuracy"] = self.evaluate_student()
-                record["eval_seconds"] = time.perf_counter() - start  # inside the next step's "time"
+                if cfg.eval.mode == "inline":
+                    start = time.perf_counter()
+                    record["eval_accuracy"] = self.evaluate_student()
+                    record["eval_seconds"] = time.perf_counter() - start  # inside the next step's "time"
+                    record["eval_version"] = learner.version
+                else:  # the version this batch publishes, on the background worker
+                    self._eval_due = True
                 if self.leader and self.tracking.sinks and cfg.logging.samples:
                     rows = sample_table(groups, self.data.tokenizer, cfg.logging.samples)
                     self.tracking.table("samples", SAMPLE_COLUMNS, rows, step)

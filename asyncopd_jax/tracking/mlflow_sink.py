@@ -35,6 +35,8 @@ class MlflowSink:
 
         own_store = not info.settings.mlflow_tracking_uri
         uri = f"sqlite:///{info.directory / DATABASE}" if own_store else info.settings.mlflow_tracking_uri
+        if own_store and not (info.directory / DATABASE).exists():
+            _forget_store()
         self.client = mlflow.MlflowClient(tracking_uri=uri)
         run_id = info.ids.get("mlflow") if info.start_step else None
         if run_id is None:
@@ -93,6 +95,15 @@ class MlflowSink:
         engine = getattr(self.client._tracking_client.store, "engine", None)
         if engine is not None:
             engine.dispose()
+
+
+def _forget_store() -> None:
+    """Make MLflow open its stores anew. It keeps one store per URI for the process's life
+    and creates a database's tables when it opens the store: a run's database file deleted
+    since (the run started afresh in this process) would be used without its tables."""
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+    _tracking_store_registry._get_store_with_resolved_uri.cache_clear()
 
 
 def _drop_after(client, run_id: str, step: int) -> None:

@@ -25,6 +25,7 @@ RENAMED = {
     "rollout_accuracy": "rollout/accuracy",
     "eval_accuracy": "eval/accuracy",
     "eval_seconds": "eval/seconds",
+    "eval_version": "eval/version",  # the policy version evaluated (eval.mode: background)
     "student_before": "eval/accuracy",  # logged at step 0: the curve starts there
     "teacher_accuracy": "eval/teacher_accuracy",
 }

@@ -23,6 +23,10 @@ import numpy as np
 from asyncopd_jax.tracking.sink import RunInfo
 
 FLUSH_S = 0.25  # W&B's record log is written this often (x_transaction_log_flush_interval)
+# W&B's step only goes forward, and a background evaluation's record (eval.mode: background)
+# arrives after the steps that followed its version: eval/… metrics carry their own step,
+# the x axis of their charts (W&B's define_metric).
+EVAL_STEP = "eval/step"
 
 
 def _logged_in() -> bool:
@@ -67,19 +71,29 @@ class WandbSink:
             reinit="create_new",
             **kwargs,
         )
+        self.run.define_metric(EVAL_STEP)
+        self.run.define_metric("eval/*", step_metric=EVAL_STEP)
+        self.step = info.start_step  # the newest step logged
+
+    def _log(self, data: dict, step: int) -> None:
+        """``data`` at ``step``; a step already passed goes in at the newest (eval/… at their own)."""
+        if any(name.startswith("eval/") for name in data):
+            data[EVAL_STEP] = step
+        self.step = max(self.step, step)
+        self.run.log(data, step=self.step)
 
     def log(self, step: int, scalars: dict[str, float], histograms: dict[str, np.ndarray]) -> None:
         data: dict = dict(scalars)
         for name, counts in histograms.items():
             edges = np.arange(counts.size + 1) - 0.5
             data[name] = self._wandb.Histogram(np_histogram=(counts.tolist(), edges.tolist()))
-        self.run.log(data, step=step)
+        self._log(data, step)
 
     def image(self, name: str, path: Path, step: int) -> None:
-        self.run.log({name: self._wandb.Image(str(path))}, step=step)
+        self._log({name: self._wandb.Image(str(path))}, step)
 
     def table(self, name: str, columns: Sequence[str], rows: list[list], step: int) -> None:
-        self.run.log({name: self._wandb.Table(columns=list(columns), data=rows)}, step=step)
+        self._log({name: self._wandb.Table(columns=list(columns), data=rows)}, step)
 
     def flush(self) -> None:
         # W&B's service process writes the record log every FLUSH_S (by default every 15 s: a

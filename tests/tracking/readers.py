@@ -61,9 +61,11 @@ def wandb_history(run: Path) -> list[Series]:
                 continue
             items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
             step = int(items.pop("_step"))
+            eval_step = items.pop("eval/step", None)  # eval/… charts' own x axis (wandb_sink.EVAL_STEP)
             for name, value in items.items():
                 if isinstance(value, (int, float)) and not name.startswith("_"):
-                    out[name][step].append(float(value))
+                    at = int(eval_step) if eval_step is not None and name.startswith("eval/") else step
+                    out[name][at].append(float(value))
         incarnations.append(out)
     return incarnations
 
@@ -113,3 +115,43 @@ def mlflow_table(run: Path, run_id: str, artifact: str) -> dict:
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
     path = client.download_artifacts(run_id, artifact, str(run / "downloaded"))
     return json.loads(Path(path).read_text())
+
+
+def tensorboard_images(run: Path) -> dict[str, dict[int, list[tuple[int, int]]]]:
+    """Each image TensorBoard shows: ``{tag: {step: [(width, height)]}}``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    out: dict = collections.defaultdict(lambda: collections.defaultdict(list))
+    for tag in events.Tags()["images"]:
+        for event in events.Images(tag):
+            out[tag][event.step].append((event.width, event.height))
+    return out
+
+
+def wandb_images(run: Path) -> dict[str, dict[int, list[tuple[int, int]]]]:
+    """Each image in the W&B record logs: ``{name: {step: [(width, height)]}}``."""
+    from wandb.proto import wandb_internal_pb2
+
+    out: dict = collections.defaultdict(lambda: collections.defaultdict(list))
+    for log in sorted((run / "wandb").glob("offline-run-*/run-*.wandb")):
+        for data in _wandb_records(log):
+            record = wandb_internal_pb2.Record.FromString(data)
+            if record.WhichOneof("record_type") != "history":
+                continue
+            # an image's fields come flattened: NAME/_type = "image-file", NAME/width, NAME/height, …
+            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+            for key, value in items.items():
+                if key.endswith("/_type") and value == "image-file":
+                    name = key.removesuffix("/_type")
+                    out[name][int(items["_step"])].append((items[f"{name}/width"], items[f"{name}/height"]))
+    return out
+
+
+def mlflow_artifacts(run: Path, run_id: str, folder: str) -> list[str]:
+    """The paths of run ``run_id``'s artifacts under ``folder``."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
+    return sorted(f.path for f in client.list_artifacts(run_id, folder))

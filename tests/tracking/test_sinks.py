@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from asyncopd_jax.config import LoggingConfig
-from asyncopd_jax.pipeline.run_outputs import RunDir
+from asyncopd_jax.pipeline.run_outputs import RunDir, optimizer_step_records
 from asyncopd_jax.pipeline.trainer import Trainer
 from asyncopd_jax.tracking import RunInfo, Tracking, grouped
 from asyncopd_jax.tracking.samples import COLUMNS as SAMPLE_COLUMNS
@@ -46,7 +46,7 @@ def _equal_to_metrics(records: list[dict], logged: Series, sink: str) -> None:
             got = logged.get(name, {}).get(record["step"])
             assert got is not None and len(got) == 1, (sink, name, record["step"], got)
             assert np.float32(got[0]) == np.float32(value), (sink, name, record["step"], got[0], value)
-    assert sorted(logged["train/loss"]) == [r["step"] for r in records], sink
+    assert sorted(logged["train/loss"]) == [r["step"] for r in optimizer_step_records(records)], sink
 
 
 def _latest_wins(incarnations: list[Series]) -> Series:
@@ -65,7 +65,14 @@ def test_every_metric_reaches_each_sink_and_a_resume_drops_what_metrics_jsonl_dr
     cfg = _config(
         models,
         tmp_path,
-        **{"logging.sinks": ALL, "schedule.mode": "sync", "train.steps": 12, "train.checkpoint_every": 4},
+        **{
+            "logging.sinks": ALL,
+            "schedule.mode": "sync",
+            "train.steps": 12,
+            "train.checkpoint_every": 4,
+            "train.eval_every": 3,
+            "eval.mode": "background",  # its records come after later steps' (W&B: at eval/step)
+        },
     )
     run, reached, _ = _kill_at_random(cfg, tmp_path, seed=3)
     resumed_from = RunDir(run).latest_checkpoint()
@@ -73,7 +80,10 @@ def test_every_metric_reaches_each_sink_and_a_resume_drops_what_metrics_jsonl_dr
     _resume(run, seed=3)
 
     records = RunDir(run).read_metrics()
-    assert [r["step"] for r in records] == list(range(1, 13))
+    assert [r["step"] for r in optimizer_step_records(records)] == list(range(1, 13))
+    # each evaluation once, at its version's step (those before the checkpoint waited for)
+    evals = sorted((r["step"], r["eval_version"]) for r in records if "eval_accuracy" in r)
+    assert evals == [(v, v) for v in (3, 6, 9, 12)]
     _equal_to_metrics(records, tensorboard_scalars(run), "tensorboard")
     ids = json.loads((run / "tracking.json").read_text())
     _equal_to_metrics(records, mlflow_scalars(run, ids["mlflow"]), "mlflow")
