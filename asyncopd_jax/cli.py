@@ -238,18 +238,20 @@ def _study(args: argparse.Namespace) -> None:
     import shlex
 
     from asyncopd_jax.studies import get_study
+    from asyncopd_jax.studies.report import log_figures
 
     run = get_study(args.name)
-    if args.seeds < 1:
-        raise ValueError(f"--seeds = {args.seeds} is invalid; allowed: >= 1")
-    command = shlex.join(
-        ["asyncopd", "study", args.name, *(["--quick"] if args.quick else []), "--seeds", str(args.seeds)]
-    )
+    for flag, value in (("--seeds", args.seeds), ("--jobs", args.jobs)):
+        if value < 1:
+            raise ValueError(f"{flag} = {value} is invalid; allowed: >= 1")
+    quick = ["--quick"] if args.quick else []
+    command = shlex.join(["asyncopd", "study", args.name, *quick, "--seeds", str(args.seeds)])
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.jobs < 1:
-        raise ValueError(f"--jobs = {args.jobs} is invalid; allowed: >= 1")
     path = run(args.out, args.work, quick=args.quick, seeds=args.seeds, jobs=args.jobs, command=command)
     print(f"asyncopd study: wrote {path}")
+    if args.sinks:  # the report's plots, as the images of a run of their own
+        where = log_figures(path, args.work, args.sinks, {"study": args.name, "command": command})
+        print(f"asyncopd study: its plots went to {', '.join(args.sinks)} (run study-{args.name}, files in {where})")
 
 
 def _serve_teacher(args: argparse.Namespace) -> None:
@@ -484,6 +486,8 @@ def _add_study(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
         default=default_jobs(),
         help="training runs side by side, each pinned to its own cores (default: one per core)",
     )
+    sinks = ("tensorboard", "wandb", "mlflow")  # as logging.sinks
+    study.add_argument("--sinks", nargs="+", choices=sinks, default=[], help="also log the report's plots to these")
     study.set_defaults(fn=_study)
 
 

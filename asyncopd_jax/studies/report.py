@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,29 @@ class Report:
         path = self.out_dir / f"{self.name}.md"
         path.write_text("\n".join(self.lines).rstrip() + "\n")
         return path
+
+
+def log_figures(report: Path, work_dir: Path, sinks: Sequence[str], hparams: dict[str, Any]) -> Path:
+    """The plots of the study report ``report`` (``<out>/<name>.md``; its PNGs under
+    ``<out>/<name>/``) as images ``study/<file stem>`` at step 0 of a run ``study-<name>``
+    of their own in each of ``sinks`` (``tensorboard``, ``wandb``, ``mlflow``), written
+    afresh under ``<work_dir>/<name>-plots`` (returned). A sink that fails is warned
+    about once (:class:`~asyncopd_jax.tracking.Tracking`)."""
+    from asyncopd_jax.config import LoggingConfig
+    from asyncopd_jax.tracking import FILES, RunInfo, Tracking
+
+    name = report.stem
+    directory = Path(work_dir) / f"{name}-plots"
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in FILES:  # an earlier report's
+        path = directory / old
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    settings = LoggingConfig(sinks=("jsonl", *sinks))  # type: ignore[arg-type]  # names checked by argparse
+    tracking = Tracking.open(RunInfo(directory, f"study-{name}", 0, hparams, settings))
+    for png in sorted(report.with_suffix("").glob("*.png")):
+        tracking.image(f"study/{png.stem}", png, 0)
+    tracking.close()
+    return directory
 
 
 def pyplot():
