@@ -85,8 +85,11 @@ def test_the_readme_example_is_the_token_mean_of_the_mc_reverse_kl():
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
-# Relative links in the pages a reader opens: README.md and docs/*.md.
-DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Relative links in the pages a reader opens: README.md, docs/*.md and the dated logs.
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "log").glob("*.md"))]
+# The studies' reports are generated (asyncopd study NAME), each as long as its tables.
+STUDY_REPORTS = ROOT / "docs" / "study"
+MAX_LINES = 400
 _FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 _CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
 _INLINE_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]*)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -131,6 +134,15 @@ def broken_links(page: Path) -> list[str]:
 @pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_resolves(page):
     assert broken_links(page) == []
+
+
+def test_no_page_is_longer_than_a_newcomer_reads():
+    """README.md and every page under docs/ but the generated study reports: at most
+    MAX_LINES lines (the current figures lead; how they moved goes to docs/log/, itself
+    in parts)."""
+    pages = [ROOT / "README.md", *(p for p in (ROOT / "docs").rglob("*.md") if STUDY_REPORTS not in p.parents)]
+    long = {str(p.relative_to(ROOT)): n for p in pages if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
 
 
 def test_the_link_check_sees_a_broken_file_a_broken_anchor_and_skips_code(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@
 # into many small mutants (an operator flipped, a constant changed, an argument dropped, ...)
 # and runs, for each mutant, the fast tests that call that function. A mutant that no test
 # notices "survives": either a test is missing, or the mutant is equivalent to the original.
-# The score and every survivor, killed or explained, are recorded in docs/testing.md.
+# The current scores are in docs/testing.md; every run and survivor in docs/log/mutation-history.md.
 #
 # Not part of CI. The first three targets take about two hours on 2 cores; the newer ones
 # add about 5,000 mutants whose tests compile small models (10-60 s a mutant): days for all

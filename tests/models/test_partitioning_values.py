@@ -2,7 +2,7 @@
 mesh that lacks one of the three axes, no mesh at all.
 
 Written for mutants of ``asyncopd_jax/models/partitioning.py`` that survived the sampled
-mutation run of 2026-11-26 (docs/testing.md, "Sampled scores of the newer areas").
+mutation run of 2026-11-26 (docs/log/mutation-history.md, "Sampled scores of the newer areas (2026-11-26)").
 """
 
 from __future__ import annotations

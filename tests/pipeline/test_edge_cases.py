@@ -3,8 +3,8 @@ snapshot reader that can never pin a version, a wait on a store nothing was publ
 what a finished group records.
 
 Written for mutants of ``asyncopd_jax/pipeline/{placement,snapshots,producer}.py`` that
-survived the sampled mutation run of 2026-11-26 (docs/testing.md, "Sampled scores of the
-newer areas").
+survived the sampled mutation run of 2026-11-26 (docs/log/mutation-history.md, "Sampled scores of the
+newer areas (2026-11-26)").
 """
 
 from __future__ import annotations

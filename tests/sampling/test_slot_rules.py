@@ -2,7 +2,7 @@
 after a swap while the last answers drain, the programs the plan lowers.
 
 Written for mutants of ``asyncopd_jax/sampling/`` that survived the sampled mutation run of
-2026-11-26 (docs/testing.md, "Sampled scores of the newer areas").
+2026-11-26 (docs/log/mutation-history.md, "Sampled scores of the newer areas (2026-11-26)").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ each stage's compile (the reduced depth, the vocabulary both models embed) and m
 their figures.
 
 Written for mutants of ``asyncopd_jax/scale/plan.py`` that survived the sampled mutation run
-of 2026-11-26 (docs/testing.md, "Sampled scores of the newer areas").
+of 2026-11-26 (docs/log/mutation-history.md, "Sampled scores of the newer areas (2026-11-26)").
 """
 
 from __future__ import annotations

@@ -376,15 +376,15 @@ def test_the_estimators_a_vllm_teacher_serves_are_accepted_and_listed():
     assert "forward_kl_topk" in usable and "reverse_kl_mc" not in usable and "reverse_kl_topk" not in usable
 
 
-def test_the_guide_lists_the_estimators_a_vllm_teacher_serves():
-    """docs/guide.md's table of teachers names what the config accepts, no more, no less."""
+def test_the_docs_list_the_estimators_a_vllm_teacher_serves():
+    """docs/teachers.md's table of teachers names what the config accepts, no more, no less."""
     from pathlib import Path
 
     from asyncopd_jax.estimator_registry import ESTIMATORS
     from asyncopd_jax.teacher.client import SERVES
 
-    guide = (Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text()
-    row = next(line for line in guide.splitlines() if line.startswith("| vLLM |"))
+    page = (Path(__file__).resolve().parents[2] / "docs" / "teachers.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| vLLM |"))
     listed = set(re.findall(r"`([a-z0-9_]+)`", row.split("the estimators that read only those:")[1]))
     assert listed == {name for name, spec in ESTIMATORS.items() if set(spec.needs) <= SERVES["vllm"]}
 
