@@ -21,6 +21,11 @@ the gradients. ``check_inputs=True`` checks the values of the inputs, eagerly, u
 from asyncopd_jax.estimators import spans
 from asyncopd_jax.estimators.advantages import group_advantages, with_distillation
 from asyncopd_jax.estimators.candidates import sample_candidates
+from asyncopd_jax.estimators.dense_from_hidden import (
+    dense_kls_from_hidden,
+    forward_kl_dense_from_hidden,
+    reverse_kl_dense_from_hidden,
+)
 from asyncopd_jax.estimators.forward_kl import (
     forward_kl_dense,
     forward_kl_mc,
@@ -71,8 +76,10 @@ __all__ = [
     "aggregate",
     "clipped_surrogate",
     "decoupled_ppo_loss",
+    "dense_kls_from_hidden",
     "expectation",
     "forward_kl_dense",
+    "forward_kl_dense_from_hidden",
     "forward_kl_mc",
     "forward_kl_topk",
     "forward_kl_topk_renormalized",
@@ -92,6 +99,7 @@ __all__ = [
     "ReferenceKL",
     "reference_kl",
     "reverse_kl_dense",
+    "reverse_kl_dense_from_hidden",
     "reverse_kl_hybrid",
     "reverse_kl_mc",
     "reverse_kl_mc_loo",
