@@ -156,6 +156,10 @@ class TeacherScoreCache:
         teacher's next-token top-K at each span's first token, mapped to the student ids of
         the same text (log q −inf: none; −inf off the span starts). The estimators read
         it through :mod:`asyncopd_jax.estimators.spans`.
+      hidden: ``[B, T, H_q]`` or None: the teacher's final hidden states at the response
+        positions, target-aligned (row t is what the teacher's LM head reads to predict
+        response token t), with ``teacher.payload: hidden``; the learner applies the
+        teacher's head to them (:mod:`asyncopd_jax.estimators.dense_from_hidden`).
     """
 
     token_logp: Array
@@ -166,13 +170,20 @@ class TeacherScoreCache:
     sample_ids: Array | None = None
     sample_logp: Array | None = None
     span_end: Array | None = None
+    hidden: Array | None = None
 
     def __post_init__(self) -> None:
         _check_shapes(
             self,
             "token_logp",
             ("span_end",),
-            (("candidate_logp",), ("student_topk_logp",), ("topk_ids", "topk_logp"), ("sample_ids", "sample_logp")),
+            (
+                ("candidate_logp",),
+                ("student_topk_logp",),
+                ("topk_ids", "topk_logp"),
+                ("sample_ids", "sample_logp"),
+                ("hidden",),  # [B, T, H_q]: the same [B, T] + [n] shape rule
+            ),
         )
 
 
@@ -189,6 +200,9 @@ class StudentLogProbs:
       teacher_samples: ``[B, T, M]`` or None, on ``TeacherScoreCache.sample_ids``.
       entropy: ``[B, T]`` or None, the entropy of the student's distribution at each
         position (from the same fused pass).
+      forward_kl, reverse_kl: ``[B, T]`` or None, the exact KL(q ‖ π_θ) and KL(π_θ ‖ q)
+        over the whole vocabulary, from the student's hidden states and the teacher's in
+        ``TeacherScoreCache.hidden`` (:func:`~asyncopd_jax.estimators.dense_kls_from_hidden`).
     """
 
     token: Array
@@ -197,8 +211,13 @@ class StudentLogProbs:
     teacher_topk: Array | None = None
     teacher_samples: Array | None = None
     entropy: Array | None = None
+    forward_kl: Array | None = None
+    reverse_kl: Array | None = None
 
     def __post_init__(self) -> None:
         _check_shapes(
-            self, "token", ("entropy",), (("candidates",), ("student_topk",), ("teacher_topk",), ("teacher_samples",))
+            self,
+            "token",
+            ("entropy", "forward_kl", "reverse_kl"),
+            (("candidates",), ("student_topk",), ("teacher_topk",), ("teacher_samples",)),
         )

@@ -146,6 +146,12 @@ def _require_inputs(
                 f"StudentLogProbs.{field} has shape {list(getattr(student, field).shape)}, "
                 f"but its ids have shape {list(ids[field].shape)}"
             )
+    if spec.needs_teacher_hidden and (cache is None or cache.hidden is None):
+        raise ValueError(
+            f"estimator {name!r} needs TeacherScoreCache.hidden: the teacher's hidden states (teacher.payload: hidden)"
+        )
+    if spec.needs_teacher_hidden and (student.forward_kl is None or student.reverse_kl is None):
+        raise ValueError(f"estimator {name!r} needs StudentLogProbs.forward_kl and reverse_kl (dense_kls_from_hidden)")
     if spec.needs_proximal and proximal is None:
         raise ValueError(f"estimator {name!r} needs proximal log-probs (a no-grad forward before the update)")
     rl = batch.advantages is not None

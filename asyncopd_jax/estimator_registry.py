@@ -287,6 +287,8 @@ class EstimatorSpec:
       needs_advantage: a policy-gradient surrogate weighted by an advantage (a
         stabiliser): the reward's in reward-driven RL, which only these estimators can
         train on, else the teacher's reverse-KL reward.
+      needs_teacher_hidden: reads the exact KLs the learner computes from the teacher's
+        hidden states (``teacher.payload: hidden``) with the teacher's LM head.
       description: one line for the docs.
       spans: how it compares a student and a teacher of different tokenizers
         (:mod:`asyncopd_jax.estimators.spans`): ``"sum"``, on the sampled tokens' log-probs
@@ -302,6 +304,7 @@ class EstimatorSpec:
     needs: tuple[str, ...] = ()
     needs_proximal: bool = False
     needs_advantage: bool = False
+    needs_teacher_hidden: bool = False
     description: str = ""
     spans: Literal["sum", "start"] | None = None
 
@@ -327,6 +330,14 @@ def _forward_kl_mc(x: EstimatorInputs, c: EstimatorConfig) -> Array:
     return est.forward_kl_mc(
         given(x.student.teacher_samples), given(x.scores.sample_logp), control_variate=c.forward_mc.control_variate
     )
+
+
+def _forward_kl_dense(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return given(x.student.forward_kl)
+
+
+def _reverse_kl_dense(x: EstimatorInputs, c: EstimatorConfig) -> Array:
+    return given(x.student.reverse_kl)
 
 
 def _reverse_kl_topk(x: EstimatorInputs, c: EstimatorConfig) -> Array:
@@ -465,6 +476,18 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
             ("teacher_topk",),
             description="KL(teacher‖student), both renormalised over the teacher's top-K ids (Tunix's distill_top_k)",
             spans="start",
+        ),
+        EstimatorSpec(
+            "forward_kl_dense",
+            _forward_kl_dense,
+            needs_teacher_hidden=True,
+            description="KL(teacher‖student) over the whole vocabulary, from the teacher's hidden states (exact)",
+        ),
+        EstimatorSpec(
+            "reverse_kl_dense",
+            _reverse_kl_dense,
+            needs_teacher_hidden=True,
+            description="KL(student‖teacher) over the whole vocabulary, from the teacher's hidden states (exact)",
         ),
         EstimatorSpec(
             "forward_kl_mc",

@@ -75,6 +75,7 @@ def _world(seed: int = 0, teacher_equals_student: bool = False):
         topk_logp=g(teacher, teacher_topk),
         sample_ids=samples,
         sample_logp=g(teacher, samples),
+        hidden=jnp.asarray(teacher),  # as hidden states under an identity head: the logits themselves
     )
     return student, teacher, batch, cache
 
@@ -127,7 +128,13 @@ def _all_logprobs(student, batch, cache):
         "teacher_topk": cache.topk_ids,
         "teacher_samples": cache.sample_ids,
     }
-    return student_logprobs(ids, lambda i: est.gather_logprobs(student, i))
+    s = student_logprobs(ids, lambda i: est.gather_logprobs(student, i))
+    # the exact KLs the learner takes from hidden states: here the logits, under identity heads
+    eye = jnp.eye(V, dtype=jnp.float32)
+    forward, reverse = est.dense_kls_from_hidden(
+        jnp.asarray(student), eye, cache.hidden, eye, chunk_size=3, vocab_chunk=7, mask=batch.response_mask
+    )
+    return dataclasses.replace(s, forward_kl=forward, reverse_kl=reverse)
 
 
 def test_named_estimators_match_the_functions_they_name():
@@ -152,6 +159,8 @@ def test_named_estimators_match_the_functions_they_name():
             batch.candidate_ids,
         ),
         "ppo_clip": est.ppo_clip_loss(s.token, batch.behavior_logp, cache.token_logp - batch.behavior_logp),
+        "forward_kl_dense": est.forward_kl_dense(jnp.asarray(student), cache.hidden, mask=batch.response_mask),
+        "reverse_kl_dense": est.reverse_kl_dense(jnp.asarray(student), cache.hidden, mask=batch.response_mask),
     }
     for name, want in direct.items():
         got, metrics = jax.jit(evaluate_estimator, static_argnums=0)(EstimatorConfig(name), batch, cache, s)
@@ -190,6 +199,7 @@ def test_every_named_estimator_is_zero_when_teacher_equals_student_and_alignment
         topk_logp=g(shifted, cache.topk_ids),
         sample_ids=cache.sample_ids,
         sample_logp=g(shifted, cache.sample_ids),
+        hidden=shifted,
     )
     _, grad = jax.value_and_grad(loss)(student, shifted_cache)
     assert np.abs(np.asarray(grad)).max() > 1e-3

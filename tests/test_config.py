@@ -26,7 +26,10 @@ def test_demo_config_loads_and_overrides_apply():
             r"unknown config field learner.batchsize; allowed in learner: batch_size, mini_batches",
         ),
         ("nonsense=1", r"unknown config field nonsense; allowed in the top level: name, output_dir"),
-        ("estimator.name=kl", r"estimator.name = 'kl' is invalid; allowed: decoupled_ppo, forward_kl_mc"),
+        (
+            "estimator.name=kl",
+            r"estimator.name = 'kl' is invalid; allowed: decoupled_ppo, forward_kl_dense, forward_kl_mc",
+        ),
         ("schedule.mode=async", r"schedule.mode = 'async' is invalid; allowed: sync, n_step_off, fully_async"),
         ("learner.batch_size=lots", r"learner.batch_size = 'lots' is invalid; allowed: an integer"),
         ("learner.mini_batches=3", r"learner.mini_batches = 3 is invalid; allowed: a divisor of learner.batch_size"),
@@ -180,9 +183,14 @@ def test_every_registered_estimator_refuses_a_config_that_does_not_make_what_it_
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 def test_every_registered_estimator_loads_with_exactly_what_it_needs(name):
     """Nothing but the spec's own id sets is asked for: every other setting may be 0."""
-    made = [f"{ID_SOURCES[need].setting.name}=4" for need in ESTIMATORS[name].needs]
+    made = [f"{ID_SOURCES[need].setting.name}=4" for need in ESTIMATORS[name].needs] + _payload(name)
     cfg = load_config(DEMO_CONFIG, [f"estimator.name={name}", *NO_IDS, *made])
     assert cfg.estimator.spec is ESTIMATORS[name]
+
+
+def _payload(name: str) -> list[str]:
+    """The setting an estimator that reads the teacher's hidden states needs beside its ids."""
+    return ["teacher.payload=hidden"] if ESTIMATORS[name].needs_teacher_hidden else []
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
@@ -196,7 +204,8 @@ def test_rl_takes_exactly_the_estimators_whose_spec_weights_an_advantage(name):
         with pytest.raises(ConfigError, match=rf"estimator.name = '{name}' is invalid with algorithm = rl"):
             load_config(DEMO_CONFIG, overrides)
     assert (name in RL_ESTIMATORS) == ESTIMATORS[name].needs_advantage
-    assert load_config(DEMO_CONFIG, [f"estimator.name={name}", *ALL_IDS]).needs_teacher_scores  # distillation
+    distillation = [f"estimator.name={name}", *ALL_IDS, *_payload(name)]
+    assert load_config(DEMO_CONFIG, distillation).needs_teacher_scores
 
 
 def test_each_id_source_reads_and_names_its_setting():
@@ -593,3 +602,42 @@ def test_a_served_teacher_or_a_teacher_list_given_by_override_replaces_the_files
         ConfigError, match=r"^teacher.path = 'builtin:teacher' and teacher.server.url = 'http://h:8000' are"
     ):
         load_config(DEMO_CONFIG, ["teacher.server.url=http://h:8000", "teacher.path=builtin:teacher"])
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (
+            ["estimator.name=forward_kl_dense"],
+            "estimator.name = 'forward_kl_dense' needs the teacher's hidden states; "
+            "set teacher.payload (or scoring.payload) = hidden",
+        ),
+        (
+            ["teacher.payload=hidden", "teacher.path=''", "teacher.server.url=http://127.0.0.1:8000"],
+            "teacher.payload = hidden is invalid with a served teacher (its server returns scores only); "
+            "allowed: scores",
+        ),
+        (
+            ["teacher.payload=hidden", "stages.placement=processes"],
+            "teacher.payload = hidden is invalid with stages.placement = processes (the spool carries scores only)",
+        ),
+        (
+            [
+                "scoring.payload=hidden",
+                "teacher.path=''",
+                "teachers=[{name: a, path: 'builtin:teacher'}, {name: b, path: 'builtin:teacher'}]",
+            ],
+            "teachers[].payload = hidden is invalid with several teachers (one hidden-state teacher per run for now)",
+        ),
+    ],
+)
+def test_a_hidden_state_payload_is_refused_where_the_run_cannot_carry_it(sets, message):
+    with pytest.raises(ConfigError) as refused:
+        load_config(DEMO_CONFIG, sets)
+    assert str(refused.value).startswith(message), str(refused.value)
+
+
+def test_a_hidden_state_payload_configures_the_dense_estimators():
+    cfg = load_config(DEMO_CONFIG, ["teacher.payload=hidden", "estimator.name=reverse_kl_dense"])
+    assert cfg.teacher.scoring(cfg.scoring).payload == "hidden" and cfg.scoring.payload == "scores"
+    assert cfg.estimator.spec.needs_teacher_hidden

@@ -30,6 +30,7 @@ def validate(cfg: RunConfig) -> None:
         if setting.read(cfg) < 1:
             raise ConfigError(f"estimator.name = {cfg.estimator.name!r} needs {setting.name} >= 1")
     _validate_algorithm(cfg)
+    _validate_payload(cfg, cfg.teachers or (cfg.teacher,))
     extrapolation = cfg.learner.extrapolation
     if (
         extrapolation.enabled
@@ -141,6 +142,29 @@ def _validate_teacher(cfg: RunConfig) -> None:
         _validate_served(cfg, teacher, f"teachers[{i}]" if cfg.teachers else "teacher")
 
 
+def _validate_payload(cfg: RunConfig, sources: tuple[TeacherSource, ...]) -> None:
+    """``teacher.payload: hidden`` (the teacher's hidden states, for the exact KL) where the
+    run can carry it, and the estimators that need it."""
+    hidden = [t for t in sources if t.given and t.scoring(cfg.scoring).payload == "hidden"]
+    where = "teachers[].payload" if cfg.teachers else "teacher.payload"
+    name = cfg.estimator.name
+    if cfg.estimator.spec.needs_teacher_hidden and not (hidden and len(hidden) == len(sources)):
+        raise ConfigError(
+            f"estimator.name = {name!r} needs the teacher's hidden states; set {where} (or scoring.payload) = hidden"
+        )
+    if not hidden:
+        return
+    reasons = {  # what does not carry hidden states yet
+        "a served teacher (its server returns scores only)": any(t.served for t in hidden),
+        "several teachers (one hidden-state teacher per run for now)": len(sources) > 1,
+        "stages.placement = processes (the spool carries scores only)": cfg.stages.placement == "processes",
+        "algorithm = rl": cfg.algorithm == "rl",
+    }
+    for reason, applies in reasons.items():
+        if applies:
+            raise ConfigError(f"{where} = hidden is invalid with {reason}; allowed: scores")
+
+
 def _validate_served(cfg: RunConfig, teacher: TeacherSource, where: str) -> None:
     """What ``teacher`` (the config's section ``where``) can score when a server scores it."""
     if not teacher.served:
@@ -156,7 +180,9 @@ def _validate_served(cfg: RunConfig, teacher: TeacherSource, where: str) -> None
         for need in cfg.estimator.spec.needs:
             source = ID_SOURCES[need]
             if need not in serves:
-                usable = [name for name, spec in ESTIMATORS.items() if set(spec.needs) <= serves]
+                usable = [
+                    n for n, spec in ESTIMATORS.items() if set(spec.needs) <= serves and not spec.needs_teacher_hidden
+                ]
                 raise ConfigError(
                     f"estimator.name = {cfg.estimator.name!r} needs {source.scores} (the teacher's log-probs of "
                     f"{source.ids}), which a {api} teacher cannot score; allowed: an in-process teacher "

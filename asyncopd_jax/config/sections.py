@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from asyncopd_jax.config_checks import ConfigError, IdList, StorageLocation, check_fields, parse_id_list
 from asyncopd_jax.teacher.client import ServerParams
@@ -92,6 +92,10 @@ class TeacherSource(ModelSource):
     # a cross-tokenizer one: answers are re-tokenised for it and compared by text spans
     # (asyncopd_jax.teacher.cross_tokenizer), under a prompt in its own tokens.
     tokenizer: StorageLocation = ""
+    # What it ships to the learner (None: scoring.payload): "scores", the score cache;
+    # "hidden", its final hidden states too, for the exact KL over the whole vocabulary
+    # (estimator forward_kl_dense / reverse_kl_dense; the learner holds its LM head).
+    payload: Literal["scores", "hidden"] | None = None
 
     def __post_init__(self) -> None:
         if not TEACHER_NAME.fullmatch(self.name):
@@ -102,8 +106,9 @@ class TeacherSource(ModelSource):
             raise ValueError(f"teacher {self.name!r}: temperature = {self.temperature!r} is invalid; allowed: > 0")
 
     def scoring(self, run: ScoringParams) -> ScoringParams:
-        """The run's scoring settings with this teacher's own temperature."""
-        return run if self.temperature is None else dataclasses.replace(run, temperature=self.temperature)
+        """The run's scoring settings with this teacher's own temperature and payload."""
+        own: dict[str, Any] = {"temperature": self.temperature, "payload": self.payload}
+        return dataclasses.replace(run, **{k: v for k, v in own.items() if v is not None})
 
     @property
     def served(self) -> bool:

@@ -23,7 +23,7 @@ import functools
 import jax
 from jax.sharding import PartitionSpec
 
-from asyncopd_jax.estimators import gather_logprobs_and_entropy_from_hidden
+from asyncopd_jax.estimators import dense_kls_from_hidden, gather_logprobs_and_entropy_from_hidden
 from asyncopd_jax.models.partitioning import logical_spec
 
 Array = jax.Array
@@ -60,4 +60,35 @@ def gather_on_mesh(
     # positions (tests/learner/test_lm_head.py checks the sum, split or not).
     return jax.shard_map(gather, in_specs=(rows, PartitionSpec(), rows), out_specs=(rows, rows), check_vma=False)(
         hidden, lm_head, ids
+    )
+
+
+def dense_kls_on_mesh(
+    hidden: Array,
+    lm_head: Array,
+    teacher_hidden: Array,
+    teacher_head: Array,
+    mask: Array,
+    chunk_size: int,
+    temperatures: tuple[float, float],
+) -> tuple[Array, Array]:
+    """``(KL(q ‖ π), KL(π ‖ q))`` ``[B, T]`` of
+    :func:`~asyncopd_jax.estimators.dense_kls_from_hidden`, row-parallel on the mesh being
+    traced under as :func:`gather_on_mesh` is: each device its own positions, both heads
+    whole on every device, the student head's gradient reduced once. ``temperatures``:
+    ``(τ_π, τ_q)``."""
+    student_t, teacher_t = temperatures
+
+    def kls(h, w, t_h, t_w, m):
+        return dense_kls_from_hidden(
+            h, w, t_h, t_w, student_temperature=student_t, teacher_temperature=teacher_t, chunk_size=chunk_size, mask=m
+        )
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return kls(hidden, lm_head, teacher_hidden, teacher_head, mask)
+    rows = logical_spec(("batch", "positions"), hidden.shape[:2], mesh)
+    whole = PartitionSpec()
+    return jax.shard_map(kls, in_specs=(rows, whole, rows, whole, rows), out_specs=(rows, rows), check_vma=False)(
+        hidden, lm_head, teacher_hidden, teacher_head, mask
     )

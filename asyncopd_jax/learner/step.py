@@ -38,7 +38,7 @@ from asyncopd_jax.estimators import (
     normalized_loss,
 )
 from asyncopd_jax.learner.faults import drop_nonfinite_rows
-from asyncopd_jax.learner.lm_head import gather_on_mesh
+from asyncopd_jax.learner.lm_head import dense_kls_on_mesh, gather_on_mesh
 from asyncopd_jax.learner.packing import plan_micro_batches, take_micro_batch
 from asyncopd_jax.learner.sharding import batch_shardings, put, state_shardings
 from asyncopd_jax.metrics import Metrics, combine, identity, weighted
@@ -88,6 +88,10 @@ class PolicyLoss:
       compute_dtype: the dtype the forward and backward run in (``learner.compute_dtype``;
         None: the parameters' own). The parameters, their gradients and the optimizer's
         moments stay in theirs: bf16 compute over fp32 master weights (:func:`loss_model`).
+      teacher_head: ``[H_q, V]`` the teacher's LM head on the learner's devices, for an
+        estimator that reads the teacher's hidden states (``needs_teacher_hidden``); None else.
+      teacher_temperature: the teacher's scoring temperature (its log-softmax from hidden
+        states is taken at it, as the scorer's is).
     """
 
     estimator: EstimatorConfig
@@ -96,11 +100,14 @@ class PolicyLoss:
     chunk_size: int = 512
     remat: Remat = "none"
     compute_dtype: str | None = None
+    teacher_head: Array | None = None
+    teacher_temperature: float = 1.0
 
     @classmethod
-    def from_config(cls, cfg: RunConfig) -> PolicyLoss:
-        """The loss a run's config asks for."""
+    def from_config(cls, cfg: RunConfig, teacher_head: Array | None = None) -> PolicyLoss:
+        """The loss a run's config asks for (``teacher_head``: see the attribute)."""
         learner = cfg.learner
+        teacher = cfg.in_process_teacher
         return cls(
             cfg.estimator,
             cfg.rl.distill_coef,
@@ -108,6 +115,8 @@ class PolicyLoss:
             learner.logprob_chunk,
             learner.remat,
             learner.compute_dtype,
+            teacher_head,
+            (teacher.scoring(cfg.scoring) if teacher is not None else cfg.scoring).temperature,
         )
 
     @property
@@ -130,9 +139,28 @@ class PolicyLoss:
         """The student's log-probs on every id the estimator needs (one fused gather)."""
         hidden, head = response_hidden(model, batch.rollout, self.remat), model.lm_head_weight()
         ids = required_ids(self.estimator.name, batch.rollout, batch.cache)
-        return student_logprobs(  # the entropy comes from the same pass, almost free: a metric, or a bonus
+        student = student_logprobs(  # the entropy comes from the same pass, almost free: a metric, or a bonus
             ids, lambda i: gather_on_mesh(hidden, head, i, self.chunk_size, self.temperature)
         )
+        if not self.estimator.spec.needs_teacher_hidden:
+            return student
+        teacher_hidden = None if batch.cache is None else batch.cache.hidden
+        if teacher_hidden is None or self.teacher_head is None:
+            raise ValueError(
+                f"estimator {self.estimator.name!r} needs the teacher's hidden states (TeacherScoreCache.hidden) "
+                "and its head (PolicyLoss.teacher_head)"
+            )
+        vocab = min(head.shape[1], self.teacher_head.shape[1])  # the ids both heads have
+        forward, reverse = dense_kls_on_mesh(
+            hidden,
+            head[:, :vocab],
+            teacher_hidden.astype(hidden.dtype),
+            self.teacher_head[:, :vocab].astype(hidden.dtype),
+            batch.rollout.response_mask,
+            self.chunk_size,
+            (self.temperature, self.teacher_temperature),
+        )
+        return dataclasses.replace(student, forward_kl=forward, reverse_kl=reverse)
 
     def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, Metrics]:
         values, metrics = evaluate_estimator(

@@ -92,6 +92,23 @@ def _unused(names: set[str], config: DecoderConfig) -> list[str]:
     return sorted(n for n in names if n not in redundant and not n.endswith(_IGNORED_SUFFIXES))
 
 
+def read_lm_head(path: str | Path, vocab_limit: int | None = None, dtype: str | None = None) -> np.ndarray:
+    """A checkpoint's LM head alone, ``[H, V]`` on the host (V = ``vocab_limit`` or the
+    config's vocabulary): ``lm_head.weight`` transposed, or the embedding's for a model
+    with tied embeddings; no other tensor is read (a learner that applies a teacher's
+    head to the teacher's hidden states holds that head, not the teacher)."""
+    path = Path(path)
+    config, saved_dtype = read_hf_config(path)
+    name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    files = _tensor_files(path)
+    if name not in files:
+        raise ValueError(f"{path} has no tensor {name} (the LM head of its config.json)")
+    with contextlib.ExitStack() as stack:
+        weight = _open(files[name], stack).get_tensor(name)  # [V, H]
+    limit = config.vocab_size if vocab_limit is None else vocab_limit
+    return np.ascontiguousarray(weight[:limit].T).astype(jnp.dtype(dtype or saved_dtype or "float32"))
+
+
 def from_pretrained(
     path: str | Path,
     dtype: jnp.dtype | str | None = None,

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from asyncopd_jax.config import RunConfig
 from asyncopd_jax.estimators.spans import in_spans
@@ -32,11 +33,13 @@ from asyncopd_jax.learner import (
 )
 from asyncopd_jax.learner.optimizer import learning_rate_schedule
 from asyncopd_jax.learner.sharding import put
+from asyncopd_jax.models import read_lm_head
 from asyncopd_jax.pipeline.devices import stage_devices
 from asyncopd_jax.pipeline.layout import Layout
 from asyncopd_jax.pipeline.model_loading import load_model
 from asyncopd_jax.pipeline.run_models import RunModels
 from asyncopd_jax.pipeline.staleness import RolloutGroup
+from asyncopd_jax.tasks.assets import resolve_model_path
 
 
 def _concat(items: list) -> Any:
@@ -58,7 +61,7 @@ class LearnerStage:
         self.lr = learning_rate_schedule(cfg.optim, cfg.train.steps)
         student = load_model(cfg.student, models.vocab_limit, self.mesh)
         self.graphdef, self.state = create_train_state(student, self.optimizer, self.mesh)
-        self.loss = PolicyLoss.from_config(cfg)
+        self.loss = PolicyLoss.from_config(cfg, self._teacher_head(cfg, models))
         if learner.token_budget:  # dynamic batching (one learner process: RunConfig.check_learner_processes)
             self.train_step = make_packed_train_step(
                 self.graphdef,
@@ -79,6 +82,15 @@ class LearnerStage:
                 state_example=self.state,
             )
         self.proximal = make_proximal_fn(self.graphdef, self.loss, self.mesh) if self.loss.needs_proximal else None
+
+    def _teacher_head(self, cfg: RunConfig, models: RunModels) -> jax.Array | None:
+        """The teacher's LM head, replicated on the learner's mesh, where the estimator reads
+        the teacher's hidden states (read alone from its checkpoint: not the teacher)."""
+        teacher = cfg.in_process_teacher
+        if not cfg.estimator.spec.needs_teacher_hidden or teacher is None:
+            return None
+        head = read_lm_head(resolve_model_path(teacher.path), models.vocab_limit, teacher.dtype)
+        return jax.device_put(head, NamedSharding(self.mesh, PartitionSpec()))
 
     @property
     def version(self) -> int:

@@ -148,6 +148,11 @@ def check_cross_tokenizer_teacher(cfg: RunConfig, source: TeacherSource) -> None
     compares the two vocabularies id by id."""
     check_cross_tokenizer(cfg.estimator.name, source.name)
     why = f"teacher {source.name!r} has another tokenizer than the student's"
+    if source.scoring(cfg.scoring).payload == "hidden":
+        raise ValueError(
+            f"teacher {source.name!r}: payload = hidden is invalid: its head's vocabulary is not the student's "
+            f"({why}); allowed: scores"
+        )
     if cfg.scoring.num_samples:
         raise ValueError(
             f"scoring.num_samples = {cfg.scoring.num_samples}: teacher samples do not map across tokenizers ({why}); "

@@ -38,6 +38,11 @@ class ScoringParams:
       temperature: the teacher distribution ``softmax(z / τ)`` (1.0 = the model's own).
       chunk_size: response positions per chunk of ``[B, chunk, V]`` logits.
       store_dtype: ``"float32"`` or ``"bfloat16"`` for the stored log-probs.
+      payload: ``"scores"``: the cache holds log-probs only; ``"hidden"``: it also holds the
+        teacher's final hidden states at the response positions (what its LM head reads,
+        after the final norm), for the learner to compute the exact KL over the whole
+        vocabulary with the teacher's head (:mod:`asyncopd_jax.estimators.dense_from_hidden`).
+      hidden_dtype: ``"float32"`` or ``"bfloat16"`` for the stored hidden states.
     """
 
     topk: int = 0
@@ -45,10 +50,15 @@ class ScoringParams:
     temperature: float = 1.0
     chunk_size: int = 128
     store_dtype: str = "float32"
+    payload: str = "scores"
+    hidden_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if self.store_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"scoring.store_dtype = {self.store_dtype!r} is invalid; allowed: float32, bfloat16")
+        for field in ("store_dtype", "hidden_dtype"):
+            if getattr(self, field) not in ("float32", "bfloat16"):
+                raise ValueError(f"scoring.{field} = {getattr(self, field)!r} is invalid; allowed: float32, bfloat16")
+        if self.payload not in ("scores", "hidden"):
+            raise ValueError(f"scoring.payload = {self.payload!r} is invalid; allowed: scores, hidden")
         for field in ("topk", "num_samples"):
             if getattr(self, field) < 0:
                 raise ValueError(f"scoring.{field} must be >= 0, got {getattr(self, field)}")
@@ -69,7 +79,8 @@ def score_hidden(
       params: what to store.
 
     Returns:
-      The cache, log-probs in ``params.store_dtype``.
+      The cache, log-probs in ``params.store_dtype``; with ``params.payload`` ``"hidden"``,
+      ``hidden`` too, in ``params.hidden_dtype``.
     """
     b, t, _ = hidden.shape
     chunk = min(params.chunk_size, t)
@@ -115,7 +126,10 @@ def score_hidden(
         x = jnp.moveaxis(x, 0, 1).reshape(b, n_chunks * chunk, *x.shape[3:])[:, :t]
         return x.astype(jnp.int32) if jnp.issubdtype(x.dtype, jnp.integer) else x.astype(store)
 
-    return TeacherScoreCache(**{name: unchunk(value) for name, value in chunks.items()})
+    cache = TeacherScoreCache(**{name: unchunk(value) for name, value in chunks.items()})
+    if params.payload == "hidden":
+        cache = dataclasses.replace(cache, hidden=hidden.astype(jnp.dtype(params.hidden_dtype)))
+    return cache
 
 
 def teacher_score_function(

@@ -11,6 +11,7 @@ estimator's backward pass.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -143,6 +144,10 @@ def _emitted(s, d):
 
 
 REGISTRY_STANDALONE: dict[str, Standalone] = {
+    # the registry's dense estimators read the KL the learner computes from hidden states
+    # (dense_kls_from_hidden, tested against these in tests/estimators/test_dense_from_hidden.py)
+    "forward_kl_dense": lambda s, d, a, m: est.forward_kl_dense(s["logits"], d["teacher_logits"], mask=m),
+    "reverse_kl_dense": lambda s, d, a, m: est.reverse_kl_dense(s["logits"], d["teacher_logits"], mask=m),
     "forward_kl_topk": lambda s, d, a, m: est.forward_kl_topk(s["teacher_topk"], d["topk_logp"], mask=m),
     "forward_kl_topk_renormalized": lambda s, d, a, m: est.forward_kl_topk_renormalized(
         s["teacher_topk"], d["topk_logp"], mask=m
@@ -175,8 +180,6 @@ REGISTRY_STANDALONE: dict[str, Standalone] = {
 
 # Public losses and variants the registry does not name (or names with other settings).
 OTHER_STANDALONE: dict[str, Standalone] = {
-    "forward_kl_dense": lambda s, d, a, m: est.forward_kl_dense(s["logits"], d["teacher_logits"], mask=m),
-    "reverse_kl_dense": lambda s, d, a, m: est.reverse_kl_dense(s["logits"], d["teacher_logits"], mask=m),
     "forward_kl_topk_no_tail": lambda s, d, a, m: est.forward_kl_topk(
         s["teacher_topk"], d["topk_logp"], tail=False, mask=m
     ),
@@ -286,6 +289,14 @@ def _registry_inputs(d: dict, name: str, params) -> tuple:
         sample_logp=d["sample_logp"],
     )
     student = student_logprobs(required_ids(name, batch, cache), _student_gather(params, d))
+    if ESTIMATORS[name].needs_teacher_hidden:  # the learner's exact KLs (from hidden states; here from logits)
+        logits = _logits(params) + d["student_nan"][..., None]
+        cache = dataclasses.replace(cache, hidden=d["teacher_logits"])  # what the learner would read them from
+        student = dataclasses.replace(
+            student,
+            forward_kl=est.forward_kl_dense(logits, d["teacher_logits"], mask=MASK),
+            reverse_kl=est.reverse_kl_dense(logits, d["teacher_logits"], mask=MASK),
+        )
     proximal = StudentLogProbs(token=d["proximal_logp"])
     return batch, cache, student, proximal
 

@@ -81,8 +81,9 @@ def _sampling(temperature: float) -> SamplingParams:
 
 
 def _scorer(temperature: float) -> TeacherScorer:
-    """The student as its own teacher, at the sampling temperature: q = μ exactly."""
-    return TeacherScorer(_student(), ScoringParams(topk=4, num_samples=3, temperature=temperature))
+    """The student as its own teacher, at the sampling temperature: q = μ exactly (its hidden
+    states in the cache too, for the estimators that take the exact KL from them)."""
+    return TeacherScorer(_student(), ScoringParams(topk=4, num_samples=3, temperature=temperature, payload="hidden"))
 
 
 def _rollout_direct(temperature: float, tmp_path: Path) -> tuple[RolloutBatch, TeacherScoreCache]:
@@ -297,12 +298,13 @@ def _input_paths() -> dict[tuple, list[str]]:
     gradient at the teacher, each of them."""
     paths: dict[tuple, list[str]] = {}
     for name, spec in ESTIMATORS.items():
-        paths.setdefault((spec.needs, spec.needs_proximal, spec.needs_advantage), []).append(name)
+        path = (spec.needs, spec.needs_proximal, spec.needs_advantage, spec.needs_teacher_hidden)
+        paths.setdefault(path, []).append(name)
     return paths
 
 
 #: One estimator per input path (the first registered), checked in the fast suite; the
-#: others (same path, another loss function) run with -m slow. 7 train steps to compile, not 17.
+#: others (same path, another loss function) run with -m slow. 8 train steps to compile, not 19.
 ONE_PER_PATH = tuple(names[0] for names in _input_paths().values())
 OTHERS = tuple(name for name in ESTIMATORS if name not in ONE_PER_PATH)
 
@@ -312,8 +314,11 @@ def assert_estimators_vanish_at_the_teacher(
 ) -> None:
     """Teacher = student = sampler: each estimator's loss, its gradient and the update are 0."""
     optimizer = optax.sgd(1.0)  # the parameter change is the gradient itself
+    teacher_head = _student().lm_head_weight()  # the teacher is the student
     for name in names:
-        loss = PolicyLoss(_estimator(name), temperature=temperature)
+        loss = PolicyLoss(
+            _estimator(name), temperature=temperature, teacher_head=teacher_head, teacher_temperature=temperature
+        )
         graphdef, state = create_train_state(_student(), optimizer)
         before = jax.device_get(state.params)
         proximal = (

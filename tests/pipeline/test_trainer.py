@@ -69,6 +69,11 @@ def _kl_start_end(records, k=4):
         # the samplers on bf16 weights published from the fp32 master copy
         ("n_step_off", {"schedule.n_step": 1, "stages.snapshot_dtype": "bfloat16"}),
         ("fully_async", {"schedule.max_staleness": 2, "stages.rollouts": 2}),
+        # the exact forward KL from the teacher's hidden states (bf16 on the way) and its head
+        (
+            "fully_async",
+            {"teacher.payload": "hidden", "scoring.hidden_dtype": "bfloat16", "estimator.name": "forward_kl_dense"},
+        ),
     ],
 )
 def test_every_schedule_reduces_the_kl_to_the_teacher(models, tmp_path, mode, extra):

@@ -386,7 +386,10 @@ def test_the_docs_list_the_estimators_a_vllm_teacher_serves():
     page = (Path(__file__).resolve().parents[2] / "docs" / "teachers.md").read_text()
     row = next(line for line in page.splitlines() if line.startswith("| vLLM |"))
     listed = set(re.findall(r"`([a-z0-9_]+)`", row.split("the estimators that read only those:")[1]))
-    assert listed == {name for name, spec in ESTIMATORS.items() if set(spec.needs) <= SERVES["vllm"]}
+    servable = {
+        n for n, spec in ESTIMATORS.items() if set(spec.needs) <= SERVES["vllm"] and not spec.needs_teacher_hidden
+    }
+    assert listed == servable
 
 
 # --- SGLang's native /generate (its documented format: asyncopd_jax/teacher/wire.py) -------------

@@ -214,3 +214,22 @@ def test_the_scoring_stage_scores_only_the_columns_answers_reach():
         assert got.shape == want.shape and np.isfinite(np.asarray(got, np.float32)).all(), field.name
         np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], atol=1e-5, err_msg=field.name)
     np.testing.assert_allclose(np.asarray(scored.reference_logp)[mask], np.asarray(whole[1])[mask], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_hidden_payload_is_what_the_teachers_head_reads(world, dtype):
+    """``payload: hidden``: the cache also holds the teacher's final hidden states at the
+    response positions, in ``hidden_dtype``; the scores are those of ``payload: scores``."""
+    model, batch = world
+    teacher = tiny_decoder(3, scale=0.9)
+    plain = TeacherScorer(teacher, ScoringParams(topk=4, chunk_size=4)).score(batch)
+    params = ScoringParams(topk=4, chunk_size=4, payload="hidden", hidden_dtype=dtype)
+    cache = TeacherScorer(teacher, params).score(batch)
+    want = _hidden(teacher, batch)  # [B, T, H], row t predicts response token t
+    assert cache.hidden is not None and cache.hidden.dtype == jnp.dtype(dtype) and cache.hidden.shape == want.shape
+    np.testing.assert_allclose(np.asarray(cache.hidden, np.float32), want, rtol=1e-2 if dtype == "bfloat16" else 1e-6)
+    assert plain.hidden is None
+    for name in ("token_logp", "topk_ids", "topk_logp"):
+        np.testing.assert_array_equal(getattr(cache, name), getattr(plain, name))
+    with pytest.raises(ValueError, match="scoring.payload = 'logits' is invalid; allowed: scores, hidden"):
+        ScoringParams(payload="logits")
