@@ -618,8 +618,8 @@ def test_a_served_teacher_or_a_teacher_list_given_by_override_replaces_the_files
             "allowed: scores",
         ),
         (
-            ["teacher.payload=hidden", "stages.placement=processes"],
-            "teacher.payload = hidden is invalid with stages.placement = processes (the spool carries scores only)",
+            ["teacher.payload=hidden", "algorithm=rl", "estimator.name=ppo_clip", "rl.distill_coef=0.1"],
+            "teacher.payload = hidden is invalid with algorithm = rl; allowed: scores",
         ),
         (
             [

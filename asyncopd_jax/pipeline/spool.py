@@ -104,9 +104,7 @@ class Spool:
         """Commit a record; False if ``name`` already holds another writer's record."""
         if "/" in name or name.startswith("."):
             raise ValueError(f"a record name must not contain '/' nor start with '.': {name!r}")
-        buffer = io.BytesIO()
-        np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle's bool
-        return records.create(self.store, f"{name}{SUFFIX}", buffer.getvalue()) is not None
+        return records.create(self.store, f"{name}{SUFFIX}", _npz(arrays)) is not None
 
     def _listing(self) -> tuple[list[str], set[str]]:
         """(committed record names in name order, names with a claim), from one listing."""
@@ -221,9 +219,29 @@ class Spool:
             self.store.delete(key)
 
 
+# NumPy's .npz format has no bfloat16 (it would come back as raw 2-byte voids): such arrays
+# are stored as their uint16 bits, their names listed under this key, and viewed back.
+_BFLOAT16 = "__bfloat16__"
+
+
+def _npz(arrays: dict[str, np.ndarray]) -> bytes:
+    """``arrays`` as the bytes of an .npz file (bfloat16 ones as their bits, see :data:`_BFLOAT16`)."""
+    bf16 = [k for k, v in arrays.items() if v.dtype == jnp.bfloat16]
+    stored = {k: v.view(np.uint16) if k in bf16 else v for k, v in arrays.items()}
+    if bf16:
+        stored[_BFLOAT16] = np.asarray(bf16)
+    buffer = io.BytesIO()
+    np.savez(buffer, **stored)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle's bool
+    return buffer.getvalue()
+
+
 def _arrays(data: bytes) -> dict[str, np.ndarray]:
+    """The inverse of :func:`_npz`."""
     with np.load(io.BytesIO(data), allow_pickle=False) as archive:
-        return {k: archive[k] for k in archive.files}
+        arrays = {k: archive[k] for k in archive.files}
+    for name in arrays.pop(_BFLOAT16, []):
+        arrays[str(name)] = arrays[str(name)].view(jnp.bfloat16)
+    return arrays
 
 
 def read_record(path: str | Path) -> dict[str, np.ndarray]:

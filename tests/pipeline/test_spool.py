@@ -131,11 +131,13 @@ def test_a_rollout_group_round_trips_exactly(tmp_path):
         candidate_ids=rng.integers(0, 9, (B, T, N)).astype(np.int32),
         candidate_behavior_logp=rng.normal(size=(B, T, N)).astype(np.float32),
     )
+    bf16 = jax.numpy.bfloat16  # scoring.store_dtype / hidden_dtype: NumPy's .npz has no such dtype
     cache = TeacherScoreCache(
         token_logp=rng.normal(size=(B, T)).astype(np.float32),
-        candidate_logp=rng.normal(size=(B, T, N)).astype(np.float32),
+        candidate_logp=rng.normal(size=(B, T, N)).astype(bf16),
         topk_ids=rng.integers(0, 9, (B, T, K)).astype(np.int32),
         topk_logp=rng.normal(size=(B, T, K)).astype(np.float32),
+        hidden=rng.normal(size=(B, T, 6)).astype(bf16),  # the teacher's hidden states (teacher.payload: hidden)
     )
     group = RolloutGroup(batch, cache, 3, 5, rewards=np.array([1.0, 0.0, 1.0], np.float32), last_load=(5, 0.25))
     spool = Spool(tmp_path)
