@@ -160,6 +160,10 @@ class TeacherScoreCache:
         positions, target-aligned (row t is what the teacher's LM head reads to predict
         response token t), with ``teacher.payload: hidden``; the learner applies the
         teacher's head to them (:mod:`asyncopd_jax.estimators.dense_from_hidden`).
+        Several teachers' are padded with zeros to the widest.
+      teacher_index: ``[B, T]`` int32 or None: with ``hidden`` and several teachers, each
+        row's teacher (an index into the run's teachers, the same along the row): whose
+        head reads its hidden states. None: the only teacher's.
     """
 
     token_logp: Array
@@ -171,12 +175,13 @@ class TeacherScoreCache:
     sample_logp: Array | None = None
     span_end: Array | None = None
     hidden: Array | None = None
+    teacher_index: Array | None = None
 
     def __post_init__(self) -> None:
         _check_shapes(
             self,
             "token_logp",
-            ("span_end",),
+            ("span_end", "teacher_index"),
             (
                 ("candidate_logp",),
                 ("student_topk_logp",),

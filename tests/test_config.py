@@ -621,13 +621,13 @@ def test_a_served_teacher_or_a_teacher_list_given_by_override_replaces_the_files
             ["teacher.payload=hidden", "algorithm=rl", "estimator.name=ppo_clip", "rl.distill_coef=0.1"],
             "teacher.payload = hidden is invalid with algorithm = rl; allowed: scores",
         ),
-        (
+        (  # every teacher must ship hidden states for the dense estimators: one of two does not
             [
-                "scoring.payload=hidden",
+                "estimator.name=reverse_kl_dense",
                 "teacher.path=''",
-                "teachers=[{name: a, path: 'builtin:teacher'}, {name: b, path: 'builtin:teacher'}]",
+                "teachers=[{name: a, path: 'builtin:teacher', payload: hidden}, {name: b, path: 'builtin:teacher'}]",
             ],
-            "teachers[].payload = hidden is invalid with several teachers (one hidden-state teacher per run for now)",
+            "estimator.name = 'reverse_kl_dense' needs the teacher's hidden states; set teachers[].payload",
         ),
     ],
 )
@@ -641,3 +641,6 @@ def test_a_hidden_state_payload_configures_the_dense_estimators():
     cfg = load_config(DEMO_CONFIG, ["teacher.payload=hidden", "estimator.name=reverse_kl_dense"])
     assert cfg.teacher.scoring(cfg.scoring).payload == "hidden" and cfg.scoring.payload == "scores"
     assert cfg.estimator.spec.needs_teacher_hidden
+    two = "[{name: a, path: 'builtin:teacher'}, {name: b, path: 'builtin:teacher_moe'}]"
+    cfg = load_config(DEMO_CONFIG, ["scoring.payload=hidden", "teacher.path=''", f"teachers={two}"])
+    assert [t.scoring(cfg.scoring).payload for t in cfg.teachers] == ["hidden", "hidden"]

@@ -156,7 +156,6 @@ def _validate_payload(cfg: RunConfig, sources: tuple[TeacherSource, ...]) -> Non
         return
     reasons = {  # what does not carry hidden states yet
         "a served teacher (its server returns scores only)": any(t.served for t in hidden),
-        "several teachers (one hidden-state teacher per run for now)": len(sources) > 1,
         "algorithm = rl": cfg.algorithm == "rl",
     }
     for reason, applies in reasons.items():

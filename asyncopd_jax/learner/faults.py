@@ -38,7 +38,9 @@ Array = jax.Array
 ROLLOUT_FIELDS: tuple[str, ...] = ("behavior_logp", "candidate_behavior_logp", "advantages", "reference_logp")
 # Every score field of the teacher cache (the ``*_ids`` fields are integers, ``span_end`` a mask).
 CACHE_FIELDS: tuple[str, ...] = tuple(
-    f.name for f in dataclasses.fields(TeacherScoreCache) if not f.name.endswith("_ids") and f.name != "span_end"
+    f.name
+    for f in dataclasses.fields(TeacherScoreCache)
+    if not f.name.endswith("_ids") and f.name not in ("span_end", "teacher_index")  # ids and flags: not scores
 )
 # Fields where log q = −inf is a value, not a fault, in a cache of a teacher of another
 # tokenizer: its top-K mapped to the student's ids holds −inf for an id no student token spells.

@@ -88,9 +88,10 @@ class PolicyLoss:
       compute_dtype: the dtype the forward and backward run in (``learner.compute_dtype``;
         None: the parameters' own). The parameters, their gradients and the optimizer's
         moments stay in theirs: bf16 compute over fp32 master weights (:func:`loss_model`).
-      teacher_head: ``[H_q, V]`` the teacher's LM head on the learner's devices, for an
-        estimator that reads the teacher's hidden states (``needs_teacher_hidden``); None else.
-      teacher_temperature: the teacher's scoring temperature (its log-softmax from hidden
+      teacher_heads: ``[H_q, V]`` each teacher's LM head on the learner's devices, in the
+        run's order (zero rows padding them to the cache's hidden width), for an estimator
+        that reads the teachers' hidden states (``needs_teacher_hidden``); () else.
+      teacher_temperatures: each teacher's scoring temperature (its log-softmax from hidden
         states is taken at it, as the scorer's is).
     """
 
@@ -100,14 +101,13 @@ class PolicyLoss:
     chunk_size: int = 512
     remat: Remat = "none"
     compute_dtype: str | None = None
-    teacher_head: Array | None = None
-    teacher_temperature: float = 1.0
+    teacher_heads: tuple[Array, ...] = ()
+    teacher_temperatures: tuple[float, ...] = ()
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, teacher_head: Array | None = None) -> PolicyLoss:
-        """The loss a run's config asks for (``teacher_head``: see the attribute)."""
+    def from_config(cls, cfg: RunConfig, teacher_heads: tuple[Array, ...] = ()) -> PolicyLoss:
+        """The loss a run's config asks for (``teacher_heads``: see the attribute)."""
         learner = cfg.learner
-        teacher = cfg.in_process_teacher
         return cls(
             cfg.estimator,
             cfg.rl.distill_coef,
@@ -115,8 +115,8 @@ class PolicyLoss:
             learner.logprob_chunk,
             learner.remat,
             learner.compute_dtype,
-            teacher_head,
-            (teacher.scoring(cfg.scoring) if teacher is not None else cfg.scoring).temperature,
+            teacher_heads,
+            tuple(t.scoring(cfg.scoring).temperature for t in cfg.teacher_sources) if teacher_heads else (),
         )
 
     @property
@@ -144,22 +144,28 @@ class PolicyLoss:
         )
         if not self.estimator.spec.needs_teacher_hidden:
             return student
-        teacher_hidden = None if batch.cache is None else batch.cache.hidden
-        if teacher_hidden is None or self.teacher_head is None:
+        cache = batch.cache
+        if cache is None or cache.hidden is None or not self.teacher_heads:
             raise ValueError(
                 f"estimator {self.estimator.name!r} needs the teacher's hidden states (TeacherScoreCache.hidden) "
-                "and its head (PolicyLoss.teacher_head)"
+                "and its head (PolicyLoss.teacher_heads)"
             )
-        vocab = min(head.shape[1], self.teacher_head.shape[1])  # the ids both heads have
-        forward, reverse = dense_kls_on_mesh(
-            hidden,
-            head[:, :vocab],
-            teacher_hidden.astype(hidden.dtype),
-            self.teacher_head[:, :vocab].astype(hidden.dtype),
-            batch.rollout.response_mask,
-            self.chunk_size,
-            (self.temperature, self.teacher_temperature),
-        )
+        mask = jnp.asarray(batch.rollout.response_mask, bool)
+        forward = reverse = jnp.zeros(mask.shape, jnp.float32)
+        for k, (teacher_head, teacher_temperature) in enumerate(zip(self.teacher_heads, self.teacher_temperatures)):
+            # each teacher's head on the rows it scored (a pass each: the rows of the others are masked)
+            rows = mask if cache.teacher_index is None else mask & (cache.teacher_index == k)
+            vocab = min(head.shape[1], teacher_head.shape[1])  # the ids both heads have
+            kls = dense_kls_on_mesh(
+                hidden,
+                head[:, :vocab],
+                cache.hidden.astype(hidden.dtype),
+                teacher_head[:, :vocab].astype(hidden.dtype),
+                rows,
+                self.chunk_size,
+                (self.temperature, teacher_temperature),
+            )
+            forward, reverse = forward + kls[0], reverse + kls[1]
         return dataclasses.replace(student, forward_kl=forward, reverse_kl=reverse)
 
     def __call__(self, model: Decoder, batch: LearnerBatch, denominator: Array) -> tuple[Array, Metrics]:

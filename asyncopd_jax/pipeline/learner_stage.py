@@ -61,7 +61,7 @@ class LearnerStage:
         self.lr = learning_rate_schedule(cfg.optim, cfg.train.steps)
         student = load_model(cfg.student, models.vocab_limit, self.mesh)
         self.graphdef, self.state = create_train_state(student, self.optimizer, self.mesh)
-        self.loss = PolicyLoss.from_config(cfg, self._teacher_head(cfg, models))
+        self.loss = PolicyLoss.from_config(cfg, self._teacher_heads(cfg, models))
         if learner.token_budget:  # dynamic batching (one learner process: RunConfig.check_learner_processes)
             self.train_step = make_packed_train_step(
                 self.graphdef,
@@ -83,14 +83,18 @@ class LearnerStage:
             )
         self.proximal = make_proximal_fn(self.graphdef, self.loss, self.mesh) if self.loss.needs_proximal else None
 
-    def _teacher_head(self, cfg: RunConfig, models: RunModels) -> jax.Array | None:
-        """The teacher's LM head, replicated on the learner's mesh, where the estimator reads
-        the teacher's hidden states (read alone from its checkpoint: not the teacher)."""
-        teacher = cfg.in_process_teacher
-        if not cfg.estimator.spec.needs_teacher_hidden or teacher is None:
-            return None
-        head = read_lm_head(resolve_model_path(teacher.path), models.vocab_limit, teacher.dtype)
-        return jax.device_put(head, NamedSharding(self.mesh, PartitionSpec()))
+    def _teacher_heads(self, cfg: RunConfig, models: RunModels) -> tuple[jax.Array, ...]:
+        """Each teacher's LM head, in the run's order, replicated on the learner's mesh, where
+        the estimator reads the teachers' hidden states (read alone from each checkpoint:
+        not the teachers), padded with zero rows to the cache's hidden width."""
+        if not cfg.estimator.spec.needs_teacher_hidden:
+            return ()
+        width, heads = models.hidden_width(cfg), []
+        for teacher in cfg.teacher_sources:  # all in-process (RunConfig checks)
+            head = read_lm_head(resolve_model_path(teacher.path), models.vocab_limit, teacher.dtype)
+            head = np.pad(head, ((0, width - head.shape[0]), (0, 0)))
+            heads.append(jax.device_put(head, NamedSharding(self.mesh, PartitionSpec())))
+        return tuple(heads)
 
     @property
     def version(self) -> int:

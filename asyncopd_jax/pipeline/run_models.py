@@ -44,6 +44,14 @@ class RunModels:
         """The teachers of another tokenizer than the student's, by name, with their pair."""
         return {t.name: t.retokenizer for t in self.teachers if t.retokenizer is not None}
 
+    def hidden_width(self, cfg: RunConfig) -> int:
+        """The width every teacher's hidden states are padded to in the score cache (the
+        widest of the teachers with ``payload: hidden``; 0: none), so that the rows of
+        teachers of different widths stack into one ``[B, T, H]``; each teacher's head is
+        padded with zero rows to it (zeros add nothing to ``h · W``)."""
+        widths = [t.hidden_size or 0 for t in self.teachers if t.source.scoring(cfg.scoring).payload == "hidden"]
+        return max(widths, default=0)
+
     def teacher_task(self, cfg: RunConfig, name: str) -> PromptTask:
         """The task as teacher ``name`` reads it: through its own tokenizer (a teacher of
         another tokenizer: the built-in task's prompts and answers in its tokens)."""

@@ -37,6 +37,7 @@ class RunTeacher:
     """One teacher of the run, resolved once from the config and its model's small files.
 
     ``context``: its positions (an in-process teacher's ``config.json``; None: served);
+    ``hidden_size``: the width of its hidden states (in-process; None: served);
     ``retokenizer``: the student's and its tokenizer, when they differ (its answers are
     re-tokenised and its scores mapped back by spans:
     :mod:`asyncopd_jax.teacher.cross_tokenizer`); None: the student's tokenizer.
@@ -45,6 +46,7 @@ class RunTeacher:
     source: TeacherSource
     context: int | None
     retokenizer: Retokenizer | None = None
+    hidden_size: int | None = None
 
     @property
     def name(self) -> str:
@@ -66,6 +68,7 @@ class TeacherFiles:
     others: dict[str, Any]
     context: int
     vocab_limit: int | None
+    widths: dict[str, int] = dataclasses.field(default_factory=dict)  # in-process teacher → its hidden size
 
 
 def read_teachers(cfg: RunConfig, tokenizer: Any, student: DecoderConfig) -> TeacherFiles:
@@ -73,6 +76,7 @@ def read_teachers(cfg: RunConfig, tokenizer: Any, student: DecoderConfig) -> Tea
     config."""
     context, vocab_limit = student.max_position_embeddings, None
     contexts: dict[str, int] = {}  # in-process teacher → its context
+    widths: dict[str, int] = {}  # in-process teacher → its hidden size
     others: dict[str, Any] = {}  # a teacher of another tokenizer → that tokenizer
     for source in cfg.teacher_sources:
         directory = teacher_tokenizer_path(source)
@@ -84,6 +88,7 @@ def read_teachers(cfg: RunConfig, tokenizer: Any, student: DecoderConfig) -> Tea
             continue
         teacher = model_config(source)
         contexts[source.name] = teacher.max_position_embeddings
+        widths[source.name] = teacher.hidden_size
         if source.name not in others:  # embeddings padded to different sizes: all output the ids they share
             limit = shared_vocab_size(tokenizer, student.vocab_size, teacher.vocab_size)
             if limit is not None:
@@ -91,7 +96,7 @@ def read_teachers(cfg: RunConfig, tokenizer: Any, student: DecoderConfig) -> Tea
     shared = [c for name, c in contexts.items() if name not in others]
     if shared:  # the student samples prompt + answer and each teacher of its tokens scores all of it
         context = min(context, *shared)
-    return TeacherFiles(contexts, others, context, vocab_limit)
+    return TeacherFiles(contexts, others, context, vocab_limit, widths)
 
 
 def resolve_teachers(
@@ -105,6 +110,7 @@ def resolve_teachers(
             source,
             found.contexts.get(source.name),
             Retokenizer.of(tokenizer, found.others[source.name], stop) if source.name in found.others else None,
+            found.widths.get(source.name),
         )
         for source in cfg.teacher_sources
     )

@@ -65,7 +65,7 @@ def build_scoring_stage(cfg: RunConfig, layout: Layout, plan: StagePlan, models:
     run_teachers = models.teachers if cfg.needs_teacher_scores else ()
     for run_teacher in run_teachers:
         source, pair = run_teacher.source, run_teacher.retokenizer  # pair: a teacher of another tokenizer
-        params = source.scoring(cfg.scoring)
+        params = dataclasses.replace(source.scoring(cfg.scoring), hidden_width=models.hidden_width(cfg))
         teacher: Teacher
         if source.served:
             # a teacher of another tokenizer: any id its server answers is mapped (one past its tokenizer,

@@ -43,6 +43,9 @@ class ScoringParams:
         after the final norm), for the learner to compute the exact KL over the whole
         vocabulary with the teacher's head (:mod:`asyncopd_jax.estimators.dense_from_hidden`).
       hidden_dtype: ``"float32"`` or ``"bfloat16"`` for the stored hidden states.
+      hidden_width: the width the hidden states are padded to with zeros (0: their own),
+        so that several teachers' rows stack (the run's widest; the learner pads each
+        teacher's head with zero rows to it).
     """
 
     topk: int = 0
@@ -52,11 +55,14 @@ class ScoringParams:
     store_dtype: str = "float32"
     payload: str = "scores"
     hidden_dtype: str = "float32"
+    hidden_width: int = 0
 
     def __post_init__(self) -> None:
         for field in ("store_dtype", "hidden_dtype"):
             if getattr(self, field) not in ("float32", "bfloat16"):
                 raise ValueError(f"scoring.{field} = {getattr(self, field)!r} is invalid; allowed: float32, bfloat16")
+        if self.hidden_width < 0:
+            raise ValueError(f"scoring.hidden_width must be >= 0, got {self.hidden_width}")
         if self.payload not in ("scores", "hidden"):
             raise ValueError(f"scoring.payload = {self.payload!r} is invalid; allowed: scores, hidden")
         for field in ("topk", "num_samples"):
@@ -128,7 +134,9 @@ def score_hidden(
 
     cache = TeacherScoreCache(**{name: unchunk(value) for name, value in chunks.items()})
     if params.payload == "hidden":
-        cache = dataclasses.replace(cache, hidden=hidden.astype(jnp.dtype(params.hidden_dtype)))
+        width = max(params.hidden_width, hidden.shape[-1])
+        padded = jnp.pad(hidden, ((0, 0), (0, 0), (0, width - hidden.shape[-1])))
+        cache = dataclasses.replace(cache, hidden=padded.astype(jnp.dtype(params.hidden_dtype)))
     return cache
 
 
@@ -317,6 +325,9 @@ class Scorers:
             ]
         back = jnp.asarray(np.argsort(np.concatenate(order)))  # each row's place among the parts
         cache = jax.tree_util.tree_map(lambda *xs: jnp.take(jnp.concatenate(xs), back, axis=0), *parts)
+        if cache.hidden is not None and route is not None:  # whose head reads each row's hidden states
+            index = jnp.asarray(route.teacher, jnp.int32)[:, None]
+            cache = dataclasses.replace(cache, teacher_index=jnp.broadcast_to(index, batch.response_tokens.shape))
         return Scored(batch, cache, uses)
 
     @staticmethod

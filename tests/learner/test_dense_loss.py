@@ -22,7 +22,8 @@ from asyncopd_jax.models import Decoder, read_lm_head, save_pretrained
 from asyncopd_jax.models.partitioning import mesh_context
 from asyncopd_jax.pipeline.devices import stage_mesh
 from asyncopd_jax.sampling import Sampler, SamplingParams
-from asyncopd_jax.teacher import ScoringParams, TeacherScorer
+from asyncopd_jax.teacher import Scorers, ScoringParams, TeacherScorer
+from asyncopd_jax.teacher.routing import TeacherRoute
 from tests.teacher.test_scorer import _hidden
 from tests.tiny_models import tiny_config, tiny_decoder
 
@@ -47,8 +48,8 @@ def _loss_and_grad(student, teacher, batch, name, mesh=None):
         EstimatorConfig(name),
         temperature=0.8,
         chunk_size=5,
-        teacher_head=teacher.lm_head_weight(),
-        teacher_temperature=1.3,
+        teacher_heads=(teacher.lm_head_weight(),),
+        teacher_temperatures=(1.3,),
     )
     graphdef, params = nnx.split(student)
     mini = LearnerBatch(batch, cache)
@@ -107,3 +108,49 @@ def test_the_teachers_head_is_read_alone_from_its_checkpoint(tmp_path, tied):
     head = read_lm_head(tmp_path)
     np.testing.assert_array_equal(head, np.asarray(model.lm_head_weight()))
     np.testing.assert_array_equal(read_lm_head(tmp_path, vocab_limit=40), np.asarray(model.lm_head_weight())[:, :40])
+
+
+def test_two_teachers_of_different_widths_each_teach_their_own_rows(pair):
+    """Rows routed to two teachers (hidden sizes 32 and 48, temperatures 1.3 and 0.9): the
+    cache holds both widths padded to 48 and each row's teacher; the loss and gradient are
+    the dense estimator against each row's own teacher."""
+    student, teacher_a, batch = pair
+    teacher_b = Decoder(dataclasses.replace(tiny_config(), hidden_size=48, intermediate_size=96), rngs=nnx.Rngs(7))
+    route = TeacherRoute(teacher=np.array([0, 1, 1, 0, 1, 0, 0, 1], np.int32))
+    scorers = Scorers(
+        {
+            "a": TeacherScorer(teacher_a, ScoringParams(temperature=1.3, payload="hidden", hidden_width=48)),
+            "b": TeacherScorer(teacher_b, ScoringParams(temperature=0.9, payload="hidden", hidden_width=48)),
+        }
+    )
+    cache = scorers.score(batch, jax.random.key(0), route).cache
+    assert cache.hidden.shape[-1] == 48 and not np.asarray(cache.hidden)[route.teacher == 0][..., 32:].any()
+    np.testing.assert_array_equal(np.asarray(cache.teacher_index)[:, 0], route.teacher)
+    head_a = jnp.pad(teacher_a.lm_head_weight(), ((0, 16), (0, 0)))  # zero rows up to the cache's width
+    loss = PolicyLoss(
+        EstimatorConfig("reverse_kl_dense"),
+        temperature=0.8,
+        chunk_size=5,
+        teacher_heads=(head_a, teacher_b.lm_head_weight()),
+        teacher_temperatures=(1.3, 0.9),
+    )
+    graphdef, params = nnx.split(student)
+    mini, total = LearnerBatch(batch, cache), jnp.sum(batch.response_mask).astype(jnp.float32)
+    got, got_grads = jax.value_and_grad(lambda p: loss(loss_model(graphdef, p, None), mini, total)[0])(params)
+
+    rows_b = jnp.asarray(route.teacher == 1)[:, None, None]
+    teacher_logits = jnp.where(
+        rows_b,
+        _hidden(teacher_b, batch) @ teacher_b.lm_head_weight() / 0.9,
+        _hidden(teacher_a, batch) @ teacher_a.lm_head_weight() / 1.3,
+    )
+
+    def oracle(p):
+        model = nnx.merge(graphdef, p)
+        z = _hidden(model, batch) @ model.lm_head_weight() / 0.8
+        return est.token_mean(est.reverse_kl_dense(z, teacher_logits, mask=batch.response_mask), batch.response_mask)
+
+    want, want_grads = jax.value_and_grad(oracle)(params)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(jax.tree_util.tree_leaves(got_grads), jax.tree_util.tree_leaves(want_grads)):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4)

@@ -317,7 +317,10 @@ def assert_estimators_vanish_at_the_teacher(
     teacher_head = _student().lm_head_weight()  # the teacher is the student
     for name in names:
         loss = PolicyLoss(
-            _estimator(name), temperature=temperature, teacher_head=teacher_head, teacher_temperature=temperature
+            _estimator(name),
+            temperature=temperature,
+            teacher_heads=(teacher_head,),
+            teacher_temperatures=(temperature,),
         )
         graphdef, state = create_train_state(_student(), optimizer)
         before = jax.device_get(state.params)

@@ -111,6 +111,24 @@ def test_every_schedule_reduces_the_kl_to_the_teacher(models, tmp_path, mode, ex
     assert summary["steps"] == 12 and 0.0 <= summary["student_after"] <= 1.0
 
 
+@pytest.mark.e2e  # a whole run: the end-to-end step (-m e2e)
+def test_two_hidden_state_teachers_each_teach_the_prompts_routed_to_them(models, tmp_path):
+    """Two teachers of different architectures (dense and mixture-of-experts) ship hidden
+    states; each row's exact KL is taken with its own teacher's head."""
+    teachers = (
+        "[{name: dense, path: 'builtin:teacher', payload: hidden},"
+        " {name: moe, path: 'builtin:teacher_moe', payload: hidden, temperature: 0.9}]"
+    )
+    sets = {"teacher.path": "''", "teachers": teachers, "estimator.name": "forward_kl_dense", "schedule.mode": "sync"}
+    cfg = _config(models, tmp_path, **sets)
+    Trainer(cfg, progress=False).run()
+    records = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    rows = {name: sum(r[f"teacher/{name}/rows"] for r in records) for name in ("dense", "moe")}
+    assert min(rows.values()) > 0 and sum(rows.values()) == 12 * cfg.learner.batch_size, rows
+    start, end = _kl_start_end(records)
+    assert end < 0.85 * start, [round(r["loss"], 2) for r in records]
+
+
 @pytest.mark.e2e  # a whole run, crashed and resumed: the end-to-end step (-m e2e)
 def test_resume_after_a_crash_continues_without_loss_or_repetition(models, tmp_path, monkeypatch):
     cfg = _config(models, tmp_path, **{"schedule.mode": "fully_async", "train.steps": 10})
