@@ -35,7 +35,7 @@ from asyncopd_jax.learner.optimizer import make_optimizer
 from asyncopd_jax.models.decoder import Decoder
 from asyncopd_jax.pipeline import snapshot_deltas
 from asyncopd_jax.pipeline.model_loading import load_model_and_tokenizer
-from asyncopd_jax.scale.plan import architecture
+from asyncopd_jax.scale.learner_inputs import architecture
 
 
 def build(model: str) -> tuple[Decoder, str]:

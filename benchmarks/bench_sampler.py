@@ -145,7 +145,7 @@ def qwen3_06b_workload(args: argparse.Namespace, directory: Path) -> tuple[Decod
     ``directory`` (float32 safetensors, for vLLM), and ``--prompts`` random prompts of 16–128
     tokens: (model, prompts, eos id, pad id, prompt slots)."""
     from asyncopd_jax.models.config import read_hf_config
-    from asyncopd_jax.scale.plan import ARCHITECTURES
+    from asyncopd_jax.scale.learner_inputs import ARCHITECTURES
 
     config = json.loads((ARCHITECTURES / "Qwen3-0.6B" / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))

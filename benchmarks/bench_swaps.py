@@ -40,7 +40,7 @@ from asyncopd_jax.config import load_config
 from asyncopd_jax.models.decoder import Decoder
 from asyncopd_jax.pipeline.model_loading import load_model_and_tokenizer
 from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore, InMemorySnapshotStore
-from asyncopd_jax.scale.plan import architecture
+from asyncopd_jax.scale.learner_inputs import architecture
 from asyncopd_jax.scale.swaps import total_bytes
 
 CONFIGS = ["demo", "long_tailed", "rl", "qwen3_0.6b_from_4b_v6e8", "qwen3_1.7b_from_8b_v5e16"]

@@ -15,6 +15,7 @@ plan as printed: :mod:`asyncopd_jax.scale.report`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
-from asyncopd_jax.config import ModelSource, RunConfig, TeacherSource
+from asyncopd_jax.config import RunConfig, TeacherSource
 from asyncopd_jax.learner.optimizer import make_optimizer
 from asyncopd_jax.learner.sharding import batch_shardings, make_mesh, state_shardings
 from asyncopd_jax.learner.step import (
@@ -32,11 +32,10 @@ from asyncopd_jax.learner.step import (
     PolicyLoss,
     TrainState,
     jit_train_step,
-    make_proximal_fn,
     train_step_function,
 )
 from asyncopd_jax.models.attention import resolve_implementation
-from asyncopd_jax.models.config import DecoderConfig, read_hf_config
+from asyncopd_jax.models.config import DecoderConfig
 from asyncopd_jax.models.decoder import Remat, abstract_decoder, cast_floating
 from asyncopd_jax.models.moe import ExchangeBytes, exchange_bytes, expert_layout, routed_exchange
 from asyncopd_jax.models.partitioning import mesh_context, parameter_shardings
@@ -46,11 +45,9 @@ from asyncopd_jax.sampling import Engine, SamplingParams, make_sampler
 from asyncopd_jax.scale.balance import Answers, DecodeBytes, RolloutCost, rollout_seconds
 from asyncopd_jax.scale.chips import GIB, Chip, Topology
 from asyncopd_jax.scale.flops import matmul_flops, transformer_flops
+from asyncopd_jax.scale.learner_inputs import abstract_learner_batch, architecture, hidden_teachers, teacher_heads
 from asyncopd_jax.scale.swaps import DEFAULT_STORAGE_BYTES_PER_S, SwapFigures, bytes_per_device, swap_figures
-from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.teacher.scorer import teacher_score_function
-
-ARCHITECTURES = Path(__file__).parent / "architectures"  # config.json of models a plan may name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,77 +111,6 @@ class StageFigures:
         """Model-FLOPs utilisation if the call ran at its roofline time."""
         seconds = self.roofline_seconds(chip)
         return self.model_flops / (seconds * chip.peak_flops) if seconds else 0.0
-
-
-def architecture(source: ModelSource, layers: int | None = None) -> tuple[DecoderConfig, str]:
-    """A model's config (``config.json`` only; no weights are read) and where it came from.
-
-    A path that does not exist here but names a model whose config ships with asyncopd
-    (``/models/Qwen3-8B`` → ``Qwen3-8B``) uses that config, so a plan can be made on a
-    machine that has none of the weights."""
-    directory = resolve_model_path(source.path)
-    if not (directory / "config.json").is_file() and (ARCHITECTURES / directory.name / "config.json").is_file():
-        directory = ARCHITECTURES / directory.name
-    config, _ = read_hf_config(directory)
-    if layers is not None:
-        config = dataclasses.replace(config, num_hidden_layers=layers)
-    return config, str(directory / "config.json")
-
-
-def abstract_learner_batch(
-    cfg: RunConfig, rows: int, shapes: Shapes, model: tuple[nnx.GraphDef, nnx.State] | None = None
-) -> LearnerBatch:
-    """The shapes of one optimizer step's batch as the rollout and scoring stages make it
-    (the optional fields the config turns on, as :class:`RolloutBatch` and
-    :class:`TeacherScoreCache` document them), with the proximal log-probs the learner
-    computes where the estimator reads them (of ``model``: graph and abstract parameters)."""
-    b, p, t = rows, shapes.prompt_tokens, shapes.response_tokens
-
-    def a(*shape: int, dtype: Any = jnp.float32) -> Any:  # a ShapeDtypeStruct standing for an Array
-        return jax.ShapeDtypeStruct(shape, dtype)
-
-    def ids_and_logp(n: int) -> tuple[Any, Any]:
-        return (a(b, t, n, dtype=jnp.int32), a(b, t, n)) if n else (None, None)
-
-    n, k = cfg.sampling.num_candidates, cfg.sampling.student_topk
-    candidate_ids, candidate_logp = ids_and_logp(n)
-    topk_ids, topk_logp = ids_and_logp(k)
-    rollout = RolloutBatch(
-        prompt_tokens=a(b, p, dtype=jnp.int32),
-        prompt_mask=a(b, p, dtype=jnp.bool_),
-        response_tokens=a(b, t, dtype=jnp.int32),
-        response_mask=a(b, t, dtype=jnp.bool_),
-        behavior_logp=a(b, t),
-        token_version=a(b, t, dtype=jnp.int32),
-        candidate_ids=candidate_ids,
-        candidate_behavior_logp=candidate_logp,
-        student_topk_ids=topk_ids,
-        student_topk_behavior_logp=topk_logp,
-        advantages=a(b, t) if cfg.algorithm == "rl" else None,
-        reference_logp=a(b, t) if cfg.reference.path else None,
-    )
-    spec = cfg.estimator.spec
-    cache = None
-    if spec.needs_teacher_scores(rl=cfg.algorithm == "rl", distill_coef=cfg.rl.distill_coef):
-        store = jnp.dtype(cfg.scoring.store_dtype)
-        teacher_topk = ids_and_logp(cfg.scoring.topk)
-        samples = ids_and_logp(cfg.scoring.num_samples)
-        cache = TeacherScoreCache(
-            token_logp=a(b, t, dtype=store),
-            candidate_logp=a(b, t, n, dtype=store) if n else None,
-            student_topk_logp=a(b, t, k, dtype=store) if k else None,
-            topk_ids=teacher_topk[0],
-            topk_logp=None if teacher_topk[1] is None else a(b, t, cfg.scoring.topk, dtype=store),
-            sample_ids=samples[0],
-            sample_logp=None if samples[1] is None else a(b, t, cfg.scoring.num_samples, dtype=store),
-        )
-    batch = LearnerBatch(rollout=rollout, cache=cache)
-    if not spec.needs_proximal:
-        return batch
-    if model is None:
-        raise ValueError(f"estimator {spec.name!r} reads proximal log-probs: their shapes need the model")
-    proximal = jax.eval_shape(make_proximal_fn(model[0], PolicyLoss.from_config(cfg)), model[1], batch)
-    return dataclasses.replace(batch, proximal=proximal)
 
 
 def _figures(stage: str, devices: int, rows: int, tokens: int, lowered: Any) -> StageFigures:
@@ -256,11 +182,23 @@ def compile_learner_step(
     rows = cfg.learner.batch_size // cfg.learner.mini_batches
     batch = abstract_learner_batch(cfg, rows, shapes, (graphdef, params))
     loss = PolicyLoss.from_config(cfg)
-    step = train_step_function(graphdef, optimizer, loss, micro_batches=cfg.learner.micro_batches)
-    jitted = jit_train_step(step, mesh, state_example=state)  # as make_train_step jits it for the run
+    heads = teacher_heads(cfg, vocab_limit, mesh)  # the teachers' heads: arguments here, not constants
+
+    def step_on(graph: nnx.GraphDef, remat: Remat) -> Callable:
+        def step(state: TrainState, batch: LearnerBatch, heads: tuple) -> Any:
+            with_heads = dataclasses.replace(PolicyLoss.from_config(cfg, heads), remat=remat)
+            return train_step_function(graph, optimizer, with_heads, micro_batches=cfg.learner.micro_batches)(
+                state, batch
+            )
+
+        return step
+
+    jitted = jit_train_step(step_on(graphdef, loss.remat), mesh, state_example=state)  # as the run jits it
     with mesh_context(mesh):
         lowered = jitted.lower(
-            with_shardings(state, state_shardings(state, mesh)), with_shardings(batch, batch_shardings(batch, mesh))
+            with_shardings(state, state_shardings(state, mesh)),
+            with_shardings(batch, batch_shardings(batch, mesh)),
+            heads,
         )
     tokens = rows * (shapes.prompt_tokens + shapes.response_tokens)
     figures = _figures("learner step", len(mesh.devices.flat), rows, tokens, lowered)
@@ -269,10 +207,7 @@ def compile_learner_step(
     plain, _ = abstract_decoder(config, cfg.student.dtype, vocab_limit, "xla")
 
     def counted(remat: Remat) -> float:
-        step = train_step_function(
-            plain, optimizer, dataclasses.replace(loss, remat=remat), micro_batches=cfg.learner.micro_batches
-        )
-        return matmul_flops(step, state, batch) / len(devices)
+        return matmul_flops(step_on(plain, remat), state, batch, heads) / len(devices)
 
     head = dataclasses.replace(config, vocab_size=vocab_limit or config.vocab_size)
     textbook = transformer_flops(
@@ -499,6 +434,29 @@ def layout_of(cfg: RunConfig) -> Layout:
     return plan_layout(cfg, run_path=Path(cfg.output_dir) / cfg.name, available_cores=())
 
 
+def hidden_payload_notes(cfg: RunConfig, shapes: Shapes, vocab_limit: int | None) -> list[str]:
+    """What the teachers' hidden states (``payload: hidden``) cost besides the stages' own
+    figures: their bytes per batch from scoring to the learner, against the top-K scores',
+    and the heads the learner holds (inside the learner step's figures)."""
+    hidden = hidden_teachers(cfg)
+    if not hidden:
+        return []
+    width = max(config.hidden_size for config in hidden)
+    tokens = cfg.learner.batch_size * shapes.response_tokens
+    payload = tokens * width * jnp.dtype(cfg.scoring.hidden_dtype).itemsize
+    k = cfg.scoring.topk or 1
+    topk = tokens * k * (4 + jnp.dtype(cfg.scoring.store_dtype).itemsize)  # int32 ids + log q
+    heads = sum(
+        width * (vocab_limit or config.vocab_size) * jnp.dtype(source.dtype).itemsize
+        for config, source in zip(hidden, cfg.teacher_sources)
+    )
+    return [
+        f"the teachers' hidden states: {payload / 2**20:.2f} MiB per batch from scoring to the learner ({width} "
+        f"a position in {cfg.scoring.hidden_dtype}; a top-{k} cache: {topk / 2**20:.2f} MiB); the learner holds "
+        f"their heads, {heads / GIB:.2f} GiB on every learner chip, in its step's figures"
+    ]
+
+
 def make_plan(
     cfg: RunConfig,
     topology: Topology,
@@ -584,6 +542,7 @@ def make_plan(
         f"the rollout engine ({cfg.sampling.engine}) compiles {sum(map(len, programs.values()))} programs at most "
         f"for these shapes: " + ", ".join(f"{name} {len(listed)}" for name, listed in programs.items())
     ]
+    notes += hidden_payload_notes(cfg, shapes, vocab_limit)
     shared = [f for f in stages if f.stage.startswith("scoring ") and not f.error]
     if len(shared) > 1:  # each row counts its own teacher's weights; all of them lie on the scoring chips
         inputs = sum(f.argument_bytes for f in shared)

@@ -482,7 +482,7 @@ def test_the_shipped_qwen3_30b_a3b_has_the_model_cards_parameter_counts():
 
     from asyncopd_jax.models.config import read_hf_config
     from asyncopd_jax.models.decoder import abstract_decoder
-    from asyncopd_jax.scale.plan import ARCHITECTURES
+    from asyncopd_jax.scale.learner_inputs import ARCHITECTURES
 
     c, _ = read_hf_config(ARCHITECTURES / "Qwen3-30B-A3B-Instruct-2507")
     _, params = abstract_decoder(c, "bfloat16")
@@ -500,7 +500,8 @@ def test_the_exchange_bytes_are_the_routed_rows_or_whole_chunks_there_and_back_i
     3 others' rows. Padded: 3 of 4 chunks of [4,096, 2,048] per 512 tokens, whatever the routing."""
     from asyncopd_jax.models.config import read_hf_config
     from asyncopd_jax.models.moe import ExchangeBytes, exchange_bytes
-    from asyncopd_jax.scale.plan import ARCHITECTURES, teacher_exchange_bytes
+    from asyncopd_jax.scale.learner_inputs import ARCHITECTURES
+    from asyncopd_jax.scale.plan import teacher_exchange_bytes
 
     config, _ = read_hf_config(ARCHITECTURES / "Qwen3-30B-A3B-Instruct-2507")
     rows = 48 * 2 * 65536 * 8 * 2048 * 2  # a device's rows of H bf16, there and back, in 48 layers

@@ -19,7 +19,7 @@ from asyncopd_jax.models.partitioning import (
     parameter_axes,
     parameter_shardings,
 )
-from asyncopd_jax.scale.plan import architecture
+from asyncopd_jax.scale.learner_inputs import architecture
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.models.partitioning import parameter_shardings
 from asyncopd_jax.sampling import ContinuousSampler, Sampler, SamplingParams
 from asyncopd_jax.scale.chips import get_topology, libtpu_available
-from asyncopd_jax.scale.plan import ARCHITECTURES
+from asyncopd_jax.scale.learner_inputs import ARCHITECTURES
 from tests.sampling.test_sharded_sampler import cache_bytes
 from tests.tpu_compiler import REASON
 

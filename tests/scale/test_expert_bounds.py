@@ -20,7 +20,8 @@ from asyncopd_jax.models.config import DecoderConfig
 from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.models.moe import EXPERT_CHUNK_TOKENS
 from asyncopd_jax.scale.chips import GIB, get_topology, libtpu_available
-from asyncopd_jax.scale.plan import Shapes, architecture, compile_teacher_scoring
+from asyncopd_jax.scale.learner_inputs import architecture
+from asyncopd_jax.scale.plan import Shapes, compile_teacher_scoring
 from tests.tpu_compiler import REASON
 
 pytestmark = [pytest.mark.tpu_compiler, pytest.mark.skipif(not libtpu_available(), reason=REASON)]

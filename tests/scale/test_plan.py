@@ -25,12 +25,8 @@ from asyncopd_jax.scale import plan as plan_module
 from asyncopd_jax.scale.balance import Answers
 from asyncopd_jax.scale.chips import GIB, get_topology
 from asyncopd_jax.scale.flops import matmul_flops, transformer_flops
-from asyncopd_jax.scale.plan import (
-    Shapes,
-    abstract_learner_batch,
-    architecture,
-    make_plan,
-)
+from asyncopd_jax.scale.learner_inputs import abstract_learner_batch, architecture
+from asyncopd_jax.scale.plan import Shapes, compile_learner_step, hidden_payload_notes, make_plan
 from asyncopd_jax.scale.report import format_plan
 from tests.pipeline.test_trainer import _config, models  # noqa: F401
 
@@ -48,8 +44,9 @@ def _structure(tree):
         {},  # forward_kl_topk with 4 MC candidates: teacher top-K, candidates
         {"estimator.name": "reverse_kl_hybrid", "sampling.student_topk": 3, "scoring.store_dtype": "bfloat16"},
         {"estimator.name": "decoupled_ppo", "scoring.num_samples": 2},  # proximal log-probs, teacher samples
+        {"estimator.name": "forward_kl_dense", "teacher.payload": "hidden", "scoring.hidden_dtype": "bfloat16"},
     ],
-    ids=["topk+candidates", "hybrid+bf16", "proximal+samples"],
+    ids=["topk+candidates", "hybrid+bf16", "proximal+samples", "hidden-states"],
 )
 def test_the_abstract_batch_is_the_batch_the_pipeline_makes(models, tmp_path, monkeypatch, sets):  # noqa: F811
     cfg = _config(models, tmp_path, **{"train.steps": 1, **sets})
@@ -238,3 +235,25 @@ def test_a_stage_whose_link_bytes_dominate_has_them_as_its_roofline():
     assert figures.roofline_seconds(chip) == pytest.approx(1e12 / chip.peak_flops)
     linked = dataclasses.replace(figures, interconnect_bytes=448e9)
     assert linked.roofline_seconds(chip) == pytest.approx(448e9 / (chip.interconnect_bytes_per_s / 2)) == 2.0
+
+
+def test_the_hidden_state_payload_is_counted_in_the_learner_step_and_the_notes():
+    """``teacher.payload: hidden`` with ``forward_kl_dense`` at Qwen3 widths (1 layer, the
+    XLA:CPU proxy): the learner step takes the teacher's head as an argument (its bytes in
+    the step's inputs) and does its matmuls (2 · H_q · V a response position, forward and
+    the backward's recompute); the notes give the payload's bytes per batch."""
+    shapes = Shapes(prompt_tokens=32, response_tokens=96, layers=1)
+    devices = get_topology("h100-4").devices
+    topk = compile_learner_step(_qwen_width_config(), architecture(_qwen_width_config().student, 1)[0], devices, shapes)
+    cfg = _qwen_width_config(**{"estimator.name": "forward_kl_dense", "teacher.payload": "hidden"})
+    dense = compile_learner_step(cfg, architecture(cfg.student, 1)[0], devices, shapes)
+    assert not topk.error and not dense.error, (topk.error, dense.error)
+    h_q, vocab, rows = 4096, 151_936, cfg.learner.batch_size  # Qwen3-8B's head over the batch's positions
+    head_bytes = h_q * vocab * 4  # fp32 (teacher.dtype's default), replicated on each device
+    assert dense.argument_bytes - topk.argument_bytes >= head_bytes - rows * 96 * 16 * 8 // 4
+    teacher_head_flops = 2 * (2 * h_q * vocab) * rows * 96 / len(devices)
+    assert dense.executed_flops - topk.executed_flops >= teacher_head_flops
+    (note,) = hidden_payload_notes(cfg, shapes, None)
+    # 8 rows × 96 positions × 4,096 × 4 bytes = 12 MiB; the top-16's ids and log q: 8 bytes each, 0.09 MiB
+    assert note.startswith("the teachers' hidden states: 12.00 MiB per batch from scoring to the learner (4096 a ")
+    assert "a top-16 cache: 0.09 MiB" in note and "their heads, 2.32 GiB on every learner chip" in note

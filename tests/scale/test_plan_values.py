@@ -28,13 +28,11 @@ from asyncopd_jax.scale import plan as plan_module
 from asyncopd_jax.scale.balance import Answers, RolloutCost
 from asyncopd_jax.scale.chips import CHIPS, Topology, get_topology
 from asyncopd_jax.scale.flops import transformer_flops
+from asyncopd_jax.scale.learner_inputs import ARCHITECTURES, abstract_learner_batch, architecture
 from asyncopd_jax.scale.plan import (
-    ARCHITECTURES,
     Plan,
     Shapes,
     StageFigures,
-    abstract_learner_batch,
-    architecture,
     make_plan,
 )
 from asyncopd_jax.scale.report import format_plan

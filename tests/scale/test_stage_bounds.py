@@ -21,10 +21,10 @@ from asyncopd_jax.config import RunConfig, load_config
 from asyncopd_jax.models.config import DecoderConfig
 from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.scale.chips import GIB, get_topology, libtpu_available
+from asyncopd_jax.scale.learner_inputs import architecture
 from asyncopd_jax.scale.plan import (
     Shapes,
     StageFigures,
-    architecture,
     compile_learner_step,
     compile_sampler,
     compile_teacher_scoring,
