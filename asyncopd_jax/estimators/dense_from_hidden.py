@@ -43,34 +43,37 @@ from asyncopd_jax.estimators.checks import as_mask, keep
 Array = jax.Array
 
 
-def _block(hidden: Array, head: Array, start: Array, width: int, vocab: int, temperature: float) -> Array:
-    """Logits ``[C, width]`` of vocabulary columns ``start … start + width`` (fp32, / τ);
-    columns at or past ``vocab`` (the padding of the last block) are −inf."""
+def _blocks(vocab: int, width: int) -> int:
+    """Blocks of ``width`` columns that cover ``vocab``."""
+    return -(-vocab // width)
+
+
+def _block(hidden: Array, head: Array, j: Array, width: int, temperature: float) -> tuple[Array, Array]:
+    """Block ``j``'s logits ``[C, width]`` (fp32, / τ) and its first column.
+
+    Block j holds columns ``j · width …``; the last is moved back to end at V (no padded
+    copy of the head), and the columns an earlier block covered are −inf in it."""
+    start = jnp.minimum(j * width, head.shape[1] - width)
     logits = jnp.dot(
         hidden, jax.lax.dynamic_slice_in_dim(head, start, width, axis=1), preferred_element_type=jnp.float32
     )
-    columns = start + jnp.arange(width)
-    return jnp.where(columns[None, :] < vocab, logits / temperature, -jnp.inf)
+    fresh = start + jnp.arange(width) >= j * width
+    return jnp.where(fresh[None, :], logits / temperature, -jnp.inf), start
 
 
-def _padded(head: Array, width: int) -> Array:
-    """``head`` with zero columns up to a whole number of ``width``-column blocks."""
-    return jnp.pad(head, ((0, 0), (0, -head.shape[1] % width)))
-
-
-def _chunk_stats(hs, ws, ht, wt, vocab, width, temperatures):
+def _chunk_stats(hs, ws, ht, wt, width, temperatures):
     """One position chunk ``[C, H]`` → ``(lse_z, lse_u, forward KL, reverse KL)``, each ``[C]``."""
     tau_s, tau_t = temperatures
     rows = hs.shape[0]
 
     def add_block(j, carry):
         m_z, s_z, m_u, s_u, a_fwd, a_rev = carry
-        z = _block(hs, ws, j * width, width, vocab, tau_s)
-        u = _block(ht, wt, j * width, width, vocab, tau_t)
-        valid = jnp.isfinite(z)  # the padded columns
+        z, _ = _block(hs, ws, j, width, tau_s)
+        u, _ = _block(ht, wt, j, width, tau_t)
+        valid = jnp.isfinite(z)  # not the columns an earlier block covered
         diff = jnp.where(valid, u - z, 0.0)
         new_z, new_u = jnp.maximum(m_z, z.max(axis=1)), jnp.maximum(m_u, u.max(axis=1))
-        e_z, e_u = jnp.exp(z - new_z[:, None]), jnp.exp(u - new_u[:, None])  # 0 on the padding
+        e_z, e_u = jnp.exp(z - new_z[:, None]), jnp.exp(u - new_u[:, None])  # 0 where covered before
         scale_z, scale_u = jnp.exp(m_z - new_z), jnp.exp(m_u - new_u)  # rescale what came before
         return (
             new_z,
@@ -84,28 +87,28 @@ def _chunk_stats(hs, ws, ht, wt, vocab, width, temperatures):
     # Running maxima start at −inf: the first block holds real columns (V ≥ 1), so they are
     # finite after it and exp(−inf − m) = 0 drops the empty start.
     start = (jnp.full((rows,), -jnp.inf), jnp.zeros((rows,)), jnp.full((rows,), -jnp.inf), *[jnp.zeros((rows,))] * 3)
-    m_z, s_z, m_u, s_u, a_fwd, a_rev = jax.lax.fori_loop(0, ws.shape[1] // width, add_block, start)
+    m_z, s_z, m_u, s_u, a_fwd, a_rev = jax.lax.fori_loop(0, _blocks(ws.shape[1], width), add_block, start)
     lse_z, lse_u = m_z + jnp.log(s_z), m_u + jnp.log(s_u)
     return lse_z, lse_u, a_fwd / s_u - lse_u + lse_z, a_rev / s_z - lse_z + lse_u
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fused_kls(hs, ws, ht, wt, vocab, width, temperatures):
-    """``[n, c, H_π], [H_π, Vp], [n, c, H_q], [H_q, Vp]`` → (forward, reverse) KLs ``[n, c]``."""
-    out, _ = _fused_kls_fwd(hs, ws, ht, wt, vocab, width, temperatures)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_kls(hs, ws, ht, wt, width, temperatures):
+    """``[n, c, H_π], [H_π, V], [n, c, H_q], [H_q, V]`` → (forward, reverse) KLs ``[n, c]``."""
+    out, _ = _fused_kls_fwd(hs, ws, ht, wt, width, temperatures)
     return out
 
 
-def _fused_kls_fwd(hs, ws, ht, wt, vocab, width, temperatures):
+def _fused_kls_fwd(hs, ws, ht, wt, width, temperatures):
     def one_chunk(_, xs):
         student, teacher = xs
-        return None, _chunk_stats(student, ws, teacher, wt, vocab, width, temperatures)
+        return None, _chunk_stats(student, ws, teacher, wt, width, temperatures)
 
     _, (lse_z, lse_u, forward, reverse) = jax.lax.scan(one_chunk, None, (hs, ht))
     return (forward, reverse), (hs, ws, ht, wt, lse_z, lse_u, reverse)
 
 
-def _fused_kls_bwd(vocab, width, temperatures, residuals, cotangents):
+def _fused_kls_bwd(width, temperatures, residuals, cotangents):
     hs, ws, ht, wt, lse_z, lse_u, reverse = residuals
     g_fwd, g_rev = cotangents
     tau_s, tau_t = temperatures
@@ -115,10 +118,10 @@ def _fused_kls_bwd(vocab, width, temperatures, residuals, cotangents):
 
         def one_block(j, carry):
             d_hidden, d_head = carry
-            start = j * width
-            log_p = _block(h, ws, start, width, vocab, tau_s) - c_lse_z[:, None]
-            log_q = _block(t_hidden, wt, start, width, vocab, tau_t) - c_lse_u[:, None]
-            p, q = jnp.exp(log_p), jnp.exp(log_q)  # 0 on the padding
+            z, start = _block(h, ws, j, width, tau_s)
+            u, _ = _block(t_hidden, wt, j, width, tau_t)
+            log_p, log_q = z - c_lse_z[:, None], u - c_lse_u[:, None]
+            p, q = jnp.exp(log_p), jnp.exp(log_q)  # 0 where an earlier block covered the column: d_z 0 there
             log_ratio = jnp.where(jnp.isfinite(log_p), log_p - log_q, 0.0)
             d_z = (c_gf[:, None] * (p - q) + c_gr[:, None] * p * (log_ratio - c_rev[:, None])) / tau_s
             block = jax.lax.dynamic_slice_in_dim(ws, start, width, axis=1)
@@ -128,7 +131,7 @@ def _fused_kls_bwd(vocab, width, temperatures, residuals, cotangents):
             return d_hidden, jax.lax.dynamic_update_slice_in_dim(d_head, current + update, start, axis=1)
 
         d_hidden0 = jnp.zeros(h.shape, jnp.float32)
-        d_hidden, d_head = jax.lax.fori_loop(0, ws.shape[1] // width, one_block, (d_hidden0, d_head))
+        d_hidden, d_head = jax.lax.fori_loop(0, _blocks(ws.shape[1], width), one_block, (d_hidden0, d_head))
         return d_head, d_hidden.astype(h.dtype)
 
     d_head0 = jnp.zeros(ws.shape, jnp.float32)
@@ -216,10 +219,9 @@ def dense_kls_from_hidden(
 
     forward, reverse = _fused_kls(
         chunks(student_hidden),
-        _padded(student_head, width),
+        student_head,
         chunks(jax.lax.stop_gradient(teacher_hidden)),
-        _padded(jax.lax.stop_gradient(teacher_head), width),
-        vocab,
+        jax.lax.stop_gradient(teacher_head),
         width,
         (float(student_temperature), float(teacher_temperature)),
     )
