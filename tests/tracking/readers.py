@@ -48,18 +48,27 @@ def _wandb_records(path: Path) -> Iterator[bytes]:
             pieces = b""
 
 
-def wandb_history(run: Path) -> list[Series]:
-    """Each offline run's history (one per incarnation, in the order they were written)."""
+def _wandb_logs(run: Path) -> list[Path]:
+    """The record log of each offline run under ``<run>/wandb``, in the order they were written."""
+    return sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def _history_items(log: Path) -> Iterator[dict]:
+    """Each history row of the record log ``log``: ``{key: value}`` (a nested key joined by ``/``)."""
     from wandb.proto import wandb_internal_pb2
 
+    for data in _wandb_records(log):
+        record = wandb_internal_pb2.Record.FromString(data)
+        if record.WhichOneof("record_type") == "history":
+            yield {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+
+
+def wandb_history(run: Path) -> list[Series]:
+    """Each offline run's history (one per incarnation, in the order they were written)."""
     incarnations = []
-    for log in sorted((run / "wandb").glob("offline-run-*/run-*.wandb")):
+    for log in _wandb_logs(run):
         out: Series = collections.defaultdict(lambda: collections.defaultdict(list))
-        for data in _wandb_records(log):
-            record = wandb_internal_pb2.Record.FromString(data)
-            if record.WhichOneof("record_type") != "history":
-                continue
-            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+        for items in _history_items(log):
             step = int(items.pop("_step"))
             eval_step = items.pop("eval/step", None)  # eval/… charts' own x axis (wandb_sink.EVAL_STEP)
             for name, value in items.items():
@@ -93,15 +102,9 @@ def tensorboard_text(run: Path, tag: str) -> dict[int, str]:
 def wandb_table(run: Path, name: str, step: int) -> dict:
     """The W&B table ``name`` logged at ``step`` (the newest offline run that has it): its
     history item points at a JSON file in the run's files."""
-    from wandb.proto import wandb_internal_pb2
-
     found = None
-    for log in sorted((run / "wandb").glob("offline-run-*/run-*.wandb")):
-        for data in _wandb_records(log):
-            record = wandb_internal_pb2.Record.FromString(data)
-            if record.WhichOneof("record_type") != "history":
-                continue
-            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+    for log in _wandb_logs(run):
+        for items in _history_items(log):
             if items.get("_step") == step and f"{name}/path" in items:  # the table's fields, flattened
                 found = json.loads((log.parent / "files" / items[f"{name}/path"]).read_text())
     assert found is not None, f"no table {name} at step {step} in {run / 'wandb'}"
@@ -132,16 +135,10 @@ def tensorboard_images(run: Path) -> dict[str, dict[int, list[tuple[int, int]]]]
 
 def wandb_images(run: Path) -> dict[str, dict[int, list[tuple[int, int]]]]:
     """Each image in the W&B record logs: ``{name: {step: [(width, height)]}}``."""
-    from wandb.proto import wandb_internal_pb2
-
     out: dict = collections.defaultdict(lambda: collections.defaultdict(list))
-    for log in sorted((run / "wandb").glob("offline-run-*/run-*.wandb")):
-        for data in _wandb_records(log):
-            record = wandb_internal_pb2.Record.FromString(data)
-            if record.WhichOneof("record_type") != "history":
-                continue
-            # an image's fields come flattened: NAME/_type = "image-file", NAME/width, NAME/height, …
-            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+    for log in _wandb_logs(run):
+        # an image's fields come flattened: NAME/_type = "image-file", NAME/width, NAME/height, …
+        for items in _history_items(log):
             for key, value in items.items():
                 if key.endswith("/_type") and value == "image-file":
                     name = key.removesuffix("/_type")
