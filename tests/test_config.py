@@ -474,19 +474,25 @@ PATH_SETTINGS = (
     "teacher.path",
     "teacher.tokenizer",
     "teacher.prompt.tokenizer",
+    "teacher.head_path",
 )
+#: What a path setting needs beside it to be read at all.
+NEEDS = {
+    "teacher.head_path": ["teacher.path=''", "teacher.server.url=http://x:1", "teacher.server.api=asyncopd"]
+    + ["teacher.payload=hidden"]
+}
 
 
 @pytest.mark.parametrize("setting", PATH_SETTINGS)
 def test_a_path_setting_takes_a_bucket_of_a_known_kind_and_refuses_other_urls_in_one_line(setting):
     for url in ("gs://bucket/runs", "s3://bucket/models/student"):
-        cfg = load_config(DEMO_CONFIG, [f"{setting}={url}"])
+        cfg = load_config(DEMO_CONFIG, [f"{setting}={url}", *NEEDS.get(setting, [])])
         section, _, name = setting.rpartition(".")
         for part in section.split(".") if section else ():
             cfg = getattr(cfg, part)
         assert getattr(cfg, name) == url
     with pytest.raises(ConfigError) as refused:
-        load_config(DEMO_CONFIG, [f"{setting}=ftp://h/x"])
+        load_config(DEMO_CONFIG, [f"{setting}=ftp://h/x", *NEEDS.get(setting, [])])
     assert (
         str(refused.value)
         == f"{setting} = 'ftp://h/x' is invalid; allowed: a path, gs://BUCKET/PREFIX or s3://BUCKET/PREFIX"
@@ -614,8 +620,22 @@ def test_a_served_teacher_or_a_teacher_list_given_by_override_replaces_the_files
         ),
         (
             ["teacher.payload=hidden", "teacher.path=''", "teacher.server.url=http://127.0.0.1:8000"],
-            "teacher.payload = hidden is invalid with a served teacher (its server returns scores only); "
-            "allowed: scores",
+            "teacher.payload = hidden is invalid with a vllm or sglang server (it answers log-probs only; serve the "
+            "teacher with asyncopd serve-teacher, server.api = asyncopd); allowed: scores",
+        ),
+        (
+            ["teacher.payload=hidden", "teacher.path=''", "teacher.server.url=http://x:1", "teacher.server.api=sglang"],
+            "teacher.payload = hidden is invalid with a vllm or sglang server",
+        ),
+        (  # a head is read only for a served teacher with hidden states
+            ["teacher.head_path=builtin:teacher"],
+            "teacher.head_path = 'builtin:teacher' is invalid for teacher 'teacher': it is read only for a served "
+            "teacher with payload = hidden; allowed: ''",
+        ),
+        (
+            ["teacher.head_path=builtin:teacher", "teacher.path=''", "teacher.server.url=http://x:1"]
+            + ["teacher.server.api=asyncopd"],
+            "teacher.head_path = 'builtin:teacher' is invalid for teacher 'teacher'",
         ),
         (
             ["teacher.payload=hidden", "algorithm=rl", "estimator.name=ppo_clip", "rl.distill_coef=0.1"],
@@ -644,3 +664,6 @@ def test_a_hidden_state_payload_configures_the_dense_estimators():
     two = "[{name: a, path: 'builtin:teacher'}, {name: b, path: 'builtin:teacher_moe'}]"
     cfg = load_config(DEMO_CONFIG, ["scoring.payload=hidden", "teacher.path=''", f"teachers={two}"])
     assert [t.scoring(cfg.scoring).payload for t in cfg.teachers] == ["hidden", "hidden"]
+    served = ["teacher.path=''", "teacher.server.url=http://x:1", "teacher.server.api=asyncopd"]
+    cfg = load_config(DEMO_CONFIG, ["teacher.payload=hidden", "teacher.head_path=builtin:teacher", *served])
+    assert cfg.teacher.head_path == "builtin:teacher" and cfg.teacher.scoring(cfg.scoring).payload == "hidden"

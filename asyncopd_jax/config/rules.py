@@ -152,10 +152,18 @@ def _validate_payload(cfg: RunConfig, sources: tuple[TeacherSource, ...]) -> Non
         raise ConfigError(
             f"estimator.name = {name!r} needs the teacher's hidden states; set {where} (or scoring.payload) = hidden"
         )
+    for t in sources:
+        if t.head_path and not (t.served and t in hidden):
+            field = "teachers[].head_path" if cfg.teachers else "teacher.head_path"
+            raise ConfigError(
+                f"{field} = {t.head_path!r} is invalid for teacher {t.name!r}: it is read only for a served teacher "
+                "with payload = hidden; allowed: ''"
+            )
     if not hidden:
         return
     reasons = {  # what does not carry hidden states yet
-        "a served teacher (its server returns scores only)": any(t.served for t in hidden),
+        "a vllm or sglang server (it answers log-probs only; serve the teacher with asyncopd serve-teacher, "
+        "server.api = asyncopd)": any(t.served and t.server.api != "asyncopd" for t in hidden),
         "algorithm = rl": cfg.algorithm == "rl",
     }
     for reason, applies in reasons.items():

@@ -96,6 +96,10 @@ class TeacherSource(ModelSource):
     # "hidden", its final hidden states too, for the exact KL over the whole vocabulary
     # (estimator forward_kl_dense / reverse_kl_dense; the learner holds its LM head).
     payload: Literal["scores", "hidden"] | None = None
+    # With payload hidden and a served teacher: a local copy of its checkpoint (at least
+    # config.json and the tensor of its LM head) the learner reads the head from ('' : fetched
+    # once from the server's GET /v1/head); either is checked against the server's digest.
+    head_path: StorageLocation = ""
 
     def __post_init__(self) -> None:
         if not TEACHER_NAME.fullmatch(self.name):

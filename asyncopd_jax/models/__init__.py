@@ -2,7 +2,7 @@
 
 from asyncopd_jax.models.config import SUPPORTED_MODEL_TYPES, DecoderConfig
 from asyncopd_jax.models.decoder import Decoder, KVCache
-from asyncopd_jax.models.hf_checkpoint import from_pretrained, read_lm_head, save_pretrained
+from asyncopd_jax.models.hf_checkpoint import from_pretrained, head_digest, read_lm_head, save_pretrained
 from asyncopd_jax.models.tokenizer import (
     check_same_vocabulary,
     encode_prompts,
@@ -19,6 +19,7 @@ __all__ = [
     "check_same_vocabulary",
     "encode_prompts",
     "from_pretrained",
+    "head_digest",
     "read_lm_head",
     "load_tokenizer",
     "save_pretrained",

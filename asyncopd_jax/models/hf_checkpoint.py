@@ -13,6 +13,7 @@ weights are stacked over the experts here and one tensor per expert there:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,16 @@ def read_lm_head(path: str | Path, vocab_limit: int | None = None, dtype: str | 
         weight = _open(files[name], stack).get_tensor(name)  # [V, H]
     limit = config.vocab_size if vocab_limit is None else vocab_limit
     return np.ascontiguousarray(weight[:limit].T).astype(jnp.dtype(dtype or saved_dtype or "float32"))
+
+
+def head_digest(head: np.ndarray) -> str:
+    """The SHA-256 of an LM head ``[H, V]`` as :func:`read_lm_head` gives it: of its dtype's
+    name, its shape and its C-order bytes (bfloat16 as its bits). Two heads with one digest
+    compute the same log-probs; a served teacher's ``/v1/models`` card states its head's, and
+    a learner holding a copy checks it before trusting it."""
+    digest = hashlib.sha256(f"{head.dtype}:{list(head.shape)}:".encode())
+    digest.update(np.ascontiguousarray(head).view(np.uint8).data)
+    return digest.hexdigest()
 
 
 def from_pretrained(

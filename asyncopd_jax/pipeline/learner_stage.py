@@ -33,13 +33,12 @@ from asyncopd_jax.learner import (
 )
 from asyncopd_jax.learner.optimizer import learning_rate_schedule
 from asyncopd_jax.learner.sharding import put
-from asyncopd_jax.models import read_lm_head
 from asyncopd_jax.pipeline.devices import stage_devices
 from asyncopd_jax.pipeline.layout import Layout
 from asyncopd_jax.pipeline.model_loading import load_model
 from asyncopd_jax.pipeline.run_models import RunModels
+from asyncopd_jax.pipeline.run_teachers import teacher_head
 from asyncopd_jax.pipeline.staleness import RolloutGroup
-from asyncopd_jax.tasks.assets import resolve_model_path
 
 
 def _concat(items: list) -> Any:
@@ -85,13 +84,13 @@ class LearnerStage:
 
     def _teacher_heads(self, cfg: RunConfig, models: RunModels) -> tuple[jax.Array, ...]:
         """Each teacher's LM head, in the run's order, replicated on the learner's mesh, where
-        the estimator reads the teachers' hidden states (read alone from each checkpoint:
-        not the teachers), padded with zero rows to the cache's hidden width."""
+        the estimator reads the teachers' hidden states (:func:`teacher_head`: not the
+        teachers), padded with zero rows to the cache's hidden width."""
         if not cfg.estimator.spec.needs_teacher_hidden:
             return ()
         width, heads = models.hidden_width(cfg), []
-        for teacher in cfg.teacher_sources:  # all in-process (RunConfig checks)
-            head = read_lm_head(resolve_model_path(teacher.path), models.vocab_limit, teacher.dtype)
+        for teacher in cfg.teacher_sources:
+            head = teacher_head(teacher, models.vocab_limit)
             head = np.pad(head, ((0, width - head.shape[0]), (0, 0)))
             heads.append(jax.device_put(head, NamedSharding(self.mesh, PartitionSpec())))
         return tuple(heads)

@@ -16,19 +16,25 @@ import dataclasses
 import functools
 from typing import Any
 
+import numpy as np
+
 from asyncopd_jax.config import RunConfig, TeacherSource
 from asyncopd_jax.estimator_registry import check_cross_tokenizer
 from asyncopd_jax.models import (
     DecoderConfig,
     check_same_vocabulary,
     encode_prompts,
+    read_lm_head,
     shared_vocab_size,
     vocabulary_differences,
 )
 from asyncopd_jax.pipeline.model_files import model_config, read_tokenizer
 from asyncopd_jax.tasks import PromptTask
+from asyncopd_jax.tasks.assets import resolve_model_path
+from asyncopd_jax.teacher.client import ServedTeacher
 from asyncopd_jax.teacher.cross_tokenizer import Retokenizer
 from asyncopd_jax.teacher.routing import RoutedTeacher, Router
+from asyncopd_jax.teacher.scorer import ScoringParams
 from asyncopd_jax.teacher.span_alignment import unspellable
 
 
@@ -85,6 +91,8 @@ def read_teachers(cfg: RunConfig, tokenizer: Any, student: DecoderConfig) -> Tea
             check_cross_tokenizer_teacher(cfg, source)
             others[source.name] = own
         if not source.path:
+            if source.served and source.scoring(cfg.scoring).payload == "hidden":
+                widths[source.name] = _server(source).head_card().hidden_size
             continue
         teacher = model_config(source)
         contexts[source.name] = teacher.max_position_embeddings
@@ -97,6 +105,22 @@ def read_teachers(cfg: RunConfig, tokenizer: Any, student: DecoderConfig) -> Tea
     if shared:  # the student samples prompt + answer and each teacher of its tokens scores all of it
         context = min(context, *shared)
     return TeacherFiles(contexts, others, context, vocab_limit, widths)
+
+
+def teacher_head(source: TeacherSource, vocab_limit: int | None) -> np.ndarray:
+    """A teacher's LM head alone, ``[H, V]`` (V: ``vocab_limit``, else its vocabulary),
+    for a learner that applies it to the teacher's hidden states: read from its checkpoint
+    (in-process, in ``teacher.dtype``), or for a served teacher from ``teacher.head_path``
+    or the server, checked against the server's digest (in the server's dtype)."""
+    if not source.served:
+        return read_lm_head(resolve_model_path(source.path), vocab_limit, source.dtype)
+    head = _server(source).head(str(resolve_model_path(source.head_path)) if source.head_path else "")
+    return head if vocab_limit is None else head[:, :vocab_limit]
+
+
+def _server(source: TeacherSource) -> ServedTeacher:
+    """A client of a served teacher, for its ``/v1/models`` card and head."""
+    return ServedTeacher(source.server, ScoringParams(), np.iinfo(np.int32).max)
 
 
 def resolve_teachers(

@@ -30,7 +30,6 @@ scores, policy versions, rewards) into a record and back.
 from __future__ import annotations
 
 import dataclasses
-import io
 import threading
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
+from asyncopd_jax.npz import npz_arrays, npz_bytes
 from asyncopd_jax.pipeline.staleness import RolloutGroup
 from asyncopd_jax.storage import Store, open_store, records
 from asyncopd_jax.teacher.routing import TeacherRoute
@@ -104,7 +104,7 @@ class Spool:
         """Commit a record; False if ``name`` already holds another writer's record."""
         if "/" in name or name.startswith("."):
             raise ValueError(f"a record name must not contain '/' nor start with '.': {name!r}")
-        return records.create(self.store, f"{name}{SUFFIX}", _npz(arrays)) is not None
+        return records.create(self.store, f"{name}{SUFFIX}", npz_bytes(arrays)) is not None
 
     def _listing(self) -> tuple[list[str], set[str]]:
         """(committed record names in name order, names with a claim), from one listing."""
@@ -124,7 +124,7 @@ class Spool:
     def read(self, name: str) -> dict[str, np.ndarray] | None:
         """The record ``name``'s arrays; None if it is not (or no longer) there."""
         blob = self.store.read(f"{name}{SUFFIX}")
-        return None if blob is None else _arrays(blob.data)
+        return None if blob is None else npz_arrays(blob.data)
 
     def delete(self, name: str) -> None:
         self.store.delete(f"{name}{SUFFIX}")
@@ -219,34 +219,9 @@ class Spool:
             self.store.delete(key)
 
 
-# NumPy's .npz format has no bfloat16 (it would come back as raw 2-byte voids): such arrays
-# are stored as their uint16 bits, their names listed under this key, and viewed back.
-_BFLOAT16 = "__bfloat16__"
-
-
-def _npz(arrays: dict[str, np.ndarray]) -> bytes:
-    """``arrays`` as the bytes of an .npz file (bfloat16 ones as their bits, see :data:`_BFLOAT16`)."""
-    bf16 = [k for k, v in arrays.items() if v.dtype == jnp.bfloat16]
-    stored = {k: v.view(np.uint16) if k in bf16 else v for k, v in arrays.items()}
-    if bf16:
-        stored[_BFLOAT16] = np.asarray(bf16)
-    buffer = io.BytesIO()
-    np.savez(buffer, **stored)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle's bool
-    return buffer.getvalue()
-
-
-def _arrays(data: bytes) -> dict[str, np.ndarray]:
-    """The inverse of :func:`_npz`."""
-    with np.load(io.BytesIO(data), allow_pickle=False) as archive:
-        arrays = {k: archive[k] for k in archive.files}
-    for name in arrays.pop(_BFLOAT16, []):
-        arrays[str(name)] = arrays[str(name)].view(jnp.bfloat16)
-    return arrays
-
-
 def read_record(path: str | Path) -> dict[str, np.ndarray]:
     """A record file's arrays (a local spool's ``<name>.npz``)."""
-    return _arrays(Path(path).read_bytes())
+    return npz_arrays(Path(path).read_bytes())
 
 
 # --- rollout groups as records -------------------------------------------------------------

@@ -24,7 +24,8 @@ extension's form), asks for the response positions only and for more than a top-
                  "candidate_ids": [[[id, …], …], …],  # per row, per response position: N ids
                  "student_topk_ids": …,               # the same for the student's top-K
                  "num_samples": M, "seed": s,         # M ids sampled from the teacher
-                 "encoding": "base64",                # arrays as base64 (default "json": lists)
+                 "hidden": "bfloat16",                # the teacher's final hidden states too
+                 "encoding": "base64",                # arrays as base64 or "npy" (default "json": lists)
                  "pad_to": [P, T]}                    # pad prompts to P, responses to T positions
 
 * ``response_start``: one integer per row, 1 ≤ P_i ≤ the row's length (default 1): row i
@@ -33,7 +34,11 @@ extension's form), asks for the response positions only and for more than a top-
   (1 ≤ N ≤ 1024, the same N at every position of every row; so a row with t_i = 0
   cannot carry them).
 * ``num_samples``: M, an integer from 0 to 1024; ``seed``: an integer from 0 to 2³² − 1.
-* ``encoding``: ``"json"`` or ``"base64"``.
+* ``hidden``: ``"float32"`` or ``"bfloat16"``: the answer also carries the teacher's final
+  hidden states at the response positions (what its LM head reads, after the final norm),
+  in that dtype, for a learner that applies the head itself (the exact KL over the whole
+  vocabulary; the head: ``GET /v1/head``).
+* ``encoding``: ``"json"``, ``"base64"`` or ``"npy"``.
 * ``pad_to``: two integers, at least the longest P_i and t_i sent and at most the model's
   context together. It lets a client whose batches have fixed widths (the scoring
   stage's prompt slots and scored columns) have them scored at those widths rather than
@@ -44,11 +49,14 @@ extension's form), asks for the response positions only and for more than a top-
 Each choice then carries ``"asyncopd"`` in place of ``prompt_logprobs``: per row,
 ``token_logprobs`` ``[t]`` (log q of each response token), ``topk_ids`` /
 ``topk_logprobs`` ``[t, K]``, and those asked: ``candidate_logprobs`` ``[t, N]``,
-``student_topk_logprobs`` ``[t, Ks]``, ``sample_ids`` / ``sample_logprobs`` ``[t, M]``.
-With ``"encoding": "json"`` each array is nested lists of numbers; with ``"base64"`` an
-object ``{"dtype": "<f4" | "<i4", "shape", "data"}``: the array's little-endian bytes in
-base64 (:func:`encode_array`; float32 log-probs are what the score cache stores, so nothing
-is lost).
+``student_topk_logprobs`` ``[t, Ks]``, ``sample_ids`` / ``sample_logprobs`` ``[t, M]``,
+``hidden_states`` ``[t, H]``. With ``"encoding": "json"`` each array is nested lists of
+numbers; with ``"base64"`` an object ``{"dtype": "<f4" | "<i4", "shape", "data"}``: the
+array's little-endian bytes in base64 (:func:`encode_array`; float32 log-probs are what the
+score cache stores, so nothing is lost); with ``"npy"`` the whole answer is a binary body
+(``application/octet-stream``): an ``.npz`` archive (:mod:`asyncopd_jax.npz`) holding
+row i's arrays as ``"<i>/<name>"``, each in its own dtype (bfloat16 hidden states as
+bfloat16: half the bytes of base64's float32, and no base64 inflation).
 
 A body that breaks these rules is answered 400 (413 where it is too large: the body past
 ``max_body_bytes``, too many rows, a row past the context) with one line naming the field.
@@ -71,7 +79,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.models.decoder import Decoder
+from asyncopd_jax.models.hf_checkpoint import head_digest
 from asyncopd_jax.models.partitioning import mesh_context
+from asyncopd_jax.npz import npz_bytes
 from asyncopd_jax.teacher import wire
 from asyncopd_jax.teacher.scorer import ScoringParams, power_of_two, teacher_score_function
 
@@ -82,9 +92,16 @@ EXTENSION_FIELDS = (
     "student_topk_ids",
     "num_samples",
     "seed",
+    "hidden",
     "encoding",
     "pad_to",
 )
+
+#: ``asyncopd.encoding``'s values: arrays as JSON lists, base64 objects, or one ``.npz`` body.
+ENCODINGS = ("json", "base64", "npy")
+
+#: ``asyncopd.hidden``'s values: the dtypes hidden states are answered in.
+HIDDEN_DTYPES = ("float32", "bfloat16")
 
 
 class BadRequest(ValueError):
@@ -143,14 +160,15 @@ class Request:
     seed: int
     extension: bool  # answer in the extension's dense form (else vLLM's prompt_logprobs)
 
-    binary: bool = False  # the extension's arrays answered as base64 (``asyncopd.encoding``)
+    encoding: str = "json"  # how the extension's arrays are answered (``asyncopd.encoding``)
     pad_to: tuple[int, int] | None = None  # the widths prompts and responses are padded to (None: powers of two)
+    hidden: str | None = None  # the dtype hidden states are answered in (None: not asked)
 
     @property
-    def signature(self) -> tuple[int | None, int | None, int, int, int]:
+    def signature(self) -> tuple[int | None, int | None, int, int, int, str | None]:
         """What must agree for rows to share a batch: the id counts per position, the
-        number of teacher samples and their seed (one key draws a batch's samples), and
-        the top-K computed (K rounded up to a power of two)."""
+        number of teacher samples and their seed (one key draws a batch's samples), the
+        top-K computed (K rounded up to a power of two), and the hidden states' dtype."""
         first = self.rows[0]
         candidates, topk = first.candidate_ids, first.student_topk_ids
         return (
@@ -159,6 +177,7 @@ class Request:
             self.num_samples,
             self.seed if self.num_samples else 0,
             power_of_two(max(self.topk, 1)),
+            self.hidden,
         )
 
 
@@ -210,8 +229,11 @@ def parse_request(body: Any, settings: ServerSettings, vocab_size: int, context:
         if len(widths) > 1:
             raise BadRequest(f"asyncopd.{field} must give every row the same number of ids per position")
     encoding = extension.get("encoding", "json")
-    if encoding not in ("json", "base64"):
-        raise BadRequest(f"asyncopd.encoding must be json or base64, got {str(encoding)[:40]!r}")
+    if encoding not in ENCODINGS:
+        raise BadRequest(f"asyncopd.encoding must be one of {', '.join(ENCODINGS)}, got {str(encoding)[:40]!r}")
+    hidden = extension.get("hidden")
+    if hidden is not None and hidden not in HIDDEN_DTYPES:
+        raise BadRequest(f"asyncopd.hidden must be one of {', '.join(HIDDEN_DTYPES)}, got {str(hidden)[:40]!r}")
     pad_to = extension.get("pad_to")
     if pad_to is not None:
         longest = (max(r.start for r in rows), max(len(r.ids) - r.start for r in rows))
@@ -228,8 +250,9 @@ def parse_request(body: Any, settings: ServerSettings, vocab_size: int, context:
                 f"prompt and response sent) and at most {context} together, got {wire.shown(pad_to)}"
             )
         pad_to = tuple(pad_to)
-    binary = encoding == "base64"
-    return Request(rows, topk, num_samples, seed, extension=bool(extension), binary=binary, pad_to=pad_to)
+    return Request(
+        rows, topk, num_samples, seed, extension=bool(extension), encoding=encoding, pad_to=pad_to, hidden=hidden
+    )
 
 
 #: The most ids a request may send per response position (``candidate_ids``,
@@ -303,19 +326,38 @@ class BatchScorer:
         self.settings, self.mesh = settings, mesh
         self.graphdef, self.state = nnx.split(model)
         self.vocab_size = int(model.vocab_limit or model.config.vocab_size)
+        self.hidden_size = int(model.config.hidden_size)
         self.context = int(model.config.max_position_embeddings)
         if settings.max_topk > self.vocab_size:
             raise ValueError(f"--max-topk {settings.max_topk} is more than the model's {self.vocab_size} ids")
 
     @functools.cache  # noqa: B019 (one scorer per server, alive as long as the server)
-    def _function(self, num_samples: int, topk: int):
+    def _function(self, num_samples: int, topk: int, hidden: str | None = None):
         params = ScoringParams(
             topk=topk,
             num_samples=num_samples,
             temperature=self.settings.temperature,
             chunk_size=self.settings.chunk_size,
+            payload="scores" if hidden is None else "hidden",
+            hidden_dtype=hidden or "float32",
         )
         return jax.jit(teacher_score_function(self.graphdef, params))
+
+    def head(self) -> np.ndarray:
+        """The teacher's LM head on the host, ``[H, V]`` (V: its config's vocabulary; the
+        embedding's transpose when tied), in its weights' dtype: what ``GET /v1/head``
+        answers, the digest in ``/v1/models`` is of, and a learner applying the teacher's
+        head to its hidden states holds."""
+        model = nnx.merge(self.graphdef, self.state)
+        with mesh_context(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            return np.asarray(model.lm_head_weight())
+
+    @functools.cached_property
+    def head_card(self) -> dict[str, Any]:
+        """What ``/v1/models`` says of the head: ``{"sha256", "shape", "dtype"}``
+        (:func:`~asyncopd_jax.models.head_digest`), computed once."""
+        head = self.head()
+        return {"sha256": head_digest(head), "shape": list(head.shape), "dtype": str(head.dtype)}
 
     def score(
         self,
@@ -324,16 +366,18 @@ class BatchScorer:
         seed: int,
         topk: int | None = None,
         pad_to: tuple[int, int] | None = None,
+        hidden: str | None = None,
     ) -> list[dict[str, np.ndarray]]:
         """Each row's scores at its positions ``start`` … ``L − 1`` (``[t]`` / ``[t, n]`` arrays),
         with the top ``topk`` (rounded up to a power of two, at most ``max_topk``; None:
-        ``max_topk``), prompts and responses padded to ``pad_to`` (None: powers of two)."""
+        ``max_topk``), prompts and responses padded to ``pad_to`` (None: powers of two), and
+        (``hidden``: their dtype) the final hidden states ``[t, H]``."""
         k = self.settings.max_topk if topk is None else min(power_of_two(max(topk, 1)), self.settings.max_topk)
         batch, lengths = _as_batch(rows, pad_to)
         with mesh_context(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             if self.mesh is not None:  # the rows replicated on the teacher's mesh; its weights lie as the rules say
                 batch = jax.device_put(batch, NamedSharding(self.mesh, PartitionSpec()))
-            cache: TeacherScoreCache = self._function(num_samples, k)(self.state, batch, jax.random.key(seed))
+            cache: TeacherScoreCache = self._function(num_samples, k, hidden)(self.state, batch, jax.random.key(seed))
         host = {k: np.asarray(v) for k, v in dataclasses.asdict(cache).items() if v is not None}
         return [{k: v[i, :t] for k, v in host.items()} for i, t in enumerate(lengths)]
 
@@ -383,22 +427,34 @@ def _as_batch(rows: Sequence[Row], pad_to: tuple[int, int] | None = None) -> tup
 # --- answers --------------------------------------------------------------------------------------
 
 
-def answer(request: Request, scores: list[dict[str, np.ndarray]], model_name: str) -> dict:
+def answer(request: Request, scores: list[dict[str, np.ndarray]], model_name: str) -> dict | bytes:
     """The ``/v1/completions`` answer: vLLM's ``prompt_logprobs``, or the extension's dense
-    arrays when the request used the extension."""
+    arrays when the request used the extension (``"encoding": "npy"``: the bytes of one
+    ``.npz`` archive, row i's arrays named ``"<i>/<name>"``)."""
+    if request.extension and request.encoding == "npy":
+        return npz_bytes(
+            {
+                f"{i}/{key}": array
+                for i, score in enumerate(scores)
+                for key, array in _dense(score, request.topk).items()
+            }
+        )
     choices = []
     for index, (row, score) in enumerate(zip(request.rows, scores, strict=True)):
         choice: dict[str, Any] = {"index": index, "text": "", "finish_reason": "length", "logprobs": None}
         if request.extension:
-            choice["asyncopd"] = _dense(score, request.topk, request.binary)
+            binary = request.encoding == "base64"
+            choice["asyncopd"] = {
+                k: encode_array(a) if binary else a.tolist() for k, a in _dense(score, request.topk).items()
+            }
         else:
             choice["prompt_logprobs"] = [None] * row.start + _vllm_positions(row, score, request.topk)
         choices.append(choice)
     return {"object": "text_completion", "model": model_name, "choices": choices}
 
 
-def _dense(score: dict[str, np.ndarray], topk: int, binary: bool) -> dict[str, Any]:
-    """The extension's arrays of one row: nested lists, or (``binary``) :func:`encode_array`'s."""
+def _dense(score: dict[str, np.ndarray], topk: int) -> dict[str, np.ndarray]:
+    """The extension's arrays of one row, by their names in the answer."""
     arrays = {
         "token_logprobs": score["token_logp"],
         "topk_ids": score["topk_ids"][:, :topk],
@@ -409,16 +465,17 @@ def _dense(score: dict[str, np.ndarray], topk: int, binary: bool) -> dict[str, A
         ("student_topk_logp", "student_topk_logprobs"),
         ("sample_ids", "sample_ids"),
         ("sample_logp", "sample_logprobs"),
+        ("hidden", "hidden_states"),
     ):
         if field in score:
             arrays[key] = score[field]
-    return {key: encode_array(a) if binary else a.tolist() for key, a in arrays.items()}
+    return arrays
 
 
 def encode_array(array: np.ndarray) -> dict[str, Any]:
     """``{"dtype": "<f4" | "<i4", "shape": […], "data": base64 of its little-endian bytes}``:
-    float32 log-probs and int32 ids exactly, ~4× smaller and ~20× faster to write and read
-    than the same numbers as JSON text."""
+    float32 log-probs and int32 ids exactly (bfloat16 hidden states as float32, exactly),
+    ~4× smaller and ~20× faster to write and read than the same numbers as JSON text."""
     dtype = np.dtype("<i4") if np.issubdtype(array.dtype, np.integer) else np.dtype("<f4")
     data = np.ascontiguousarray(array, dtype)
     return {"dtype": dtype.str, "shape": list(data.shape), "data": base64.b64encode(data.tobytes()).decode("ascii")}

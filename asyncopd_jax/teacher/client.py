@@ -21,7 +21,11 @@ Wire formats (``teacher.server.api``), in :mod:`asyncopd_jax.teacher.wire`:
   not one per position).
 * ``asyncopd``: ``asyncopd serve-teacher`` (:mod:`asyncopd_jax.teacher.server`): the same
   request with an extension that also sends the ids the student chose and asks for
-  teacher samples, so it fills every field of the cache and serves every estimator.
+  teacher samples, so it fills every field of the cache and serves every estimator. With
+  ``payload: hidden`` it also answers the teacher's final hidden states, in one binary
+  ``.npz`` body (``asyncopd.encoding: npy``), and the learner applies the teacher's head:
+  from ``teacher.head_path`` or fetched once from ``GET /v1/head``, either checked against
+  the digest the server's ``/v1/models`` card states (:meth:`ServedTeacher.head`).
 
 The client: rows go out ``rows_per_request`` to a request (by default 64, the rows
 ``serve-teacher`` scores in a batch, and 8 to vLLM / SGLang: :attr:`ServerParams.request_rows`),
@@ -191,6 +195,7 @@ class ServedTeacher:
         self._models: Any = None  # the server's GET /v1/models answer, once asked
         self._checked = server.determinism_tolerance < 0
         self._calls = threading.local()  # each scoring thread's own last call
+        self._hidden = params.hidden_dtype if params.payload == "hidden" else None  # asked in this dtype
 
     # --- the scorer's interface -----------------------------------------------------------------
 
@@ -211,7 +216,7 @@ class ServedTeacher:
             self._check_determinism(scores, self._score_rows(rows, seed, widths))
             self._checked = True
         t = np.shape(batch.response_tokens)[1]
-        return _cache(scores, t, self.params.store_dtype)
+        return _cache(scores, t, self.params)
 
     @property
     def last_wait_s(self) -> float | None:
@@ -250,10 +255,17 @@ class ServedTeacher:
         which ``serve-teacher`` scores at)."""
         topk, server = self.params.topk, self.server.url
         if self.server.api == "asyncopd":
-            samples = self.params.num_samples
-            body = wire.asyncopd_request(model, rows, topk, samples, seed, self.params.temperature, widths)
+            samples, hidden = self.params.num_samples, self._hidden
+            # hidden states go in one binary body: bfloat16 kept, no base64 inflation
+            encoding = "npy" if hidden else "base64"
+            body = wire.asyncopd_request(
+                model, rows, topk, samples, seed, self.params.temperature, widths, hidden, encoding
+            )
             answer = self._post("/v1/completions", body)
-            return wire.parse_asyncopd(answer, rows, topk, samples, self.vocab_size, server)
+            if isinstance(answer, dict) and "choices" not in answer:  # a binary answer's arrays
+                answer = wire.npz_choices(answer, server)
+            width = self.head_card().hidden_size if hidden else None
+            return wire.parse_asyncopd(answer, rows, topk, samples, self.vocab_size, server, width)
         if self.server.api == "sglang":
             answer = self._post("/generate", wire.sglang_request(rows, topk))
             return wire.parse_sglang(answer, rows, topk, self.vocab_size, server)
@@ -278,6 +290,34 @@ class ServedTeacher:
             rows = min(rows, limit) if limit is not None else rows
         return rows
 
+    def head_card(self) -> wire.HeadCard:
+        """What the server's ``/v1/models`` card says of its LM head (asked once)."""
+        return wire.head_card(self._listed_models(), self.server.url)
+
+    def head(self, path: str = "") -> np.ndarray:
+        """The served teacher's LM head ``[H, V]`` in the server's dtype: read alone from
+        ``path`` (a local copy of its checkpoint, ``teacher.head_path``), else fetched once
+        from ``GET /v1/head``; either way checked against the digest the server states, so
+        that hidden states are never read with another model's head."""
+        from asyncopd_jax.models import head_digest, read_lm_head
+
+        card = self.head_card()
+        if path:
+            head, origin = read_lm_head(path, None, card.dtype), f"teacher.head_path {path}"
+        else:
+            arrays, origin = self._request("GET", "/v1/head", None), f"{self.server.url}/v1/head"
+            if not (isinstance(arrays, dict) and isinstance(arrays.get("head"), np.ndarray)):
+                raise ServerError(f"teacher server {origin} answered {str(arrays)[:120]}, not an LM head")
+            head = arrays["head"]
+        digest = head_digest(head)
+        if digest != card.sha256:
+            raise ServerError(
+                f"{origin}: the LM head [{', '.join(map(str, head.shape))}] {head.dtype} has digest {digest[:12]}…; "
+                f"teacher server {self.server.url} serves one of {list(card.shape)} {card.dtype}, digest "
+                f"{card.sha256[:12]}… (a head_path of another checkpoint, or a corrupted copy)"
+            )
+        return head
+
     def _listed_models(self) -> Any:
         """The server's ``GET /v1/models`` answer (asked once)."""
         if self._models is None:
@@ -288,7 +328,8 @@ class ServedTeacher:
         return self._request("POST", path, body)
 
     def _request(self, method: str, path: str, body: dict | None) -> Any:
-        """The server's JSON answer to one request, retried as the module says."""
+        """The server's answer to one request, retried as the module says: its JSON, or a
+        binary answer's arrays (``application/octet-stream``: an ``.npz`` archive)."""
         url = self.server.url.rstrip("/") + path
         first = self._clock()
         attempt = 0
@@ -300,6 +341,8 @@ class ServedTeacher:
             else:
                 if response.status_code < 400:
                     self.stats.add(requests=1)
+                    if response.headers.get("content-type", "").startswith(BINARY):
+                        return binary_answer(response.content, f"{self.server.url}{path}")
                     return wire.json_of(response.content, f"{self.server.url}{path}")
                 if response.status_code not in (408, 429) and response.status_code < 500:
                     raise ServerError(
@@ -334,6 +377,20 @@ class ServedTeacher:
             )
 
 
+#: The media type of a binary answer.
+BINARY = "application/octet-stream"
+
+
+def binary_answer(content: bytes, where: str) -> dict[str, np.ndarray]:
+    """A binary answer's arrays, else a :class:`ServerError` naming ``where``."""
+    from asyncopd_jax.npz import npz_arrays
+
+    try:
+        return npz_arrays(content)
+    except Exception as err:  # zipfile's BadZipFile, numpy's ValueError, a truncated archive's EOFError …
+        raise ServerError(f"teacher server {where} answered a binary body that is not an .npz archive: {err}") from None
+
+
 def _retry_after(value: str | None) -> float | None:
     """A ``Retry-After`` header's seconds (None: absent, or an HTTP date we do not parse)."""
     try:
@@ -363,11 +420,12 @@ def _rows(batch: RolloutBatch) -> list[Row]:
     return rows
 
 
-def _cache(rows: list[RowScores], t: int, store_dtype: str) -> TeacherScoreCache:
-    """The rows' scores as a ``[B, T]`` / ``[B, T, n]`` cache (log-probs in ``store_dtype``),
-    each row padded to ``t`` positions by repeating its last one (an empty row: log-prob 0
-    on id 0); K = 0 leaves out the top-K."""
-    store = jnp.dtype(store_dtype)
+def _cache(rows: list[RowScores], t: int, params: ScoringParams) -> TeacherScoreCache:
+    """The rows' scores as a ``[B, T]`` / ``[B, T, n]`` cache (log-probs in
+    ``params.store_dtype``; hidden states ``[B, T, H]`` in ``params.hidden_dtype``, padded
+    with zeros to ``params.hidden_width``), each row padded to ``t`` positions by repeating
+    its last one (an empty row: log-prob 0 on id 0); K = 0 leaves out the top-K."""
+    store = jnp.dtype(params.store_dtype)
 
     def padded(x: np.ndarray) -> np.ndarray:
         if len(x) == 0:
@@ -390,4 +448,12 @@ def _cache(rows: list[RowScores], t: int, store_dtype: str) -> TeacherScoreCache
         student_topk_logp=stacked("student_topk_logp", store),
         sample_ids=stacked("sample_ids", jnp.int32),
         sample_logp=stacked("sample_logp", store),
+        hidden=_padded_hidden(stacked("hidden", jnp.dtype(params.hidden_dtype)), params.hidden_width),
     )
+
+
+def _padded_hidden(hidden: Array | None, width: int) -> Array | None:
+    """``[B, T, H]`` hidden states padded with zeros to ``width`` (the run's widest teacher's)."""
+    if hidden is None or hidden.shape[-1] >= width:
+        return hidden
+    return jnp.pad(hidden, ((0, 0), (0, 0), (0, width - hidden.shape[-1])))

@@ -4,9 +4,13 @@ of any run (``teacher.server.api: asyncopd``) or any vLLM client can score throu
 An ASGI app (Starlette, served by uvicorn: the stack under vLLM's and SGLang's servers):
 
 * ``GET /health``: 200 once the teacher is loaded.
-* ``GET /v1/models``: the one model, OpenAI-style.
+* ``GET /v1/models``: the one model, OpenAI-style; its card's ``"asyncopd"`` states the
+  rows one request may hold, the hidden size, and the LM head's shape, dtype and digest.
+* ``GET /v1/head``: the LM head ``[H, V]``, an ``.npz`` body (:mod:`asyncopd_jax.npz`)
+  holding ``head``: what a learner applying the teacher's head to its hidden states fetches
+  once, and checks against the card's digest.
 * ``POST /v1/completions``: vLLM's body and answer, plus the extension that scores ids
-  the student chose (:mod:`asyncopd_jax.teacher.batch_scorer`).
+  the student chose and returns hidden states (:mod:`asyncopd_jax.teacher.batch_scorer`).
 
 Concurrent requests are scored together. A request's rows join a queue; one batcher task
 takes the queued requests whose rows can share a batch (:attr:`Request.signature`), up to
@@ -30,7 +34,11 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from asyncopd_jax.npz import npz_bytes
 from asyncopd_jax.teacher.batch_scorer import BadRequest, BatchScorer, Request, ServerSettings, answer, parse_request
+
+#: The media type of a binary answer (an ``.npz`` archive).
+BINARY = "application/octet-stream"
 
 
 @dataclasses.dataclass(eq=False)  # one waiting request: equal only to itself (the queue removes it by identity)
@@ -94,6 +102,7 @@ class Batcher:
                         first.seed,
                         max(p.request.topk for p in taken),
                         _widest([p.request.pad_to for p in taken]),
+                        first.hidden,
                     )
                 except Exception as err:  # a failure of the scoring itself: every waiter learns it
                     for p in taken:
@@ -133,7 +142,7 @@ def make_app(scorer: BatchScorer, settings: ServerSettings) -> Any:
     """The ASGI app serving ``scorer``."""
     from starlette.applications import Starlette
     from starlette.requests import Request as HttpRequest
-    from starlette.responses import JSONResponse
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
     batcher = Batcher(scorer, settings)
@@ -152,11 +161,19 @@ def make_app(scorer: BatchScorer, settings: ServerSettings) -> Any:
             "object": "model",
             "owned_by": "asyncopd",
             "max_model_len": scorer.context,
-            "asyncopd": {"max_request_rows": settings.max_request_rows},  # the client's default request size
+            "asyncopd": {
+                "max_request_rows": settings.max_request_rows,  # the client's default request size
+                "hidden_size": scorer.hidden_size,
+                "head": scorer.head_card,
+            },
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def completions(http: HttpRequest) -> JSONResponse:
+    async def head(_: HttpRequest) -> Response:
+        data = await asyncio.to_thread(lambda: npz_bytes({"head": scorer.head()}))
+        return Response(data, media_type=BINARY)
+
+    async def completions(http: HttpRequest) -> Response:
         size = http.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > settings.max_body_bytes:
             return error(413, f"the body has {size} bytes; at most {settings.max_body_bytes}")
@@ -172,7 +189,8 @@ def make_app(scorer: BatchScorer, settings: ServerSettings) -> Any:
         if batcher.full(len(request.rows)):
             return error(503, f"the queue holds {batcher.queued_rows} rows; retry", {"Retry-After": "1"})
         scores = await batcher.score(request)
-        return JSONResponse(answer(request, scores, settings.model_name))
+        body = answer(request, scores, settings.model_name)
+        return Response(body, media_type=BINARY) if isinstance(body, bytes) else JSONResponse(body)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -186,6 +204,7 @@ def make_app(scorer: BatchScorer, settings: ServerSettings) -> Any:
         routes=[
             Route("/health", health),
             Route("/v1/models", models),
+            Route("/v1/head", head),
             Route("/v1/completions", completions, methods=["POST"]),
         ],
         lifespan=lifespan,

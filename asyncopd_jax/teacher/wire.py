@@ -77,6 +77,7 @@ class RowScores:
       student_topk_logp: ``[t, Ks]`` log q of the student's top-K ids (None: not asked).
       sample_ids: ``[t, M]`` ids sampled from q (None: not asked).
       sample_logp: ``[t, M]`` their log q.
+      hidden: ``[t, H]`` the teacher's final hidden states, in the dtype asked (None: not asked).
     """
 
     token_logp: np.ndarray
@@ -86,6 +87,19 @@ class RowScores:
     student_topk_logp: np.ndarray | None = None
     sample_ids: np.ndarray | None = None
     sample_logp: np.ndarray | None = None
+    hidden: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadCard:
+    """What ``serve-teacher``'s ``/v1/models`` card says of its model's LM head: the
+    hidden states' width H, and the head's ``[H, V]`` shape, dtype and SHA-256
+    (:func:`~asyncopd_jax.models.head_digest`)."""
+
+    hidden_size: int
+    shape: tuple[int, int]
+    dtype: str
+    sha256: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +174,44 @@ def max_request_rows(answer: Any, server: str) -> int | None:
     return limit
 
 
+def head_card(answer: Any, server: str) -> HeadCard:
+    """The :class:`HeadCard` of a ``/v1/models`` answer, else a :class:`ServerError` (a
+    server that does not state its head: not ``serve-teacher``, or an older one)."""
+    try:
+        card = answer["data"][0]["asyncopd"]
+        head = card["head"]
+        shape, dtype, digest, width = head["shape"], head["dtype"], head["sha256"], card["hidden_size"]
+    except (KeyError, IndexError, TypeError):
+        raise ServerError(
+            f"teacher server {server}/v1/models states no LM head (data[0].asyncopd.head, hidden_size); "
+            "payload = hidden needs asyncopd serve-teacher"
+        ) from None
+    if not (
+        isinstance(shape, list)
+        and len(shape) == 2
+        and all(map(is_json_int, shape))
+        and shape[0] == width
+        and dtype in ("float32", "bfloat16")
+        and isinstance(digest, str)
+        and re.fullmatch(r"[0-9a-f]{64}", digest)
+    ):
+        raise ServerError(f"teacher server {server}/v1/models: head = {shown(head)}; expected [H, V], dtype, sha256")
+    return HeadCard(width, (shape[0], shape[1]), dtype, digest)
+
+
+def npz_choices(arrays: dict[str, np.ndarray], server: str) -> dict:
+    """A binary (``"encoding": "npy"``) answer's arrays, ``"<row>/<name>"``, in the JSON
+    answer's form ``{"choices": [{"index": i, "asyncopd": {name: array}}]}``, so that
+    :func:`parse_asyncopd` reads both."""
+    rows: dict[int, dict[str, np.ndarray]] = {}
+    for key, array in arrays.items():
+        row, _, name = key.partition("/")
+        if not (_DECIMAL_ID.fullmatch(row) and name):
+            raise ServerError(f"teacher server {server}/v1/completions answered an array named {key[:40]!r}")
+        rows.setdefault(int(row), {})[name] = array
+    return {"choices": [{"index": i, "asyncopd": scores} for i, scores in sorted(rows.items())]}
+
+
 def vllm_request(model: str, rows: Sequence[Row], topk: int) -> dict:
     """The ``/v1/completions`` body that scores each row's prompt + response."""
     return {
@@ -191,18 +243,23 @@ def asyncopd_request(
     seed: int,
     temperature: float = 1.0,
     pad_to: tuple[int, int] | None = None,
+    hidden: str | None = None,
+    encoding: str = "base64",
 ) -> dict:
     """:func:`vllm_request` at ``temperature`` (the server's own, or it answers 400) with the
     extension: the response positions only, the ids the student chose, ``num_samples``
-    teacher samples drawn with ``seed``, arrays answered in base64, and the widths
-    ``pad_to`` (the batch's own) to score at."""
+    teacher samples drawn with ``seed``, (``hidden``: their dtype) the teacher's final
+    hidden states, arrays answered in ``encoding`` (``base64``, or ``npy``: one binary body),
+    and the widths ``pad_to`` (the batch's own) to score at."""
     body = {**vllm_request(model, rows, topk), "temperature": temperature}
     extension: dict = {
         "response_start": [len(r.prompt) for r in rows],
         "num_samples": num_samples,
         "seed": seed,
-        "encoding": "base64",
+        "encoding": encoding,
     }
+    if hidden is not None:
+        extension["hidden"] = hidden
     if pad_to is not None:
         extension["pad_to"] = list(pad_to)
     for field in ("candidate_ids", "student_topk_ids"):
@@ -272,10 +329,18 @@ def _is_triple(entry: Any, where: str) -> bool:
 
 
 def parse_asyncopd(
-    answer: Any, rows: Sequence[Row], topk: int, num_samples: int, vocab_size: int, server: str
+    answer: Any,
+    rows: Sequence[Row],
+    topk: int,
+    num_samples: int,
+    vocab_size: int,
+    server: str,
+    hidden_size: int | None = None,
 ) -> list[RowScores]:
     """Each row's :class:`RowScores` from ``asyncopd serve-teacher``'s answer to
-    :func:`asyncopd_request`, checked as :func:`parse_vllm` checks."""
+    :func:`asyncopd_request` (JSON, or :func:`npz_choices` of a binary one), checked as
+    :func:`parse_vllm` checks; ``hidden_size``: the width of the hidden states asked (None:
+    not asked), each finite."""
     where = f"teacher server {server}/v1/completions"
     per_row = _choices(answer, "asyncopd", len(rows), where)
     out = []
@@ -296,9 +361,23 @@ def parse_asyncopd(
                 else read("student_topk_logprobs", student_topk.shape[1]),
                 sample_ids=read("sample_ids", num_samples, integer=True) if num_samples else None,
                 sample_logp=read("sample_logprobs", num_samples) if num_samples else None,
+                hidden=None if hidden_size is None else _hidden(scores, t, hidden_size, at),
             )
         )
     return out
+
+
+def _hidden(scores: dict, t: int, width: int, where: str) -> np.ndarray:
+    """``scores["hidden_states"]`` as ``[t, width]`` finite floats, in the dtype sent
+    (float32, or bfloat16 in a binary answer), else a :class:`ServerError`."""
+    value = scores.get("hidden_states")
+    array = value if isinstance(value, np.ndarray) else _array(value, integer=False)
+    if array is None or array.dtype.kind not in "fV" or array.size != t * width:
+        raise ServerError(f"{where}: hidden_states is not [{t}, {width}] floats ({t} response positions)")
+    array = array.reshape(t, width)
+    if not np.isfinite(array.astype(np.float32)).all():
+        raise ServerError(f"{where}: hidden_states holds a value that is not finite")
+    return array
 
 
 def _dense(
@@ -327,6 +406,8 @@ def _array(value: Any, integer: bool) -> np.ndarray | None:
     floats, ``<f4``), else None. Booleans, strings, ragged lists and integers too large for
     int64 are not numbers here."""
     try:
+        if isinstance(value, np.ndarray):  # a binary answer's (asyncopd.encoding: npy)
+            return value if value.dtype.kind in ("iu" if integer else "iuf") else None
         if isinstance(value, dict):  # base64 (asyncopd.encoding)
             dtype = value.get("dtype")
             if dtype not in (("<i4",) if integer else ("<f4", "<i4")) or not isinstance(value.get("data"), str):

@@ -78,6 +78,26 @@ def test_two_teachers_one_in_process_one_served_each_score_their_own_rows(tmp_pa
     assert all(r["teacher/b/score_s"] > 0 for r, (_, b) in zip(records, rows) if b)
 
 
+@pytest.mark.e2e  # two whole runs (3 steps), one beside a server: the end-to-end step (-m e2e)
+def test_two_hidden_state_teachers_one_served_train_as_both_in_process(tmp_path):
+    """The exact dense KL from two teachers' hidden states, ``a`` (width 128) in-process and
+    ``b`` (the student, width 64) behind ``serve-teacher``, its head fetched from the server
+    (``GET /v1/head``, digest checked): each step's loss and rows are those of the same run
+    with ``b`` in-process, so the served hidden states reach the learner with b's own head."""
+    dense = ["estimator.name=forward_kl_dense", "scoring.payload=hidden", "scoring.hidden_dtype=bfloat16"]
+    student = from_pretrained(resolve_model_path("builtin:student"))
+    settings = dataclasses.replace(SETTINGS, queue_rows=64)
+    with running(BatchScorer(student, settings), settings) as (url, _, _):
+        served = f"{{name: b, server: {{url: '{url}', api: asyncopd}}}}"
+        summary, records = _run(tmp_path, "served", *_two_teachers(served), *dense)
+    local_summary, local = _run(tmp_path, "local", *_two_teachers("{name: b, path: 'builtin:student'}"), *dense)
+    assert _check_routed(summary, records) == _check_routed(local_summary, local)
+    assert all(r["teacher/b/requests"] >= 1 for r in records if r["teacher/b/rows"])
+    # the same rollouts, scored in another batch shape (float32 rounding, then bfloat16)
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in local], rtol=2e-3)
+    assert records[0]["loss"] > 0.05
+
+
 @pytest.mark.e2e  # stage processes start in ~1 min: the end-to-end step (-m e2e)
 def test_two_teachers_route_the_same_rows_in_stage_processes(tmp_path):
     """Both in-process, the stages in processes: the same group routes the same way as in

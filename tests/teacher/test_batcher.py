@@ -29,21 +29,23 @@ class Scorer:
         self.batches: list[tuple[list[int], int, int, int, tuple[int, int] | None]] = []
         self.gate, self.fail = gate, fail
         self.entered = threading.Event()  # a batch is being scored
+        self.hidden: list[str | None] = []  # each batch's hidden-state dtype asked
 
-    def score(self, rows, num_samples, seed, topk, pad_to):
+    def score(self, rows, num_samples, seed, topk, pad_to, hidden):
         self.entered.set()
         if self.gate is not None:
             assert self.gate.wait(LIMIT_S), "the test never opened the gate"
         self.batches.append(([int(r.ids[0]) for r in rows], num_samples, seed, topk, pad_to))
+        self.hidden.append(hidden)
         if self.fail and len(self.batches) == 1:
             raise RuntimeError("the device fell over")
         return [{"row": int(r.ids[0])} for r in rows]
 
 
-def request(*firsts: int, topk: int = 4, samples: int = 0, seed: int = 0, pad_to=None) -> Request:
+def request(*firsts: int, topk: int = 4, samples: int = 0, seed: int = 0, pad_to=None, hidden=None) -> Request:
     """A request of one row per first id (3 tokens each, scored from 1)."""
     rows = [Row(np.asarray([first, 7, 8]), 1) for first in firsts]
-    return Request(rows, topk=topk, num_samples=samples, seed=seed, extension=True, pad_to=pad_to)
+    return Request(rows, topk=topk, num_samples=samples, seed=seed, extension=True, pad_to=pad_to, hidden=hidden)
 
 
 def run(scenario) -> None:
@@ -91,8 +93,9 @@ def test_requests_of_one_kind_share_a_batch_up_to_max_rows_and_each_gets_its_own
 
 def test_requests_of_other_kinds_are_scored_apart_with_what_each_asks():
     """Requests that cannot share a batch (another number of teacher samples or seed, a
-    top-K of another power of two) are scored apart, the queue's first kind first; requests
-    of one kind share one, scored at their largest top-K and their widest padding."""
+    top-K of another power of two, hidden states asked in another dtype or not at all) are
+    scored apart, the queue's first kind first; requests of one kind share one, scored at
+    their largest top-K and their widest padding."""
     scorer = Scorer()
 
     async def scenario():
@@ -103,16 +106,22 @@ def test_requests_of_other_kinds_are_scored_apart_with_what_each_asks():
             request(3, topk=4, pad_to=(16, 8)),  # K 3 and 4 both compute a top-4: one batch
             request(4, topk=5),  # a top-8: apart
             request(5, samples=2, seed=6),
+            request(6, hidden="bfloat16"),
+            request(7, hidden="float32"),
+            request(8, hidden="bfloat16"),
         ]
         answers = await asyncio.gather(*(batcher.score(r) for r in requests))
         await batcher.stop()
-        assert answers == [[{"row": i}] for i in (1, 2, 3, 4, 5)]
+        assert answers == [[{"row": i}] for i in (1, 2, 3, 4, 5, 6, 7, 8)]
         assert scorer.batches == [
             ([1, 3], 0, 0, 4, (16, 16)),
             ([2], 2, 5, 4, None),
             ([4], 0, 0, 5, None),
             ([5], 2, 6, 4, None),
+            ([6, 8], 0, 0, 4, None),
+            ([7], 0, 0, 4, None),
         ]
+        assert scorer.hidden == [None, None, None, None, "bfloat16", "float32"]
 
     run(scenario)
 

@@ -197,7 +197,7 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_rows(served_teache
         ),
         (
             {"prompt": [[2, 3, 4]], "prompt_logprobs": 2, "asyncopd": {"encoding": "msgpack"}},
-            "asyncopd.encoding must be json or base64, got 'msgpack'",
+            "asyncopd.encoding must be one of json, base64, npy, got 'msgpack'",
         ),
         (
             {"prompt": [[2, 3, 4]], "prompt_logprobs": 2, "asyncopd": {"response_start": [2], "pad_to": [1, 4]}},
@@ -380,8 +380,8 @@ def test_base64_arrays_are_the_json_numbers_exactly_and_pad_to_sets_the_scored_w
     scorer = BatchScorer(teacher, SETTINGS)
     function = scorer._function
 
-    def spy(num_samples, k):
-        score = function(num_samples, k)
+    def spy(num_samples, k, hidden=None):
+        score = function(num_samples, k, hidden)
         return lambda state, batch, key: (
             widths.append((batch.prompt_tokens.shape[1], batch.response_tokens.shape[1])) or score(state, batch, key)
         )

@@ -29,7 +29,16 @@ from tests.teacher.test_server import SETTINGS, running
 V, CONTEXT = 32, 128  # the shipped teacher's vocabulary and context
 LIMITS = dataclasses.replace(SETTINGS, max_body_bytes=1 << 16)
 TIMEOUT = httpx2.Timeout(60.0)  # explicit: a loaded machine must not turn a slow answer into a failure
-EXTENSION_FIELDS = {"response_start", "candidate_ids", "student_topk_ids", "num_samples", "seed", "encoding", "pad_to"}
+EXTENSION_FIELDS = {
+    "response_start",
+    "candidate_ids",
+    "student_topk_ids",
+    "num_samples",
+    "seed",
+    "hidden",
+    "encoding",
+    "pad_to",
+}
 
 
 def documented_status(raw: bytes) -> int:
@@ -100,7 +109,9 @@ def _valid(body) -> bool:
             return False
     if not _int_in(ext.get("num_samples", 0), 0, 1024) or not _int_in(ext.get("seed", 0), 0, 2**32 - 1):
         return False
-    if ext.get("encoding", "json") not in ("json", "base64"):
+    if ext.get("encoding", "json") not in ("json", "base64", "npy"):
+        return False
+    if ext.get("hidden") not in (None, "float32", "bfloat16"):
         return False
     pad_to = ext.get("pad_to")
     if pad_to is not None:
@@ -131,6 +142,11 @@ BASES = [
             "pad_to": [4, 4],
         },
     },
+    {
+        "prompt": ROWS,
+        "prompt_logprobs": 1,
+        "asyncopd": {"response_start": [3, 1], "hidden": "bfloat16", "encoding": "npy"},
+    },
 ]
 #: Where a mutation lands: a field, or an element inside one.
 PLACES = [
@@ -156,7 +172,7 @@ HOSTILE = st.one_of(
     st.sampled_from(EDGE_INTS),
     st.integers(-(2**70), 2**70),
     st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([1.5, 1.0, -0.0, True, False, None, "", "1", "base64", "json", "teacher"]),
+    st.sampled_from([1.5, 1.0, -0.0, True, False, None, "", "1", "base64", "json", "npy", "bfloat16", "teacher"]),
     st.text(max_size=4),
     st.lists(st.integers(-2, V + 2), max_size=6),
     st.lists(st.lists(st.integers(-1, V), max_size=3), max_size=5),
