@@ -434,10 +434,15 @@ def layout_of(cfg: RunConfig) -> Layout:
     return plan_layout(cfg, run_path=Path(cfg.output_dir) / cfg.name, available_cores=())
 
 
-def hidden_payload_notes(cfg: RunConfig, shapes: Shapes, vocab_limit: int | None) -> list[str]:
+def hidden_payload_notes(
+    cfg: RunConfig, shapes: Shapes, vocab_limit: int | None, learner_chips: int, chip: Chip
+) -> list[str]:
     """What the teachers' hidden states (``payload: hidden``) cost besides the stages' own
     figures: their bytes per batch from scoring to the learner, against the top-K scores',
-    and the heads the learner holds (inside the learner step's figures)."""
+    and the heads the learner holds and their FLOPs (both inside the learner step's
+    figures: the learner applies each teacher's head to every row of the batch, once in the
+    forward pass and again in the backward, which recomputes each block's logits, rows split
+    over its ``learner_chips``)."""
     hidden = hidden_teachers(cfg)
     if not hidden:
         return []
@@ -450,10 +455,14 @@ def hidden_payload_notes(cfg: RunConfig, shapes: Shapes, vocab_limit: int | None
         width * (vocab_limit or config.vocab_size) * jnp.dtype(source.dtype).itemsize
         for config, source in zip(hidden, cfg.teacher_sources)
     )
+    flops = sum(2 * 2 * tokens * width * (vocab_limit or config.vocab_size) for config in hidden)
+    per_chip = flops / learner_chips
     return [
         f"the teachers' hidden states: {payload / 2**20:.2f} MiB per batch from scoring to the learner ({width} "
         f"a position in {cfg.scoring.hidden_dtype}; a top-{k} cache: {topk / 2**20:.2f} MiB); the learner holds "
-        f"their heads, {heads / GIB:.2f} GiB on every learner chip, in its step's figures"
+        f"their heads, {heads / GIB:.2f} GiB on every learner chip, and applies them at {flops / 1e12:.2f} TFLOP "
+        f"per batch ({per_chip / 1e12:.2f} a learner chip: {per_chip / chip.peak_flops * 1e3:.1f} ms at "
+        f"{chip.name}'s peak), in its step's figures"
     ]
 
 
@@ -542,7 +551,7 @@ def make_plan(
         f"the rollout engine ({cfg.sampling.engine}) compiles {sum(map(len, programs.values()))} programs at most "
         f"for these shapes: " + ", ".join(f"{name} {len(listed)}" for name, listed in programs.items())
     ]
-    notes += hidden_payload_notes(cfg, shapes, vocab_limit)
+    notes += hidden_payload_notes(cfg, shapes, vocab_limit, len(devices_of("learner")), chips)
     shared = [f for f in stages if f.stage.startswith("scoring ") and not f.error]
     if len(shared) > 1:  # each row counts its own teacher's weights; all of them lie on the scoring chips
         inputs = sum(f.argument_bytes for f in shared)

@@ -253,7 +253,11 @@ def test_the_hidden_state_payload_is_counted_in_the_learner_step_and_the_notes()
     assert dense.argument_bytes - topk.argument_bytes >= head_bytes - rows * 96 * 16 * 8 // 4
     teacher_head_flops = 2 * (2 * h_q * vocab) * rows * 96 / len(devices)
     assert dense.executed_flops - topk.executed_flops >= teacher_head_flops
-    (note,) = hidden_payload_notes(cfg, shapes, None)
+    topology = get_topology("h100-4")
+    (note,) = hidden_payload_notes(cfg, shapes, None, len(devices), topology.chip)
     # 8 rows × 96 positions × 4,096 × 4 bytes = 12 MiB; the top-16's ids and log q: 8 bytes each, 0.09 MiB
     assert note.startswith("the teachers' hidden states: 12.00 MiB per batch from scoring to the learner (4096 a ")
     assert "a top-16 cache: 0.09 MiB" in note and "their heads, 2.32 GiB on every learner chip" in note
+    # the FLOPs the compiled step does on top of the top-K one's: 2 · 2 · 768 positions · 4,096 · 151,936
+    per_chip_ms = teacher_head_flops / topology.chip.peak_flops * 1e3
+    assert f"at 1.91 TFLOP per batch (0.48 a learner chip: {per_chip_ms:.1f} ms at" in note
