@@ -171,6 +171,21 @@ def _validate_payload(cfg: RunConfig, sources: tuple[TeacherSource, ...]) -> Non
             raise ConfigError(f"{where} = hidden is invalid with {reason}; allowed: scores")
 
 
+def unserved_need(cfg: RunConfig, teacher: TeacherSource, where: str, serves: frozenset[str]) -> str | None:
+    """Why the estimator cannot run with ``teacher`` (the config's section ``where``) when
+    its server scores the id sets ``serves`` (None: it can)."""
+    for need in cfg.estimator.spec.needs:
+        if need not in serves:
+            source = ID_SOURCES[need]
+            usable = [n for n, e in ESTIMATORS.items() if set(e.needs) <= serves and not e.needs_teacher_hidden]
+            return (
+                f"estimator.name = {cfg.estimator.name!r} needs {source.scores} (the teacher's log-probs of "
+                f"{source.ids}), which a {where}.server.api = {teacher.server.api} teacher cannot score; allowed: an "
+                f"in-process teacher ({where}.path) or one of {', '.join(usable)}"
+            )
+    return None
+
+
 def _validate_served(cfg: RunConfig, teacher: TeacherSource, where: str) -> None:
     """What ``teacher`` (the config's section ``where``) can score when a server scores it."""
     if not teacher.served:
@@ -182,18 +197,10 @@ def _validate_served(cfg: RunConfig, teacher: TeacherSource, where: str) -> None
         )
     api = f"{where}.server.api = {teacher.server.api}"
     if cfg.needs_teacher_scores:
+        refusal = unserved_need(cfg, teacher, where, teacher.server.may_serve)  # a probe at start-up decides the rest
+        if refusal:
+            raise ConfigError(refusal)
         serves = teacher.server.serves
-        for need in cfg.estimator.spec.needs:
-            source = ID_SOURCES[need]
-            if need not in serves:
-                usable = [
-                    n for n, spec in ESTIMATORS.items() if set(spec.needs) <= serves and not spec.needs_teacher_hidden
-                ]
-                raise ConfigError(
-                    f"estimator.name = {cfg.estimator.name!r} needs {source.scores} (the teacher's log-probs of "
-                    f"{source.ids}), which a {api} teacher cannot score; allowed: an in-process teacher "
-                    f"({where}.path) or one of {', '.join(usable)}"
-                )
         if cfg.scoring.num_samples and "teacher_samples" not in serves:
             raise ConfigError(
                 f"scoring.num_samples = {cfg.scoring.num_samples} is invalid with {api} (it cannot sample "

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from asyncopd_jax.config import RunConfig
+from asyncopd_jax.config import ConfigError, RunConfig, TeacherSource
+from asyncopd_jax.config.rules import unserved_need
 from asyncopd_jax.models import Decoder
 from asyncopd_jax.models.partitioning import mesh_context
 from asyncopd_jax.pipeline.devices import on_mesh, stage_devices, stage_mesh
@@ -29,6 +30,7 @@ from asyncopd_jax.teacher import ReferenceScorer, Scorers, TeacherScorer
 from asyncopd_jax.teacher.client import ServedTeacher
 from asyncopd_jax.teacher.cross_tokenizer import CrossTokenizerTeacher
 from asyncopd_jax.teacher.scorer import Teacher
+from asyncopd_jax.teacher.wire import ServerError
 
 
 @dataclasses.dataclass
@@ -72,6 +74,7 @@ def build_scoring_stage(cfg: RunConfig, layout: Layout, plan: StagePlan, models:
             # an embedding row of padding, to no student token)
             vocab = np.iinfo(np.int32).max if pair else models.vocab_limit or models.student_config.vocab_size
             teacher = ServedTeacher(source.server, params, vocab)
+            probe_ids(cfg, source, teacher)
         else:
             loaded[source.name] = load_model(source, None if pair else models.vocab_limit, mesh)
             teacher = TeacherScorer(loaded[source.name], params, pad_rows=len(run_teachers) > 1 or pair is not None)
@@ -85,3 +88,20 @@ def build_scoring_stage(cfg: RunConfig, layout: Layout, plan: StagePlan, models:
             load_model(policy, models.vocab_limit, mesh), cfg.sampling.temperature, cfg.learner.logprob_chunk
         )
     return ScoringStage(plan, mesh, Scorers(teachers, reference), loaded)
+
+
+def probe_ids(cfg: RunConfig, source: TeacherSource, teacher: ServedTeacher) -> None:
+    """Where the estimator needs ids only a probe finds the server scores (vLLM's
+    per-position ids: :data:`~asyncopd_jax.teacher.client.PROBED`), the probe at the run's
+    widths (the token, the student's candidates and top-K), else the config's refusal
+    (:func:`~asyncopd_jax.config.rules.unserved_need`) with what the server answered."""
+    if set(cfg.estimator.spec.needs) <= source.server.serves:
+        return
+    where = f"teachers[{cfg.teachers.index(source)}]" if cfg.teachers else "teacher"
+    width = 1 + cfg.sampling.num_candidates + cfg.sampling.student_topk
+    try:
+        teacher.probe_ids(width)
+    except ServerError as err:
+        raise ConfigError(
+            f"{unserved_need(cfg, source, where, source.server.serves)}; its start-up probe: {err}"
+        ) from None

@@ -12,9 +12,12 @@ Wire formats (``teacher.server.api``), in :mod:`asyncopd_jax.teacher.wire`:
 
 * ``vllm``: vLLM's OpenAI-compatible ``POST /v1/completions`` with ``prompt_logprobs: K``.
   It answers the teacher's top-K and the actual token at every position: the cache's
-  ``token_logp``, ``topk_ids`` and ``topk_logp``. It cannot score ids the student chose
-  (Monte-Carlo candidates, the student's top-K) nor sample from the teacher, so the
-  estimators that need those are refused when the config is read (:data:`SERVES`).
+  ``token_logp``, ``topk_ids`` and ``topk_logp``. A vLLM that scores per-position ids
+  (``prompt_logprob_token_ids`` on ``/inference/v1/generate``:
+  :mod:`asyncopd_jax.teacher.vllm_candidates`) also scores the ids the student chose
+  (Monte-Carlo candidates, its top-K), one request a row; a start-up probe
+  (:meth:`ServedTeacher.probe_ids`) finds whether it does, and a run whose estimator needs
+  them is refused where it does not (:data:`PROBED`). It cannot sample from the teacher.
 * ``sglang``: SGLang's native ``POST /generate`` with ``return_logprob``,
   ``logprob_start_len: 0`` and ``top_logprobs_num: K``, prefill only: the same three
   fields, and the same refusals (its ``token_ids_logprob`` takes one id list per request,
@@ -60,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
-from asyncopd_jax.teacher import wire
+from asyncopd_jax.teacher import vllm_candidates, wire
 from asyncopd_jax.teacher.scorer import ScoringParams
 from asyncopd_jax.teacher.wire import Row, RowScores, ServerError
 
@@ -73,6 +76,10 @@ SERVES: dict[str, frozenset[str]] = {
     "sglang": frozenset({"teacher_topk"}),  # its token_ids_logprob is one id list per request, not per position
     "asyncopd": frozenset({"candidates", "student_topk", "teacher_topk", "teacher_samples"}),
 }
+
+#: The id sets a kind of teacher scores when its start-up probe finds the server can
+#: (:meth:`ServedTeacher.probe_ids`): vLLM's per-position ``prompt_logprob_token_ids``.
+PROBED: dict[str, frozenset[str]] = {"vllm": frozenset({"candidates", "student_topk"})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +139,11 @@ class ServerParams:
     def serves(self) -> frozenset[str]:
         """The id sets this server's API can score (:data:`SERVES`)."""
         return SERVES[self.api]
+
+    @property
+    def may_serve(self) -> frozenset[str]:
+        """:attr:`serves`, and what a start-up probe may find it scores (:data:`PROBED`)."""
+        return self.serves | PROBED.get(self.api, frozenset())
 
     @property
     def raw_only(self) -> bool:
@@ -269,8 +281,37 @@ class ServedTeacher:
         if self.server.api == "sglang":
             answer = self._post("/generate", wire.sglang_request(rows, topk))
             return wire.parse_sglang(answer, rows, topk, self.vocab_size, server)
+        if rows[0].candidate_ids is not None or rows[0].student_topk_ids is not None:  # one request a row
+            return [self._score_ids(model, row, topk) for row in rows]
         answer = self._post("/v1/completions", wire.vllm_request(model, rows, topk))
         return wire.parse_vllm(answer, rows, topk, self.vocab_size, server)
+
+    def _score_ids(self, model: str, row: Row, topk: int) -> RowScores:
+        """One row's scores from vLLM's per-position id scoring (a row without answer tokens:
+        empty arrays, nothing sent)."""
+        if len(row.response) == 0:
+            empty = np.zeros((0, topk))
+
+            def none(ids: np.ndarray | None) -> np.ndarray | None:
+                return None if ids is None else np.zeros((0, np.shape(ids)[1]))
+
+            return RowScores(
+                np.zeros(0), empty.astype(np.int64), empty, none(row.candidate_ids), none(row.student_topk_ids)
+            )
+        answer = self._post(vllm_candidates.GENERATE_PATH, vllm_candidates.candidates_request(model, row, topk))
+        return vllm_candidates.parse_candidates(answer, row, topk, self.vocab_size, self.server.url)
+
+    def probe_ids(self, width: int) -> None:
+        """Return when the server scores ``width`` ids a position as :data:`PROBED` says
+        (a two-token request at the run's widths), else a :class:`ServerError` saying what
+        the server answered and how to serve it (:func:`~asyncopd_jax.teacher.vllm_candidates.check_probe`)."""
+        model, topk = self._model_name(), self.params.topk
+        body = vllm_candidates.probe_request(model, width, topk)
+        try:
+            answer = self._post(vllm_candidates.GENERATE_PATH, body)
+        except ServerError as err:  # 403: no --enable-scale-out; 400: no V2 runner, --max-logprobs; 404: older
+            raise ServerError(f"{err}; {vllm_candidates.serve_hint(width, topk)}") from None
+        vllm_candidates.check_probe(answer, width, topk, self.vocab_size, self.server.url)
 
     def _model_name(self) -> str:
         """``server.model``, else the one model ``/v1/models`` lists (SGLang's ``/generate``

@@ -51,7 +51,7 @@ import numpy as np
 _DECIMAL_ID = re.compile(r"[0-9]{1,10}")
 
 #: Above this a "log-prob" is not one (rounding puts a certain token's log-prob a hair above 0).
-_LOGP_SLACK = 1e-4
+LOGP_SLACK = 1e-4
 
 
 class ServerError(RuntimeError):
@@ -139,11 +139,12 @@ def json_of(content: bytes, where: str) -> Any:
 
 
 def error_text(content: bytes) -> str:
-    """A failed answer's message on one line (an OpenAI-style ``{"error": {"message"}}`` or
-    the body's start)."""
+    """A failed answer's message on one line (an OpenAI-style ``{"error": {"message"}}``,
+    FastAPI's ``{"detail"}`` or the body's start)."""
     try:
         body = json.loads(content)
-        message = body["error"]["message"] if isinstance(body.get("error"), dict) else body.get("error", body)
+        message = body["error"]["message"] if isinstance(body.get("error"), dict) else body.get("error")
+        message = message if message is not None else body.get("detail", body)
     except (ValueError, AttributeError, KeyError, TypeError):
         message = content[:200].decode("utf-8", "replace")
     return " ".join(str(message).split())[:300]
@@ -278,7 +279,7 @@ def parse_vllm(answer: Any, rows: Sequence[Row], topk: int, vocab_size: int, ser
     where = f"teacher server {server}/v1/completions"
     per_row = _choices(answer, "prompt_logprobs", len(rows), where)
     return [
-        _vllm_row(entries, len(row.prompt), row.response, topk, vocab_size, f"{where}, row {i}")
+        vllm_row(entries, len(row.prompt), row.response, topk, vocab_size, f"{where}, row {i}")
         for i, (entries, row) in enumerate(zip(per_row, rows, strict=True))
     ]
 
@@ -395,7 +396,7 @@ def _dense(
     array = array.reshape(shape).astype(np.int64 if integer else np.float64)
     if integer and array.size and (array.min() < 0 or array.max() >= vocab_size):
         raise ServerError(f"{where}: {key} holds an id outside the student's vocabulary (0-{vocab_size - 1})")
-    if not integer and (np.isnan(array).any() or (array > _LOGP_SLACK).any()):
+    if not integer and (np.isnan(array).any() or (array > LOGP_SLACK).any()):
         raise ServerError(f"{where}: {key} holds a value that is not a log-prob (NaN or > 0)")
     return array if integer else np.minimum(array, 0.0)
 
@@ -456,7 +457,7 @@ def _choices(answer: Any, key: str, rows: int, where: str) -> list:
     return [by_index[i] for i in range(rows)]
 
 
-def _vllm_row(entries: Any, start: int, response: np.ndarray, topk: int, vocab_size: int, where: str) -> RowScores:
+def vllm_row(entries: Any, start: int, response: np.ndarray, topk: int, vocab_size: int, where: str) -> RowScores:
     """One row's scores from its ``prompt_logprobs`` (positions ``start`` … ``start + t − 1``)."""
     t = len(response)
     _check_positions(entries, "prompt_logprobs", start + t, where)
@@ -507,7 +508,7 @@ def _entries(entry: Any, vocab_size: int, where: str) -> dict[int, float]:
         if not (isinstance(key, str) and _DECIMAL_ID.fullmatch(key)) or not is_json_number(logp):
             raise ServerError(f"{where}: expected {{id: {{logprob}}}}, got {key[:40]!r}: {shown(value)}")
         token, logp = int(key), float(logp)  # type: ignore[arg-type]  # an int or a float: checked above
-        if math.isnan(logp) or logp > _LOGP_SLACK:
+        if math.isnan(logp) or logp > LOGP_SLACK:
             raise ServerError(f"{where}: log-prob {logp} of id {token} is not a log-prob (NaN or > 0)")
         if not 0 <= token < vocab_size:
             raise ServerError(f"{where}: id {token} is outside the student's vocabulary (0-{vocab_size - 1})")

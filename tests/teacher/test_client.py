@@ -335,9 +335,9 @@ SERVED = ["teacher.path=''", f"teacher.server.url={URL}"]
     ("overrides", "expected"),
     [
         (
-            ["estimator.name=reverse_kl_mc"],
+            ["estimator.name=reverse_kl_mc", "teacher.server.api=sglang"],
             "estimator.name = 'reverse_kl_mc' needs TeacherScoreCache.candidate_logp (the teacher's log-probs of "
-            "RolloutBatch.candidate_ids), which a teacher.server.api = vllm teacher cannot score; allowed: an "
+            "RolloutBatch.candidate_ids), which a teacher.server.api = sglang teacher cannot score; allowed: an "
             "in-process teacher (teacher.path) or one of ",
         ),
         (
@@ -370,10 +370,11 @@ def test_the_config_refuses_what_a_served_teacher_cannot_do(overrides, expected)
 def test_the_estimators_a_vllm_teacher_serves_are_accepted_and_listed():
     cfg = load_config("demo", [*SERVED, "estimator.name=forward_kl_topk", "scoring.topk=8"])
     assert cfg.teacher.served and cfg.teacher.server.url == URL
-    with pytest.raises(ConfigError) as err:
-        load_config("demo", [*SERVED, "estimator.name=reverse_kl_mc"])
-    usable = str(err.value).split("or one of ")[1].split(", ")
-    assert "forward_kl_topk" in usable and "reverse_kl_mc" not in usable and "reverse_kl_topk" not in usable
+    # the student's ids: accepted here, the server's start-up probe decides (below)
+    mc = load_config("demo", [*SERVED, "estimator.name=reverse_kl_mc", "sampling.num_candidates=4"])
+    assert mc.teacher.server.may_serve > mc.teacher.server.serves
+    with pytest.raises(ConfigError, match="sample_logp .* which a teacher.server.api = vllm teacher cannot score"):
+        load_config("demo", [*SERVED, "estimator.name=forward_kl_mc", "scoring.num_samples=4"])
 
 
 def test_the_docs_list_the_estimators_a_vllm_teacher_serves():
@@ -524,3 +525,115 @@ def test_the_difference_of_two_scorings_is_their_largest_change(t, field, where,
     assert wire.difference(a, b) == pytest.approx(change, rel=1e-9)
     assert wire.difference(b, a) == pytest.approx(change, rel=1e-9)
     assert wire.difference(a, a) == 0.0
+
+
+# --- vLLM's per-position ids (prompt_logprob_token_ids) ---------------------------------------
+
+#: What a vLLM without per-position id scoring answered, before the config's refusal moved to
+#: the start-up probe (the config cannot know the server).
+MC_REFUSAL = (
+    "estimator.name = 'reverse_kl_mc' needs TeacherScoreCache.candidate_logp (the teacher's log-probs of "
+    "RolloutBatch.candidate_ids), which a teacher.server.api = vllm teacher cannot score; allowed: an "
+    "in-process teacher (teacher.path) or one of "
+)
+
+
+def _with_student_ids(b: RolloutBatch) -> RolloutBatch:
+    """``b`` with 3 candidates and the student's top-2 at each position."""
+    rng = np.random.default_rng(0)
+    candidates, topk = rng.integers(0, V, (len(PROMPTS), T, 3)), rng.integers(0, V, (len(PROMPTS), T, 2))
+    return dataclasses.replace(
+        b,
+        candidate_ids=jnp.asarray(candidates, jnp.int32),
+        candidate_behavior_logp=jnp.zeros(candidates.shape),
+        student_topk_ids=jnp.asarray(topk, jnp.int32),
+        student_topk_behavior_logp=jnp.zeros(topk.shape),
+    )
+
+
+def test_vllm_scores_the_students_ids_per_position_one_request_a_row():
+    """A vLLM with ``prompt_logprob_token_ids`` (a fake written from its documented format:
+    ``tests/teacher/test_vllm_candidates.py``): the probe passes, and every row's candidates,
+    top-K, token and teacher top-K equal the NumPy teacher's."""
+    from tests.teacher.test_vllm_candidates import answer as generate_answer
+
+    server = FakeServer(answer=generate_answer)
+    teacher = served(server, topk=4, api="vllm", model="teacher")
+    teacher.probe_ids(1 + 3 + 2)
+    rollouts = _with_student_ids(batch())
+    cache = teacher.score(rollouts)
+    assert sum("token_ids" in body for body in server.bodies) == 1 + len(PROMPTS)  # the probe, then a row each
+    for i, (prompt, answer) in enumerate(zip(PROMPTS, ANSWERS)):
+        logp = oracle_logp(prompt + answer)[len(prompt) :]  # [t, V]: response position k's
+        t = np.arange(len(answer))[:, None]
+        for ids, scores in (
+            (rollouts.candidate_ids, cache.candidate_logp),
+            (rollouts.student_topk_ids, cache.student_topk_logp),
+        ):
+            np.testing.assert_allclose(
+                np.asarray(scores)[i, : len(answer)], logp[t, np.asarray(ids)[i, : len(answer)]], atol=1e-6
+            )
+        np.testing.assert_allclose(np.asarray(cache.token_logp)[i, : len(answer)], logp[t[:, 0], answer], atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(cache.topk_logp)[i, : len(answer)], -np.sort(-logp, axis=1)[:, :4], atol=1e-6
+        )
+
+
+@pytest.mark.parametrize(
+    "failure, says",
+    [
+        (httpx2.Response(404, json={"detail": "Not Found"}), "refused the request: HTTP 404: Not Found"),
+        (httpx2.Response(403, json={"error": {"message": "Scale-out endpoints are disabled"}}), "HTTP 403"),
+        (httpx2.Response(200, json={"choices": []}), "answered no prompt_token_id_logprobs"),
+    ],
+)
+def test_a_vllm_that_cannot_score_the_students_ids_is_refused_at_start_up_as_the_config_was(failure, says):
+    from asyncopd_jax.pipeline.scoring_stage import probe_ids
+
+    cfg = load_config("demo", [*SERVED, "estimator.name=reverse_kl_mc", "sampling.num_candidates=4"])
+    teacher = served(FakeServer(failures=[failure]), api="vllm", model="teacher")
+    with pytest.raises(ConfigError) as refused:
+        probe_ids(cfg, cfg.teacher, teacher)
+    message = str(refused.value)
+    assert message.startswith(MC_REFUSAL) and "; its start-up probe: teacher server" in message, message
+    usable = message.split("or one of ")[1].split("; its start-up probe")[0].split(", ")
+    assert "forward_kl_topk" in usable and "reverse_kl_mc" not in usable and "reverse_kl_topk" not in usable
+    assert says in message and "serve it with VLLM_USE_V2_MODEL_RUNNER=1 and vllm serve --enable-scale-out" in message
+    assert "--max-logprobs 5 " in message  # the token and 4 candidates a position
+
+
+def test_a_run_with_a_vllm_that_cannot_score_the_students_ids_stops_at_start_up(tmp_path):
+    """The probe is wired into the scoring stage: a whole run's start against a server on
+    loopback that has no ``/inference/v1/generate`` (vLLM started without
+    ``--enable-scale-out``) stops with the refusal, before any step."""
+    import threading
+    import time
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from asyncopd_jax.pipeline.trainer import Trainer
+    from tests.teacher.vllm_server import free_port
+
+    async def models(_):
+        return JSONResponse({"object": "list", "data": [{"id": "teacher"}]})
+
+    port = free_port()
+    app = Starlette(routes=[Route("/v1/models", models)])  # everything else: 404 {"detail": "Not Found"}
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{port}"
+    sets = ["teacher.path=''", f"teacher.server.url={url}", "estimator.name=reverse_kl_mc", "sampling.num_candidates=4"]
+    cfg = load_config("demo", [*sets, f"output_dir={tmp_path}", "train.steps=2"])
+    try:
+        with pytest.raises(ConfigError, match=rf"^{re.escape(MC_REFUSAL)}.*; its start-up probe: teacher server {url}"):
+            Trainer(cfg, progress=False).run()
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert not list(tmp_path.glob("*/metrics.jsonl")) or not (tmp_path / "demo" / "metrics.jsonl").read_text()
