@@ -15,7 +15,7 @@ from flax import nnx
 
 from asyncopd_jax import estimators as est
 from asyncopd_jax.config import MeshConfig
-from asyncopd_jax.estimator_registry import EstimatorConfig
+from asyncopd_jax.estimator_registry import EstimatorConfig, RegularisersConfig
 from asyncopd_jax.learner import LearnerBatch, PolicyLoss
 from asyncopd_jax.learner.step import loss_model
 from asyncopd_jax.models import Decoder, read_lm_head, save_pretrained
@@ -63,13 +63,13 @@ def qwen3_vocab_pair():
     return student, teacher, batch
 
 
-def _loss_and_grad(student, teacher, batch, name, mesh=None):
+def _loss_and_grad(student, teacher, batch, name, mesh=None, entropy_coef=0.0):
     scoring = ScoringParams(temperature=1.3, payload="hidden", chunk_size=4)
     cache = TeacherScorer(teacher, scoring).score(batch)
     # what the padding holds must not matter (a server's answer may hold NaN there)
     cache = dataclasses.replace(cache, hidden=jnp.where(batch.response_mask[..., None], cache.hidden, jnp.nan))
     loss = PolicyLoss(
-        EstimatorConfig(name),
+        EstimatorConfig(name, regularisers=RegularisersConfig(entropy_coef=entropy_coef)),
         temperature=0.8,
         chunk_size=5,
         teacher_heads=(teacher.lm_head_weight(),),
@@ -86,18 +86,20 @@ def _loss_and_grad(student, teacher, batch, name, mesh=None):
         return jax.jit(jax.value_and_grad(objective))(params)
 
 
-def _oracle(student, teacher, batch, name):
-    """The dense estimator on the full logits of both models, token mean."""
+def _oracle(student, teacher, batch, name, entropy_coef=0.0):
+    """The dense estimator on the full logits of both models (minus ``entropy_coef`` times
+    the student's entropy), token mean."""
     dense = {"forward_kl_dense": est.forward_kl_dense, "reverse_kl_dense": est.reverse_kl_dense}[name]
     teacher_logits = _hidden(teacher, batch) @ teacher.lm_head_weight() / 1.3
     graphdef, params = nnx.split(student)
 
     def objective(p):
         model = nnx.merge(graphdef, p)
-        per_token = dense(
-            _hidden(model, batch) @ model.lm_head_weight() / 0.8, teacher_logits, mask=batch.response_mask
-        )
-        return est.token_mean(per_token, batch.response_mask)
+        logits = _hidden(model, batch) @ model.lm_head_weight() / 0.8
+        per_token = dense(logits, teacher_logits, mask=batch.response_mask)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+        return est.token_mean(per_token - entropy_coef * entropy, batch.response_mask)
 
     return jax.value_and_grad(objective)(params)
 
@@ -112,6 +114,21 @@ def test_the_loss_and_gradient_equal_the_dense_estimator_on_full_logits(request,
         _oracle(student, teacher, batch, name),
     )
     assert float(loss) > 0.05  # the two models differ
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    for got, expected in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
+        np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["forward_kl_dense", "reverse_kl_dense"])
+def test_the_entropy_bonus_adds_to_the_exact_kl(pair, name):
+    """``estimator.regularisers`` compose with the dense estimators: −c · H(π_θ) a token."""
+    student, teacher, batch = pair
+    (loss, grads), (want, want_grads) = (
+        _loss_and_grad(student, teacher, batch, name, entropy_coef=0.3),
+        _oracle(student, teacher, batch, name, entropy_coef=0.3),
+    )
+    plain, _ = _oracle(student, teacher, batch, name)
+    assert abs(float(want) - float(plain)) > 0.1  # the bonus shows
     np.testing.assert_allclose(loss, want, rtol=1e-5)
     for got, expected in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
         np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-4)

@@ -53,8 +53,12 @@ def test_two_teachers_each_with_its_own_settings():
             r"the model's raw distribution",
         ),
         (
-            [*teachers("{name: a, path: x}", f"{{name: b, server: {{url: '{URL}'}}}}"), "estimator.name=reverse_kl_mc"],
-            r"^estimator.name = 'reverse_kl_mc' needs .* which a teachers\[1\].server.api = vllm teacher cannot "
+            [
+                *teachers("{name: a, path: x}", f"{{name: b, server: {{url: '{URL}', api: sglang}}}}"),
+                "estimator.name=reverse_kl_mc",
+                "sampling.num_candidates=4",
+            ],  # (vLLM: its start-up probe decides; tests/teacher/test_client.py)
+            r"^estimator.name = 'reverse_kl_mc' needs .* which a teachers\[1\].server.api = sglang teacher cannot "
             r"score; allowed: an in-process teacher \(teachers\[1\].path\)",
         ),
         ([*TWO, "train.diagnostics_every=5"], r"^train.diagnostics_every = 5 needs one in-process teacher"),
