@@ -100,6 +100,11 @@ class TeacherSource(ModelSource):
     # config.json and the tensor of its LM head) the learner reads the head from ('' : fetched
     # once from the server's GET /v1/head); either is checked against the server's digest.
     head_path: StorageLocation = ""
+    # A teacher of another tokenizer: how its scores reach the student's tokens. "spans":
+    # compared on the text spans both tokenizations share (asyncopd_jax.teacher.cross_tokenizer);
+    # "byte_prefix": the student's own top-K ids at each position, each given the teacher's
+    # probability that the continuation starts with its bytes (asyncopd_jax.teacher.byte_prefix_teacher).
+    mapping: Literal["spans", "byte_prefix"] = "spans"
 
     def __post_init__(self) -> None:
         if not TEACHER_NAME.fullmatch(self.name):

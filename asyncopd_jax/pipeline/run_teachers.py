@@ -77,6 +77,24 @@ class TeacherFiles:
     widths: dict[str, int] = dataclasses.field(default_factory=dict)  # in-process teacher → its hidden size
 
 
+#: The estimators a ``mapping: byte_prefix`` teacher serves: its cache's top-K holds the
+#: student's top-K ids (and their teacher log-masses), its token log-probs the sampled ones'.
+BYTE_PREFIX_ESTIMATORS = ("forward_kl_topk", "forward_kl_topk_renormalized", "reverse_kl_pg")
+
+
+def _check_byte_prefix(cfg: RunConfig, source: TeacherSource) -> None:
+    where = f"teacher {source.name!r}: mapping = byte_prefix"
+    if source.served:
+        raise ValueError(f"{where} scores in-process only (a served teacher cannot yet); allowed: mapping = spans")
+    if cfg.estimator.name not in BYTE_PREFIX_ESTIMATORS:
+        raise ValueError(
+            f"{where} fills the top-K with the student's own ids: estimator.name = {cfg.estimator.name!r} is invalid; "
+            f"allowed: {', '.join(BYTE_PREFIX_ESTIMATORS)}"
+        )
+    if cfg.sampling.student_topk < 1:
+        raise ValueError(f"{where} scores the student's top-K ids: set sampling.student_topk (>= 1; e.g. 8)")
+
+
 def read_teachers(cfg: RunConfig, tokenizer: Any, student: DecoderConfig) -> TeacherFiles:
     """Each teacher's tokenizer and ``config.json``, against the student's ``tokenizer`` and
     config."""
@@ -175,9 +193,13 @@ def teacher_tokenizer_path(source: TeacherSource) -> str:
 def check_cross_tokenizer_teacher(cfg: RunConfig, source: TeacherSource) -> None:
     """A ValueError unless ``cfg`` can distil from ``source``, whose tokenizer differs from
     the student's: an estimator that compares by spans, no teacher samples, no probe that
-    compares the two vocabularies id by id."""
-    check_cross_tokenizer(cfg.estimator.name, source.name)
+    compares the two vocabularies id by id; with ``mapping: byte_prefix``, an in-process
+    teacher, an estimator of the top-K it fills with the student's ids, and those ids."""
     why = f"teacher {source.name!r} has another tokenizer than the student's"
+    if source.mapping == "byte_prefix":
+        _check_byte_prefix(cfg, source)
+    else:
+        check_cross_tokenizer(cfg.estimator.name, source.name)
     if source.scoring(cfg.scoring).payload == "hidden":
         raise ValueError(
             f"teacher {source.name!r}: payload = hidden is invalid: its head's vocabulary is not the student's "

@@ -27,6 +27,7 @@ from asyncopd_jax.pipeline.run_models import RunModels
 from asyncopd_jax.pipeline.staleness import RolloutGroup
 from asyncopd_jax.pipeline.trace import Tracer
 from asyncopd_jax.teacher import ReferenceScorer, Scorers, TeacherScorer
+from asyncopd_jax.teacher.byte_prefix_teacher import BytePrefixTeacher
 from asyncopd_jax.teacher.client import ServedTeacher
 from asyncopd_jax.teacher.cross_tokenizer import CrossTokenizerTeacher
 from asyncopd_jax.teacher.scorer import Teacher
@@ -78,7 +79,9 @@ def build_scoring_stage(cfg: RunConfig, layout: Layout, plan: StagePlan, models:
         else:
             loaded[source.name] = load_model(source, None if pair else models.vocab_limit, mesh)
             teacher = TeacherScorer(loaded[source.name], params, pad_rows=len(run_teachers) > 1 or pair is not None)
-        if pair is not None:
+        if pair is not None and source.mapping == "byte_prefix":  # in-process (checked with the teachers)
+            teacher = BytePrefixTeacher(loaded[source.name], pair, params, source.name)
+        elif pair is not None:
             teacher = CrossTokenizerTeacher(teacher, pair, run_teacher.context, source.name)
         teachers[source.name] = teacher
     reference = None

@@ -1,0 +1,197 @@
+"""A teacher of another tokenizer scored on the student's own tokens (``teacher.mapping:
+byte_prefix``), in-process.
+
+Where :class:`~asyncopd_jax.teacher.cross_tokenizer.CrossTokenizerTeacher` compares the two
+models on text spans, this teacher gives each student position a per-token cache, as a
+teacher of the student's tokenizer would:
+
+* ``topk_ids`` ``[B, T, K]``: the **student's** top-K ids at the position (the rollout's
+  ``student_topk_ids``: the support is the student's own), and ``topk_logp`` the teacher's
+  log-mass on each, from :func:`~asyncopd_jax.teacher.byte_prefix.longest_match` of the
+  byte-prefix probabilities (each candidate keeps the continuations whose longest matching
+  candidate it is; the rest is the tail that ``forward_kl_topk`` buckets);
+* ``token_logp`` ``[B, T]``: ``log P(the continuation starts with the sampled token's
+  bytes)`` (for the metrics' KL and the estimators that read it), at least
+  :data:`FLOOR` (a token no teacher path writes would otherwise be −inf, and a row with a
+  non-finite score is dropped).
+
+The teacher's context at student position t is its prompt (already in its tokens) and its
+own tokens of the answer's text before t up to the last complete UTF-8 character; bytes
+after that (a student token ending inside a character) are scored as a prefix of each
+candidate and divided out: ``log P(tail + c) − log P(tail)``. The student's EOS is scored
+as the teacher's EOS (an ``int`` candidate); other special student ids are not scored
+(−inf mass, as an id outside a top-K is).
+
+Cost: each position is a small tree of teacher rows (:func:`~asyncopd_jax.teacher.byte_prefix.tree_rows`),
+every level one batched forward; here each row re-reads its whole context (no KV cache:
+prefill-only scoring), so a level costs its rows × context tokens. :attr:`last_rows` gives
+the rows of the last batch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
+from asyncopd_jax.models.decoder import Decoder
+from asyncopd_jax.teacher.byte_prefix import Candidate, VocabIndex, longest_match, score_prefixes_batch
+from asyncopd_jax.teacher.cross_tokenizer import Retokenizer
+from asyncopd_jax.teacher.scorer import ScoringParams, power_of_two
+
+Array = jax.Array
+
+#: The least ``token_logp`` a position gets (a token the teacher cannot write).
+FLOOR = -30.0
+
+#: Teacher rows one forward takes at most (a level's rows go in chunks of this many).
+CHUNK_ROWS = 512
+
+
+class BytePrefixTeacher:
+    """A :class:`~asyncopd_jax.teacher.scorer.Teacher` of another tokenizer, scored on the
+    student's tokens by byte prefixes (module docstring).
+
+    Args:
+      model: the teacher.
+      tokens: the tokenizer pair.
+      params: what to score: ``temperature`` (the teacher's), ``store_dtype``.
+      name: the teacher's name (errors).
+    """
+
+    def __init__(self, model: Decoder, tokens: Retokenizer, params: ScoringParams, name: str = "teacher"):
+        self.tokens, self.params, self.name = tokens, params, name
+        self.index = VocabIndex.of(tokens.teacher_bytes)
+        self.graphdef, self.state = nnx.split(model)
+        self.last_rows = 0  # teacher rows (contexts) the last score() ran
+
+    last_wait_s = None  # in-process: no server to wait for
+
+    @property
+    def last_requests(self) -> int:
+        return 1
+
+    @functools.cached_property
+    def _logp_at(self):
+        """``(state, ids [n, L], row [m], last [m]) → [m, V]``: log-softmax of the next token
+        after ``ids[row, :last + 1]`` (right-padded rows: causal attention never reads the pad)."""
+        temperature = self.params.temperature
+
+        def logp_at(state, ids, row, last):
+            model = nnx.merge(self.graphdef, state)
+            hidden = model.hidden_states(ids)[row, last]  # [m, H]
+            return jax.nn.log_softmax(model.logits(hidden) / temperature, axis=-1)
+
+        return jax.jit(logp_at)
+
+    def next_logprobs(self, contexts: list[list[int]]) -> np.ndarray:
+        """``[n, V]`` log q of the next teacher token after each context. A context that is a
+        prefix of another is read off that one's forward (the positions of one answer are
+        prefixes of its longest: one row each, not one per position); the rows run sorted by
+        length, a power of two of rows and columns per call (few compiled shapes)."""
+        order = sorted(range(len(contexts)), key=lambda i: contexts[i])
+        cover = list(order)  # cover[j]: the sorted context the j-th sorted one is read from
+        for j in range(len(order) - 2, -1, -1):  # a prefix sorts just before an extension of it
+            here, after = contexts[order[j]], contexts[cover[j + 1]]
+            if len(here) <= len(after) and after[: len(here)] == here:
+                cover[j] = cover[j + 1]
+        rows = sorted(set(cover), key=lambda i: len(contexts[i]))
+        at = {row: k for k, row in enumerate(rows)}
+        reads = np.zeros((len(contexts), 2), np.int64)  # each context: (its row, its last position)
+        for j, i in enumerate(order):
+            reads[i] = at[cover[j]], len(contexts[i]) - 1
+        out = np.zeros((len(contexts), 0))
+        for start in range(0, len(rows), CHUNK_ROWS):
+            part = [contexts[i] for i in rows[start : start + CHUNK_ROWS]]
+            height, width = power_of_two(len(part)), power_of_two(max(map(len, part)))
+            ids = np.zeros((height, width), np.int32)
+            for k, context in enumerate(part):
+                ids[k, : len(context)] = context
+            mine = np.flatnonzero((reads[:, 0] >= start) & (reads[:, 0] < start + len(part)))
+            row, last = np.zeros((2, power_of_two(max(mine.size, 1))), np.int32)
+            row[: mine.size], last[: mine.size] = reads[mine, 0] - start, reads[mine, 1]
+            logp = np.asarray(self._logp_at(self.state, jnp.asarray(ids), jnp.asarray(row), jnp.asarray(last)))
+            if not out.size:
+                out = np.zeros((len(contexts), logp.shape[1]))
+            out[mine] = logp[: mine.size]
+        return out
+
+    def _candidate(self, student_id: int) -> Candidate:
+        """A student id as a candidate: its bytes, the teacher's EOS for the student's, b''
+        (not scored) for another special id."""
+        if student_id in self.tokens.student_eos:
+            return self.tokens.teacher_eos
+        if student_id in self.tokens.student_bytes.special:
+            return b""
+        return self.tokens.student_bytes.pieces[student_id]
+
+    def _context(self, prompt: list[int], prefix: bytes) -> tuple[list[int], bytes]:
+        """The teacher's ids for ``prompt`` + the answer's text ``prefix`` up to its last
+        complete UTF-8 character, and the bytes after it."""
+        cut = len(prefix)
+        while cut and not _complete(prefix[:cut]):
+            cut -= 1
+        text = prefix[:cut].decode("utf-8")
+        ids = self.tokens.teacher.encode(text, add_special_tokens=False) if text else []
+        return prompt + list(ids), prefix[cut:]
+
+    def score(self, batch: RolloutBatch, key: Array | None = None) -> TeacherScoreCache:
+        """The per-token cache of ``batch`` (its prompts: the teacher's, in teacher tokens;
+        its ``student_topk_ids``: the support scored)."""
+        del key  # nothing is sampled
+        if batch.student_topk_ids is None:
+            raise ValueError(
+                f"teacher {self.name!r} (mapping = byte_prefix) scores the student's top-K ids: the rollout has none "
+                "(set sampling.student_topk)"
+            )
+        tokens, mask = np.asarray(batch.response_tokens), np.asarray(batch.response_mask, bool)
+        prompts, prompt_mask = np.asarray(batch.prompt_tokens), np.asarray(batch.prompt_mask, bool)
+        support = np.asarray(batch.student_topk_ids)
+        b, t, k = support.shape
+        queries: list[tuple[list[int], list[Candidate]]] = []
+        places: list[tuple[int, int, list[Candidate], bool]] = []
+        for row in range(b):
+            prompt, prefix = prompts[row][prompt_mask[row]].tolist(), b""
+            for position in np.flatnonzero(mask[row]).tolist():
+                context, tail = self._context(prompt, prefix)
+                sampled = int(tokens[row, position])
+                candidates = [self._candidate(sampled)] + [self._candidate(int(i)) for i in support[row, position]]
+                asked: list[Candidate] = [_after(tail, c) for c in candidates] + ([tail] if tail else [])
+                queries.append((context, asked))
+                places.append((row, position, candidates, bool(tail)))
+                prefix += self.tokens.student_bytes.pieces[sampled]
+        logp, rows = score_prefixes_batch(self.next_logprobs, self.index, queries)
+        self.last_rows = sum(rows)
+        token_logp = np.zeros((b, t), np.float32)
+        topk_logp = np.full((b, t, k), -np.inf, np.float32)
+        for q, (row, position, candidates, healed) in enumerate(places):
+            scores = logp[q, : len(candidates)] - (logp[q, len(candidates)] if healed else 0.0)
+            token_logp[row, position] = max(scores[0], FLOOR)
+            topk_logp[row, position] = longest_match(scores[1:], candidates[1:])[0]
+        store = jnp.dtype(self.params.store_dtype)
+        return TeacherScoreCache(
+            token_logp=jnp.asarray(token_logp, store),
+            topk_ids=jnp.asarray(support, jnp.int32),
+            topk_logp=jnp.asarray(topk_logp, store),
+        )
+
+
+def _complete(data: bytes) -> bool:
+    """Whether ``data`` ends on a whole UTF-8 character."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _after(tail: bytes, candidate: Candidate) -> Candidate:
+    """``candidate`` scored after ``tail``: their bytes joined; a teacher id cannot follow a
+    partial character (b'': not scored)."""
+    if isinstance(candidate, bytes):
+        return tail + candidate if candidate else b""
+    return candidate if not tail else b""
