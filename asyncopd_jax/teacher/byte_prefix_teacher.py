@@ -23,13 +23,18 @@ as the teacher's EOS (an ``int`` candidate); other special student ids are not s
 (−inf mass, as an id outside a top-K is).
 
 Cost: each position is a small tree of teacher rows (:func:`~asyncopd_jax.teacher.byte_prefix.tree_rows`),
-every level one batched forward; here each row re-reads its whole context (no KV cache:
-prefill-only scoring), so a level costs its rows × context tokens. :attr:`last_rows` gives
-the rows of the last batch.
+every level one batched call. Each answer's whole sequence (the teacher's prompt and its
+tokens of the answer) is run once, its keys and values kept; a tree's root (the context at
+a position: a prefix of that sequence) is read off that forward, and a node's path (the ≤ a
+few teacher tokens after the root) runs over the kept keys and values of the root's
+prefix, so a node costs its path's tokens, not its context's. A context that is no prefix
+of its answer's sequence (a tokenizer that encodes a text's prefix otherwise than the text)
+is run whole. :attr:`last_rows` gives the tree rows of the last batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -38,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
-from asyncopd_jax.models.decoder import Decoder
+from asyncopd_jax.models.decoder import Decoder, KVCache
 from asyncopd_jax.teacher.byte_prefix import Candidate, VocabIndex, longest_match, score_prefixes_batch
 from asyncopd_jax.teacher.cross_tokenizer import Retokenizer
 from asyncopd_jax.teacher.scorer import ScoringParams, power_of_two
@@ -68,6 +73,7 @@ class BytePrefixTeacher:
         self.index = VocabIndex.of(tokens.teacher_bytes)
         self.graphdef, self.state = nnx.split(model)
         self.last_rows = 0  # teacher rows (contexts) the last score() ran
+        self._answers: _Answers | None = None  # the batch's answer sequences, run once (score())
 
     last_wait_s = None  # in-process: no server to wait for
 
@@ -88,11 +94,104 @@ class BytePrefixTeacher:
 
         return jax.jit(logp_at)
 
+    @functools.cached_property
+    def _run_answers(self):
+        """``(state, ids [B, W], valid [B, W], slots) → (hidden [B, W, H], cache of slots)``."""
+
+        def run(state, ids, valid, slots):
+            model = nnx.merge(self.graphdef, state)
+            positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+            cache = KVCache.empty(model.config, ids.shape[0], slots, model.compute_dtype)
+            return model.forward(ids, positions, valid, cache, 0)
+
+        return jax.jit(run, static_argnums=3)
+
+    @functools.cached_property
+    def _read(self):
+        """``(state, hidden [B, W, H], row [m], last [m]) → [m, V]``: log q after each answer
+        sequence's token ``last``."""
+        temperature = self.params.temperature
+
+        def read(state, hidden, row, last):
+            model = nnx.merge(self.graphdef, state)
+            return jax.nn.log_softmax(model.logits(hidden[row, last]) / temperature, axis=-1)
+
+        return jax.jit(read)
+
+    @functools.cached_property
+    def _extend(self):
+        """``(state, cache, row [n], start [n], path [n, d], width) → [n, V]``: log q after
+        answer sequence ``row``'s first ``start`` tokens and then ``path``: the path runs over
+        the kept keys and values of that prefix (written after the sequence's ``width`` slots,
+        at RoPE positions ``start …``)."""
+        temperature = self.params.temperature
+
+        def extend(state, cache, row, start, path, width):
+            model = nnx.merge(self.graphdef, state)
+            mine = KVCache(
+                tuple(k[row] for k in cache.keys),
+                tuple(v[row] for v in cache.values),
+                jnp.arange(cache.slots)[None, :] < start[:, None],  # the prefix; the path's slots are written
+            )
+            positions = start[:, None] + jnp.arange(path.shape[1])
+            hidden, _ = model.forward(path, positions, jnp.ones(path.shape, bool), mine, width)
+            return jax.nn.log_softmax(model.logits(hidden[:, -1]) / temperature, axis=-1)
+
+        return jax.jit(extend, static_argnums=5)
+
     def next_logprobs(self, contexts: list[list[int]]) -> np.ndarray:
-        """``[n, V]`` log q of the next teacher token after each context. A context that is a
-        prefix of another is read off that one's forward (the positions of one answer are
-        prefixes of its longest: one row each, not one per position); the rows run sorted by
-        length, a power of two of rows and columns per call (few compiled shapes)."""
+        """``[n, V]`` log q of the next teacher token after each context: off the answers'
+        own forward where it is a prefix of one, over their kept keys and values where it is
+        such a prefix and a short path, else run whole (:meth:`_whole`)."""
+        answers, found = self._answers, []
+        out: np.ndarray | None = None
+        rest = list(range(len(contexts)))
+        if answers is not None:
+            rest = []
+            by_depth: dict[int, list[tuple[int, int, int, list[int]]]] = {}
+            for i, context in enumerate(contexts):
+                for depth in range(min(answers.depth, len(context)) + 1):
+                    base = answers.roots.get(tuple(context[: len(context) - depth]))
+                    if base is not None:
+                        by_depth.setdefault(depth, []).append((i, *base, context[len(context) - depth :]))
+                        break
+                else:
+                    rest.append(i)
+            for depth, items in by_depth.items():
+                found.append(([i for i, *_ in items], self._at_depth(answers, depth, items)))
+        if rest:
+            found.append((rest, self._whole([contexts[i] for i in rest])))
+        for where, logp in found:
+            out = np.zeros((len(contexts), logp.shape[1])) if out is None else out
+            out[where] = logp
+        assert out is not None
+        return out
+
+    def _at_depth(self, answers: _Answers, depth: int, items: list) -> np.ndarray:
+        """log q after ``(index, row, start, path)`` items whose paths have ``depth`` tokens."""
+        out = []
+        for at in range(0, len(items), CHUNK_ROWS):
+            part = items[at : at + CHUNK_ROWS]
+            n = power_of_two(len(part))
+            row, start = np.zeros((2, n), np.int32)
+            row[: len(part)] = [r for _, r, _, _ in part]
+            start[: len(part)] = [s for _, _, s, _ in part]
+            if depth == 0:  # the answer's own forward, at the root's last token
+                logp = self._read(self.state, answers.hidden, jnp.asarray(row), jnp.asarray(np.maximum(start - 1, 0)))
+            else:
+                path = np.zeros((n, depth), np.int32)
+                path[: len(part)] = [p for *_, p in part]
+                start[len(part) :] = 1
+                logp = self._extend(
+                    self.state, answers.cache, jnp.asarray(row), jnp.asarray(start), jnp.asarray(path), answers.width
+                )
+            out.append(np.asarray(logp)[: len(part)])
+        return np.concatenate(out)
+
+    def _whole(self, contexts: list[list[int]]) -> np.ndarray:
+        """``[n, V]`` log q of the next teacher token after each context, run whole; a
+        context that is a prefix of another is read off that one's forward. The rows run
+        sorted by length, a power of two of rows and columns per call (few compiled shapes)."""
         order = sorted(range(len(contexts)), key=lambda i: contexts[i])
         cover = list(order)  # cover[j]: the sorted context the j-th sorted one is read from
         for j in range(len(order) - 2, -1, -1):  # a prefix sorts just before an extension of it
@@ -154,6 +253,7 @@ class BytePrefixTeacher:
         b, t, k = support.shape
         queries: list[tuple[list[int], list[Candidate]]] = []
         places: list[tuple[int, int, list[Candidate], bool]] = []
+        sequences: list[list[int]] = []  # each answer's teacher sequence: its prompt and its answer's text
         for row in range(b):
             prompt, prefix = prompts[row][prompt_mask[row]].tolist(), b""
             for position in np.flatnonzero(mask[row]).tolist():
@@ -164,7 +264,12 @@ class BytePrefixTeacher:
                 queries.append((context, asked))
                 places.append((row, position, candidates, bool(tail)))
                 prefix += self.tokens.student_bytes.pieces[sampled]
-        logp, rows = score_prefixes_batch(self.next_logprobs, self.index, queries)
+            sequences.append(self._context(prompt, prefix)[0])
+        self._answers = self._run(sequences, queries, [row for row, *_ in places])
+        try:
+            logp, rows = score_prefixes_batch(self.next_logprobs, self.index, queries)
+        finally:
+            self._answers = None
         self.last_rows = sum(rows)
         token_logp = np.zeros((b, t), np.float32)
         topk_logp = np.full((b, t, k), -np.inf, np.float32)
@@ -178,6 +283,40 @@ class BytePrefixTeacher:
             topk_ids=jnp.asarray(support, jnp.int32),
             topk_logp=jnp.asarray(topk_logp, store),
         )
+
+    def _run(
+        self, sequences: list[list[int]], queries: list[tuple[list[int], list[Candidate]]], rows: list[int]
+    ) -> _Answers:
+        """The answers' sequences run once (:class:`_Answers`), each query's context that is a
+        prefix of its answer's sequence a root read off it."""
+        width = power_of_two(max(map(len, sequences)))
+        longest = max((len(c) for _, asked in queries for c in asked if isinstance(c, bytes)), default=1)
+        ids, valid = np.zeros((2, len(sequences), width), np.int32)
+        for row, sequence in enumerate(sequences):
+            ids[row, : len(sequence)], valid[row, : len(sequence)] = sequence, 1
+        hidden, cache = self._run_answers(
+            self.state, jnp.asarray(ids), jnp.asarray(valid, bool), width + power_of_two(longest)
+        )
+        roots = {
+            tuple(context): (row, len(context))
+            for (context, _), row in zip(queries, rows, strict=True)
+            if context and sequences[row][: len(context)] == context
+        }
+        return _Answers(hidden, cache, width, longest, roots)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Answers:
+    """A batch's answer sequences run once: ``hidden`` ``[B, W, H]`` and their keys and values
+    (``cache``, ``width`` W slots and room for paths of up to ``depth`` tokens after them);
+    ``roots`` maps a context that is a prefix of answer ``row``'s sequence to ``(row, its
+    length)``."""
+
+    hidden: Array
+    cache: KVCache
+    width: int
+    depth: int
+    roots: dict[tuple[int, ...], tuple[int, int]]
 
 
 def _complete(data: bytes) -> bool:

@@ -127,3 +127,14 @@ def test_the_top_k_masses_are_disjoint_probabilities(scored):
 def test_what_byte_prefix_cannot_do_is_refused_at_start_up(sets, says):
     with pytest.raises(ValueError, match=says):
         run_models(load_config("demo", [*BYTE_PREFIX, *sets]))
+
+
+def test_contexts_run_whole_equal_the_teachers_forward(scored):
+    """Contexts that are no prefix of a kept answer run whole (one a prefix of another read
+    off its forward): the teacher's log-softmax after each."""
+    _, teacher, _, _, _, scorer = scored
+    contexts = [[5, 6, 7], [5, 6], [9, 10, 11, 12, 13], [5, 6, 7, 8], [3]]
+    got = scorer.next_logprobs(contexts)
+    for context, row in zip(contexts, got):
+        want = jax.nn.log_softmax(teacher(jnp.asarray([context]))[0, -1] / TEMPERATURE)
+        np.testing.assert_allclose(row[: want.shape[0]], want, atol=2e-5)
