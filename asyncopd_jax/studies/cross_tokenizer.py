@@ -8,6 +8,9 @@ with the demo's settings (``forward_kl_topk``, fully asynchronous, η = 2):
 * ``same_tokenizer``: the built-in student (the teacher's characters): plain OPD;
 * ``cross_tokenizer``: ``builtin:student_bpe`` (64 byte-pair merges over the same
   characters): OPD through span alignment (:mod:`asyncopd_jax.teacher.cross_tokenizer`);
+* ``byte_prefix``: the same byte-pair student, OPD on its own top-8 ids at each position,
+  each scored by the teacher's probability that the continuation starts with its text
+  (``teacher.mapping: byte_prefix``, :mod:`asyncopd_jax.teacher.byte_prefix_teacher`);
 * ``sft_teacher_samples``: the same byte-pair student, supervised on the teacher's own
   answers (sampled at temperature 1 to fresh training prompts each step, re-encoded in the
   student's tokens: sequence-level knowledge distillation), as many steps of as many
@@ -34,9 +37,15 @@ from asyncopd_jax.studies.training_runs import DEMO, LEDGER_KEYS, compact, run_t
 from asyncopd_jax.studies.verdicts import beats
 
 KEYS = (*LEDGER_KEYS, "eval_accuracy", "tokens", "reverse_kl_signal", "entropy")
-STUDENTS = {"same_tokenizer": "builtin:student", "cross_tokenizer": "builtin:student_bpe"}
+STUDENTS = {
+    "same_tokenizer": "builtin:student",
+    "cross_tokenizer": "builtin:student_bpe",
+    "byte_prefix": "builtin:student_bpe",
+}
+#: An OPD arm's settings beyond the demo's and its student.
+MAPPINGS = {"byte_prefix": ["teacher.mapping=byte_prefix", "sampling.student_topk=8"]}
 SFT_STUDENT = "builtin:student_bpe"
-ARMS = ("same_tokenizer", "cross_tokenizer", "sft_teacher_samples")
+ARMS = ("same_tokenizer", "cross_tokenizer", "byte_prefix", "sft_teacher_samples")
 WITHIN = 0.03  # the bar: cross-tokenizer OPD within 3 points of same-tokenizer OPD
 
 
@@ -61,6 +70,7 @@ def _opd_sets(arm: str, seed: int, s: Settings) -> list[str]:
         f"train.eval_every={s.eval_every}",
         f"train.checkpoint_every={10**6}",
         f"task.eval_prompts={s.eval_prompts}",
+        *MAPPINGS.get(arm, []),
     ]
 
 
@@ -249,7 +259,9 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         "characters; `cross_tokenizer` distils `builtin:student_bpe`, the same architecture over 64 byte-pair "
         "merges of the same characters, through span alignment (each student token is a span here: every "
         "byte-pair boundary is a character boundary; the teacher's top-8 characters map to the student's "
-        "one-character tokens, the rest of the student's mass is the tail); `sft_teacher_samples` trains the "
+        "one-character tokens, the rest of the student's mass is the tail); `byte_prefix` distils the same "
+        "byte-pair student on its own top-8 ids at each position, each given the teacher's probability that the "
+        "continuation starts with its text (`teacher.mapping: byte_prefix`); `sft_teacher_samples` trains the "
         "same byte-pair student on the teacher's own answers (temperature 1, fresh prompts each step) in its own "
         "tokens. Held-out accuracy: greedy, "
         f"{s.eval_prompts} problems, every {s.eval_every} steps."
@@ -258,6 +270,12 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         report.text("Runs that failed: " + "; ".join(errors))
     report.heading("Verdict")
     report.text(f"**{verdict(finals['cross_tokenizer'], finals['same_tokenizer'])}** (mean ± half-range over seeds).")
+    spread = {arm: float(np.ptp(finals[arm]) / 2) for arm in ("byte_prefix", "same_tokenizer")}
+    report.text(
+        f"With `byte_prefix`: **{verdict(finals['byte_prefix'], finals['same_tokenizer'])}**; its half-range "
+        f"{spread['byte_prefix'] * 100:.1f} points against same-tokenizer's {spread['same_tokenizer'] * 100:.1f} "
+        f"({'no wider than' if spread['byte_prefix'] <= 2 * spread['same_tokenizer'] else 'wider than'} twice it)."
+    )
     against_sft = (
         "beats"
         if beats(finals["cross_tokenizer"], finals["sft_teacher_samples"])

@@ -54,4 +54,15 @@ def test_the_quick_study_writes_its_report(tmp_path):
     text = path.read_text()
     assert "## Verdict" in text and all(arm in text for arm in cross_tokenizer.ARMS)
     assert (tmp_path / "docs" / "cross_tokenizer" / "accuracy.png").is_file()
-    assert len((tmp_path / "docs" / "cross_tokenizer" / "runs.jsonl").read_text().splitlines()) == 3
+    assert len((tmp_path / "docs" / "cross_tokenizer" / "runs.jsonl").read_text().splitlines()) == 4
+
+
+def test_the_byte_prefix_arm_is_the_cross_tokenizer_arm_with_the_mapping():
+    from asyncopd_jax.config import load_config
+    from asyncopd_jax.pipeline.run_models import run_models
+
+    spans = cross_tokenizer._opd_sets("cross_tokenizer", 1, cross_tokenizer.QUICK)
+    byte_prefix = cross_tokenizer._opd_sets("byte_prefix", 1, cross_tokenizer.QUICK)
+    assert byte_prefix == [*spans, "teacher.mapping=byte_prefix", "sampling.student_topk=8"]
+    cfg = load_config(cross_tokenizer.DEMO, byte_prefix)
+    assert cfg.teacher.mapping == "byte_prefix" and list(run_models(cfg).retokenizers) == ["teacher"]
