@@ -240,6 +240,24 @@ def _why(results: dict, s: Settings, seeds: int) -> str:
     )
 
 
+def _byte_prefix_note(results: dict, finals: dict, s: Settings) -> str:
+    """What the ``byte_prefix`` arm's runs show, from its numbers, and what it cannot do."""
+    arms = ("cross_tokenizer", "byte_prefix")
+    tokens = {arm: tokens_per_answer(results[arm, 0], s.batch_size, False) for arm in arms}
+    gap = (np.mean(finals["cross_tokenizer"]) - np.mean(finals["byte_prefix"])) * 100
+    side = "below" if gap > 0 else "above"
+    return (
+        f"What the `byte_prefix` runs show. It ends {abs(gap):.1f} points {side} span alignment; its answers take "
+        f"{tokens['byte_prefix']:.1f} tokens in its last 5 steps (seed 0) against span alignment's "
+        f"{tokens['cross_tokenizer']:.1f}. Its support is the student's own top-8 ids at each position: the "
+        "teacher's mass on every continuation none of them starts is one tail bucket, so the loss reweights the "
+        "tokens the student already ranks highest and has no term pulling it toward a token outside them (span "
+        "alignment's support is the teacher's top-8). That is a likely cause, not tested here; a support that "
+        "also holds, for each of the teacher's top next characters, the student tokens that begin with it would "
+        "test it."
+    )
+
+
 def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command: str) -> Path:
     plt = pyplot()
     report = Report(out_dir, "cross_tokenizer", "Cross-tokenizer on-policy distillation", command)
@@ -276,6 +294,7 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         f"{spread['byte_prefix'] * 100:.1f} points against same-tokenizer's {spread['same_tokenizer'] * 100:.1f} "
         f"({'no wider than' if spread['byte_prefix'] <= 2 * spread['same_tokenizer'] else 'wider than'} twice it)."
     )
+    report.text(_byte_prefix_note(results, finals, s))
     against_sft = (
         "beats"
         if beats(finals["cross_tokenizer"], finals["sft_teacher_samples"])
