@@ -249,12 +249,12 @@ def _byte_prefix_note(results: dict, finals: dict, s: Settings) -> str:
     return (
         f"What the `byte_prefix` runs show. It ends {abs(gap):.1f} points {side} span alignment; its answers take "
         f"{tokens['byte_prefix']:.1f} tokens in its last 5 steps (seed 0) against span alignment's "
-        f"{tokens['cross_tokenizer']:.1f}. Its support is the student's own top-8 ids at each position: the "
-        "teacher's mass on every continuation none of them starts is one tail bucket, so the loss reweights the "
-        "tokens the student already ranks highest and has no term pulling it toward a token outside them (span "
-        "alignment's support is the teacher's top-8). That is a likely cause, not tested here; a support that "
-        "also holds, for each of the teacher's top next characters, the student tokens that begin with it would "
-        "test it."
+        f"{tokens['cross_tokenizer']:.1f}. Why is not known; what these runs do not rule out: its support is the "
+        "student's own top-8 ids at each position, so the teacher's mass on every continuation none of them starts "
+        "is one tail bucket and no term pulls the student toward a token outside them (span alignment's support is "
+        "the teacher's top-8); and the student's EOS is scored as the teacher's EOS at every position, the one "
+        "candidate that is not a text. A support that also holds the student tokens beginning with each of the "
+        "teacher's top next characters, and the answers' lengths over training, would tell them apart."
     )
 
 
