@@ -11,9 +11,12 @@ teacher of the student's tokenizer would:
   byte-prefix probabilities (each candidate keeps the continuations whose longest matching
   candidate it is; the rest is the tail that ``forward_kl_topk`` buckets);
 * ``token_logp`` ``[B, T]``: ``log P(the continuation starts with the sampled token's
-  bytes)`` (for the metrics' KL and the estimators that read it), at least
-  :data:`FLOOR` (a token no teacher path writes would otherwise be −inf, and a row with a
-  non-finite score is dropped).
+  bytes)`` (for the metrics' KL and the estimators that read it).
+
+Both are at least :data:`FLOOR`: a token no teacher path writes, a special id, a repeated
+candidate would otherwise be −inf, and outside a span cache the learner takes −inf for a
+fault and drops the row (:mod:`asyncopd_jax.learner.faults`); ``exp(FLOOR)`` is a mass no
+estimator can tell from 0.
 
 The teacher's context at student position t is its prompt (already in its tokens) and its
 own tokens of the answer's text before t up to the last complete UTF-8 character; bytes
@@ -272,11 +275,11 @@ class BytePrefixTeacher:
             self._answers = None
         self.last_rows = sum(rows)
         token_logp = np.zeros((b, t), np.float32)
-        topk_logp = np.full((b, t, k), -np.inf, np.float32)
+        topk_logp = np.full((b, t, k), FLOOR, np.float32)
         for q, (row, position, candidates, healed) in enumerate(places):
             scores = logp[q, : len(candidates)] - (logp[q, len(candidates)] if healed else 0.0)
             token_logp[row, position] = max(scores[0], FLOOR)
-            topk_logp[row, position] = longest_match(scores[1:], candidates[1:])[0]
+            topk_logp[row, position] = np.maximum(longest_match(scores[1:], candidates[1:])[0], FLOOR)
         store = jnp.dtype(self.params.store_dtype)
         return TeacherScoreCache(
             token_logp=jnp.asarray(token_logp, store),

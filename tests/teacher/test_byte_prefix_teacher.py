@@ -6,6 +6,8 @@ the ones before (one whole forward of the teacher a character)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,3 +140,20 @@ def test_contexts_run_whole_equal_the_teachers_forward(scored):
     for context, row in zip(contexts, got):
         want = jax.nn.log_softmax(teacher(jnp.asarray([context]))[0, -1] / TEMPERATURE)
         np.testing.assert_allclose(row[: want.shape[0]], want, atol=2e-5)
+
+
+def test_no_row_is_dropped_by_the_learners_fault_check(scored):
+    """Every log-mass is finite (a candidate no teacher path writes, a special id: the floor),
+    so the learner keeps every row of a per-token cache, which takes −inf for a fault."""
+    from asyncopd_jax.learner import LearnerBatch
+    from asyncopd_jax.learner.faults import nonfinite_rows
+
+    pair, _, batch, _, _, scorer = scored
+    special = min(pair.student_bytes.special - set(pair.student_eos))  # a special id: not scored
+    support = np.asarray(batch.student_topk_ids).copy()
+    support[..., -1] = special
+    batch = dataclasses.replace(batch, student_topk_ids=jnp.asarray(support))
+    cache = scorer.score(batch)
+    assert np.isfinite(np.asarray(cache.topk_logp)).all() and np.isfinite(np.asarray(cache.token_logp)).all()
+    assert np.asarray(cache.topk_logp)[..., -1].max() <= -29  # no mass on it
+    assert not np.asarray(nonfinite_rows(LearnerBatch(batch, cache))).any()
