@@ -50,6 +50,7 @@ from asyncopd_jax.models.decoder import Decoder, KVCache
 from asyncopd_jax.teacher.byte_prefix import Candidate, VocabIndex, longest_match, score_prefixes_batch
 from asyncopd_jax.teacher.cross_tokenizer import Retokenizer
 from asyncopd_jax.teacher.scorer import ScoringParams, power_of_two
+from asyncopd_jax.teacher.span_alignment import valid_prefix
 
 Array = jax.Array
 
@@ -234,9 +235,7 @@ class BytePrefixTeacher:
     def _context(self, prompt: list[int], prefix: bytes) -> tuple[list[int], bytes]:
         """The teacher's ids for ``prompt`` + the answer's text ``prefix`` up to its last
         complete UTF-8 character, and the bytes after it."""
-        cut = len(prefix)
-        while cut and not _complete(prefix[:cut]):
-            cut -= 1
+        cut = valid_prefix(prefix)
         text = prefix[:cut].decode("utf-8")
         ids = self.tokens.teacher.encode(text, add_special_tokens=False) if text else []
         return prompt + list(ids), prefix[cut:]
@@ -320,15 +319,6 @@ class _Answers:
     width: int
     depth: int
     roots: dict[tuple[int, ...], tuple[int, int]]
-
-
-def _complete(data: bytes) -> bool:
-    """Whether ``data`` ends on a whole UTF-8 character."""
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def _after(tail: bytes, candidate: Candidate) -> Candidate:
