@@ -108,6 +108,11 @@ def read_teachers(cfg: RunConfig, tokenizer: Any, student: DecoderConfig) -> Tea
         if own is not None and vocabulary_differences(tokenizer, own):
             check_cross_tokenizer_teacher(cfg, source)
             others[source.name] = own
+        elif source.mapping != "spans":
+            raise ValueError(
+                f"teacher {source.name!r}: mapping = {source.mapping} is for a teacher of another tokenizer; this one "
+                "has the student's (its scores are the student's ids already); allowed: spans"
+            )
         if not source.path:
             if source.served and source.scoring(cfg.scoring).payload == "hidden":
                 widths[source.name] = _server(source).head_card().hidden_size

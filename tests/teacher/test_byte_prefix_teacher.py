@@ -107,6 +107,11 @@ def test_the_top_k_masses_are_disjoint_probabilities(scored):
     assert np.isfinite(np.asarray(cache.token_logp)[mask]).all()
 
 
+def test_a_teacher_of_the_students_tokenizer_refuses_the_mapping():
+    with pytest.raises(ValueError, match=r"mapping = byte_prefix is for a teacher of another tokenizer"):
+        run_models(load_config("demo", ["teacher.mapping=byte_prefix", "sampling.student_topk=4"]))
+
+
 @pytest.mark.parametrize(
     "sets, says",
     [
