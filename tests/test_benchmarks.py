@@ -158,3 +158,20 @@ def test_bench_eval_times_no_eval_inline_and_background_in_one_run():
     assert [rows[arm][2] for arm in ("no eval", "inline", "background")] == ["1", "3", "3"], done.stdout
     assert all(float(rows[arm][0]) > 0 for arm in rows), done.stdout
     assert "background / inline learning steps/s: " in done.stdout
+
+
+def test_bench_byte_prefix_runs_at_a_tiny_size():
+    """The byte-prefix teacher's cost against span alignment: its jitted calls are still the
+    ones the benchmark counts FLOPs through (a renamed one would count nothing)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_byte_prefix.py"), "--rows", "4", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = {line.split()[0]: line for line in done.stdout.splitlines()[1:]}
+    assert set(lines) == {"spans", "byte_prefix", "byte_prefix-from4"}
+    for name in ("byte_prefix", "byte_prefix-from4"):
+        trees = int(lines[name].split(" + ")[1].split()[0].replace(",", ""))
+        assert trees > 0, lines[name]

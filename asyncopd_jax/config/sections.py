@@ -105,6 +105,10 @@ class TeacherSource(ModelSource):
     # "byte_prefix": the student's own top-K ids at each position, each given the teacher's
     # probability that the continuation starts with its bytes (asyncopd_jax.teacher.byte_prefix_teacher).
     mapping: Literal["spans", "byte_prefix"] = "spans"
+    # With mapping byte_prefix: how many of the K ids scored at a position (sampling.student_topk)
+    # are the student tokens that start the teacher's most likely next tokens (each one's longest
+    # student prefix), ahead of the student's own top ids; 0: the student's top-K alone.
+    from_teacher: int = 0
 
     def __post_init__(self) -> None:
         if not TEACHER_NAME.fullmatch(self.name):
@@ -113,6 +117,11 @@ class TeacherSource(ModelSource):
             raise ValueError(f"teacher {self.name!r}: weight = {self.weight!r} is invalid; allowed: > 0")
         if self.temperature is not None and not self.temperature > 0:
             raise ValueError(f"teacher {self.name!r}: temperature = {self.temperature!r} is invalid; allowed: > 0")
+        if self.from_teacher < 0 or (self.from_teacher and self.mapping != "byte_prefix"):
+            raise ValueError(
+                f"teacher {self.name!r}: from_teacher = {self.from_teacher!r} is invalid with mapping = "
+                f"{self.mapping}; allowed: >= 0 with mapping = byte_prefix, else 0"
+            )
 
     def scoring(self, run: ScoringParams) -> ScoringParams:
         """The run's scoring settings with this teacher's own temperature and payload."""

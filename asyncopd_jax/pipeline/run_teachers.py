@@ -93,6 +93,11 @@ def _check_byte_prefix(cfg: RunConfig, source: TeacherSource) -> None:
         )
     if cfg.sampling.student_topk < 1:
         raise ValueError(f"{where} scores the student's top-K ids: set sampling.student_topk (>= 1; e.g. 8)")
+    if source.from_teacher > cfg.sampling.student_topk:
+        raise ValueError(
+            f"{where}: from_teacher = {source.from_teacher} is invalid; allowed: <= sampling.student_topk "
+            f"({cfg.sampling.student_topk}), the ids scored at a position"
+        )
 
 
 def read_teachers(cfg: RunConfig, tokenizer: Any, student: DecoderConfig) -> TeacherFiles:

@@ -80,7 +80,7 @@ def build_scoring_stage(cfg: RunConfig, layout: Layout, plan: StagePlan, models:
             loaded[source.name] = load_model(source, None if pair else models.vocab_limit, mesh)
             teacher = TeacherScorer(loaded[source.name], params, pad_rows=len(run_teachers) > 1 or pair is not None)
         if pair is not None and source.mapping == "byte_prefix":  # in-process (checked with the teachers)
-            teacher = BytePrefixTeacher(loaded[source.name], pair, params, source.name)
+            teacher = BytePrefixTeacher(loaded[source.name], pair, params, source.name, source.from_teacher)
         elif pair is not None:
             teacher = CrossTokenizerTeacher(teacher, pair, run_teacher.context, source.name)
         teachers[source.name] = teacher

@@ -8,9 +8,11 @@ with the demo's settings (``forward_kl_topk``, fully asynchronous, η = 2):
 * ``same_tokenizer``: the built-in student (the teacher's characters): plain OPD;
 * ``cross_tokenizer``: ``builtin:student_bpe`` (64 byte-pair merges over the same
   characters): OPD through span alignment (:mod:`asyncopd_jax.teacher.cross_tokenizer`);
-* ``byte_prefix``: the same byte-pair student, OPD on its own top-8 ids at each position,
-  each scored by the teacher's probability that the continuation starts with its text
-  (``teacher.mapping: byte_prefix``, :mod:`asyncopd_jax.teacher.byte_prefix_teacher`);
+* ``byte_prefix``: the same byte-pair student, OPD on 8 of its ids at each position (the
+  tokens that start the teacher's 4 likeliest next tokens, then its own top ids), each
+  scored by the teacher's probability that the continuation starts with its text
+  (``teacher.mapping: byte_prefix``, ``from_teacher: 4``,
+  :mod:`asyncopd_jax.teacher.byte_prefix_teacher`);
 * ``sft_teacher_samples``: the same byte-pair student, supervised on the teacher's own
   answers (sampled at temperature 1 to fresh training prompts each step, re-encoded in the
   student's tokens: sequence-level knowledge distillation), as many steps of as many
@@ -43,7 +45,7 @@ STUDENTS = {
     "byte_prefix": "builtin:student_bpe",
 }
 #: An OPD arm's settings beyond the demo's and its student.
-MAPPINGS = {"byte_prefix": ["teacher.mapping=byte_prefix", "sampling.student_topk=8"]}
+MAPPINGS = {"byte_prefix": ["teacher.mapping=byte_prefix", "sampling.student_topk=8", "teacher.from_teacher=4"]}
 SFT_STUDENT = "builtin:student_bpe"
 ARMS = ("same_tokenizer", "cross_tokenizer", "byte_prefix", "sft_teacher_samples")
 WITHIN = 0.03  # the bar: cross-tokenizer OPD within 3 points of same-tokenizer OPD
@@ -287,8 +289,9 @@ def _write_report(out_dir: Path, results: dict, s: Settings, seeds: int, command
         "merges of the same characters, through span alignment (each student token is a span here: every "
         "byte-pair boundary is a character boundary; the teacher's top-8 characters map to the student's "
         "one-character tokens, the rest of the student's mass is the tail); `byte_prefix` distils the same "
-        "byte-pair student on its own top-8 ids at each position, each given the teacher's probability that the "
-        "continuation starts with its text (`teacher.mapping: byte_prefix`); `sft_teacher_samples` trains the "
+        "byte-pair student on 8 of its ids at each position, the tokens that start the teacher's 4 likeliest next "
+        "tokens and then its own top ids, each given the teacher's probability that the continuation starts with "
+        "its text (`teacher.mapping: byte_prefix`, `from_teacher: 4`); `sft_teacher_samples` trains the "
         "same byte-pair student on the teacher's own answers (temperature 1, fresh prompts each step) in its own "
         "tokens. Held-out accuracy: greedy, "
         f"{s.eval_prompts} problems, every {s.eval_every} steps."

@@ -72,8 +72,10 @@ class BytePrefixTeacher:
       name: the teacher's name (errors).
     """
 
-    def __init__(self, model: Decoder, tokens: Retokenizer, params: ScoringParams, name: str = "teacher"):
-        self.tokens, self.params, self.name = tokens, params, name
+    def __init__(
+        self, model: Decoder, tokens: Retokenizer, params: ScoringParams, name: str = "teacher", from_teacher: int = 0
+    ):
+        self.tokens, self.params, self.name, self.from_teacher = tokens, params, name, from_teacher
         self.index = VocabIndex.of(tokens.teacher_bytes)
         self.graphdef, self.state = nnx.split(model)
         self.last_rows = 0  # teacher rows (contexts) the last score() ran
@@ -242,7 +244,8 @@ class BytePrefixTeacher:
 
     def score(self, batch: RolloutBatch, key: Array | None = None) -> TeacherScoreCache:
         """The per-token cache of ``batch`` (its prompts: the teacher's, in teacher tokens;
-        its ``student_topk_ids``: the support scored)."""
+        its ``student_topk_ids``: the support scored, with :meth:`teacher_ids` ahead of them
+        where ``from_teacher``)."""
         del key  # nothing is sampled
         if batch.student_topk_ids is None:
             raise ValueError(
@@ -251,60 +254,124 @@ class BytePrefixTeacher:
             )
         tokens, mask = np.asarray(batch.response_tokens), np.asarray(batch.response_mask, bool)
         prompts, prompt_mask = np.asarray(batch.prompt_tokens), np.asarray(batch.prompt_mask, bool)
-        support = np.asarray(batch.student_topk_ids)
+        support = np.array(batch.student_topk_ids)
         b, t, k = support.shape
-        queries: list[tuple[list[int], list[Candidate]]] = []
-        places: list[tuple[int, int, list[Candidate], bool]] = []
+        places: list[tuple[int, int, list[int], bytes, int]] = []  # row, position, context, tail, sampled id
         sequences: list[list[int]] = []  # each answer's teacher sequence: its prompt and its answer's text
         for row in range(b):
             prompt, prefix = prompts[row][prompt_mask[row]].tolist(), b""
             for position in np.flatnonzero(mask[row]).tolist():
                 context, tail = self._context(prompt, prefix)
                 sampled = int(tokens[row, position])
-                candidates = [self._candidate(sampled)] + [self._candidate(int(i)) for i in support[row, position]]
-                asked: list[Candidate] = [_after(tail, c) for c in candidates] + ([tail] if tail else [])
-                queries.append((context, asked))
-                places.append((row, position, candidates, bool(tail)))
+                places.append((row, position, context, tail, sampled))
                 prefix += self.tokens.student_bytes.pieces[sampled]
             sequences.append(self._context(prompt, prefix)[0])
-        self._answers = self._run(sequences, queries, [row for row, *_ in places])
+        if not places:
+            return self._cache(support, np.zeros((b, t)), np.full((b, t, k), FLOOR))
+        where = tuple(np.asarray([place[:2] for place in places]).T)  # (rows, positions) scored
+        self._answers = self._run(sequences, places)
         try:
+            if self.from_teacher:
+                roots = self.next_logprobs([context for _, _, context, _, _ in places])
+                support[where] = self.teacher_ids(roots, [tail for *_, tail, _ in places], support[where])
+            queries: list[tuple[list[int], list[Candidate]]] = []
+            for (_, _, context, tail, sampled), ids in zip(places, support[where], strict=True):
+                candidates = [self._candidate(sampled)] + [self._candidate(int(i)) for i in ids]
+                queries.append((context, [_after(tail, c) for c in candidates] + ([tail] if tail else [])))
+            longest = max((len(c) for _, asked in queries for c in asked if isinstance(c, bytes)), default=1)
+            self._answers = self._answers.with_room(power_of_two(longest))
             logp, rows = score_prefixes_batch(self.next_logprobs, self.index, queries)
         finally:
             self._answers = None
         self.last_rows = sum(rows)
-        token_logp = np.zeros((b, t), np.float32)
-        topk_logp = np.full((b, t, k), FLOOR, np.float32)
-        for q, (row, position, candidates, healed) in enumerate(places):
-            scores = logp[q, : len(candidates)] - (logp[q, len(candidates)] if healed else 0.0)
-            token_logp[row, position] = max(scores[0], FLOOR)
-            topk_logp[row, position] = np.maximum(longest_match(scores[1:], candidates[1:])[0], FLOOR)
+        token_logp = np.zeros((b, t))
+        topk_logp = np.full((b, t, k), FLOOR)
+        for q, (row, position, _, tail, _) in enumerate(places):
+            scores = logp[q, : k + 1] - (logp[q, k + 1] if tail else 0.0)
+            candidates = [self._candidate(int(i)) for i in support[row, position]]
+            token_logp[row, position] = scores[0]
+            topk_logp[row, position] = longest_match(scores[1:], candidates)[0]
+        return self._cache(support, token_logp, topk_logp)
+
+    def _cache(self, support: np.ndarray, token_logp: np.ndarray, topk_logp: np.ndarray) -> TeacherScoreCache:
+        """The cache of ``support`` ``[B, T, K]`` and its log-masses, each at least :data:`FLOOR`."""
         store = jnp.dtype(self.params.store_dtype)
         return TeacherScoreCache(
-            token_logp=jnp.asarray(token_logp, store),
+            token_logp=jnp.asarray(np.maximum(token_logp, FLOOR), store),
             topk_ids=jnp.asarray(support, jnp.int32),
-            topk_logp=jnp.asarray(topk_logp, store),
+            topk_logp=jnp.asarray(np.maximum(topk_logp, FLOOR), store),
         )
 
-    def _run(
-        self, sequences: list[list[int]], queries: list[tuple[list[int], list[Candidate]]], rows: list[int]
-    ) -> _Answers:
-        """The answers' sequences run once (:class:`_Answers`), each query's context that is a
-        prefix of its answer's sequence a root read off it."""
+    def teacher_ids(self, roots: np.ndarray, tails: list[bytes], own: np.ndarray) -> np.ndarray:
+        """``[n, K]``: each position's support, the student tokens that start the teacher's
+        ``from_teacher`` most likely next tokens (:meth:`starts`; distinct, the teacher's
+        order, a token no student token starts skipped) and then the student's own top ids
+        ``own`` ``[n, K]`` not among them, in the student's order, K in all.
+
+        ``roots`` ``[n, V]``: the teacher's next-token log-probs at each position's context.
+        Only the teacher's ``4 · from_teacher`` most likely tokens are looked at."""
+        n, k = own.shape
+        look = min(4 * self.from_teacher, roots.shape[1])
+        best = np.argpartition(-roots, look - 1, axis=1)[:, :look]
+        best = np.take_along_axis(best, np.argsort(-np.take_along_axis(roots, best, axis=1), axis=1), axis=1)
+        out = np.empty_like(own)
+        for i in range(n):
+            chosen: list[int] = []
+            for j in best[i].tolist():
+                start = self.start(j, tails[i])
+                if start >= 0 and start not in chosen:
+                    chosen.append(start)
+                    if len(chosen) == self.from_teacher:
+                        break
+            out[i] = (chosen + [int(s) for s in own[i] if int(s) not in chosen])[:k]
+        return out
+
+    def start(self, teacher_id: int, tail: bytes = b"") -> int:
+        """The student token that starts teacher token ``teacher_id`` written after ``tail``
+        (the answer's bytes past the context): its longest student prefix after ``tail``; the
+        student's EOS for the teacher's; −1 for none (a special, a token that does not
+        continue ``tail``, an id past the teacher's tokenizer)."""
+        if not tail:
+            return int(self.starts[teacher_id]) if teacher_id < self.starts.size else -1
+        pieces = self.tokens.teacher_bytes.pieces
+        if teacher_id >= len(pieces) or teacher_id in self.tokens.teacher_bytes.special:
+            return -1
+        piece = pieces[teacher_id]
+        return self._longest_student_prefix(piece[len(tail) :]) if piece.startswith(tail) else -1
+
+    @functools.cached_property
+    def starts(self) -> np.ndarray:
+        """``[V_teacher]`` int64: :meth:`start` of each teacher id after no tail."""
+        teacher = self.tokens.teacher_bytes
+        out = np.full(len(teacher.pieces), -1, np.int64)
+        for i, piece in enumerate(teacher.pieces):
+            if piece and i not in teacher.special:
+                out[i] = self._longest_student_prefix(piece)
+        out[self.tokens.teacher_eos] = self.tokens.student_eos[0]
+        return out
+
+    def _longest_student_prefix(self, text: bytes) -> int:
+        """The student id of the longest non-empty prefix of ``text`` it has (−1: none)."""
+        table = self.tokens.student_bytes.by_bytes
+        for end in range(len(text), 0, -1):
+            if text[:end] in table:
+                return table[text[:end]]
+        return -1
+
+    def _run(self, sequences: list[list[int]], places: list[tuple[int, int, list[int], bytes, int]]) -> _Answers:
+        """The answers' sequences run once (:class:`_Answers`, no room for paths yet), each
+        position's context that is a prefix of its answer's sequence a root read off it."""
         width = power_of_two(max(map(len, sequences)))
-        longest = max((len(c) for _, asked in queries for c in asked if isinstance(c, bytes)), default=1)
         ids, valid = np.zeros((2, len(sequences), width), np.int32)
         for row, sequence in enumerate(sequences):
             ids[row, : len(sequence)], valid[row, : len(sequence)] = sequence, 1
-        hidden, cache = self._run_answers(
-            self.state, jnp.asarray(ids), jnp.asarray(valid, bool), width + power_of_two(longest)
-        )
+        hidden, cache = self._run_answers(self.state, jnp.asarray(ids), jnp.asarray(valid, bool), width)
         roots = {
             tuple(context): (row, len(context))
-            for (context, _), row in zip(queries, rows, strict=True)
+            for row, _, context, _, _ in places
             if context and sequences[row][: len(context)] == context
         }
-        return _Answers(hidden, cache, width, longest, roots)
+        return _Answers(hidden, cache, width, 0, roots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,6 +386,16 @@ class _Answers:
     width: int
     depth: int
     roots: dict[tuple[int, ...], tuple[int, int]]
+
+    def with_room(self, depth: int) -> _Answers:
+        """These answers with room for paths of up to ``depth`` tokens after their slots."""
+        room = self.width + depth - self.cache.slots
+
+        def pad(a: Array, axis: int) -> Array:
+            return jnp.pad(a, [(0, room if i == axis else 0) for i in range(a.ndim)])
+
+        keys, values = (tuple(pad(a, 2) for a in arrays) for arrays in (self.cache.keys, self.cache.values))
+        return dataclasses.replace(self, cache=KVCache(keys, values, pad(self.cache.valid, 1)), depth=depth)
 
 
 def _after(tail: bytes, candidate: Candidate) -> Candidate:

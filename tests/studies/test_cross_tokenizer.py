@@ -63,6 +63,6 @@ def test_the_byte_prefix_arm_is_the_cross_tokenizer_arm_with_the_mapping():
 
     spans = cross_tokenizer._opd_sets("cross_tokenizer", 1, cross_tokenizer.QUICK)
     byte_prefix = cross_tokenizer._opd_sets("byte_prefix", 1, cross_tokenizer.QUICK)
-    assert byte_prefix == [*spans, "teacher.mapping=byte_prefix", "sampling.student_topk=8"]
+    assert byte_prefix == [*spans, "teacher.mapping=byte_prefix", "sampling.student_topk=8", "teacher.from_teacher=4"]
     cfg = load_config(cross_tokenizer.DEMO, byte_prefix)
     assert cfg.teacher.mapping == "byte_prefix" and list(run_models(cfg).retokenizers) == ["teacher"]

@@ -162,3 +162,70 @@ def test_no_row_is_dropped_by_the_learners_fault_check(scored):
     assert np.isfinite(np.asarray(cache.topk_logp)).all() and np.isfinite(np.asarray(cache.token_logp)).all()
     assert np.asarray(cache.topk_logp)[..., -1].max() <= -29  # no mass on it
     assert not np.asarray(nonfinite_rows(LearnerBatch(batch, cache))).any()
+
+
+def test_from_teacher_puts_the_tokens_that_start_the_teachers_likeliest_next_ones_first(scored):
+    """``from_teacher = 2``: each position's first ids are the student tokens of the teacher's
+    two likeliest next characters (its EOS: the student's), the rest the student's own top
+    ids not among them, in its order; each id is scored as the chain rule says."""
+    pair, teacher, batch, own, _, _ = scored
+    scorer = BytePrefixTeacher(teacher, pair, ScoringParams(temperature=TEMPERATURE), from_teacher=2)
+    cache = scorer.score(batch)
+    ids, masses = np.asarray(cache.topk_ids), np.asarray(cache.topk_logp)
+    tokens, mask, support = np.asarray(batch.response_tokens), np.asarray(batch.response_mask), batch.student_topk_ids
+    pieces, moved = pair.student_bytes.pieces, 0
+    for row in range(3):
+        prefix = b""
+        for position in np.flatnonzero(mask[row])[:5].tolist():
+            context = own[row] + pair.teacher.encode(prefix.decode(), add_special_tokens=False)
+            logp = jax.nn.log_softmax(teacher(jnp.asarray([context]))[0, -1] / TEMPERATURE)
+            likeliest = np.argsort(-np.asarray(logp))[:2].tolist()
+            want = [
+                pair.student_eos[0]
+                if i == pair.teacher_eos
+                else pair.student_bytes.by_bytes[pair.teacher_bytes.pieces[i]]
+                for i in likeliest
+            ]
+            rest = [int(i) for i in np.asarray(support)[row, position] if int(i) not in want]
+            assert ids[row, position].tolist() == (want + rest)[:4]
+            moved += rest != np.asarray(support)[row, position, 2:].tolist()
+            for k, i in enumerate(want):  # single characters: their mass is the teacher's, less longer candidates'
+                text = pieces[i]
+                if i not in pair.student_eos and not any(
+                    pieces[o] != text and pieces[o].startswith(text) for o in ids[row, position]
+                ):
+                    np.testing.assert_allclose(masses[row, position, k], float(logp[likeliest[k]]), atol=2e-5)
+            prefix += pieces[int(tokens[row, position])]
+    assert moved > 3  # the teacher's tokens displaced some of the student's own
+
+
+def test_the_student_token_that_starts_a_teacher_token(scored):
+    pair, teacher, *_ = scored
+    scorer = BytePrefixTeacher(teacher, pair, ScoringParams(), from_teacher=1)
+    three = pair.teacher.encode("3", add_special_tokens=False)[0]
+    assert scorer.start(three) == pair.student_bytes.by_bytes[b"3"]
+    assert scorer.start(pair.teacher_eos) == pair.student_eos[0]
+    assert scorer.start(min(pair.teacher_bytes.special - {pair.teacher_eos})) == -1
+    assert scorer.start(len(pair.teacher_bytes.pieces) + 5) == -1  # an embedding row past the tokenizer
+    assert scorer.start(three, tail=b"3") == -1  # nothing left to write after the tail
+    # after a partial character (the tail): a teacher token that completes it and writes on
+    pieces = list(pair.teacher_bytes.pieces)
+    pieces[three] = b"\xe2\x8234"
+    wide = dataclasses.replace(pair, teacher_bytes=dataclasses.replace(pair.teacher_bytes, pieces=tuple(pieces)))
+    scorer = BytePrefixTeacher(teacher, wide, ScoringParams(), from_teacher=1)
+    by_bytes = pair.student_bytes.by_bytes
+    assert scorer.start(three, tail=b"\xe2\x82") == by_bytes.get(b"34", by_bytes[b"3"])
+    assert scorer.start(three, tail=b"\xe3\x82") == -1  # it does not continue the tail
+    assert scorer.start(three, tail=b"\xe2") == -1  # no student token starts with b"\x82"
+
+
+@pytest.mark.parametrize(
+    "sets, says",
+    [
+        (["teacher.mapping=spans", "teacher.from_teacher=2"], "from_teacher = 2 is invalid with mapping = spans"),
+        (["teacher.from_teacher=5"], r"from_teacher = 5 is invalid; allowed: <= sampling.student_topk \(4\)"),
+    ],
+)
+def test_from_teacher_beyond_what_it_can_fill_is_refused(sets, says):
+    with pytest.raises(ValueError, match=says):
+        run_models(load_config("demo", [*BYTE_PREFIX, *sets]))
