@@ -262,7 +262,7 @@ def _serve_teacher(args: argparse.Namespace) -> None:
     from asyncopd_jax.pipeline.devices import stage_mesh
     from asyncopd_jax.pipeline.model_loading import load_model
     from asyncopd_jax.teacher.batch_scorer import BatchScorer, ServerSettings
-    from asyncopd_jax.teacher.server import serve
+    from asyncopd_jax.teacher.server import prefix_trees, serve
 
     local = jax.local_devices()
     ids = parse_id_list(args.devices) if args.devices else list(range(len(local)))
@@ -292,7 +292,7 @@ def _serve_teacher(args: argparse.Namespace) -> None:
         f"({dict(mesh.shape)}) at http://{args.host}:{args.port}",
         flush=True,
     )
-    serve(scorer, settings, args.host, args.port)
+    serve(scorer, settings, args.host, args.port, prefix_trees(model, args.model, args.temperature))
 
 
 def _stage(args: argparse.Namespace) -> int:

@@ -41,6 +41,7 @@ from asyncopd_jax.scale.flops import matmul_flops
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.teacher.byte_prefix_teacher import BytePrefixTeacher
 from asyncopd_jax.teacher.cross_tokenizer import CrossTokenizerTeacher
+from asyncopd_jax.teacher.prefix_trees import PrefixTrees
 from asyncopd_jax.teacher.scorer import ScoringParams, TeacherScorer
 
 TOPK = 8
@@ -73,7 +74,7 @@ def batch_of(rows: int, seed: int):
     return models, pair, batch
 
 
-def counted(scorer: BytePrefixTeacher) -> collections.Counter:
+def counted(scorer: PrefixTrees) -> collections.Counter:
     """Wrap ``scorer``'s jitted calls so each adds its matmul FLOPs to the returned tally
     (``answers``: the answers' forward; ``trees``: the rest)."""
     tally: collections.Counter = collections.Counter()
@@ -114,12 +115,12 @@ def main() -> None:
         "spans": CrossTokenizerTeacher(
             TeacherScorer(teacher, params, pad_rows=True), pair, teacher.config.max_position_embeddings
         ),
-        "byte_prefix": BytePrefixTeacher(teacher, pair, params),
-        "byte_prefix-from4": BytePrefixTeacher(teacher, pair, params, from_teacher=4),
+        "byte_prefix": BytePrefixTeacher(PrefixTrees(teacher, pair.teacher_bytes), pair, params),
+        "byte_prefix-from4": BytePrefixTeacher(PrefixTrees(teacher, pair.teacher_bytes), pair, params, from_teacher=4),
     }
     print(f"{args.rows} answers, {positions} student positions, top-{TOPK}; {jax.devices()[0].platform}")
     for name, scorer in ways.items():
-        tally = counted(scorer) if isinstance(scorer, BytePrefixTeacher) else None
+        tally = counted(scorer.trees) if isinstance(scorer, BytePrefixTeacher) else None
         jax.block_until_ready(scorer.score(batch))  # warm-up: compiles
         seconds = []
         for _ in range(args.repeats):

@@ -84,8 +84,11 @@ BYTE_PREFIX_ESTIMATORS = ("forward_kl_topk", "forward_kl_topk_renormalized", "re
 
 def _check_byte_prefix(cfg: RunConfig, source: TeacherSource) -> None:
     where = f"teacher {source.name!r}: mapping = byte_prefix"
-    if source.served:
-        raise ValueError(f"{where} scores in-process only (a served teacher cannot yet); allowed: mapping = spans")
+    if source.served and source.server.api != "asyncopd":
+        raise ValueError(
+            f"{where} asks the server for byte-prefix probabilities (POST /v1/byte_prefix): server.api = "
+            f"{source.server.api} is invalid; allowed: asyncopd (asyncopd serve-teacher), or mapping = spans"
+        )
     if cfg.estimator.name not in BYTE_PREFIX_ESTIMATORS:
         raise ValueError(
             f"{where} fills the top-K with the student's own ids: estimator.name = {cfg.estimator.name!r} is invalid; "

@@ -30,6 +30,8 @@ from asyncopd_jax.teacher import ReferenceScorer, Scorers, TeacherScorer
 from asyncopd_jax.teacher.byte_prefix_teacher import BytePrefixTeacher
 from asyncopd_jax.teacher.client import ServedTeacher
 from asyncopd_jax.teacher.cross_tokenizer import CrossTokenizerTeacher
+from asyncopd_jax.teacher.prefix_trees import PrefixTrees
+from asyncopd_jax.teacher.prefix_wire import ServedPrefixTrees
 from asyncopd_jax.teacher.scorer import Teacher
 from asyncopd_jax.teacher.wire import ServerError
 
@@ -79,8 +81,13 @@ def build_scoring_stage(cfg: RunConfig, layout: Layout, plan: StagePlan, models:
         else:
             loaded[source.name] = load_model(source, None if pair else models.vocab_limit, mesh)
             teacher = TeacherScorer(loaded[source.name], params, pad_rows=len(run_teachers) > 1 or pair is not None)
-        if pair is not None and source.mapping == "byte_prefix":  # in-process (checked with the teachers)
-            teacher = BytePrefixTeacher(loaded[source.name], pair, params, source.name, source.from_teacher)
+        if pair is not None and source.mapping == "byte_prefix":
+            trees: PrefixTrees | ServedPrefixTrees = (
+                ServedPrefixTrees(teacher, params.temperature)
+                if isinstance(teacher, ServedTeacher)
+                else PrefixTrees(loaded[source.name], pair.teacher_bytes, params.temperature)
+            )
+            teacher = BytePrefixTeacher(trees, pair, params, source.name, source.from_teacher)
         elif pair is not None:
             teacher = CrossTokenizerTeacher(teacher, pair, run_teacher.context, source.name)
         teachers[source.name] = teacher

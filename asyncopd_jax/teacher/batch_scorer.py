@@ -200,7 +200,7 @@ def parse_request(body: Any, settings: ServerSettings, vocab_size: int, context:
         prompts = [prompts]  # one prompt as a flat id list, as vLLM accepts it
     if len(prompts) > settings.max_request_rows:
         raise BadRequest(f"{len(prompts)} prompts in one request; at most {settings.max_request_rows}", 413)
-    topk = _int("prompt_logprobs", body.get("prompt_logprobs"), 0, settings.max_topk)
+    topk = bounded_int("prompt_logprobs", body.get("prompt_logprobs"), 0, settings.max_topk)
     temperature = body.get("temperature")
     if temperature is not None and (not wire.is_json_number(temperature) or temperature != settings.temperature):
         raise BadRequest(
@@ -216,8 +216,8 @@ def parse_request(body: Any, settings: ServerSettings, vocab_size: int, context:
     starts = extension.get("response_start", [1] * len(prompts))
     if not isinstance(starts, list) or len(starts) != len(prompts):
         raise BadRequest(f"asyncopd.response_start must list one position per prompt ({len(prompts)})")
-    num_samples = _int("asyncopd.num_samples", extension.get("num_samples", 0), 0, MAX_IDS_PER_POSITION)
-    seed = _int("asyncopd.seed", extension.get("seed", 0), 0, (1 << 32) - 1)
+    num_samples = bounded_int("asyncopd.num_samples", extension.get("num_samples", 0), 0, MAX_IDS_PER_POSITION)
+    seed = bounded_int("asyncopd.seed", extension.get("seed", 0), 0, (1 << 32) - 1)
     rows = []
     for i, (ids, start) in enumerate(zip(prompts, starts, strict=True)):
         row = _row(i, ids, start, vocab_size, context)
@@ -260,13 +260,13 @@ def parse_request(body: Any, settings: ServerSettings, vocab_size: int, context:
 MAX_IDS_PER_POSITION = 1 << 10
 
 
-def _int(name: str, value: Any, low: int, high: int) -> int:
+def bounded_int(name: str, value: Any, low: int, high: int) -> int:
     if not wire.is_json_int(value) or not low <= value <= high:
         raise BadRequest(f"{name} must be an integer from {low} to {high}, got {str(value)[:40]}")
     return value
 
 
-def _ids(values: list, vocab_size: int, where: str) -> np.ndarray:
+def vocab_ids(values: list, vocab_size: int, where: str) -> np.ndarray:
     """A flat list of JSON integers as ``[n]`` int32 ids, each checked to be an integer in the
     vocabulary while still a Python int (any size), before NumPy sees it; else a
     :class:`BadRequest` naming the first value that is not."""
@@ -284,7 +284,7 @@ def _row(i: int, ids: Any, start: Any, vocab_size: int, context: int) -> Row:
         raise BadRequest(f"prompt[{i}] must be a non-empty list of token ids")
     if len(ids) > context:
         raise BadRequest(f"prompt[{i}] has {len(ids)} tokens; the model's context is {context}", 413)
-    array = _ids(ids, vocab_size, f"prompt[{i}]")
+    array = vocab_ids(ids, vocab_size, f"prompt[{i}]")
     if not wire.is_json_int(start) or not 1 <= start <= len(array):
         raise BadRequest(
             f"asyncopd.response_start[{i}] must be an integer from 1 to {len(array)}, got {str(start)[:40]}"
@@ -312,7 +312,7 @@ def _per_position_ids(extension: dict, field: str, i: int, rows: int, row: Row, 
             f"asyncopd.{field}[{i}] must hold {t} lists (one per response position) of the same number of ids, "
             f"1 to {MAX_IDS_PER_POSITION}"
         )
-    return _ids([id_ for ids in lists for id_ in ids], vocab_size, f"asyncopd.{field}[{i}]").reshape(t, width)
+    return vocab_ids([id_ for ids in lists for id_ in ids], vocab_size, f"asyncopd.{field}[{i}]").reshape(t, width)
 
 
 # --- scoring --------------------------------------------------------------------------------------

@@ -244,8 +244,8 @@ class ServedTeacher:
 
     def _score_rows(self, rows: list[Row], seed: int, widths: tuple[int, int] | None = None) -> list[RowScores]:
         """Every row's scores, ``request_rows`` rows a request, ``in_flight`` at once."""
-        model = self._model_name()
-        size = self._request_rows()
+        model = self.model_name()
+        size = self.request_rows()
         waited_before = self.stats.wait_s
         starts = range(0, len(rows), size)
         if len(starts) == 1:  # one request: no thread to hand it to
@@ -273,17 +273,17 @@ class ServedTeacher:
             body = wire.asyncopd_request(
                 model, rows, topk, samples, seed, self.params.temperature, widths, hidden, encoding
             )
-            answer = self._post("/v1/completions", body)
+            answer = self.post("/v1/completions", body)
             if isinstance(answer, dict) and "choices" not in answer:  # a binary answer's arrays
                 answer = wire.npz_choices(answer, server)
             width = self.head_card().hidden_size if hidden else None
             return wire.parse_asyncopd(answer, rows, topk, samples, self.vocab_size, server, width)
         if self.server.api == "sglang":
-            answer = self._post("/generate", wire.sglang_request(rows, topk))
+            answer = self.post("/generate", wire.sglang_request(rows, topk))
             return wire.parse_sglang(answer, rows, topk, self.vocab_size, server)
         if rows[0].candidate_ids is not None or rows[0].student_topk_ids is not None:  # one request a row
             return [self._score_ids(model, row, topk) for row in rows]
-        answer = self._post("/v1/completions", wire.vllm_request(model, rows, topk))
+        answer = self.post("/v1/completions", wire.vllm_request(model, rows, topk))
         return wire.parse_vllm(answer, rows, topk, self.vocab_size, server)
 
     def _score_ids(self, model: str, row: Row, topk: int) -> RowScores:
@@ -298,29 +298,29 @@ class ServedTeacher:
             return RowScores(
                 np.zeros(0), empty.astype(np.int64), empty, none(row.candidate_ids), none(row.student_topk_ids)
             )
-        answer = self._post(vllm_candidates.GENERATE_PATH, vllm_candidates.candidates_request(model, row, topk))
+        answer = self.post(vllm_candidates.GENERATE_PATH, vllm_candidates.candidates_request(model, row, topk))
         return vllm_candidates.parse_candidates(answer, row, topk, self.vocab_size, self.server.url)
 
     def probe_ids(self, width: int) -> None:
         """Return when the server scores ``width`` ids a position as :data:`PROBED` says
         (a two-token request at the run's widths), else a :class:`ServerError` saying what
         the server answered and how to serve it (:func:`~asyncopd_jax.teacher.vllm_candidates.check_probe`)."""
-        model, topk = self._model_name(), self.params.topk
+        model, topk = self.model_name(), self.params.topk
         body = vllm_candidates.probe_request(model, width, topk)
         try:
-            answer = self._post(vllm_candidates.GENERATE_PATH, body)
+            answer = self.post(vllm_candidates.GENERATE_PATH, body)
         except ServerError as err:  # 403: no --enable-scale-out; 400: no V2 runner, --max-logprobs; 404: older
             raise ServerError(f"{err}; {vllm_candidates.serve_hint(width, topk)}") from None
         vllm_candidates.check_probe(answer, width, topk, self.vocab_size, self.server.url)
 
-    def _model_name(self) -> str:
+    def model_name(self) -> str:
         """``server.model``, else the one model ``/v1/models`` lists (SGLang's ``/generate``
         needs none)."""
         if not self._model and self.server.api != "sglang":
             self._model = wire.only_model(self._listed_models(), self.server.url)
         return self._model
 
-    def _request_rows(self) -> int:
+    def request_rows(self) -> int:
         """Rows in one request: ``server.request_rows``, the default held to the rows
         ``serve-teacher`` takes in one request (``--max-request-rows``, which its
         ``/v1/models`` card states), so that a server started with a lower limit gets
@@ -365,7 +365,8 @@ class ServedTeacher:
             self._models = self._request("GET", "/v1/models", None)
         return self._models
 
-    def _post(self, path: str, body: dict) -> Any:
+    def post(self, path: str, body: dict) -> Any:
+        """The server's answer to ``POST path`` with the JSON ``body`` (retried as the module says)."""
         return self._request("POST", path, body)
 
     def _request(self, method: str, path: str, body: dict | None) -> Any:

@@ -11,6 +11,9 @@ An ASGI app (Starlette, served by uvicorn: the stack under vLLM's and SGLang's s
   once, and checks against the card's digest.
 * ``POST /v1/completions``: vLLM's body and answer, plus the extension that scores ids
   the student chose and returns hidden states (:mod:`asyncopd_jax.teacher.batch_scorer`).
+* ``POST /v1/byte_prefix``: the teacher's side of a run's ``teacher.mapping: byte_prefix``
+  (:mod:`asyncopd_jax.teacher.prefix_wire`), where the model's directory has its tokenizer;
+  one request at a time, beside the batches.
 
 Concurrent requests are scored together. A request's rows join a queue; one batcher task
 takes the queued requests whose rows can share a batch (:attr:`Request.signature`), up to
@@ -34,8 +37,11 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from asyncopd_jax.models import Decoder
 from asyncopd_jax.npz import npz_bytes
+from asyncopd_jax.teacher import prefix_wire
 from asyncopd_jax.teacher.batch_scorer import BadRequest, BatchScorer, Request, ServerSettings, answer, parse_request
+from asyncopd_jax.teacher.prefix_trees import PrefixTrees
 
 #: The media type of a binary answer (an ``.npz`` archive).
 BINARY = "application/octet-stream"
@@ -138,14 +144,15 @@ class Batcher:
         return taken
 
 
-def make_app(scorer: BatchScorer, settings: ServerSettings) -> Any:
-    """The ASGI app serving ``scorer``."""
+def make_app(scorer: BatchScorer, settings: ServerSettings, trees: PrefixTrees | None = None) -> Any:
+    """The ASGI app serving ``scorer`` (and ``trees``: ``/v1/byte_prefix``; None: refused)."""
     from starlette.applications import Starlette
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
     batcher = Batcher(scorer, settings)
+    one_tree_call = asyncio.Lock()  # PrefixTrees keeps one batch's forward: one call at a time
 
     def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
         kind = {400: "BadRequestError", 413: "RequestTooLarge", 503: "ServiceUnavailable"}.get(status, "Error")
@@ -173,17 +180,21 @@ def make_app(scorer: BatchScorer, settings: ServerSettings) -> Any:
         data = await asyncio.to_thread(lambda: npz_bytes({"head": scorer.head()}))
         return Response(data, media_type=BINARY)
 
-    async def completions(http: HttpRequest) -> Response:
+    async def body_of(http: HttpRequest) -> bytes:
+        """The request's body, else a 413 :class:`BadRequest` past ``max_body_bytes``."""
         size = http.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > settings.max_body_bytes:
-            return error(413, f"the body has {size} bytes; at most {settings.max_body_bytes}")
+            raise BadRequest(f"the body has {size} bytes; at most {settings.max_body_bytes}", 413)
         raw = bytearray()
         async for chunk in http.stream():  # a chunked body has no length to check first
             raw += chunk
             if len(raw) > settings.max_body_bytes:
-                return error(413, f"the body has more than {settings.max_body_bytes} bytes")
+                raise BadRequest(f"the body has more than {settings.max_body_bytes} bytes", 413)
+        return bytes(raw)
+
+    async def completions(http: HttpRequest) -> Response:
         try:
-            request = parse_request(strict_json(bytes(raw)), settings, scorer.vocab_size, scorer.context)
+            request = parse_request(strict_json(await body_of(http)), settings, scorer.vocab_size, scorer.context)
         except BadRequest as err:
             return error(err.status, str(err))
         if batcher.full(len(request.rows)):
@@ -191,6 +202,28 @@ def make_app(scorer: BatchScorer, settings: ServerSettings) -> Any:
         scores = await batcher.score(request)
         body = answer(request, scores, settings.model_name)
         return Response(body, media_type=BINARY) if isinstance(body, bytes) else JSONResponse(body)
+
+    async def byte_prefix(http: HttpRequest) -> Response:
+        try:
+            raw = await body_of(http)
+            if trees is None:
+                raise BadRequest(
+                    f"{prefix_wire.PATH}: this server has no tokenizer of its model (serve a model directory that "
+                    "holds one, or builtin:NAME)"
+                )
+            request = prefix_wire.parse_prefix_request(
+                strict_json(raw),
+                settings.model_name,
+                settings.temperature,
+                settings.max_request_rows,
+                scorer.vocab_size,
+                scorer.context,
+            )
+        except BadRequest as err:
+            return error(err.status, str(err))
+        async with one_tree_call:
+            data = await asyncio.to_thread(prefix_wire.answer, trees, request)
+        return Response(data, media_type=BINARY)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -206,6 +239,7 @@ def make_app(scorer: BatchScorer, settings: ServerSettings) -> Any:
             Route("/v1/models", models),
             Route("/v1/head", head),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route(prefix_wire.PATH, byte_prefix, methods=["POST"]),
         ],
         lifespan=lifespan,
     )
@@ -231,11 +265,26 @@ def strict_json(raw: bytes) -> Any:
         raise BadRequest(f"malformed JSON: {err}") from None
 
 
-def serve(scorer: BatchScorer, settings: ServerSettings, host: str, port: int) -> None:
+def serve(scorer: BatchScorer, settings: ServerSettings, host: str, port: int, trees: PrefixTrees | None) -> None:
     """Serve until SIGTERM / Ctrl-C; the requests in flight are answered first."""
     import uvicorn
 
-    uvicorn.run(make_app(scorer, settings), host=host, port=port, log_level="warning", timeout_graceful_shutdown=60)
+    app = make_app(scorer, settings, trees)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=60)
+
+
+def prefix_trees(model: Decoder, path: str, temperature: float) -> PrefixTrees | None:
+    """The byte-prefix trees of ``model``, whose directory is ``path`` (None where it holds
+    no tokenizer: ``/v1/byte_prefix`` is then refused)."""
+    from asyncopd_jax.models import load_tokenizer
+    from asyncopd_jax.models.token_bytes import token_bytes
+    from asyncopd_jax.tasks.assets import resolve_model_path
+
+    try:
+        tokenizer = load_tokenizer(resolve_model_path(path))
+    except (OSError, ValueError):
+        return None
+    return PrefixTrees(model, token_bytes(tokenizer), temperature)
 
 
 def _widest(widths: list[tuple[int, int] | None]) -> tuple[int, int] | None:

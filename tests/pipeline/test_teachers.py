@@ -156,3 +156,30 @@ def test_a_mixture_of_experts_student_is_refused_in_one_line(tmp_path):
     (moe / "config.json").write_text(json.dumps(config.to_hf_dict()))
     with pytest.raises(ValueError, match=rf"^student.path = '{moe}' is a mixture-of-experts model \(qwen3_moe\)"):
         run_models(load_config("demo", [f"student.path={moe}"]))
+
+
+@pytest.mark.e2e  # two whole runs (3 steps), one beside a server: the end-to-end step (-m e2e)
+def test_a_served_byte_prefix_teacher_trains_as_the_in_process_one(tmp_path):
+    """``teacher.mapping: byte_prefix`` of the character teacher for the byte-pair student,
+    4 of whose 8 ids a position come from the teacher: behind ``serve-teacher`` (its trees
+    asked through ``POST /v1/byte_prefix``, two requests a batch) each step's loss is the
+    in-process teacher's."""
+    from asyncopd_jax.teacher.server import prefix_trees
+
+    sets = [
+        "student.path=builtin:student_bpe",
+        "teacher.mapping=byte_prefix",
+        "sampling.student_topk=8",
+        "teacher.from_teacher=4",
+        "seed=5",
+    ]
+    teacher = from_pretrained(resolve_model_path("builtin:teacher"))
+    settings = dataclasses.replace(SETTINGS, queue_rows=64)
+    with running(BatchScorer(teacher, settings), settings, prefix_trees(teacher, "builtin:teacher", 1.0)) as (url, *_):
+        server = [f"teacher.server.url={url}", "teacher.server.api=asyncopd", "teacher.tokenizer=builtin:teacher"]
+        _, served = _run(tmp_path, "served", *sets, "teacher.path=''", *server)
+    _, local = _run(tmp_path, "local", *sets)
+    np.testing.assert_allclose([r["loss"] for r in served], [r["loss"] for r in local], rtol=1e-5)
+    # 32 answers, 8 a request (the server's limit): 4 requests for the teacher's likeliest ids, 4 for the prefixes
+    assert served[0]["loss"] > 0.05 and [r["teacher/teacher/requests"] for r in served] == [8] * STEPS
+    assert all(r["nonfinite_rows"] == 0 for r in served)

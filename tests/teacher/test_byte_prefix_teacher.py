@@ -7,6 +7,7 @@ the ones before (one whole forward of the teacher a character)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from asyncopd_jax.pipeline.run_models import run_models
 from asyncopd_jax.sampling import Sampler, SamplingParams
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.teacher.byte_prefix_teacher import BytePrefixTeacher
+from asyncopd_jax.teacher.prefix_trees import PrefixTrees
 from asyncopd_jax.teacher.scorer import ScoringParams
 
 BYTE_PREFIX = ["student.path=builtin:student_bpe", "teacher.mapping=byte_prefix", "sampling.student_topk=4"]
@@ -50,7 +52,7 @@ def scored():
         }
     )
     teacher = from_pretrained(resolve_model_path("builtin:teacher"))
-    scorer = BytePrefixTeacher(teacher, pair, ScoringParams(temperature=TEMPERATURE))
+    scorer = BytePrefixTeacher(PrefixTrees(teacher, pair.teacher_bytes, TEMPERATURE), pair, ScoringParams())
     return pair, teacher, batch, own, scorer.score(batch), scorer
 
 
@@ -124,10 +126,11 @@ def test_a_teacher_of_the_students_tokenizer_refuses_the_mapping():
             [
                 "teacher.path=''",
                 "teacher.server.url=http://x:1",
-                "teacher.server.api=asyncopd",
+                "teacher.server.api=vllm",
                 "teacher.tokenizer=builtin:teacher",
             ],
-            "mapping = byte_prefix scores in-process only",
+            r"mapping = byte_prefix asks the server for byte-prefix probabilities \(POST /v1/byte_prefix\): "
+            "server.api = vllm is invalid; allowed: asyncopd",
         ),
     ],
 )
@@ -141,7 +144,7 @@ def test_contexts_run_whole_equal_the_teachers_forward(scored):
     off its forward): the teacher's log-softmax after each."""
     _, teacher, _, _, _, scorer = scored
     contexts = [[5, 6, 7], [5, 6], [9, 10, 11, 12, 13], [5, 6, 7, 8], [3]]
-    got = scorer.next_logprobs(contexts)
+    got = scorer.trees.next_logprobs(contexts)
     for context, row in zip(contexts, got):
         want = jax.nn.log_softmax(teacher(jnp.asarray([context]))[0, -1] / TEMPERATURE)
         np.testing.assert_allclose(row[: want.shape[0]], want, atol=2e-5)
@@ -169,7 +172,7 @@ def test_from_teacher_puts_the_tokens_that_start_the_teachers_likeliest_next_one
     two likeliest next characters (its EOS: the student's), the rest the student's own top
     ids not among them, in its order; each id is scored as the chain rule says."""
     pair, teacher, batch, own, _, _ = scored
-    scorer = BytePrefixTeacher(teacher, pair, ScoringParams(temperature=TEMPERATURE), from_teacher=2)
+    scorer = BytePrefixTeacher(scored[-1].trees, pair, ScoringParams(), from_teacher=2)
     cache = scorer.score(batch)
     ids, masses = np.asarray(cache.topk_ids), np.asarray(cache.topk_logp)
     tokens, mask, support = np.asarray(batch.response_tokens), np.asarray(batch.response_mask), batch.student_topk_ids
@@ -201,7 +204,7 @@ def test_from_teacher_puts_the_tokens_that_start_the_teachers_likeliest_next_one
 
 def test_the_student_token_that_starts_a_teacher_token(scored):
     pair, teacher, *_ = scored
-    scorer = BytePrefixTeacher(teacher, pair, ScoringParams(), from_teacher=1)
+    scorer = BytePrefixTeacher(PrefixTrees(teacher, pair.teacher_bytes), pair, ScoringParams(), from_teacher=1)
     three = pair.teacher.encode("3", add_special_tokens=False)[0]
     assert scorer.start(three) == pair.student_bytes.by_bytes[b"3"]
     assert scorer.start(pair.teacher_eos) == pair.student_eos[0]
@@ -212,7 +215,7 @@ def test_the_student_token_that_starts_a_teacher_token(scored):
     pieces = list(pair.teacher_bytes.pieces)
     pieces[three] = b"\xe2\x8234"
     wide = dataclasses.replace(pair, teacher_bytes=dataclasses.replace(pair.teacher_bytes, pieces=tuple(pieces)))
-    scorer = BytePrefixTeacher(teacher, wide, ScoringParams(), from_teacher=1)
+    scorer = BytePrefixTeacher(PrefixTrees(teacher, wide.teacher_bytes), wide, ScoringParams(), from_teacher=1)
     by_bytes = pair.student_bytes.by_bytes
     assert scorer.start(three, tail=b"\xe2\x82") == by_bytes.get(b"34", by_bytes[b"3"])
     assert scorer.start(three, tail=b"\xe3\x82") == -1  # it does not continue the tail
@@ -229,3 +232,114 @@ def test_the_student_token_that_starts_a_teacher_token(scored):
 def test_from_teacher_beyond_what_it_can_fill_is_refused(sets, says):
     with pytest.raises(ValueError, match=says):
         run_models(load_config("demo", [*BYTE_PREFIX, *sets]))
+
+
+# --- through `asyncopd serve-teacher` (POST /v1/byte_prefix) ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(scored):
+    """serve-teacher of the character teacher at the test's temperature, with its trees."""
+    from asyncopd_jax.teacher.batch_scorer import BatchScorer, ServerSettings
+    from tests.teacher.test_server import running
+
+    pair, teacher, *_ = scored
+    settings = ServerSettings(temperature=TEMPERATURE, max_request_rows=8)
+    with running(BatchScorer(teacher, settings), settings, PrefixTrees(teacher, pair.teacher_bytes, TEMPERATURE)) as (
+        url,
+        *_,
+    ):
+        yield url
+
+
+def _served(url: str, **kwargs):
+    from asyncopd_jax.teacher.client import ServedTeacher, ServerParams
+    from asyncopd_jax.teacher.prefix_wire import ServedPrefixTrees
+
+    client = ServedTeacher(ServerParams(url=url, api="asyncopd"), ScoringParams(temperature=TEMPERATURE), 1 << 30)
+    return ServedPrefixTrees(client, TEMPERATURE)
+
+
+@pytest.mark.parametrize("from_teacher", [0, 2])
+def test_a_served_teacher_scores_the_students_tokens_as_the_in_process_one(scored, server, from_teacher):
+    pair, _, batch, _, _, local = scored
+    served = BytePrefixTeacher(_served(server), pair, ScoringParams(), from_teacher=from_teacher)
+    here = BytePrefixTeacher(local.trees, pair, ScoringParams(), from_teacher=from_teacher)
+    got, want = served.score(batch), here.score(batch)
+    np.testing.assert_array_equal(np.asarray(got.topk_ids), np.asarray(want.topk_ids))
+    np.testing.assert_allclose(np.asarray(got.topk_logp), np.asarray(want.topk_logp), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.token_logp), np.asarray(want.token_logp), atol=1e-5)
+    assert served.last_rows == here.last_rows > 0
+    # 8 answers, the server's 8 a request: one request for the likeliest ids, one for the prefixes
+    assert served.last_requests == 1 + bool(from_teacher) and served.last_wait_s == 0.0
+    assert here.last_requests == 1 and here.last_wait_s is None
+
+
+def _sequences_and_body(**fields):
+    body = {"model": "teacher", "temperature": TEMPERATURE, "sequences": [[5, 6, 7]], "contexts": [[0, 2]]}
+    return {**body, **fields}
+
+
+@pytest.mark.parametrize(
+    "fields, says",
+    [
+        ({"top": 2, "candidates": [["YQ=="]]}, "give one of top"),
+        ({}, "give one of top"),
+        ({"top": 2, "temperature": 1.0}, "this server scores at temperature 1.3 only"),
+        ({"top": 2, "model": "other"}, "model 'other' is not served here"),
+        ({"top": 2, "contexts": [[1, 2]]}, r"contexts\[0\]\[0\] must be an integer from 0 to 0"),
+        ({"top": 2, "contexts": [[0, 4]]}, r"contexts\[0\]\[1\] must be an integer from 1 to 3"),
+        ({"top": 2, "contexts": [[0, [5, 99999]]]}, r"contexts\[0\]\[1\]"),
+        ({"top": 0}, "top must be an integer from 1"),
+        ({"candidates": [["not base64!"]]}, r"candidates\[0\]\[0\] is not base64"),
+        ({"candidates": [["YQ=="], ["Yg=="]]}, r"one candidate list per context \(1\), got 2"),
+        ({"top": 2, "sequences": [[5]] * 9}, "sequences must be a list of 1 to 8"),
+        ({"top": 2, "extra": 1}, "extra is not a field of /v1/byte_prefix"),
+    ],
+)
+def test_a_bad_byte_prefix_request_is_refused_in_one_line(server, fields, says):
+    from tests.teacher.test_server import post
+
+    response = post(server + "/v1/byte_prefix", json=_sequences_and_body(**fields))
+    assert response.status_code in (400, 413), response.text
+    assert re.search(says, response.json()["error"]["message"]), response.json()["error"]["message"]
+
+
+def test_a_server_without_its_tokenizer_refuses_byte_prefix(scored):
+    from asyncopd_jax.teacher.batch_scorer import BatchScorer, ServerSettings
+    from tests.teacher.test_server import post, running
+
+    settings = ServerSettings(temperature=TEMPERATURE)
+    with running(BatchScorer(scored[1], settings), settings, None) as (url, *_):
+        response = post(url + "/v1/byte_prefix", json=_sequences_and_body(top=2))
+    assert response.status_code == 400 and "has no tokenizer of its model" in response.text
+
+
+@pytest.mark.parametrize(
+    "arrays, says",
+    [
+        ({"logprobs": np.zeros((1, 3)), "rows": np.ones(1, np.int64)}, r"shape \[1, 3\]; expected \[1, 2\]"),
+        ({"logprobs": np.full((1, 2), np.nan), "rows": np.ones(1, np.int64)}, "expected"),
+        ({"logprobs": np.full((1, 2), 0.5), "rows": np.ones(1, np.int64)}, r"log-probs \(<= 0\)"),
+        ({"rows": np.ones(1, np.int64)}, "not logprobs and rows"),
+    ],
+)
+def test_a_servers_bad_byte_prefix_answer_is_refused(arrays, says):
+    import httpx2
+
+    from asyncopd_jax.npz import npz_bytes
+    from asyncopd_jax.teacher.client import ServedTeacher, ServerParams
+    from asyncopd_jax.teacher.prefix_wire import ServedPrefixTrees
+    from asyncopd_jax.teacher.wire import ServerError
+
+    def answer(request):
+        return httpx2.Response(200, content=npz_bytes(arrays), headers={"content-type": "application/octet-stream"})
+
+    client = ServedTeacher(
+        ServerParams(url="http://x:1", api="asyncopd", model="teacher", rows_per_request=8),
+        ScoringParams(),
+        1 << 30,
+        client=httpx2.Client(transport=httpx2.MockTransport(answer)),
+    )
+    with pytest.raises(ServerError, match=says):
+        ServedPrefixTrees(client, 1.0).prefixes([[5, 6]], [(0, [5])], [[b"a", b"b"]])

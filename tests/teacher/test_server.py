@@ -53,9 +53,9 @@ SETTINGS = ServerSettings(max_topk=8, max_rows=8, max_wait_ms=20, queue_rows=12,
 
 
 @contextlib.contextmanager
-def running(scorer: BatchScorer, settings: ServerSettings = SETTINGS):
+def running(scorer: BatchScorer, settings: ServerSettings = SETTINGS, trees=None):
     """The app on a free loopback port, served by uvicorn in a thread; yields (url, app, server)."""
-    app = make_app(scorer, settings)
+    app = make_app(scorer, settings, trees)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
