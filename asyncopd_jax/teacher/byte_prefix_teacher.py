@@ -83,14 +83,24 @@ class BytePrefixTeacher:
         """The teacher rows (tree nodes) the last batch's candidates took."""
         return self.trees.last_rows
 
-    def _candidate(self, student_id: int) -> Candidate:
-        """A student id as a candidate: its bytes, the teacher's EOS for the student's, b''
-        (not scored) for another special id."""
+    def _candidate(self, student_id: int, first: bool = False) -> Candidate:
+        """A student id as a candidate: its bytes (:meth:`_bytes`), the teacher's EOS for the
+        student's, b'' (not scored) for another special id."""
         if student_id in self.tokens.student_eos:
             return self.tokens.teacher_eos
         if student_id in self.tokens.student_bytes.special:
             return b""
-        return self.tokens.student_bytes.pieces[student_id]
+        return self._bytes(student_id, first)
+
+    def _bytes(self, student_id: int, first: bool) -> bytes:
+        """The bytes student id ``student_id`` adds to the answer's text; ``first``: written
+        before any other, where a SentencePiece student's leading space is the decoder's to
+        drop (:attr:`~asyncopd_jax.models.token_bytes.TokenBytes.strips_leading_space`, as
+        :func:`~asyncopd_jax.teacher.span_alignment.answer_text` drops it): without it."""
+        piece = self.tokens.student_bytes.pieces[student_id]
+        if first and self.tokens.student_bytes.strips_leading_space and piece.startswith(b" "):
+            return piece[1:]
+        return piece
 
     def _context(self, prompt: list[int], prefix: bytes) -> tuple[list[int], bytes]:
         """The teacher's ids for ``prompt`` + the answer's text ``prefix`` up to its last
@@ -116,13 +126,16 @@ class BytePrefixTeacher:
         b, t, k = support.shape
         places: list[tuple[int, int, list[int], bytes, int]] = []  # row, position, context, tail, sampled id
         sequences: list[list[int]] = []  # each answer's teacher sequence: its prompt and its answer's text
+        firsts: list[bool] = []  # each place: before the answer's first byte (a leading space is not text there)
         for row in range(b):
-            prompt, prefix = prompts[row][prompt_mask[row]].tolist(), b""
+            prompt, prefix, first = prompts[row][prompt_mask[row]].tolist(), b"", True
             for position in np.flatnonzero(mask[row]).tolist():
                 context, tail = self._context(prompt, prefix)
                 sampled = int(tokens[row, position])
                 places.append((row, position, context, tail, sampled))
-                prefix += self.tokens.student_bytes.pieces[sampled]
+                firsts.append(first)
+                prefix += self._bytes(sampled, first)
+                first = first and not self.tokens.student_bytes.pieces[sampled]
             sequences.append(self._context(prompt, prefix)[0])
         if not places:
             return self._cache(support, np.zeros((b, t)), np.full((b, t, k), FLOOR))
@@ -131,10 +144,10 @@ class BytePrefixTeacher:
         before = (self.trees.wait_s, self.trees.requests) if isinstance(self.trees, ServedPrefixTrees) else (0.0, 0)
         if self.from_teacher:
             best, _ = self.trees.top(sequences, contexts, 4 * self.from_teacher)
-            support[where] = self.teacher_ids(best, [tail for *_, tail, _ in places], support[where])
+            support[where] = self.teacher_ids(best, [tail for *_, tail, _ in places], support[where], firsts)
         asked: list[list[Candidate]] = []
-        for (_, _, _, tail, sampled), ids in zip(places, support[where], strict=True):
-            candidates = [self._candidate(sampled)] + [self._candidate(int(i)) for i in ids]
+        for (_, _, _, tail, sampled), ids, first in zip(places, support[where], firsts, strict=True):
+            candidates = [self._candidate(sampled, first)] + [self._candidate(int(i), first) for i in ids]
             asked.append([_after(tail, c) for c in candidates] + ([tail] if tail else []))
         logp = self.trees.prefixes(sequences, contexts, asked)
         if isinstance(self.trees, ServedPrefixTrees):  # the server's requests and retries' waits
@@ -145,7 +158,7 @@ class BytePrefixTeacher:
         topk_logp = np.full((b, t, k), FLOOR)
         for q, (row, position, _, tail, _) in enumerate(places):
             scores = logp[q, : k + 1] - (logp[q, k + 1] if tail else 0.0)
-            candidates = [self._candidate(int(i)) for i in support[row, position]]
+            candidates = [self._candidate(int(i), firsts[q]) for i in support[row, position]]
             token_logp[row, position] = scores[0]
             topk_logp[row, position] = longest_match(scores[1:], candidates)[0]
         return self._cache(support, token_logp, topk_logp)
@@ -159,20 +172,25 @@ class BytePrefixTeacher:
             topk_logp=jnp.asarray(np.maximum(topk_logp, FLOOR), store),
         )
 
-    def teacher_ids(self, best: np.ndarray, tails: list[bytes], own: np.ndarray) -> np.ndarray:
+    def teacher_ids(
+        self, best: np.ndarray, tails: list[bytes], own: np.ndarray, firsts: list[bool] | None = None
+    ) -> np.ndarray:
         """``[n, K]``: each position's support, the student tokens that start the teacher's
         ``from_teacher`` likeliest next tokens (:meth:`start`; distinct, the teacher's order,
         a token no student token starts skipped) and then the student's own top ids ``own``
         ``[n, K]`` not among them, in the student's order, K in all.
 
         ``best`` ``[n, m]``: the teacher's likeliest next ids at each position's context,
-        likeliest first (:meth:`PrefixTrees.top`; ``m = 4 · from_teacher`` of them)."""
+        likeliest first (:meth:`PrefixTrees.top`; ``m = 4 · from_teacher`` of them);
+        ``firsts``: the positions before the answer's first byte (a SentencePiece student
+        starts its text with a space its decoder drops: :meth:`start`'s ``lead``)."""
         n, k = own.shape
+        lead = b" " if self.tokens.student_bytes.strips_leading_space else b""
         out = np.empty_like(own)
         for i in range(n):
             chosen: list[int] = []
             for j in best[i].tolist():
-                start = self.start(int(j), tails[i])
+                start = self.start(int(j), tails[i], lead if firsts and firsts[i] else b"")
                 if start >= 0 and start not in chosen:
                     chosen.append(start)
                     if len(chosen) == self.from_teacher:
@@ -180,18 +198,26 @@ class BytePrefixTeacher:
             out[i] = (chosen + [int(s) for s in own[i] if int(s) not in chosen])[:k]
         return out
 
-    def start(self, teacher_id: int, tail: bytes = b"") -> int:
+    def start(self, teacher_id: int, tail: bytes = b"", lead: bytes = b"") -> int:
         """The student token that starts teacher token ``teacher_id`` written after ``tail``
-        (the answer's bytes past the context): its longest student prefix after ``tail``; the
+        (the answer's bytes past the context): its longest student prefix after ``tail``,
+        ``lead`` put before it (a SentencePiece student's leading space, tried first); the
         student's EOS for the teacher's; −1 for none (a special, a token that does not
         continue ``tail``, an id past the teacher's tokenizer)."""
-        if not tail:
+        if not tail and not lead:
             return int(self.starts[teacher_id]) if teacher_id < self.starts.size else -1
         pieces = self.tokens.teacher_bytes.pieces
+        if teacher_id == self.tokens.teacher_eos:
+            return self.tokens.student_eos[0] if not tail else -1
         if teacher_id >= len(pieces) or teacher_id in self.tokens.teacher_bytes.special:
             return -1
         piece = pieces[teacher_id]
-        return self._longest_student_prefix(piece[len(tail) :]) if piece.startswith(tail) else -1
+        if not piece.startswith(tail) or not piece[len(tail) :]:
+            return -1
+        with_lead = self._longest_student_prefix(lead + piece[len(tail) :]) if lead else -1
+        if with_lead >= 0 and len(self.tokens.student_bytes.pieces[with_lead]) > len(lead):  # more than the lead
+            return with_lead
+        return self._longest_student_prefix(piece[len(tail) :])
 
     @functools.cached_property
     def starts(self) -> np.ndarray:

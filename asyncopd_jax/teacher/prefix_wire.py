@@ -186,7 +186,6 @@ class ServedPrefixTrees:
         """Seconds spent waiting to retry the server, over the client's life."""
         return self.teacher.stats.wait_s
 
-
     def top(self, sequences: list[list[int]], contexts: Sequence[Context], m: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`PrefixTrees.top`, asked of the server."""
         ids_out, logp_out = np.zeros((len(contexts), 0), np.int64), np.zeros((len(contexts), 0))

@@ -343,3 +343,57 @@ def test_a_servers_bad_byte_prefix_answer_is_refused(arrays, says):
     )
     with pytest.raises(ServerError, match=says):
         ServedPrefixTrees(client, 1.0).prefixes([[5, 6]], [(0, [5])], [[b"a", b"b"]])
+
+
+def test_a_sentencepiece_students_leading_space_is_not_scored_as_text():
+    """A SentencePiece student writes its answer's first word with ``▁`` that its decoder
+    drops: the first token is scored as the text without it (``"Hello"``, as the span
+    alignment's text has it), the later ones with their spaces; a teacher token at the
+    start maps to the student's ``▁`` token of it (``from_teacher``)."""
+    from asyncopd_jax.cache import RolloutBatch
+    from asyncopd_jax.teacher.cross_tokenizer import Retokenizer
+    from tests.tiny_models import tiny_decoder
+    from tests.tiny_tokenizers import byte_level_bpe, sentencepiece_bpe
+
+    student, teacher_tokenizer = sentencepiece_bpe(), byte_level_bpe()
+    pair = Retokenizer.of(student, teacher_tokenizer, (student.eos_token_id,))
+    assert pair.student_bytes.strips_leading_space
+    teacher = tiny_decoder(seed=2, vocab=len(teacher_tokenizer), scale=4.0)
+    trees = PrefixTrees(teacher, pair.teacher_bytes)
+    answer = student.encode("the cat sat", add_special_tokens=False)
+    assert pair.student_bytes.pieces[answer[0]] == b" the"
+    prompt = teacher_tokenizer.encode("12+34=", add_special_tokens=False)
+    t = len(answer)
+    top = np.asarray([[i, student.convert_tokens_to_ids("▁")] for i in answer], np.int32)[None]
+    batch = RolloutBatch(
+        prompt_tokens=jnp.asarray([prompt], jnp.int32),
+        prompt_mask=jnp.ones((1, len(prompt)), bool),
+        response_tokens=jnp.asarray([answer], jnp.int32),
+        response_mask=jnp.ones((1, t), bool),
+        behavior_logp=jnp.zeros((1, t)),
+        token_version=jnp.zeros((1, t), jnp.int32),
+        student_topk_ids=jnp.asarray(top),
+        student_topk_behavior_logp=jnp.zeros(top.shape),
+    )
+    cache = BytePrefixTeacher(trees, pair, ScoringParams()).score(batch)
+    sequence = prompt + teacher_tokenizer.encode("the cat sat", add_special_tokens=False)
+    text = b""
+    for position, token in enumerate(answer):
+        piece = pair.student_bytes.pieces[token]
+        piece = piece[1:] if position == 0 else piece  # the decoder's text: no leading space
+        context = prompt + (teacher_tokenizer.encode(text.decode(), add_special_tokens=False) if text else [])
+        want = trees.prefixes([sequence], [(0, context)], [[piece]])[0, 0]
+        np.testing.assert_allclose(np.asarray(cache.token_logp)[0, position], want, atol=1e-5)
+        text += piece
+    assert np.asarray(cache.topk_logp)[0, 0, 1] <= -29  # "▁" alone writes no text at the start: not scored
+    # a teacher token at the answer's start maps to the student's token of it with its ▁
+    scorer = BytePrefixTeacher(trees, pair, ScoringParams(), from_teacher=1)
+    the = teacher_tokenizer.convert_tokens_to_ids("the")
+    assert scorer.start(the, lead=b" ") == student.convert_tokens_to_ids("▁the")
+    assert scorer.start(the) == student.convert_tokens_to_ids("the")
+    own = np.asarray([[7, 8]] * 2)
+    got = scorer.teacher_ids(np.asarray([[the]] * 2), [b"", b""], own, [True, False])
+    assert student.convert_ids_to_tokens(got[:, 0].tolist()) == ["▁the", "the"] and (got[:, 1] == 7).all()
+    best, _ = trees.top([sequence], [(0, prompt)], 4)
+    want = next(s for j in best[0] if (s := scorer.start(int(j), lead=b" ")) >= 0)
+    assert int(np.asarray(scorer.score(batch).topk_ids)[0, 0, 0]) == want
