@@ -92,6 +92,10 @@ class PrefixTrees:
         self.last_rows, self.last_levels = sum(rows), rows
         return logp
 
+    def forget(self) -> None:
+        """Drop the kept forward (its keys and values): the next call runs its answers anew."""
+        self._kept = None
+
     @contextlib.contextmanager
     def _over(self, sequences: list[list[int]], contexts: Sequence[Context], depth: int) -> Iterator[None]:
         """Within: :meth:`next_logprobs` reads ``contexts`` off the answers of ``sequences``
@@ -99,7 +103,7 @@ class PrefixTrees:
         to ``depth`` tokens."""
         key = tuple(map(tuple, sequences))
         if self._kept is None or self._kept[0] != key:
-            self._kept = None  # the last batch's keys and values go before this one's are made
+            self.forget()  # the last batch's keys and values go before this one's are made
             self._kept = (key, self._run(sequences))
         roots = {
             tuple(ids): (row, len(ids))
