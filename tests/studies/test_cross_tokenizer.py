@@ -54,7 +54,7 @@ def test_the_quick_study_writes_its_report(tmp_path):
     text = path.read_text()
     assert "## Verdict" in text and all(arm in text for arm in cross_tokenizer.ARMS)
     assert (tmp_path / "docs" / "cross_tokenizer" / "accuracy.png").is_file()
-    assert len((tmp_path / "docs" / "cross_tokenizer" / "runs.jsonl").read_text().splitlines()) == 4
+    assert len((tmp_path / "docs" / "cross_tokenizer" / "runs.jsonl").read_text().splitlines()) == 5
 
 
 def test_the_byte_prefix_arm_is_the_cross_tokenizer_arm_with_the_mapping():
