@@ -197,6 +197,17 @@ def tokens_per_answer(result: dict, batch_size: int, first: bool) -> float:
     return float(np.mean(values[:n] if first else values[-n:])) / batch_size
 
 
+def peak_tokens(result: dict, batch_size: int, window: int = 10) -> tuple[int, float]:
+    """(step, tokens per answer) where a run's answers are longest: the largest mean over
+    ``window`` consecutive batches (NaN: no token counts)."""
+    records = [r for r in result["records"] if "tokens" in r]
+    if len(records) < window:
+        return 0, np.nan
+    means = np.convolve([r["tokens"] for r in records], np.ones(window) / window, mode="valid")
+    at = int(np.argmax(means))
+    return int(records[at + window // 2]["step"]), float(means[at]) / batch_size
+
+
 def verdict(cross: np.ndarray, same: np.ndarray) -> str:
     """Whether cross-tokenizer OPD's mean final accuracy ends within :data:`WITHIN` of
     same-tokenizer OPD's, and by how much it is below or above it."""
@@ -266,6 +277,17 @@ def _byte_prefix_note(results: dict, finals: dict, s: Settings, seeds: int) -> s
         "slower start, then a gap that closes slowly: the mean trails same-tokenizer OPD by "
         + ", ".join(f"{points:.1f} points at step {step}" for step, points in behind.items())
         + "."
+    )
+    runs = [results["byte_prefix", seed] for seed in range(seeds)]
+    peaks = [peak_tokens(run, s.batch_size) for run in runs]
+    first = np.mean([tokens_per_answer(run, s.batch_size, first=True) for run in runs])
+    last = np.mean([tokens_per_answer(run, s.batch_size, first=False) for run in runs])
+    note += (
+        f" Its answers take {first:.1f} tokens (mean over seeds, first 5 steps), then "
+        f"{np.mean([p[1] for p in peaks]):.1f} at their most (around step {np.median([p[0] for p in peaks]):.0f}), "
+        f"then {last:.1f} (last 5 steps): the teacher's part of each position's ids is the student tokens that start "
+        "its likeliest next *tokens*, one character each here, so the first steps move the student toward writing "
+        "a character a token, and it then comes back to its merges — a detour same-tokenizer OPD does not make."
     )
     if (LONG, 0) in results and not results[LONG, 0]["error"]:
         steps2, accuracy2 = curve(results[LONG, 0])

@@ -8,7 +8,7 @@ import pytest
 
 from asyncopd_jax.config import TaskConfig
 from asyncopd_jax.studies import cross_tokenizer
-from asyncopd_jax.studies.cross_tokenizer import tokens_per_answer, train_sft_arm, verdict
+from asyncopd_jax.studies.cross_tokenizer import peak_tokens, tokens_per_answer, train_sft_arm, verdict
 from asyncopd_jax.tasks.arith import sample_problems
 from asyncopd_jax.tasks.builtin import TaskData
 from asyncopd_jax.tasks.tokenizer import EOS_ID, build_tokenizer
@@ -25,6 +25,13 @@ def test_tokens_per_answer_reads_the_first_and_last_batches():
     result = {"records": [{"step": i, "tokens": 64.0 * (10 if i < 20 else 20)} for i in range(40)]}
     assert tokens_per_answer(result, 64, first=True) == 10.0
     assert tokens_per_answer(result, 64, first=False) == 20.0
+
+
+def test_peak_tokens_finds_where_the_answers_are_longest():
+    counts = [16] * 30 + [21] * 12 + [18] * 60
+    result = {"records": [{"step": i + 1, "tokens": 64.0 * c} for i, c in enumerate(counts)]}
+    step, tokens = peak_tokens(result, 64)
+    assert tokens == pytest.approx(21.0) and 31 <= step <= 42
 
 
 def test_the_sft_arm_trains_on_the_answers_in_the_students_tokens():
