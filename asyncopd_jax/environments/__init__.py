@@ -4,6 +4,7 @@ built-in tools, and the worker pool that runs environment steps off the decode l
 from asyncopd_jax.environments.calculator import Calculator
 from asyncopd_jax.environments.pool import EnvironmentPool
 from asyncopd_jax.environments.protocol import Environment, Observation, Tool, ToolCall
+from asyncopd_jax.environments.sandbox import PythonSandbox, SandboxLimits
 from asyncopd_jax.environments.tool_calls import ParsedTurn, parse_hermes, render_hermes
 from asyncopd_jax.environments.tool_environment import ToolEnvironment
 
@@ -13,6 +14,8 @@ __all__ = [
     "EnvironmentPool",
     "Observation",
     "ParsedTurn",
+    "PythonSandbox",
+    "SandboxLimits",
     "Tool",
     "ToolCall",
     "ToolEnvironment",
