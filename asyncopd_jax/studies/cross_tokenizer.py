@@ -301,10 +301,9 @@ def _byte_prefix_note(results: dict, finals: dict, s: Settings, seeds: int) -> s
                 if abs(np.mean(same) - accuracy2[-1]) <= WITHIN
                 else "more steps do not close it."
             )
-            + " Why it starts slower, these runs do not show."
         )
     else:
-        note += " Why it starts slower, and whether more steps close the rest, these runs do not show."
+        note += " Whether more steps close the rest, these runs do not show."
     dropped = [
         [r["nonfinite_rows"] for r in results["byte_prefix", seed]["records"] if "nonfinite_rows" in r]
         for seed in range(seeds)
