@@ -31,10 +31,10 @@ import sys
 import tempfile
 from typing import Any
 
-#: Runs in the sandbox's process before the student's code: argv = [limits as JSON, workdir].
+#: Runs in the sandbox's process, then the student's code: argv = [limits as JSON, workdir, program].
 _LAUNCHER = r"""
 import ctypes, json, os, resource, sys
-limits, workdir = json.loads(sys.argv[1]), sys.argv[2]
+limits, workdir, program = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 libc = ctypes.CDLL(None, use_errno=True)
 MS_REC, MS_PRIVATE, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 0x4000, 0x40000, 0x8000, 0x1
 def check(result, what):
@@ -60,10 +60,9 @@ resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
 for name, value in (("RLIMIT_AS", limits["memory_bytes"]), ("RLIMIT_FSIZE", limits["file_bytes"]),
                     ("RLIMIT_NOFILE", 64), ("RLIMIT_NPROC", 64)):
     resource.setrlimit(getattr(resource, name), (value, value))
-code = sys.stdin.read()
+import runpy
 sys.argv = ["main.py"]
-namespace = {"__name__": "__main__"}
-exec(compile(code, "main.py", "exec"), namespace)
+runpy.run_path(program, run_name="__main__")  # the student's code, read-only, outside the working directory
 """
 
 
@@ -123,6 +122,9 @@ def _run(code: str, limits: SandboxLimits) -> subprocess.CompletedProcess:
     """``code`` run once in a fresh sandbox; past ``wall_s`` its processes are killed
     (``returncode`` -9 and ``stderr`` saying so)."""
     workdir = tempfile.mkdtemp(prefix="asyncopd-sandbox-")
+    program = os.path.join(tempfile.mkdtemp(prefix="asyncopd-program-"), "main.py")
+    with open(program, "w") as file:
+        file.write(code)
     settings = {
         "cpu_s": limits.cpu_s,
         "memory_bytes": limits.memory_mb << 20,
@@ -133,20 +135,20 @@ def _run(code: str, limits: SandboxLimits) -> subprocess.CompletedProcess:
 
     command = [
         "unshare", "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--kill-child",
-        sys.executable, "-I", "-c", _LAUNCHER, json.dumps(settings), workdir,
+        sys.executable, "-I", "-c", _LAUNCHER, json.dumps(settings), workdir, program,
     ]  # fmt: skip
     try:
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             process = subprocess.Popen(
                 command,
-                stdin=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
                 env={"PATH": "/usr/bin:/bin"},
             )
             try:
-                process.communicate(code.encode(), timeout=limits.wall_s)
+                process.wait(timeout=limits.wall_s)
                 timed_out = False
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
@@ -158,6 +160,7 @@ def _run(code: str, limits: SandboxLimits) -> subprocess.CompletedProcess:
             stderr = err.read(limits.output_chars * 4 + 1).decode(errors="replace")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(program), ignore_errors=True)
     if timed_out:
         stderr += f"\nthe code ran past {limits.wall_s:g} s (wall clock) and was stopped"
     return subprocess.CompletedProcess(command, -9 if timed_out else process.returncode, stdout, stderr)
