@@ -2,6 +2,7 @@
 built-in tools, and the worker pool that runs environment steps off the decode loop."""
 
 from asyncopd_jax.environments.calculator import Calculator
+from asyncopd_jax.environments.chat_turns import observation_ids, observation_text
 from asyncopd_jax.environments.pool import EnvironmentPool
 from asyncopd_jax.environments.protocol import Environment, Observation, Tool, ToolCall
 from asyncopd_jax.environments.sandbox import PythonSandbox, SandboxLimits
@@ -19,6 +20,8 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolEnvironment",
+    "observation_ids",
+    "observation_text",
     "parse_hermes",
     "render_hermes",
 ]
