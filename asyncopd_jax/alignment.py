@@ -28,6 +28,6 @@ def response_hidden(model: Decoder, batch: RolloutBatch, remat: Remat = "none") 
     """Run ``model`` over prompt + response; ``[B, T, H]`` target-aligned hidden states
     (``remat``: what each layer keeps for a backward pass, see :meth:`Decoder.forward`)."""
     ids = jnp.concatenate([batch.prompt_tokens, batch.response_tokens], axis=1)
-    mask = jnp.concatenate([batch.prompt_mask, batch.response_mask], axis=1)
+    mask = jnp.concatenate([batch.prompt_mask, batch.context_mask], axis=1)  # environment tokens: context
     hidden = model.hidden_states(ids, attention_mask=mask, remat=remat)
     return response_aligned(hidden, batch.prompt_tokens.shape[1], batch.response_tokens.shape[1])

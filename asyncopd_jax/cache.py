@@ -93,6 +93,10 @@ class RolloutBatch:
         fixed reference policy (e.g. the starting student) at the sampling temperature, for
         a KL-to-reference term; filled in by the scoring stage
         (:class:`asyncopd_jax.teacher.ReferenceScorer`).
+      environment_mask: ``[B, T]`` bool or None (single-turn): True on the tokens an
+        environment wrote into a multi-turn trajectory (a tool's observation). They are
+        context for the student and the teacher (:attr:`context_mask`) and outside
+        ``response_mask``, so outside every loss, metric and denominator.
     """
 
     prompt_tokens: Array
@@ -107,12 +111,13 @@ class RolloutBatch:
     student_topk_behavior_logp: Array | None = None
     advantages: Array | None = None
     reference_logp: Array | None = None
+    environment_mask: Array | None = None
 
     def __post_init__(self) -> None:
         _check_shapes(
             self,
             "response_tokens",
-            ("response_mask", "behavior_logp", "token_version", "advantages", "reference_logp"),
+            ("response_mask", "behavior_logp", "token_version", "advantages", "reference_logp", "environment_mask"),
             (("candidate_ids", "candidate_behavior_logp"), ("student_topk_ids", "student_topk_behavior_logp")),
         )
         if _is_array_like(self.prompt_tokens) and _is_array_like(self.response_tokens):
@@ -122,6 +127,13 @@ class RolloutBatch:
                     f"RolloutBatch.prompt_tokens {list(p)} and prompt_mask {list(m)} must share a shape "
                     f"[B, P] with B from response_tokens {list(r)}"
                 )
+
+    @property
+    def context_mask(self) -> Array:
+        """``[B, T]`` bool: the response slots the models read as context, the student's
+        tokens (``response_mask``) and an environment's (``environment_mask``)."""
+        mask = jnp.asarray(self.response_mask, bool)
+        return mask if self.environment_mask is None else mask | jnp.asarray(self.environment_mask, bool)
 
     @property
     def oldest_version(self) -> Array:

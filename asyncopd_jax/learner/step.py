@@ -422,9 +422,10 @@ def make_packed_train_step(
     def step(state: TrainState, batch: LearnerBatch):
         batch, dropped = drop(batch)  # before planning: dropped rows have no tokens
         prompt_mask, response_mask = np.asarray(batch.rollout.prompt_mask), np.asarray(batch.rollout.response_mask)
+        context = np.asarray(batch.rollout.context_mask)  # a trajectory's slots: its student and environment tokens
         plans = plan_micro_batches(
             prompt_mask.sum(1),
-            response_mask.sum(1),
+            context.sum(1),
             prompt_slots=prompt_mask.shape[1],
             response_slots=response_mask.shape[1],
             token_budget=token_budget,
@@ -444,7 +445,7 @@ def make_packed_train_step(
             acc = part if acc is None else add(acc, part)
         state, metrics = apply(state, acc, total)
         slots = sum(p.padded_tokens for p in plans)
-        real = int(prompt_mask.sum() + response_mask.sum())
+        real = int(prompt_mask.sum() + context.sum())
         return state, {
             **metrics,
             "micro_batches": len(plans),

@@ -442,10 +442,11 @@ def _retry_after(value: str | None) -> float | None:
 
 
 def _rows(batch: RolloutBatch) -> list[Row]:
-    """Each row's real prompt and response tokens (masks applied), and the ids the student
-    chose at its response positions (where the batch has them)."""
+    """Each row's real prompt and response tokens (masks applied; a trajectory's environment
+    tokens are response tokens to the teacher), and the ids the student chose at its
+    response positions (where the batch has them)."""
     host = jax.device_get(
-        (batch.prompt_tokens, batch.prompt_mask, batch.response_tokens, batch.response_mask)
+        (batch.prompt_tokens, batch.prompt_mask, batch.response_tokens, batch.context_mask)
         + (batch.candidate_ids, batch.student_topk_ids)
     )
     prompt_tokens, prompt_mask, response_tokens, response_mask, candidates, student_topk = host

@@ -353,7 +353,7 @@ class Scorers:
 
 def longest(batch: RolloutBatch) -> int:
     """The longest answer of ``batch``, in tokens."""
-    return int(jnp.max(jnp.sum(batch.response_mask, axis=1)))
+    return int(jnp.max(jnp.sum(batch.context_mask, axis=1)))  # a trajectory's environment tokens too
 
 
 def take_rows(tree: Any, rows: Array) -> Any:
