@@ -137,13 +137,15 @@ class RolloutBatch:
 
     @property
     def oldest_version(self) -> Array:
-        """``[B]`` the oldest policy version among each response's tokens."""
+        """``[B]`` the oldest policy version among each response's tokens: the student's
+        (``response_mask``), so a multi-turn trajectory is as stale as its oldest student
+        turn's oldest token; its environment tokens were written by no policy."""
         big = jnp.iinfo(jnp.int32).max
         return jnp.min(jnp.where(self.response_mask, self.token_version, big), axis=-1)
 
     @property
     def newest_version(self) -> Array:
-        """``[B]`` the newest policy version among each response's tokens."""
+        """``[B]`` the newest policy version among each response's (student) tokens."""
         return jnp.max(jnp.where(self.response_mask, self.token_version, -1), axis=-1)
 
 

@@ -358,3 +358,27 @@ def test_every_estimator_knob_reaches_the_estimator_that_reads_it(knob):
     default, _ = evaluate_estimator(_estimator(name, others), batch, cache, s, proximal=proximal)
     changed, _ = evaluate_estimator(_estimator(name, {**others, knob: value}), batch, cache, s, proximal=proximal)
     assert np.abs(np.asarray(changed) - np.asarray(default)).max() > 1e-4, knob
+
+
+def test_a_trajectory_is_as_stale_as_its_oldest_student_token():
+    """Environment tokens are context (``context_mask``), written by no policy: the versions
+    at their slots do not count; a trajectory whose turns span a weight swap is dated by its
+    oldest student token."""
+    _, _, batch, _ = _world()
+    response = np.asarray(batch.response_mask, bool)
+    environment = np.zeros_like(response)
+    environment[:, 1] = response[:, 1]  # slot 1 of each row: a tool's observation
+    versions = np.where(environment, 0, np.asarray(batch.token_version))  # garbage where no policy wrote
+    trajectory = dataclasses.replace(
+        batch,
+        response_mask=jnp.asarray(response & ~environment),
+        environment_mask=jnp.asarray(environment),
+        token_version=jnp.asarray(versions, jnp.int32),
+    )
+    np.testing.assert_array_equal(trajectory.context_mask, response)
+    student = response & ~environment
+    want = [np.asarray(batch.token_version)[row][student[row]].min() for row in range(student.shape[0])]
+    np.testing.assert_array_equal(trajectory.oldest_version, want)
+    assert min(want) > 0
+    with pytest.raises(ValueError, match="environment_mask"):
+        dataclasses.replace(batch, environment_mask=jnp.zeros((1, 1), bool))
