@@ -5,6 +5,11 @@ The calls are parsed in the model's format (:func:`~asyncopd_jax.environments.to
 by default); a call that does not parse, names no tool of this environment or raises is
 answered with its error as that call's output, so the student reads what went wrong and the
 run goes on. ``max_turns`` ends the episode after that many student turns whatever they call.
+
+``render`` writes the outputs as the observation's text: ``<tool_response>`` blocks by
+default; for a chat model, the template's whole tool turn after the student's stop token,
+``functools.partial(observation_text, tokenizer, stop_text=…)``
+(:func:`~asyncopd_jax.environments.chat_turns.observation_text`).
 """
 
 from __future__ import annotations

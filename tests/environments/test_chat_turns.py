@@ -75,3 +75,15 @@ def test_a_template_that_cannot_write_a_tool_turn_is_refused_in_one_line(chatml,
     tokenizer.chat_template = template
     with pytest.raises(ValueError, match=says):
         observation_text(tokenizer, ["408"], stop)
+
+
+def test_a_tool_environment_answers_in_the_templates_tool_turn(chatml):
+    import functools
+
+    from asyncopd_jax.environments import Calculator, ToolEnvironment
+
+    env = ToolEnvironment([Calculator()], render=functools.partial(observation_text, chatml, stop_text="<|im_end|>"))
+    observation = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>')
+    assert observation.text == (
+        "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
