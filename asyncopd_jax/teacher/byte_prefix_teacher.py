@@ -41,7 +41,7 @@ import numpy as np
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.teacher.byte_prefix import Candidate, longest_match
-from asyncopd_jax.teacher.cross_tokenizer import Retokenizer
+from asyncopd_jax.teacher.cross_tokenizer import Retokenizer, refuse_trajectories
 from asyncopd_jax.teacher.prefix_trees import PrefixTrees
 from asyncopd_jax.teacher.prefix_wire import ServedPrefixTrees
 from asyncopd_jax.teacher.scorer import ScoringParams
@@ -115,6 +115,7 @@ class BytePrefixTeacher:
         its ``student_topk_ids``: the support scored, with :meth:`teacher_ids` ahead of them
         where ``from_teacher``)."""
         del key  # nothing is sampled
+        refuse_trajectories(batch, self.name)
         if batch.student_topk_ids is None:
             raise ValueError(
                 f"teacher {self.name!r} (mapping = byte_prefix) scores the student's top-K ids: the rollout has none "

@@ -54,6 +54,17 @@ def id_map(teacher: TokenBytes, student: TokenBytes, eos: tuple[int, int]) -> np
     return mapped
 
 
+def refuse_trajectories(batch: RolloutBatch, name: str) -> None:
+    """A ValueError where ``batch`` holds multi-turn trajectories (environment tokens): a
+    teacher of another tokenizer reads an answer's text from the student's tokens alone, and
+    would score the turns after an observation without it."""
+    if batch.environment_mask is not None and bool(np.any(np.asarray(batch.environment_mask))):
+        raise ValueError(
+            f"teacher {name!r} has another tokenizer than the student's: multi-turn trajectories (environment "
+            "tokens) cannot be re-tokenised for it yet; allowed: a teacher of the student's tokenizer"
+        )
+
+
 def lookup(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """``table[ids]``, −1 for an id past the table (a teacher's embedding padded past its
     tokenizer: those rows are no token)."""
@@ -158,6 +169,7 @@ class CrossTokenizerTeacher:
 
     def score(self, batch: RolloutBatch, key: Array | None = None) -> TeacherScoreCache:
         """The span cache of ``batch`` (its prompts: the teacher's, in teacher tokens)."""
+        refuse_trajectories(batch, self.name)
         tokens, mask = np.asarray(batch.response_tokens), np.asarray(batch.response_mask, bool)
         b, t = tokens.shape
         alignments = [self.tokens.align(tokens[row][mask[row]]) for row in range(b)]

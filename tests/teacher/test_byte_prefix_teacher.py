@@ -397,3 +397,23 @@ def test_a_sentencepiece_students_leading_space_is_not_scored_as_text():
     best, _ = trees.top([sequence], [(0, prompt)], 4)
     want = next(s for j in best[0] if (s := scorer.start(int(j), lead=b" ")) >= 0)
     assert int(np.asarray(scorer.score(batch).topk_ids)[0, 0, 0]) == want
+
+
+@pytest.mark.parametrize("mapping", ["spans", "byte_prefix"])
+def test_a_teacher_of_another_tokenizer_refuses_multi_turn_trajectories(scored, mapping):
+    """Both read an answer's text from the student's tokens alone: a batch with environment
+    tokens is refused in one line, not scored without them (a batch with none scores as before)."""
+    from asyncopd_jax.teacher import TeacherScorer
+    from asyncopd_jax.teacher.cross_tokenizer import CrossTokenizerTeacher
+
+    pair, teacher, batch, _, _, local = scored
+    if mapping == "spans":
+        scorer = CrossTokenizerTeacher(TeacherScorer(teacher, ScoringParams(topk=4), pad_rows=True), pair, 128, "t")
+    else:
+        scorer = BytePrefixTeacher(local.trees, pair, ScoringParams(), "t")
+    environment = np.zeros(np.shape(batch.response_mask), bool)
+    scorer.score(dataclasses.replace(batch, environment_mask=jnp.asarray(environment)))  # none: scored
+    environment[0, 1] = True
+    trajectory = dataclasses.replace(batch, environment_mask=jnp.asarray(environment))
+    with pytest.raises(ValueError, match="teacher 't' has another tokenizer .* multi-turn trajectories"):
+        scorer.score(trajectory)
