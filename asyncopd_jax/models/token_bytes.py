@@ -90,6 +90,11 @@ class TokenBytes:
         """The bytes of ``ids`` in order."""
         return b"".join(self.pieces[int(i)] for i in ids)
 
+    def at_text_start(self, data: bytes) -> bytes:
+        """``data`` at the start of a text: without the leading space the decoder drops
+        (:attr:`strips_leading_space`: the encoder's ``▁``, not the text's)."""
+        return data[1:] if self.strips_leading_space and data.startswith(b" ") else data
+
     @functools.cached_property
     def by_bytes(self) -> dict[bytes, int]:
         """Each non-special token's bytes → its id (the lowest, where two ids share them)."""

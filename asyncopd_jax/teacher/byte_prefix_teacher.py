@@ -94,13 +94,10 @@ class BytePrefixTeacher:
 
     def _bytes(self, student_id: int, first: bool) -> bytes:
         """The bytes student id ``student_id`` adds to the answer's text; ``first``: written
-        before any other, where a SentencePiece student's leading space is the decoder's to
-        drop (:attr:`~asyncopd_jax.models.token_bytes.TokenBytes.strips_leading_space`, as
-        :func:`~asyncopd_jax.teacher.span_alignment.answer_text` drops it): without it."""
+        before any other (:meth:`~asyncopd_jax.models.token_bytes.TokenBytes.at_text_start`,
+        the rule :func:`~asyncopd_jax.teacher.span_alignment.answer_text` reads the text by)."""
         piece = self.tokens.student_bytes.pieces[student_id]
-        if first and self.tokens.student_bytes.strips_leading_space and piece.startswith(b" "):
-            return piece[1:]
-        return piece
+        return self.tokens.student_bytes.at_text_start(piece) if first else piece
 
     def _context(self, prompt: list[int], prefix: bytes) -> tuple[list[int], bytes]:
         """The teacher's ids for ``prompt`` + the answer's text ``prefix`` up to its last

@@ -111,10 +111,10 @@ def answer_text(student: TokenBytes, ids: ArrayLike) -> tuple[bytes, np.ndarray]
     dropped from the first token that holds it (as ``tokenizer.decode`` does)."""
     lengths = student.lengths(ids)
     data = student.join(ids)
-    if student.strips_leading_space and data.startswith(b" "):
-        data = data[1:]
+    text = student.at_text_start(data)
+    if len(text) < len(data):
         lengths[int(np.argmax(lengths > 0))] -= 1
-    return data, lengths
+    return text, lengths
 
 
 def valid_prefix(data: bytes) -> int:
