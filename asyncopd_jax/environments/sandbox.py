@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import shutil
 import signal
@@ -131,8 +132,6 @@ def _run(code: str, limits: SandboxLimits) -> subprocess.CompletedProcess:
         "file_bytes": limits.output_chars * 4,
         "disk_bytes": limits.disk_mb << 20,
     }
-    import json
-
     command = [
         "unshare", "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--kill-child",
         sys.executable, "-I", "-c", _LAUNCHER, json.dumps(settings), workdir, program,

@@ -139,7 +139,8 @@ class BytePrefixTeacher:
             return self._cache(support, np.zeros((b, t)), np.full((b, t, k), FLOOR))
         where = tuple(np.asarray([place[:2] for place in places]).T)  # (rows, positions) scored
         contexts = [(row, context) for row, _, context, _, _ in places]
-        before = (self.trees.wait_s, self.trees.requests) if isinstance(self.trees, ServedPrefixTrees) else (0.0, 0)
+        served = self.trees if isinstance(self.trees, ServedPrefixTrees) else None
+        before = (served.wait_s, served.requests) if served is not None else (0.0, 0)
         if self.from_teacher:
             best, _ = self.trees.top(sequences, contexts, 4 * self.from_teacher)
             support[where] = self.teacher_ids(best, [tail for *_, tail, _ in places], support[where], firsts)
@@ -148,8 +149,8 @@ class BytePrefixTeacher:
             candidates = [self._candidate(sampled, first)] + [self._candidate(int(i), first) for i in ids]
             asked.append([_after(tail, c) for c in candidates] + ([tail] if tail else []))
         logp = self.trees.prefixes(sequences, contexts, asked)
-        if isinstance(self.trees, ServedPrefixTrees):  # the server's requests and retries' waits
-            self.last_wait_s, self.last_requests = self.trees.wait_s - before[0], self.trees.requests - before[1]
+        if served is not None:  # the server's requests and retries' waits
+            self.last_wait_s, self.last_requests = served.wait_s - before[0], served.requests - before[1]
         else:  # the trees' calls: one forward of the answers
             self.last_wait_s, self.last_requests = None, 1
         token_logp = np.zeros((b, t))
