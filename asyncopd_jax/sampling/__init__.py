@@ -15,9 +15,13 @@ Layout::
                      protocol; EngineStats
     static.py        Sampler: a batch in lockstep over a dense KV cache; StaticStream
     paged.py         PagedPrograms: the continuous engine's compiled programs over a paged cache,
-                     which admit, page, preempt and decode on the device
-    schedule.py      its bookkeeping as pure functions: the queue, the free-page stack, the table
+                     which admit, page, preempt, park and decode on the device
+    carry.py         what those programs carry between calls, take in and hand out
+    schedule.py      its bookkeeping as pure functions: the queue, the free-page stack, the
+                     table, the parked sequences of multi-turn rollouts
     stream.py        ContinuousStream: the continuous engine's host side (prompts in, answers out)
+    episodes.py      multi-turn episodes on the host: Turns (the environments' pool, the
+                     student's text), each row's episode, their figures
     continuous.py    ContinuousSampler: the paged programs driven by a ContinuousStream
 """
 

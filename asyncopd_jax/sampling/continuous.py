@@ -26,8 +26,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from asyncopd_jax.sampling.carry import slots_axes
 from asyncopd_jax.sampling.engine import BatchFigures, Calls, Engine, ProgramShapes
-from asyncopd_jax.sampling.paged import PagedPrograms, slots_axes
+from asyncopd_jax.sampling.episodes import Turns
+from asyncopd_jax.sampling.paged import PagedPrograms
 from asyncopd_jax.sampling.stream import ContinuousStream
 
 
@@ -41,9 +43,15 @@ class ContinuousSampler(PagedPrograms, Engine):
     """
 
     def open_stream(
-        self, state: nnx.State, *, version: int, prompt_slots: int, slots: int | None = None
+        self,
+        state: nnx.State,
+        *,
+        version: int,
+        prompt_slots: int,
+        slots: int | None = None,
+        turns: Turns | None = None,
     ) -> ContinuousStream:
-        return ContinuousStream(self, state, version=version, prompt_slots=prompt_slots, slots=slots)
+        return ContinuousStream(self, state, version=version, prompt_slots=prompt_slots, slots=slots, turns=turns)
 
     def decode_rows(self, rows: int) -> int:
         return self.params.slots or rows

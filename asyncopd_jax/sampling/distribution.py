@@ -55,6 +55,11 @@ class SamplingParams:
         finds none free preempts the most recently admitted sequence, which is re-queued
         and re-sampled from its start (with the same key: the same answer, unless the
         weights changed meanwhile).
+      tool_call_ids: multi-turn rollouts (continuous engine only): a turn that samples one
+        of these ids (a tool call's opening, e.g. Qwen3's ``<tool_call>``) and ends on a stop
+        token parks its sequence, its pages kept, until the environment's observation joins
+        the context and the next turn starts; a turn without one ends the episode. Empty:
+        single-turn.
     """
 
     temperature: float = 1.0
@@ -73,6 +78,7 @@ class SamplingParams:
     slots: int = 0
     page_size: int = 16
     kv_pages: int = 0
+    tool_call_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         checks = [
@@ -99,6 +105,11 @@ class SamplingParams:
         for ok, field, value, allowed in checks:
             if not ok:
                 raise ValueError(f"sampling.{field} = {value!r} is invalid; allowed: {allowed}")
+        if self.tool_call_ids and self.engine != "continuous":
+            raise ValueError(
+                "sampling.tool_call_ids: multi-turn rollouts park a sequence between turns, which only the continuous "
+                "engine does; set sampling.engine = continuous"
+            )
         if self.num_candidates and self.temperature == 0:
             raise ValueError(
                 "sampling.num_candidates > 0 needs temperature > 0: greedy decoding has no distribution to draw from"

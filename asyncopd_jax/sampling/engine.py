@@ -33,6 +33,7 @@ from asyncopd_jax.models.decoder import Decoder, cast_floating
 from asyncopd_jax.models.partitioning import Logical, logical_spec, mesh_context
 from asyncopd_jax.sampling.decode import prompt_keys
 from asyncopd_jax.sampling.distribution import SamplingParams
+from asyncopd_jax.sampling.episodes import EpisodeStats, Turns
 from asyncopd_jax.sampling.records import left_pad
 
 Array = jax.Array
@@ -85,6 +86,12 @@ class EngineStats:
     # last answers drain): their decoded rows and the tokens they sampled
     waiting_row_steps: int = 0
     waiting_tokens: int = 0
+    # multi-turn: turns parked for a tool, continuations that found their pages, parked
+    # sequences whose pages were taken back; the episodes' figures
+    parks: int = 0
+    resumes: int = 0
+    evictions: int = 0
+    episodes: EpisodeStats = dataclasses.field(default_factory=EpisodeStats)
 
     @property
     def utilisation(self) -> float:
@@ -144,10 +151,13 @@ class RolloutStream(Protocol):
         must (its staleness counts from its start)."""
         ...
 
-    def submit(self, tag: Any, prompts: Sequence[Sequence[int]], keys: Array) -> None:
+    def submit(
+        self, tag: Any, prompts: Sequence[Sequence[int]], keys: Array, environments: Sequence[Any] | None = None
+    ) -> None:
         """Queue a group: ``G`` token lists (at most ``prompt_slots`` long each) and their
-        keys ``[G]`` (prompt i's answer token t is drawn with ``fold_in(keys[i], t)``);
-        :meth:`step` hands it back, tagged ``tag``, once every answer has ended."""
+        keys ``[G]`` (prompt i's answer token t is drawn with ``fold_in(keys[i], t)``), and
+        (multi-turn) each prompt's environment; :meth:`step` hands it back, tagged ``tag``,
+        once every answer has ended."""
         ...
 
     def step(self) -> list[tuple[Any, RolloutBatch]]:
@@ -240,12 +250,18 @@ class Engine(Programs, abc.ABC):
 
     @abc.abstractmethod
     def open_stream(
-        self, state: nnx.State, *, version: int, prompt_slots: int, slots: int | None = None
+        self,
+        state: nnx.State,
+        *,
+        version: int,
+        prompt_slots: int,
+        slots: int | None = None,
+        turns: Turns | None = None,
     ) -> RolloutStream:
         """A stream sampling with ``state`` (policy ``version``) for prompts of up to
         ``prompt_slots`` tokens, decoding up to ``slots`` rows at once (the continuous
         engine's slots, default ``params.slots``; the static engine decodes each group as
-        one batch of its own size)."""
+        one batch of its own size); multi-turn with ``turns`` (the continuous engine only)."""
 
     @abc.abstractmethod
     def decode_rows(self, rows: int) -> int:

@@ -67,16 +67,22 @@ class Records:
         return xp.arange(self.tokens.shape[1])[None] < self.length[:, None]
 
 
-def rollout_batch(prompt_tokens: Any, prompt_mask: Any, records: Records, params: SamplingParams) -> RolloutBatch:
+def rollout_batch(
+    prompt_tokens: Any, prompt_mask: Any, records: Records, params: SamplingParams, environment: Any = None
+) -> RolloutBatch:
     """The batch of ``B`` answers (``records``, on the device or the host) to the left-padded
-    prompts ``prompt_tokens, prompt_mask [B, P]``: the one assembly of both engines."""
+    prompts ``prompt_tokens, prompt_mask [B, P]``: the one assembly of both engines.
+    ``environment [B, T]`` (multi-turn) marks the columns an environment wrote: they are
+    outside the response mask."""
     put = jnp.asarray
     mc, topk = params.num_candidates > 0, params.student_topk > 0
+    student = records.response_mask() if environment is None else records.response_mask() & ~environment
     return RolloutBatch(
         prompt_tokens=put(prompt_tokens),
         prompt_mask=put(prompt_mask),
         response_tokens=put(records.tokens),
-        response_mask=put(records.response_mask()),
+        response_mask=put(student),
+        environment_mask=None if environment is None else put(environment),
         behavior_logp=put(records.logp),
         token_version=put(records.versions),
         candidate_ids=put(records.candidate_ids) if mc else None,

@@ -26,8 +26,9 @@ class Queue:
     """Prompts waiting for a slot, a ring of ``Q`` entries (a preempted prompt goes back in
     front: ``head − 1``)."""
 
-    prompts: Array  # [Q, P] int32, each prompt from position 0
+    prompts: Array  # [Q, C] int32, each context (a prompt, or a continuation's trajectory) from position 0
     prompt_len: Array  # [Q] int32
+    begin: Array  # [Q] int32 the answer column its turn starts at (context tokens past the prompt)
     keys: Array  # [Q] PRNG keys
     row: Array  # [Q] int32 the stream row (the host's name for the prompt)
     head: Array  # scalar int32: the ring position of the first waiting prompt
@@ -97,8 +98,10 @@ def take_pages(pages: Pages, slot: Array, need: Array) -> Pages:
 
 
 def release_pages(pages: Pages, gone: Array) -> Pages:
-    """The pages of slots ``gone [S]`` (bool) pushed back on the stack. Their table rows keep
-    naming them: entries past a sequence's own pages are read under the causal mask only."""
+    """The pages of table rows ``gone [≤ S + Z]`` (bool; rows past it: kept) pushed back on
+    the stack. Their table rows keep naming them: entries past a sequence's own pages are
+    read under the causal mask only."""
+    gone = jnp.pad(gone, (0, pages.owned.shape[0] - gone.shape[0]))
     count = jnp.where(gone, pages.owned, 0)  # [S]
     before = (jnp.cumsum(count) - count)[:, None]
     column = jnp.arange(pages.table.shape[1])[None]
@@ -119,3 +122,97 @@ def idle_first(active: Array) -> Array:
 def newest(active: Array, admitted: Array) -> Array:
     """The busy slot admitted last (the one to preempt; ``admitted [S]``: admission numbers)."""
     return jnp.argmax(jnp.where(active, admitted, -1)).astype(jnp.int32)
+
+
+# --- multi-turn: sequences parked while their environment answers -------------------------
+#
+# A slot whose turn called a tool (``SamplingParams.tool_call_ids``) parks: its sequence
+# leaves the slot, which the next queued prompt may take, and its pages move to one of Z
+# rows of the page table after the S slots' (``table [S + Z, M]``), held until the
+# observation comes back as a continuation (its pages move into the slot that admits it)
+# or the host releases them (the episode ended). Pages run short: the oldest parked
+# sequence is evicted first (its continuation is then prefilled from position 0).
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Parked:
+    """``Z`` parked sequences, entry ``z`` holding its pages in table row ``S + z``."""
+
+    row: Array  # [Z] int32 the stream row parked (-1: a free entry)
+    written: Array  # [Z] int32 tokens in its pages
+    version: Array  # [Z] int32 the weights' version its pages were written under
+    order: Array  # [Z] int32 when it parked (parks so far, then): the oldest is evicted first
+
+    @classmethod
+    def empty(cls, entries: int) -> Parked:
+        free = jnp.full((entries,), -1, jnp.int32)
+        return cls(row=free, written=jnp.zeros_like(free), version=jnp.zeros_like(free), order=jnp.zeros_like(free))
+
+    @property
+    def used(self) -> Array:
+        return self.row >= 0
+
+    def find(self, row: Array) -> Array:
+        """The entries ``[R]`` holding stream rows ``row [R]`` (``Z``: not parked)."""
+        match = (self.row[None, :] == row[:, None]) & self.used[None, :]
+        return jnp.where(jnp.any(match, axis=1), jnp.argmax(match, axis=1), self.row.shape[0]).astype(jnp.int32)
+
+
+def evict(pages: Pages, parked: Parked, gone: Array) -> tuple[Pages, Parked]:
+    """Parked entries ``gone [Z]`` (bool) freed, their pages pushed back on the stack."""
+    slots = pages.table.shape[0] - parked.row.shape[0]
+    rows = jnp.concatenate([jnp.zeros((slots,), bool), gone & parked.used])
+    return release_pages(pages, rows), dataclasses.replace(parked, row=jnp.where(gone, -1, parked.row))
+
+
+def oldest_parked(parked: Parked, count: Array) -> Array:
+    """``[Z]`` bool: the ``count`` parked entries that parked first."""
+    rank = jnp.argsort(jnp.argsort(jnp.where(parked.used, parked.order, jnp.iinfo(jnp.int32).max)))
+    return parked.used & (rank < count)
+
+
+def park(
+    pages: Pages, parked: Parked, going: Array, row: Array, written: Array, version: Array, parks: Array
+) -> tuple[Pages, Parked, Array]:
+    """Slots ``going [S]`` (bool) parked: the oldest parked entries evicted while too few are
+    free, then each slot's pages moved to a free entry's table row (``row``, ``written [S]``:
+    the slots' stream rows and tokens in their pages; ``version``: the weights'; ``parks``:
+    parks so far). Returns the pages, the entries and how many were evicted."""
+    slots, entries = going.shape[0], parked.row.shape[0]
+    short = jnp.maximum(jnp.sum(going) - jnp.sum(~parked.used), 0)
+    gone = oldest_parked(parked, short)
+    pages, parked = evict(pages, parked, gone)
+    rank = jnp.cumsum(going) - 1  # the k-th parking slot takes the k-th free entry
+    entry = jnp.where(going, idle_first(parked.used)[jnp.clip(rank, 0, entries - 1)], entries)  # others dropped
+    table_row = slots + entry
+    table = pages.table.at[table_row].set(pages.table[:slots], mode="drop")
+    owned = pages.owned.at[table_row].set(pages.owned[:slots], mode="drop")
+    owned = owned.at[:slots].set(jnp.where(going, 0, owned[:slots]))
+    ordered = parks + rank
+    parked = Parked(
+        row=parked.row.at[entry].set(row, mode="drop"),
+        written=parked.written.at[entry].set(written, mode="drop"),
+        version=parked.version.at[entry].set(version, mode="drop"),
+        order=parked.order.at[entry].set(ordered, mode="drop"),
+    )
+    return dataclasses.replace(pages, table=table, owned=owned), parked, jnp.sum(gone, dtype=jnp.int32)
+
+
+def unpark(pages: Pages, parked: Parked, home: Array, slot: Array, version: Array) -> tuple[Pages, Parked, Array]:
+    """Entries ``home [R]`` (``Z``: none) moved into slots ``slot [R]`` (beyond the table:
+    none): their pages into the slots' table rows, the entries freed. Returns the pages, the
+    entries and ``[R]`` the tokens already in each slot's pages under weights ``version``
+    (a sequence parked under older weights is rewritten from position 0)."""
+    slots, entries = pages.table.shape[0] - parked.row.shape[0], parked.row.shape[0]
+    moving = (home < entries) & (slot < slots)
+    source = slots + jnp.minimum(home, entries - 1)
+    target = jnp.where(moving, slot, pages.table.shape[0])  # others dropped
+    table = pages.table.at[target].set(pages.table[source], mode="drop")
+    owned = pages.owned.at[target].set(pages.owned[source], mode="drop")
+    owned = owned.at[jnp.where(moving, source, pages.table.shape[0])].set(0, mode="drop")
+    entry = jnp.where(moving, home, entries)
+    fresh = moving & (parked.version[jnp.minimum(home, entries - 1)] == version)
+    start = jnp.where(fresh, parked.written[jnp.minimum(home, entries - 1)], 0)
+    parked = dataclasses.replace(parked, row=parked.row.at[entry].set(-1, mode="drop"))
+    return dataclasses.replace(pages, table=table, owned=owned), parked, start

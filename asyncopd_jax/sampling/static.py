@@ -45,6 +45,7 @@ from asyncopd_jax.models.partitioning import Logical, constrain, mesh_context
 from asyncopd_jax.sampling.decode import sample_token
 from asyncopd_jax.sampling.distribution import SamplingParams
 from asyncopd_jax.sampling.engine import BatchFigures, Calls, Engine, EngineStats, ProgramShapes
+from asyncopd_jax.sampling.episodes import Turns
 from asyncopd_jax.sampling.records import Records, left_pad, rollout_batch
 
 Array = jax.Array
@@ -171,8 +172,16 @@ class Sampler(Engine):
         self.recompute = jax.jit(self._recompute_fn, donate_argnums=(1,))
 
     def open_stream(
-        self, state: nnx.State, *, version: int, prompt_slots: int, slots: int | None = None
+        self,
+        state: nnx.State,
+        *,
+        version: int,
+        prompt_slots: int,
+        slots: int | None = None,
+        turns: Turns | None = None,
     ) -> StaticStream:
+        if turns is not None:
+            raise ValueError("multi-turn rollouts need sampling.engine = continuous: the static engine parks no turn")
         return StaticStream(self, state, version=version, prompt_slots=prompt_slots, slots=slots)
 
     def decode_rows(self, rows: int) -> int:
@@ -340,7 +349,11 @@ class StaticStream:
     def wants_prompts(self) -> bool:
         return self.idle
 
-    def submit(self, tag: Any, prompts: Sequence[Sequence[int]], keys: Array) -> None:
+    def submit(
+        self, tag: Any, prompts: Sequence[Sequence[int]], keys: Array, environments: Sequence[Any] | None = None
+    ) -> None:
+        if environments is not None:
+            raise ValueError("the static engine samples single-turn answers: it takes no environments")
         ids, mask = left_pad(prompts, self.engine.pad_id, self.prompt_slots)  # checks the prompts
         if len(keys) != len(prompts):
             raise ValueError(f"{len(keys)} keys for {len(prompts)} prompts")

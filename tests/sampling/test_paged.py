@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from asyncopd_jax.sampling import ContinuousSampler, SamplingParams
-from asyncopd_jax.sampling.paged import Counts, Scheduled
+from asyncopd_jax.sampling.carry import Counts, Scheduled
 from asyncopd_jax.sampling.schedule import pages_for, take_pages
 from tests.tiny_models import tiny_decoder
 
@@ -102,7 +102,8 @@ def _scheduled(state: State) -> Scheduled:
         row=jnp.arange(100, 100 + q.row.shape[0], dtype=jnp.int32),
         tail=jnp.int32(n),
     )
-    return Scheduled(slots=slots, pages=pages, queue=queue, admissions=jnp.int32(max(state.admitted, default=0)))
+    admissions = jnp.int32(max(state.admitted, default=0))
+    return dataclasses.replace(carry, slots=slots, pages=pages, queue=queue, admissions=admissions)
 
 
 def _grow_oracle(state: State) -> tuple[list[int], list[int], int]:
@@ -187,7 +188,7 @@ def test_admission_sets_a_page_aside_for_each_busy_slot_that_starts_one(seed):
     engine = _engine()
 
     def step(state, carry):
-        carry, counts = engine._admission(engine._model(state), carry, Counts.zero())
+        carry, counts = engine._admission(engine._model(state), carry, Counts.zero(), jnp.int32(0))
         return engine._grow(carry, counts)
 
     step = jax.jit(step)
@@ -234,7 +235,7 @@ def test_a_prompt_waits_where_it_would_take_a_growing_slots_page():
 
     @jax.jit
     def step(weights, carry):
-        carry, counts = engine._admission(engine._model(weights), carry, Counts.zero())
+        carry, counts = engine._admission(engine._model(weights), carry, Counts.zero(), jnp.int32(0))
         return engine._grow(carry, counts)
 
     carry, counts = step(MODEL[1], _scheduled(state))
