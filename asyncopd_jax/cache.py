@@ -17,7 +17,7 @@ pytrees (optional fields may be ``None``), so they pass through ``jit``, ``vmap`
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +97,9 @@ class RolloutBatch:
         environment wrote into a multi-turn trajectory (a tool's observation). They are
         context for the student and the teacher (:attr:`context_mask`) and outside
         ``response_mask``, so outside every loss, metric and denominator.
+      tool_calls: ``[B]`` int32 or None (single-turn): the tool calls each trajectory made.
+      tool_errors: ``[B]`` int32 or None: its observations that reported an error.
+      environment_seconds: ``[B]`` fp32 or None: the time its environment steps took.
     """
 
     prompt_tokens: Array
@@ -112,6 +115,17 @@ class RolloutBatch:
     advantages: Array | None = None
     reference_logp: Array | None = None
     environment_mask: Array | None = None
+    tool_calls: Array | None = None
+    tool_errors: Array | None = None
+    environment_seconds: Array | None = None
+
+    @staticmethod
+    def axis(field: str) -> Literal["prompt", "response", "row"]:
+        """What field ``field``'s second axis runs over: the prompt's slots (``[B, P]``), the
+        response's (``[B, T, ...]``), or none (``[B]``: a row's episode figures)."""
+        if field.startswith("prompt_"):
+            return "prompt"
+        return "row" if field in ("tool_calls", "tool_errors", "environment_seconds") else "response"
 
     def __post_init__(self) -> None:
         _check_shapes(

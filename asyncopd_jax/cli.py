@@ -50,7 +50,7 @@ from asyncopd_jax.teacher import wire
 
 if TYPE_CHECKING:
     from asyncopd_jax.models import Decoder
-    from asyncopd_jax.tasks.builtin import TaskData
+    from asyncopd_jax.tasks import TaskData, ToolTaskData
 
 DEMO_CONFIG = configs.DEMO
 
@@ -166,12 +166,12 @@ def _sft(args: argparse.Namespace) -> None:
 
     from asyncopd_jax.learner.sft import train_sft
     from asyncopd_jax.models import save_pretrained
-    from asyncopd_jax.tasks.builtin import TaskData, new_model, padded_vocab
+    from asyncopd_jax.tasks import new_model, padded_vocab, sft_data
     from asyncopd_jax.tasks.tokenizer import build_tokenizer
 
     task = load_config(None, [f"task.{kv}" for kv in args.task]).task if args.task else TaskConfig()
     tokenizer = build_tokenizer(args.tokenizer)
-    data = TaskData(task, tokenizer)
+    data = sft_data(task, tokenizer)
     rng = np.random.default_rng(args.seed)
     batches = iter(lambda: data.sft_batch(rng, args.batch_size), None)
     optim = OptimConfig(
@@ -210,9 +210,9 @@ def _initialise_from(model: Decoder, path: str) -> None:
     nnx.update(model, nnx.state(source, nnx.Param))
 
 
-def _print_accuracy_by_length(data: TaskData, model: nnx.Module) -> None:
+def _print_accuracy_by_length(data: TaskData | ToolTaskData, model: nnx.Module) -> None:
     """For ``task.lengths = long_tailed``: the held-out accuracy per operand-count bucket."""
-    if data.task.lengths != "long_tailed":
+    if not hasattr(data, "accuracy_by_length") or data.task.lengths != "long_tailed":
         return
     per_bucket = 64
     print(f"by operands (greedy, {per_bucket} held-out problems each):")
@@ -441,10 +441,10 @@ def _add_sft(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     )
     sft.add_argument(
         "--tokenizer",
-        choices=["characters", "merges"],  # tasks.tokenizer.TOKENIZER_KINDS (a test checks; imported lazily)
+        choices=["characters", "merges", "tools"],  # tasks.tokenizer.TOKENIZER_KINDS (a test checks; imported lazily)
         default="characters",
-        help="the built-in tokenizer: one token per character, or 64 byte-pair merges over the same characters "
-        "(the other-tokenizer student of cross-tokenizer distillation)",
+        help="the built-in tokenizer: one token per character, 64 byte-pair merges over the same characters "
+        "(the other-tokenizer student of cross-tokenizer distillation), or the tool task's characters",
     )
     sft.add_argument("--steps", type=int, default=1000)
     sft.add_argument("--batch-size", type=int, default=64)

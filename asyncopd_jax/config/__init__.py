@@ -26,6 +26,7 @@ from asyncopd_jax.config.run_config import RunConfig
 from asyncopd_jax.config.sections import (
     TEACHER_NAME,
     DistributedConfig,
+    EnvironmentConfig,
     EvalConfig,
     ExtrapolationConfig,
     LearnerConfig,
@@ -50,6 +51,7 @@ __all__ = [
     "ConfigError",
     "DistributedConfig",
     "EstimatorConfig",
+    "EnvironmentConfig",
     "EvalConfig",
     "ExtrapolationConfig",
     "IdList",

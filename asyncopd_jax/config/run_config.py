@@ -10,6 +10,7 @@ from typing import Literal
 from asyncopd_jax.config.rules import validate
 from asyncopd_jax.config.sections import (
     DistributedConfig,
+    EnvironmentConfig,
     EvalConfig,
     LearnerConfig,
     LoggingConfig,
@@ -49,6 +50,7 @@ class RunConfig:
     reference: ModelSource = ModelSource()
     sampling: SamplingParams = SamplingParams(max_new_tokens=32, num_candidates=4, chunk_steps=8)
     scoring: ScoringParams = ScoringParams(chunk_size=64)
+    environment: EnvironmentConfig = EnvironmentConfig()  # a multi-turn task's tools
     estimator: EstimatorConfig = EstimatorConfig()
     optim: OptimConfig = OptimConfig()
     learner: LearnerConfig = LearnerConfig()

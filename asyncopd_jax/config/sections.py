@@ -19,7 +19,7 @@ class TaskConfig:
     """What the student answers: the built-in synthetic task (``arith``) or a user's file
     (``dataset``: :mod:`asyncopd_jax.tasks.dataset_task`)."""
 
-    name: Literal["arith", "dataset"] = "arith"
+    name: Literal["arith", "tools", "dataset"] = "arith"
     difficulty: int = 3  # arith: operands per problem (lengths = long_tailed: the fewest)
     max_value: int = 99  # arith: operands are drawn from [0, max_value]
     # arith: "fixed" gives every problem `difficulty` operands; "long_tailed" draws each problem's
@@ -32,6 +32,9 @@ class TaskConfig:
     prompt_field: str = "prompt"  # dataset: the field holding the prompt (dots reach into nested objects)
     answer_field: str = "answer"  # dataset: the reference answer ("" for none: distillation needs none)
     eval_fraction: float = 0.05  # dataset: share of the examples held out (fixed by prompt hash)
+    # tools (asyncopd_jax.tasks.tool_arith): a·b + c with the calculator, operands in [10, max_value]
+    max_turns: int = 4  # tools: student turns an episode may take (then it ends)
+    tool_habit: Literal["whole", "steps"] = "whole"  # tools: how SFT trajectories call (one call, or two)
     eval_prompts: int = 256  # held-out problems evaluated (at most)
     seed: int = 0
 
@@ -50,6 +53,7 @@ class TaskConfig:
                     "distinct)",
                 ),
                 ("tail_exponent", self.tail_exponent, self.tail_exponent >= 0, ">= 0 (0: uniform counts)"),
+                ("max_turns", self.max_turns, self.max_turns >= 1, ">= 1"),
             ],
         )
         if self.name == "dataset" and not self.path:
@@ -314,6 +318,26 @@ class ScheduleConfig:
                 ("max_staleness", self.max_staleness, self.max_staleness >= 0, ">= 0"),
                 ("n_step", self.n_step, self.n_step >= 1, ">= 1"),
                 ("lag", self.lag, self.lag >= 0, ">= 0"),
+            ],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvironmentConfig:
+    """How a multi-turn task's environments run (``task.name = tools``): a pool of worker
+    threads beside the decode loop (:class:`~asyncopd_jax.environments.EnvironmentPool`)."""
+
+    workers: int = 8  # environment steps at once
+    timeout_s: float = 30.0  # a step still running after this is answered with a timeout observation
+    max_output: int = 4096  # characters (or ids) an observation keeps; past them it is cut, saying so
+
+    def __post_init__(self) -> None:
+        check_fields(
+            "environment",
+            [
+                ("workers", self.workers, self.workers >= 1, ">= 1"),
+                ("timeout_s", self.timeout_s, self.timeout_s > 0, "> 0"),
+                ("max_output", self.max_output, self.max_output >= 1, ">= 1"),
             ],
         )
 

@@ -115,8 +115,10 @@ def take_micro_batch(batch: Any, plan: MicroBatchPlan) -> Any:
             value = getattr(r, f.name)
             if value is None:
                 fields[f.name] = None
-            elif f.name.startswith("prompt_"):
+            elif RolloutBatch.axis(f.name) == "prompt":
                 fields[f.name] = value[rows][:, value.shape[1] - p :]
+            elif RolloutBatch.axis(f.name) == "row":
+                fields[f.name] = value[rows]
             else:
                 fields[f.name] = value[rows][:, :t]
         mask = np.arange(len(rows)) < plan.real

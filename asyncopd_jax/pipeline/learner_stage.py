@@ -34,6 +34,7 @@ from asyncopd_jax.learner import (
 from asyncopd_jax.learner.optimizer import learning_rate_schedule
 from asyncopd_jax.learner.sharding import put
 from asyncopd_jax.pipeline.devices import stage_devices
+from asyncopd_jax.pipeline.episode_stats import episode_stats
 from asyncopd_jax.pipeline.layout import Layout
 from asyncopd_jax.pipeline.model_loading import load_model
 from asyncopd_jax.pipeline.run_models import RunModels
@@ -155,6 +156,7 @@ def batch_stats(groups: list[RolloutGroup], version: int) -> dict[str, Any]:
     if loads:  # the newest weights a stage loaded for this batch, and how long that load took
         stats["snapshot_load_version"], stats["snapshot_load_s"] = max(loads)
     stats.update(teacher_stats(groups))
+    stats.update(episode_stats(groups))  # multi-turn: turns, tool calls, errors, observation tokens
     return stats
 
 

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
 from asyncopd_jax.cache import RolloutBatch
+from asyncopd_jax.environments.protocol import Environment
 from asyncopd_jax.pipeline.reward_stage import RewardStage
 from asyncopd_jax.pipeline.snapshots import SnapshotStore
 from asyncopd_jax.pipeline.staleness import RolloutGroup
 from asyncopd_jax.pipeline.trace import Tracer
-from asyncopd_jax.sampling import Engine
+from asyncopd_jax.sampling import Engine, RolloutStream, prompt_keys, run_stream
+from asyncopd_jax.sampling.episodes import Turns
 from asyncopd_jax.teacher.routing import Router, TeacherRoute
 
 # (rng, n) → (prompt token lists, per-prompt problems for the reward)
@@ -58,6 +61,8 @@ class GroupProducer:
         interruptible: bool = True,
         version_timeout: float = 600.0,
         router: Router | None = None,
+        turns: Turns | None = None,
+        environment: Callable[[Any], Environment] | None = None,
     ):
         self.sampler, self.snapshots, self.prompts, self.reward = sampler, snapshots, prompts, reward
         self.group_size, self.seed, self.prompt_slots = group_size, seed, prompt_slots
@@ -65,6 +70,23 @@ class GroupProducer:
         self.version_timeout = version_timeout  # how long a group waits for the version it must start from
         self.router = router  # which teacher scores each prompt (None: no teacher scores)
         self.last_load: tuple[int, float] | None = None  # the version loaded last, and the seconds it took
+        # a multi-turn task's: how its turns convert and run, and a problem's environment
+        self.turns, self.environment = turns, environment
+
+    def environments(self, problems: list) -> list[Environment] | None:
+        """Each problem's environment, fresh (None: single-turn)."""
+        return None if self.environment is None else [self.environment(p) for p in problems]
+
+    def open_stream(self, state: Any, version: int) -> RolloutStream:
+        """A stream of this producer's engine, sampling with ``state`` (policy ``version``)."""
+        engine = self.sampler
+        return engine.open_stream(
+            state,
+            version=version,
+            prompt_slots=self.prompt_slots,
+            slots=engine.decode_rows(self.group_size),
+            turns=self.turns,
+        )
 
     def newer_snapshot(self, version: int):
         """The newest snapshot as ``(version, weights)`` when it is newer than ``version``."""
@@ -102,14 +124,10 @@ class GroupProducer:
         prompts, problems, route = self.prompts_of(index)
         version, params = self.snapshots.load(version)
         with self.tracer.span("rollout", version=version) as info:
-            batch = self.sampler.generate(
-                params,
-                prompts,
-                group_key(self.seed, index),
-                version=version,
-                prompt_slots=self.prompt_slots,
-                weight_source=self.newer_snapshot if self.interruptible else None,
-            )
+            stream = self.open_stream(params, version)
+            keys = prompt_keys(group_key(self.seed, index), len(prompts))
+            stream.submit(None, prompts, keys, self.environments(problems))
+            ((_, batch),) = run_stream(stream, self.newer_snapshot if self.interruptible else None)
             jax.block_until_ready(batch.response_tokens)
             info.update(answer_lengths(batch))
         return self.finish(batch, problems, version, route)

@@ -74,10 +74,7 @@ class RolloutLoop:
             p.snapshots.wait_for(min_version, timeout=p.version_timeout)
         version, state = p.load_snapshot()
         if self.stream is None:
-            engine = p.sampler
-            self.stream = engine.open_stream(
-                state, version=version, prompt_slots=p.prompt_slots, slots=engine.decode_rows(p.group_size)
-            )
+            self.stream = p.open_stream(state, version)
         else:
             self.stream.swap(version, state)
 
@@ -94,7 +91,8 @@ class RolloutLoop:
         assert self.stream is not None
         prompts, problems, route = p.prompts_of(index)
         keys = prompt_keys(group_key(p.seed, index), len(prompts))
-        self.stream.submit((index, problems, route, time.time(), self.stream.version), prompts, keys)
+        tag = (index, problems, route, time.time(), self.stream.version)
+        self.stream.submit(tag, prompts, keys, p.environments(problems))
 
     def run(
         self,

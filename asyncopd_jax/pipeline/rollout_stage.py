@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from asyncopd_jax.config import RunConfig
+from asyncopd_jax.environments.pool import EnvironmentPool
 from asyncopd_jax.models.partitioning import parameter_shardings
 from asyncopd_jax.pipeline.devices import stage_devices, stage_mesh
 from asyncopd_jax.pipeline.layout import Layout, StagePlan
@@ -63,6 +64,9 @@ def build_rollout_stage(
     """The rollout stage ``plan``; ``snapshots`` delivers the policy's weights onto its mesh
     (:func:`rollout_shardings`)."""
     mesh = stage_mesh(stage_devices(layout, plan), cfg.stages.rollout_mesh)
+    task, multi_turn = models.task, bool(models.sampling.tool_call_ids)
+    env = cfg.environment
+    pool = EnvironmentPool(env.workers, env.timeout_s, env.max_output) if multi_turn else None
     producer = GroupProducer(
         sampler=make_sampler(graphdef, models.sampling, pad_id=models.task.pad_id, mesh=mesh),
         snapshots=snapshots,
@@ -75,6 +79,8 @@ def build_rollout_stage(
         interruptible=interruptible,
         version_timeout=cfg.stages.startup_timeout,
         router=models.router if cfg.needs_teacher_scores else None,
+        turns=task.turns(pool) if pool is not None else None,
+        environment=task.environment if multi_turn else None,
     )
     return RolloutStage(plan, mesh, producer, scoring)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from asyncopd_jax.config import RunConfig
+from asyncopd_jax.config import ConfigError, RunConfig
 from asyncopd_jax.models import DecoderConfig
 from asyncopd_jax.pipeline.model_files import model_config, read_tokenizer
 from asyncopd_jax.pipeline.run_teachers import RunTeacher, read_teachers, resolve_teachers
@@ -83,5 +83,11 @@ def run_models(cfg: RunConfig) -> RunModels:
     # the sampler stops at the tokenizer's EOS and at every EOS id of the student's config
     stop = tuple(dict.fromkeys((*cfg.sampling.stop_token_ids, task.eos_id, *student.eos_token_ids)))
     teachers, router = resolve_teachers(cfg, task, tokenizer, found, stop)
-    sampling = dataclasses.replace(cfg.sampling, stop_token_ids=stop)
+    # a multi-turn task's tool calls park their sequences (asyncopd_jax.sampling.episodes)
+    if task.tool_call_ids and cfg.sampling.engine != "continuous":
+        raise ConfigError(
+            f"task.name = {cfg.task.name} is multi-turn: a turn that calls a tool parks until its answer, which only "
+            f"the continuous engine does; sampling.engine = {cfg.sampling.engine!r} is invalid, allowed: continuous"
+        )
+    sampling = dataclasses.replace(cfg.sampling, stop_token_ids=stop, tool_call_ids=task.tool_call_ids)
     return RunModels(tokenizer, task, sampling, found.vocab_limit, student, router, teachers)

@@ -391,7 +391,10 @@ class RunDir:
         everything = self.read_metrics()
         records = optimizer_step_records(everything)
         steps = np.array([r["step"] for r in records])
-        fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+        multi_turn = any("tool_calls_per_answer" in r for r in records)
+        fig, axes = plt.subplots(2, 3 if multi_turn else 2, figsize=(16 if multi_turn else 11, 7))
+        if multi_turn:  # the tools' use per answer, each teacher's rows apart (over-calling shows here)
+            self._plot_episodes(axes[0, 2], axes[1, 2], steps, records)
         panels = [
             (axes[0, 0], "loss", "estimator loss"),
             (axes[0, 1], "reverse_kl_signal", "reverse-KL signal  E[log π − log q] on sampled tokens"),
@@ -444,3 +447,24 @@ class RunDir:
         plt.close(fig)
         self.upload("report.png")
         return out
+
+    @staticmethod
+    def _plot_episodes(calls: Any, sizes: Any, steps: np.ndarray, records: list[dict[str, Any]]) -> None:
+        """Multi-turn runs: tool calls and turns per answer (and each teacher's), then the
+        observation tokens and tool errors per answer."""
+
+        def series(key: str) -> np.ndarray:
+            return np.array([r.get(key, np.nan) for r in records], float)
+
+        for key, label in (("tool_calls_per_answer", "tool calls"), ("turns_per_answer", "turns")):
+            calls.plot(steps, series(key), lw=1, label=label)
+        for name in teacher_names(records):
+            if len(teacher_names(records)) > 1:
+                calls.plot(steps, series(teacher_metric(name, "tool_calls_per_answer")), lw=0.8, label=f"calls: {name}")
+        calls.set_title("per answer", fontsize=10)
+        sizes.plot(steps, series("observation_tokens_per_answer"), lw=1, label="observation tokens")
+        sizes.plot(steps, series("tool_errors_per_answer"), lw=1, label="tool errors")
+        sizes.set_title("per answer", fontsize=10)
+        for ax in (calls, sizes):
+            ax.set_xlabel("optimizer step")
+            ax.legend(fontsize=8)

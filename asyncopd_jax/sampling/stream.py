@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -393,8 +394,17 @@ class ContinuousStream:
     def hand_back(self, group: int) -> tuple[Any, RolloutBatch]:
         """Group ``group``'s answers as one batch (in its prompts' order); its rows forgotten."""
         g = self.groups.pop(group)
+        episodes = [self.episodes.pop(row, None) for row in g.rows]
         for row in g.rows:
             del self.prompts[row], self.lengths[row], self.keys[row], self.group_of[row]
-            self.episodes.pop(row, None)
         environment = g.environment if self.turns is not None else None
-        return g.tag, rollout_batch(g.prompt_tokens, g.prompt_mask, g.answers, self.engine.params, environment)
+        batch = rollout_batch(g.prompt_tokens, g.prompt_mask, g.answers, self.engine.params, environment)
+        if self.turns is None:
+            return g.tag, batch
+        ended = [e for e in episodes if e is not None]
+        return g.tag, dataclasses.replace(
+            batch,
+            tool_calls=jnp.asarray([e.tool_calls for e in ended], jnp.int32),
+            tool_errors=jnp.asarray([e.tool_errors for e in ended], jnp.int32),
+            environment_seconds=jnp.asarray([e.seconds for e in ended], jnp.float32),
+        )

@@ -11,9 +11,10 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from asyncopd_jax.config import TaskConfig
-from asyncopd_jax.tasks.builtin import TaskData
+from asyncopd_jax.tasks.builtin import TaskData, new_model, padded_vocab
 from asyncopd_jax.tasks.dataset_task import DatasetTask
 from asyncopd_jax.tasks.prompt_task import PromptTask
+from asyncopd_jax.tasks.tool_task import ToolTaskData
 
 
 def make_task(
@@ -30,7 +31,7 @@ def make_task(
     """
     if task.name == "dataset":
         return DatasetTask(task, tokenizer, max_new_tokens=max_new_tokens, max_positions=max_positions)
-    data = TaskData(task, tokenizer)
+    data = sft_data(task, tokenizer)
     answer = max(max_new_tokens, data.max_new_tokens)  # rollouts: sampling.max_new_tokens; evaluation: the task's
     if max_positions is not None and data.prompt_slots + answer > max_positions:
         raise ValueError(
@@ -43,4 +44,20 @@ def make_task(
     return data
 
 
-__all__ = ["DatasetTask", "PromptTask", "TaskData", "make_task"]
+def sft_data(task: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> TaskData | ToolTaskData:
+    """The built-in task ``task.name`` names, whose ``sft_batch`` es ``asyncopd sft`` trains on."""
+    if task.name == "dataset":
+        raise ValueError("asyncopd sft trains on a built-in task: task.name = arith or tools, not dataset")
+    return ToolTaskData(task, tokenizer) if task.name == "tools" else TaskData(task, tokenizer)
+
+
+__all__ = [
+    "DatasetTask",
+    "PromptTask",
+    "TaskData",
+    "ToolTaskData",
+    "make_task",
+    "new_model",
+    "padded_vocab",
+    "sft_data",
+]

@@ -20,8 +20,11 @@ from flax import nnx
 from transformers import PreTrainedTokenizerBase
 
 from asyncopd_jax.cache import RolloutBatch
+from asyncopd_jax.environments.pool import EnvironmentPool
+from asyncopd_jax.environments.protocol import Environment
 from asyncopd_jax.models import encode_prompts
 from asyncopd_jax.sampling import Sampler, SamplingParams
+from asyncopd_jax.sampling.episodes import Turns
 from asyncopd_jax.tasks.tokenizer import EOS_ID, PAD_ID
 
 
@@ -32,6 +35,8 @@ class PromptTask:
     prompt_slots: int
     max_new_tokens: int
     eval_items: Sequence[Any]
+    #: the ids that open a tool call (``sampling.tool_call_ids``): a multi-turn task's; () single-turn
+    tool_call_ids: tuple[int, ...] = ()
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
@@ -63,6 +68,14 @@ class PromptTask:
     def where(self, items: Sequence[Any]) -> str:
         """``items`` named for an error message."""
         raise NotImplementedError
+
+    def environment(self, item: Any) -> Environment:
+        """A multi-turn task: ``item``'s environment, fresh for each answer."""
+        raise NotImplementedError(f"{type(self).__name__} is single-turn: it has no environments")
+
+    def turns(self, pool: EnvironmentPool) -> Turns:
+        """A multi-turn task: how its rollouts' turns and observations convert, over ``pool``."""
+        raise NotImplementedError(f"{type(self).__name__} is single-turn: it has no environments")
 
     # --- shared ---
 

@@ -5,6 +5,9 @@
   the task's own text (prompts and solutions), so that ``12+34=46`` is ``12`` ``+34`` ``=46``
   or the like: the other-tokenizer student of cross-tokenizer distillation
   (``builtin:student_bpe``; ``docs/study/cross_tokenizer.md``).
+* ``tools``: one token per character of the tool task's text (:mod:`asyncopd_jax.tasks.tool_arith`):
+  the arithmetic characters, ``*``, and ``C`` (a call: the tool-call id), ``R`` (a result),
+  ``E`` (an error), at ids past the character tokenizer's, which they leave as they are.
 
 Both give ``<pad>`` id 0, ``<eos>`` 1 and ``<unk>`` 2.
 """
@@ -19,11 +22,12 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import PreTrainedTokenizerFast
 
 from asyncopd_jax.tasks.arith import CHARS, random_solution, sample_problems
+from asyncopd_jax.tasks.tool_arith import CHARS as TOOL_CHARS
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 PAD_ID, EOS_ID = 0, 1
-TokenizerKind = Literal["characters", "merges"]
-TOKENIZER_KINDS: tuple[TokenizerKind, ...] = ("characters", "merges")
+TokenizerKind = Literal["characters", "merges", "tools"]
+TOKENIZER_KINDS: tuple[TokenizerKind, ...] = ("characters", "merges", "tools")
 MERGES_VOCAB_SIZE = 64  # 3 special tokens, the 16 characters, 45 merges
 _MERGES_CORPUS = (4000, 3, 99, 7)  # problems, operands, largest operand, seed: the text the merges are learned on
 
@@ -32,6 +36,8 @@ def build_tokenizer(kind: TokenizerKind = "characters") -> PreTrainedTokenizerFa
     """The built-in tokenizer ``kind`` (module docstring)."""
     if kind == "merges":
         return _merges()
+    if kind == "tools":
+        return _characters(TOOL_CHARS)
     if kind != "characters":
         raise ValueError(f"built-in tokenizer {kind!r} is invalid; allowed: {', '.join(TOKENIZER_KINDS)}")
     return _characters()
@@ -67,9 +73,9 @@ def _merges() -> PreTrainedTokenizerFast:
     return _fast(core)
 
 
-def _characters() -> PreTrainedTokenizerFast:
-    """One token per character of :data:`CHARS`, plus ``<pad>`` (0), ``<eos>`` (1), ``<unk>``."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(CHARS))}
+def _characters(chars: str = CHARS) -> PreTrainedTokenizerFast:
+    """One token per character of ``chars``, plus ``<pad>`` (0), ``<eos>`` (1), ``<unk>``."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(chars))}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("<[a-z]+>|."), behavior="isolated")
     return _fast(core)

@@ -381,7 +381,7 @@ def response_columns(batch: RolloutBatch, t: int) -> RolloutBatch:
     """``batch`` with its per-response-position fields cut to their first ``t`` columns."""
     return RolloutBatch(
         **{
-            f.name: value if value is None or f.name.startswith("prompt_") else value[:, :t]
+            f.name: value if value is None or RolloutBatch.axis(f.name) != "response" else value[:, :t]
             for f in dataclasses.fields(batch)
             for value in [getattr(batch, f.name)]
         }

@@ -14,6 +14,10 @@
   merges of the task's characters, :mod:`asyncopd_jax.tasks.tokenizer`), the other-tokenizer
   student of cross-tokenizer distillation: ``asyncopd sft --model student --tokenizer merges
   --steps 300``, 4.3 % held-out.
+* ``teacher_tools``, ``student_tools``: the tool task's models (``task.name = tools``, the
+  ``tools`` tokenizer): ``asyncopd sft --model teacher --tokenizer tools --task name=tools
+  --steps 400`` (100 % held-out: it calls the calculator once and copies its answer) and
+  ``asyncopd sft --model student --tokenizer tools --task name=tools --steps 40`` (0 %).
 * ``teacher_long``, ``student_long``: the models of the ``long_tailed`` config
   (``task.lengths = long_tailed``): ``teacher`` and ``student`` with a context of 1024
   positions, fine-tuned by ``asyncopd sft --init`` on long-tailed problems added left to

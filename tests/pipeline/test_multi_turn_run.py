@@ -1,0 +1,68 @@
+"""Multi-turn runs of the tool task end to end: rollouts that call the calculator while
+other answers decode, in every placement, with the episode figures in ``metrics.jsonl``;
+and the short version of ``demo_tools`` (CI's end-to-end step)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncopd_jax.config import load_config
+from asyncopd_jax.pipeline.trainer import Trainer
+from tests.waits import SHORT_WAITS
+
+
+def _config(tmp_path, **sets):
+    overrides = {
+        "name": "t",
+        "output_dir": str(tmp_path),
+        "task.eval_prompts": 32,
+        "learner.batch_size": 16,
+        "sampling.slots": 8,
+        "train.steps": 6,
+        "train.eval_every": 100,
+        "train.checkpoint_every": 100,
+        **SHORT_WAITS,
+        **sets,
+    }
+    return load_config("demo_tools", [f"{k}={v}" for k, v in overrides.items()])
+
+
+def _records(tmp_path, name: str = "t") -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.e2e  # a whole run in stage processes: the end-to-end step (-m e2e); threads: the short demo below
+def test_the_teacher_as_student_calls_the_tool_once_an_answer_in_stage_processes(tmp_path):
+    """Two rollout processes, the trajectories through the spool: with the teacher as its own
+    student every answer is a call, its observation and the answer (two turns, one call,
+    ``R:<value>;`` observed), and the KL is zero on student tokens (the observations are
+    not scored as the student's)."""
+    placement = {"stages.placement": "processes", "stages.rollouts": 2}
+    cfg = _config(tmp_path, **{"student.path": "builtin:teacher_tools", **placement})
+    summary = Trainer(cfg, progress=False).run()
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, 7))
+    for r in records:
+        assert r["turns_per_answer"] == 2.0 and r["tool_calls_per_answer"] == 1.0, r
+        assert r["tool_errors_per_answer"] == 0.0 and 6 <= r["observation_tokens_per_answer"] <= 7, r
+        assert r["rollout_accuracy"] >= 0.9 and abs(r["loss"]) < 0.05, r
+        assert r["teacher/teacher/tool_calls_per_answer"] == 1.0
+    assert summary["student_before"] == 1.0  # the held-out evaluation is multi-turn too
+
+
+@pytest.mark.e2e  # the short demo_tools: the end-to-end step (-m e2e)
+def test_demo_tools_short_distils_the_student_to_use_the_calculator(tmp_path):
+    """``demo_tools`` at half its steps: the student reaches ≥ 94 % of the teacher's
+    held-out accuracy, calling the calculator within 20 % as often as the teacher (once)."""
+    cfg = load_config(
+        "demo_tools",
+        [f"output_dir={tmp_path}", "name=short", "train.steps=200", "train.eval_every=200", "task.eval_prompts=128"],
+    )
+    summary = Trainer(cfg, progress=False).run()
+    records = _records(tmp_path, "short")
+    assert summary["student_after"] >= 0.94 * summary["teacher_accuracy"], summary
+    calls = [r["tool_calls_per_answer"] for r in records[-10:]]
+    assert abs(sum(calls) / len(calls) - 1.0) <= 0.2, calls
+    assert records[0]["loss"] > 10 * records[-1]["loss"]

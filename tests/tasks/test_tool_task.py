@@ -1,0 +1,68 @@
+"""The tool task through the tools tokenizer: SFT trajectories mark the observations as
+environment tokens, the rollouts' turns and observations convert both ways, and the
+accuracy is measured multi-turn with the calculator answering."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from asyncopd_jax.config import TaskConfig
+from asyncopd_jax.environments import EnvironmentPool
+from asyncopd_jax.models import from_pretrained
+from asyncopd_jax.tasks import ToolTaskData, make_task, tool_task
+from asyncopd_jax.tasks.assets import resolve_model_path
+from asyncopd_jax.tasks.tokenizer import build_tokenizer
+from asyncopd_jax.tasks.tool_arith import ToolProblem
+
+
+@pytest.fixture(scope="module")
+def data() -> ToolTaskData:
+    config = TaskConfig(name="tools", max_value=60, eval_prompts=12)
+    task = make_task(config, build_tokenizer("tools"), max_new_tokens=8)
+    assert isinstance(task, ToolTaskData)
+    return task
+
+
+@pytest.mark.parametrize("habit", ["whole", "steps"])
+def test_sft_trajectories_hold_the_observations_as_environment_tokens(data, habit):
+    batch = data.sft_batch(np.random.default_rng(0), 6, habit)
+    tokens, student = np.asarray(batch.response_tokens), np.asarray(batch.response_mask)
+    environment = np.asarray(batch.environment_mask)
+    tokenizer = data.tokenizer
+    for row in range(6):
+        said = tokenizer.decode(tokens[row][student[row]], skip_special_tokens=True)
+        heard = tokenizer.decode(tokens[row][environment[row]])
+        assert said.startswith("C:") and "A=" in said and heard.startswith("R:") and heard.endswith(";")
+        assert heard.count("R:") == (1 if habit == "whole" else 2)
+        assert (tokens[row][student[row]] == data.eos_id).sum() == heard.count("R:") + 1  # every turn ends on EOS
+    assert not (student & environment).any()
+    assert data.max_new_tokens >= int((student | environment).sum(axis=1).max())
+
+
+def test_turns_convert_a_turns_ids_to_text_and_an_observation_to_ids(data):
+    turns = data.turns(EnvironmentPool(workers=1))
+    ids = data.tokenizer.encode("C:12*34+5") + [data.eos_id]
+    assert turns.text(ids) == "C:12*34+5"
+    observation = data.environment(ToolProblem(12, 34, 5)).step(turns.text(ids))
+    assert data.tokenizer.decode(turns.observation_ids(observation)) == "R:413;"
+    assert data.tool_call_ids == (data.tokenizer.convert_tokens_to_ids("C"),)
+    turns.pool.close()
+
+
+def test_accuracy_is_measured_multi_turn(data, monkeypatch):
+    """The shipped tool teacher answers every held-out problem with one call, its
+    observation and the answer the calculator gave: all correct."""
+    monkeypatch.setattr(tool_task, "EVAL_SLOTS", 4)  # the engine's compile follows its slots: 11 s, not 27
+    graphdef, params = nnx.split(from_pretrained(resolve_model_path("builtin:teacher_tools")))
+    batch = data.rollout(graphdef, params, data.eval_items, temperature=0.0, seed=0)
+    environment = np.asarray(batch.environment_mask)
+    assert (np.diff(environment.astype(int), axis=1) == 1).sum(axis=1).tolist() == [1] * len(data.eval_items)
+    assert np.asarray(batch.tool_calls).tolist() == [1] * len(data.eval_items)
+    assert data.accuracy(graphdef, params) == 1.0
+
+
+def test_the_tool_task_needs_its_tokenizer():
+    with pytest.raises(ValueError, match="has no token 'C'"):
+        ToolTaskData(TaskConfig(name="tools"), build_tokenizer("characters"))
