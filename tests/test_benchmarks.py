@@ -176,3 +176,20 @@ def test_bench_byte_prefix_runs_at_a_tiny_size():
         answers = int(lines[name].split("tree rows, ")[1].split()[0].replace(",", ""))
         trees = int(lines[name].split(" + ")[1].split()[0].replace(",", ""))
         assert answers > 0 and trees > 0, lines[name]
+
+
+def test_bench_tool_overlap_reports_both_modes_at_a_tiny_size():
+    """Tool calls overlapped with decoding against a group at a time: both modes, every
+    call answered (the figures themselves are the benchmark's, docs/results.md)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_tool_overlap.py"), "--problems", "32", "--group", "8"]
+        + ["--slots", "4", "--latency", "0.02"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    calls = [int(row[-1]) for row in rows if row[:1] in (["overlapped"], ["group"])]
+    assert calls == [32, 32], done.stdout  # the shipped tool teacher calls once an answer
+    assert "speed-up of overlapping tool calls with decoding" in done.stdout

@@ -69,6 +69,7 @@ from asyncopd_jax.sampling.schedule import (
     pages_for,
     park,
     prefix_within,
+    queue_positions,
     release_pages,
     take_pages,
     unpark,
@@ -504,8 +505,8 @@ class PagedPrograms(Programs):
         model = self._model(state)
         slots = carry.slots.active.shape[0]
         q = carry.queue
-        size = q.prompts.shape[0]
-        at = jnp.where(jnp.arange(size) < incoming.count, jnp.mod(q.tail + jnp.arange(size), size), size)
+        # a continuation (its turn starts past column 0) goes ahead of the waiting prompts
+        at, head, tail = queue_positions(q, incoming.count, incoming.begin > 0)
         queue = dataclasses.replace(
             q,
             prompts=q.prompts.at[at].set(incoming.prompts, mode="drop"),
@@ -513,7 +514,8 @@ class PagedPrograms(Programs):
             begin=q.begin.at[at].set(incoming.begin, mode="drop"),
             keys=q.keys.at[at].set(incoming.keys, mode="drop"),
             row=q.row.at[at].set(incoming.row, mode="drop"),
-            tail=q.tail + incoming.count,
+            head=head,
+            tail=tail,
         )
         carry = dataclasses.replace(carry, queue=queue)
         if self.multi_turn:  # episodes over: their parked pages freed

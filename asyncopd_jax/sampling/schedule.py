@@ -65,6 +65,19 @@ class Pages:
         )
 
 
+def queue_positions(queue: Queue, count: Array, front: Array) -> tuple[Array, Array, Array]:
+    """Ring positions of ``R`` incoming entries, the first ``count`` of them real: those
+    marked ``front [R]`` (multi-turn continuations, whose trajectories are under way) ahead
+    of the waiting prompts, in order, the others behind them. Returns the positions ``[R]``
+    (``Q``: not queued), the new head and the new tail."""
+    size = queue.prompts.shape[0]
+    real = jnp.arange(front.shape[0]) < count
+    ahead, behind = real & front, real & ~front
+    head = queue.head - jnp.sum(ahead, dtype=jnp.int32)
+    at = jnp.where(ahead, head + jnp.cumsum(ahead) - 1, queue.tail + jnp.cumsum(behind) - 1)
+    return jnp.where(real, jnp.mod(at, size), size), head, queue.tail + jnp.sum(behind, dtype=jnp.int32)
+
+
 def pages_for(tokens: Array, page_size: int) -> Array:  # ⌈tokens / page_size⌉
     """Pages that hold ``tokens [...]`` tokens each."""
     return (tokens + page_size - 1) // page_size

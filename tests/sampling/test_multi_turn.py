@@ -140,12 +140,15 @@ def test_a_trajectory_records_what_the_model_sampled_over_its_observations(chunk
     episodes = stream.stats.episodes
     assert episodes.episodes == len(PROMPTS) and episodes.turns == sum(_segments(row) for row in student)
     assert stream.stats.parks == sum(len(e.seen) for e in environments) > 5
-    assert stream.stats.resumes == sum(_segments(row) for row in environment) > 5  # ample pages: every one resumed
+    # ample pages: every continuation finds its parked pages, unless more sequences parked at
+    # once than the parked entries hold (2 S; the oldest is then evicted: rare, timing's)
+    continuations, evicted = sum(_segments(row) for row in environment), stream.stats.evictions
+    assert continuations - evicted <= stream.stats.resumes <= continuations and stream.stats.resumes > 5
     assert episodes.observation_tokens == environment.sum()
     assert episodes.tool_calls == stream.stats.parks
-    # without re-prefilling a prefix: the prompts, then per resume its stop token and observation
-    prompts = sum(len(p) for p in PROMPTS)
-    assert stream.stats.prefill_tokens == prompts + stream.stats.resumes + environment.sum()
+    if not evicted:  # without re-prefilling a prefix: the prompts, then per resume its stop token and observation
+        prompts = sum(len(p) for p in PROMPTS)
+        assert stream.stats.prefill_tokens == prompts + stream.stats.resumes + environment.sum()
     assert any(len(e.seen) == e.turns for e in environments)  # an episode the environment ended
     carry = stream.carry  # every parked sequence's pages came back
     assert not np.asarray(carry.parked.used).any()
@@ -156,8 +159,10 @@ def test_trajectories_do_not_depend_on_slots_pages_or_evictions():
     """One slot; three with ample pages; three with a pool so short that parked sequences
     are evicted (re-prefilled whole) and busy ones preempted: the same trajectories."""
     want, _, _ = _rollout(_params())
-    for params, slots in [(_params(slots=1), None), (_params(kv_pages=14), None)]:
-        got, stream, _ = _rollout(params, slots=slots)
+    for params in (_params(slots=1), _params(kv_pages=14)):
+        # slow tools keep sequences parked while the other prompts take the pages
+        environments = [Scripted(seconds=0.2 if params.kv_pages else 0.0) for _ in PROMPTS]
+        got, stream, _ = _rollout(params, environments)
         for field in FIELDS:
             np.testing.assert_allclose(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)), atol=1e-5)
         if params.kv_pages:
