@@ -14,9 +14,10 @@ stream of ``--slots`` slots over the same prompts, keys and weights:
 
 Printed per mode: wall seconds, answer tokens a second, the slot utilisation (answer
 tokens per slot row decoded), the slots busy over the wall time (that utilisation times the
-share of the time the stream was not blocked on tools with nothing to decode), the blocked
-seconds, the tools' seconds from call to observation taken in (summed), and the ratio of
-the two modes' wall times.
+share of the time the stream was not blocked on tools with nothing to decode), the same
+until the last group was submitted ("steady": a rollout stage's stream never runs dry; the
+drain after it waits for the last calls), the blocked seconds, the tools' seconds from call
+to observation taken in (summed), and the ratio of the two modes' wall times.
 
     python benchmarks/bench_tool_overlap.py                      # 512 problems, 32 slots, 100 ms
     python benchmarks/bench_tool_overlap.py --latency-law lognormal
@@ -69,6 +70,7 @@ def run(data: ToolTaskData, engine, params, problems, args, overlapped: bool) ->
     )
     groups = [range(i, min(i + args.group, len(problems))) for i in range(0, len(problems), args.group)]
     start, done, next_group, tokens = time.perf_counter(), 0, 0, 0
+    steady = None  # (seconds, blocked seconds, tokens, rows decoded) when the last group was submitted
     while done < len(groups):
         ready = stream.wants_prompts if overlapped else stream.pending_groups == 0
         if next_group < len(groups) and ready:
@@ -78,6 +80,9 @@ def run(data: ToolTaskData, engine, params, problems, args, overlapped: bool) ->
             keys = prompt_keys(jax.random.key(next_group), len(chosen))
             stream.submit(next_group, data.encode(chosen), keys, environments)
             next_group += 1
+            if next_group == len(groups):
+                s = stream.stats
+                steady = (time.perf_counter() - start, s.episodes.waiting_seconds, s.tokens, s.row_steps)
             continue
         for _, batch in stream.step():
             done += 1
@@ -85,7 +90,11 @@ def run(data: ToolTaskData, engine, params, problems, args, overlapped: bool) ->
     seconds = time.perf_counter() - start
     pool.close()
     s = stream.stats
+    assert steady is not None
+    steady_s, steady_blocked, steady_tokens, steady_rows = steady
     return {
+        # until the last group was submitted: a rollout stage's steady state, before the drain
+        "steady_busy": steady_tokens / max(steady_rows, 1) * (1 - steady_blocked / steady_s),
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
         "utilisation": s.utilisation,
@@ -120,14 +129,15 @@ def main() -> None:
         f"{jax.devices()[0].platform}"
     )
     print(
-        f"{'mode':<18}{'seconds':>9}{'tokens/s':>10}{'slot util.':>11}{'busy':>7}{'blocked s':>10}{'tool s':>9}"
-        f"{'calls':>7}"
+        f"{'mode':<18}{'seconds':>9}{'tokens/s':>10}{'slot util.':>11}{'busy':>7}{'steady':>8}{'blocked s':>10}"
+        f"{'tool s':>9}{'calls':>7}"
     )
     results = {}
     for name, overlapped in (("overlapped", True), ("group at a time", False)):
         r = results[name] = run(data, engine, params, problems, args, overlapped)
         print(
             f"{name:<18}{r['seconds']:>9.2f}{r['tokens_per_s']:>10.0f}{r['utilisation']:>11.3f}{r['busy']:>7.3f}"
+            f"{r['steady_busy']:>8.3f}"
             f"{r['blocked_s']:>10.2f}{r['tool_s']:>9.1f}{r['calls']:>7d}"
         )
     ratio = results["group at a time"]["seconds"] / results["overlapped"]["seconds"]
