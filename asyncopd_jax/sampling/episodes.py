@@ -33,7 +33,8 @@ from asyncopd_jax.environments.protocol import Environment, Observation
 class Turns:
     """What a stream needs to run multi-turn episodes: the pool that runs the environments'
     steps, a student turn's tokens as text, and an observation's text as token ids (in the
-    student's format: for a chat model, the template's tool turn)."""
+    student's format: for a chat model, the template's tool turn). The pool serves one
+    stream at a time: its steps are keyed by the stream's rows."""
 
     pool: EnvironmentPool
     text: Callable[[Sequence[int]], str]

@@ -115,6 +115,8 @@ class ContinuousStream:
                 else "environments were given but sampling.tool_call_ids is empty: no turn would ever call them"
             )
         self.engine, self.state, self.version = engine, state, version
+        if turns is not None and turns.pool.pending:
+            raise ValueError(f"the environments' pool still runs {turns.pool.pending} steps of another stream")
         self.prompt_slots, self.turns = prompt_slots, turns
         self.context_slots = engine.context_slots(prompt_slots)
         self.slots = slots or p.slots

@@ -35,15 +35,15 @@ def _records(tmp_path, name: str = "t") -> list[dict]:
 
 @pytest.mark.e2e  # a whole run in stage processes: the end-to-end step (-m e2e); threads: the short demo below
 def test_the_teacher_as_student_calls_the_tool_once_an_answer_in_stage_processes(tmp_path):
-    """Two rollout processes, the trajectories through the spool: with the teacher as its own
+    """A rollout process, the trajectories through the spool: with the teacher as its own
     student every answer is a call, its observation and the answer (two turns, one call,
     ``R:<value>;`` observed), and the KL is zero on student tokens (the observations are
     not scored as the student's)."""
-    placement = {"stages.placement": "processes", "stages.rollouts": 2}
+    placement = {"stages.placement": "processes", "train.steps": 4}
     cfg = _config(tmp_path, **{"student.path": "builtin:teacher_tools", **placement})
     summary = Trainer(cfg, progress=False).run()
     records = _records(tmp_path)
-    assert [r["step"] for r in records] == list(range(1, 7))
+    assert [r["step"] for r in records] == list(range(1, 5))
     for r in records:
         assert r["turns_per_answer"] == 2.0 and r["tool_calls_per_answer"] == 1.0, r
         assert r["tool_errors_per_answer"] == 0.0 and 6 <= r["observation_tokens_per_answer"] <= 7, r

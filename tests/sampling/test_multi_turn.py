@@ -220,6 +220,11 @@ def test_multi_turn_is_refused_where_it_cannot_run():
     stream = engine.open_stream(MODELS[0][1], version=0, prompt_slots=PROMPT_SLOTS, turns=_turns())
     with pytest.raises(ValueError, match="one environment a prompt"):
         stream.submit(None, PROMPTS, jax.random.split(jax.random.key(0), len(PROMPTS)))
+    busy = _turns()
+    busy.pool.submit(0, Scripted(seconds=1.0), "1 2")  # another stream's step, still running
+    with pytest.raises(ValueError, match="still runs 1 steps of another stream"):
+        engine.open_stream(MODELS[0][1], version=0, prompt_slots=PROMPT_SLOTS, turns=busy)
+    busy.pool.close()
 
 
 def test_the_oldest_parked_sequence_is_evicted_first_and_its_pages_come_back():
