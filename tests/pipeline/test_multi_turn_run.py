@@ -1,15 +1,21 @@
 """Multi-turn runs of the tool task end to end: rollouts that call the calculator while
-other answers decode, in every placement, with the episode figures in ``metrics.jsonl``;
-and the short version of ``demo_tools`` (CI's end-to-end step)."""
+other answers decode, in stage processes and in threads, with the episode figures in
+``metrics.jsonl``; the short version of ``demo_tools`` (CI's end-to-end step); and its
+teacher behind ``serve-teacher``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from asyncopd_jax.config import load_config
+from asyncopd_jax.models import from_pretrained
 from asyncopd_jax.pipeline.trainer import Trainer
+from asyncopd_jax.tasks.assets import resolve_model_path
+from asyncopd_jax.teacher.batch_scorer import BatchScorer
+from tests.teacher.test_server import SETTINGS, running
 from tests.waits import SHORT_WAITS
 
 
@@ -66,3 +72,25 @@ def test_demo_tools_short_distils_the_student_to_use_the_calculator(tmp_path):
     calls = [r["tool_calls_per_answer"] for r in records[-10:]]
     assert abs(sum(calls) / len(calls) - 1.0) <= 0.2, calls
     assert records[0]["loss"] > 10 * records[-1]["loss"]
+
+
+@pytest.mark.e2e  # a whole run beside a server: the end-to-end step (-m e2e)
+def test_demo_tools_trains_with_its_teacher_behind_serve_teacher(tmp_path):
+    """The tool teacher behind ``asyncopd serve-teacher`` (in a thread) scores the
+    trajectories, observations as context: 60 steps bring the loss down and the calls up,
+    as in process."""
+    teacher = from_pretrained(resolve_model_path("builtin:teacher_tools"))
+    settings = dataclasses.replace(SETTINGS, queue_rows=64)  # room for every request in flight
+    with running(BatchScorer(teacher, settings), settings) as (url, _, _):
+        served = f"{{url: '{url}', api: asyncopd, rows_per_request: 8}}"
+        cfg = load_config(
+            "demo_tools",
+            [f"output_dir={tmp_path}", "name=served", "train.steps=60", "train.eval_every=100", "task.eval_prompts=32"]
+            + ["teacher.path=''", f"teacher.server={served}"],
+        )
+        Trainer(cfg, progress=False).run()
+    records = _records(tmp_path, "served")
+    assert all(r["teacher/teacher/requests"] >= 1 for r in records)
+    first, last = records[0], records[-5:]
+    assert sum(r["loss"] for r in last) / 5 < 0.8 * first["loss"], [round(r["loss"], 3) for r in records]
+    assert sum(r["tool_calls_per_answer"] for r in last) / 5 > first["tool_calls_per_answer"]
