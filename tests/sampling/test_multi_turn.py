@@ -155,6 +155,7 @@ def test_a_trajectory_records_what_the_model_sampled_over_its_observations(chunk
     assert int(carry.pages.top) == carry.pages.free.shape[0]
 
 
+@pytest.mark.extended  # ~9 s (two more streams, slow tools): CI's second step, the README command's margin
 def test_trajectories_do_not_depend_on_slots_pages_or_evictions():
     """One slot; three with ample pages; three with a pool so short that parked sequences
     are evicted (re-prefilled whole) and busy ones preempted: the same trajectories."""

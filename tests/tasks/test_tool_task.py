@@ -51,6 +51,7 @@ def test_turns_convert_a_turns_ids_to_text_and_an_observation_to_ids(data):
     turns.pool.close()
 
 
+@pytest.mark.extended  # ~10 s of compiles: CI's second step (the demo_tools runs there evaluate multi-turn too)
 def test_accuracy_is_measured_multi_turn(data, monkeypatch):
     """The shipped tool teacher answers every held-out problem with one call, its
     observation and the answer the calculator gave: all correct."""

@@ -35,6 +35,7 @@ def trajectories():
     return batch
 
 
+@pytest.mark.extended  # ~12 s of compiles: CI's second step, the README command's margin
 def test_a_served_teacher_scores_trajectories_with_their_observations(trajectories):
     teacher = from_pretrained(resolve_model_path("builtin:teacher_tools"))
     params = ScoringParams(topk=8, chunk_size=64)
