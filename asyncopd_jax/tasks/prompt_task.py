@@ -23,7 +23,7 @@ from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.environments.pool import EnvironmentPool
 from asyncopd_jax.environments.protocol import Environment
 from asyncopd_jax.models import encode_prompts
-from asyncopd_jax.sampling import Sampler, SamplingParams
+from asyncopd_jax.sampling import Engine, SamplingParams, make_sampler
 from asyncopd_jax.sampling.episodes import Turns
 from asyncopd_jax.tasks.tokenizer import EOS_ID, PAD_ID
 
@@ -108,26 +108,34 @@ class PromptTask:
         items = self.eval_items if items is None else items
         if not items:
             return float("nan")
-        params_ = SamplingParams(
+        batch = self.rollout(graphdef, params, items, temperature, seed)
+        scores = np.asarray(self.rewards(items, batch), np.float64)
+        return float(np.nanmean(scores)) if np.isfinite(scores).any() else float("nan")
+
+    def rollout(
+        self, graphdef: nnx.GraphDef, params: nnx.State, items: Sequence[Any], temperature: float, seed: int
+    ) -> RolloutBatch:
+        """The answers :meth:`accuracy` scores: one per item, single-turn (a multi-turn task
+        runs its environments here)."""
+        sampling = SamplingParams(
             temperature=temperature,
             max_new_tokens=self.max_new_tokens,
             stop_token_ids=(self.eos_id,),
             chunk_steps=self.max_new_tokens,
         )
-        sampler = _cached_sampler(graphdef, params_, self.pad_id)
-        batch = sampler.generate(params, self.encode(items), jax.random.key(seed), prompt_slots=self.prompt_slots)
-        scores = np.asarray(self.rewards(items, batch), np.float64)
-        return float(np.nanmean(scores)) if np.isfinite(scores).any() else float("nan")
+        sampler = evaluation_sampler(graphdef, sampling, self.pad_id)
+        return sampler.generate(params, self.encode(items), jax.random.key(seed), prompt_slots=self.prompt_slots)
 
 
 _SAMPLERS: dict = {}
 
 
-def _cached_sampler(graphdef, params: SamplingParams, pad_id: int) -> Sampler:
-    """One compiled evaluation sampler per (architecture, parameters)."""
+def evaluation_sampler(graphdef: nnx.GraphDef, params: SamplingParams, pad_id: int) -> Engine:
+    """One compiled evaluation sampler per (architecture, parameters): the engine
+    ``params.engine`` names."""
     key = (graphdef, params, pad_id)
     if key not in _SAMPLERS:
-        _SAMPLERS[key] = Sampler(graphdef, params, pad_id=pad_id)
+        _SAMPLERS[key] = make_sampler(graphdef, params, pad_id=pad_id)
     return _SAMPLERS[key]
 
 

@@ -12,7 +12,7 @@ loss), and its accuracy is measured multi-turn, the calculator answering.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +24,9 @@ from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.config import TaskConfig
 from asyncopd_jax.environments.pool import EnvironmentPool
 from asyncopd_jax.environments.protocol import Environment
-from asyncopd_jax.sampling import ContinuousSampler, SamplingParams, left_pad, run_stream
+from asyncopd_jax.sampling import SamplingParams, left_pad, run_stream
 from asyncopd_jax.sampling.episodes import Turns
-from asyncopd_jax.tasks.prompt_task import PromptTask
+from asyncopd_jax.tasks.prompt_task import PromptTask, evaluation_sampler
 from asyncopd_jax.tasks.tool_arith import CALL, Habit, ToolProblem, environment, sample_problems, verify
 
 EVAL_SLOTS = 32  # slots of the evaluation's continuous stream
@@ -131,28 +131,12 @@ class ToolTaskData(PromptTask):
             environment_mask=jnp.asarray(environment),
         )
 
-    def accuracy(
-        self,
-        graphdef: nnx.GraphDef,
-        params: nnx.State,
-        *,
-        items: Sequence[Any] | None = None,
-        temperature: float = 0.0,
-        seed: int = 0,
-    ) -> float:
-        """Mean score of multi-turn answers on ``items`` (default: the held-out problems),
-        the calculator answering each call."""
-        items = self.eval_items if items is None else items
-        if not items:
-            return float("nan")
-        return float(np.mean(self.rewards(items, self.rollout(graphdef, params, items, temperature, seed))))
-
     def rollout(
         self, graphdef: nnx.GraphDef, params: nnx.State, items: Sequence[ToolProblem], temperature: float, seed: int
     ) -> RolloutBatch:
         """Multi-turn answers of ``(graphdef, params)`` to ``items``, through a continuous
-        stream whose environments are the calculator's."""
-        sampler = _evaluation_sampler(graphdef, self.sampling(temperature), self.pad_id)
+        stream whose environments are the calculator's (what :meth:`accuracy` scores)."""
+        sampler = evaluation_sampler(graphdef, self.sampling(temperature), self.pad_id)
         pool = EnvironmentPool(workers=4, timeout_s=30)
         try:
             stream = sampler.open_stream(
@@ -176,14 +160,3 @@ class ToolTaskData(PromptTask):
             slots=EVAL_SLOTS,
             chunk_steps=16,
         )
-
-
-_SAMPLERS: dict = {}
-
-
-def _evaluation_sampler(graphdef: nnx.GraphDef, params: SamplingParams, pad_id: int) -> ContinuousSampler:
-    """One compiled evaluation sampler per (architecture, parameters)."""
-    key = (graphdef, params, pad_id)
-    if key not in _SAMPLERS:
-        _SAMPLERS[key] = ContinuousSampler(graphdef, params, pad_id=pad_id)
-    return _SAMPLERS[key]
