@@ -441,10 +441,10 @@ def _add_sft(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
     )
     sft.add_argument(
         "--tokenizer",
-        choices=["characters", "merges", "tools"],  # tasks.tokenizer.TOKENIZER_KINDS (a test checks; imported lazily)
+        choices=["characters", "merges", "tools", "tools_merges"],  # tasks.tokenizer.TOKENIZER_KINDS (a test checks)
         default="characters",
-        help="the built-in tokenizer: one token per character, 64 byte-pair merges over the same characters "
-        "(the other-tokenizer student of cross-tokenizer distillation), or the tool task's characters",
+        help="the built-in tokenizer: one token per character, 64 byte-pair merges of them (the other-tokenizer "
+        "student of cross-tokenizer distillation), the tool task's characters, or 64 merges of those",
     )
     sft.add_argument("--steps", type=int, default=1000)
     sft.add_argument("--batch-size", type=int, default=64)

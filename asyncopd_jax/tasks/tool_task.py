@@ -3,7 +3,7 @@
 (:mod:`asyncopd_jax.tasks.tool_arith`).
 
 Besides a prompt task's parts it gives what a multi-turn rollout needs: a problem's
-environment, the ids that open a tool call (``C``: ``sampling.tool_call_ids``), and the
+environment, the ids that open a tool call (those holding ``C``: ``sampling.tool_call_ids``), and the
 conversions between a turn's ids and text (:meth:`turns`). Its SFT batches are teacher
 trajectories with the observations marked as environment tokens (context, outside the
 loss), and its accuracy is measured multi-turn, the calculator answering.
@@ -49,11 +49,16 @@ class ToolTaskData(PromptTask):
         self.eval_items = sample_problems(
             np.random.default_rng(task.seed + 12345), task.eval_prompts, task.max_value, held_out=True
         )
-        call = cast(int | None, tokenizer.convert_tokens_to_ids(CALL[0]))
-        if call is None or call == tokenizer.unk_token_id:
+        # every token that writes the call's mark: ``C`` alone, or merged (``C:``, ``C:1``, …)
+        special = set(tokenizer.all_special_ids)
+        calls = sorted(i for token, i in tokenizer.get_vocab().items() if CALL[0] in token and i not in special)
+        if not calls:
             name = getattr(tokenizer, "name_or_path", "") or "(unnamed)"
-            raise ValueError(f"task.name = tools: tokenizer {name} has no token {CALL[0]!r} (use the tools tokenizer)")
-        self.tool_call_ids: tuple[int, ...] = (int(call),)
+            raise ValueError(
+                f"task.name = tools: tokenizer {name} has no token holding {CALL[0]!r} "
+                "(use the tools or tools_merges tokenizer)"
+            )
+        self.tool_call_ids: tuple[int, ...] = tuple(calls)
 
     # --- a prompt task ---
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.teacher.byte_prefix import Candidate, longest_match
-from asyncopd_jax.teacher.cross_tokenizer import Retokenizer, refuse_trajectories
+from asyncopd_jax.teacher.cross_tokenizer import Retokenizer, pieces
 from asyncopd_jax.teacher.prefix_trees import PrefixTrees
 from asyncopd_jax.teacher.prefix_wire import ServedPrefixTrees
 from asyncopd_jax.teacher.scorer import ScoringParams
@@ -112,13 +112,14 @@ class BytePrefixTeacher:
         its ``student_topk_ids``: the support scored, with :meth:`teacher_ids` ahead of them
         where ``from_teacher``)."""
         del key  # nothing is sampled
-        refuse_trajectories(batch, self.name)
         if batch.student_topk_ids is None:
             raise ValueError(
                 f"teacher {self.name!r} (mapping = byte_prefix) scores the student's top-K ids: the rollout has none "
                 "(set sampling.student_topk)"
             )
-        tokens, mask = np.asarray(batch.response_tokens), np.asarray(batch.response_mask, bool)
+        tokens, context_mask = np.asarray(batch.response_tokens), np.asarray(batch.context_mask, bool)
+        environment = np.zeros_like(context_mask) if batch.environment_mask is None else batch.environment_mask
+        environment = np.asarray(environment, bool)
         prompts, prompt_mask = np.asarray(batch.prompt_tokens), np.asarray(batch.prompt_mask, bool)
         support = np.array(batch.student_topk_ids)
         b, t, k = support.shape
@@ -126,15 +127,27 @@ class BytePrefixTeacher:
         sequences: list[list[int]] = []  # each answer's teacher sequence: its prompt and its answer's text
         firsts: list[bool] = []  # each place: before the answer's first byte (a leading space is not text there)
         for row in range(b):
-            prompt, prefix, first = prompts[row][prompt_mask[row]].tolist(), b"", True
-            for position in np.flatnonzero(mask[row]).tolist():
-                context, tail = self._context(prompt, prefix)
-                sampled = int(tokens[row, position])
-                places.append((row, position, context, tail, sampled))
-                firsts.append(first)
-                prefix += self._bytes(sampled, first)
-                first = first and not self.tokens.student_bytes.pieces[sampled]
-            sequences.append(self._context(prompt, prefix)[0])
+            # a trajectory turn by turn: the teacher reads each finished turn and observation in
+            # its own tokens (``before``), then the current turn's text up to the position
+            columns = np.flatnonzero(context_mask[row])
+            before, prefix = prompts[row][prompt_mask[row]].tolist(), b""
+            for start, stop, heard in pieces(environment[row, columns]):
+                if heard:
+                    before = before + self.tokens.observation(tokens[row, columns[start:stop]]).teacher_ids
+                    continue
+                prefix, first = b"", start == 0  # a later turn does not start the text
+                for position in columns[start:stop].tolist():
+                    context, tail = self._context(before, prefix)
+                    sampled = int(tokens[row, position])
+                    places.append((row, position, context, tail, sampled))
+                    firsts.append(first)
+                    if sampled not in self.tokens.student_eos:  # a stop is the turn's end, not its text
+                        prefix += self._bytes(sampled, first)
+                    first = first and not self.tokens.student_bytes.pieces[sampled]
+                if stop < columns.size:  # a turn an observation follows: it stopped, as the teacher's EOS
+                    before = self._context(before, prefix)[0] + [self.tokens.teacher_eos]
+                    prefix = b""
+            sequences.append(self._context(before, prefix)[0])
         if not places:
             return self._cache(support, np.zeros((b, t)), np.full((b, t, k), FLOOR))
         where = tuple(np.asarray([place[:2] for place in places]).T)  # (rows, positions) scored

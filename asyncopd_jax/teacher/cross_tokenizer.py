@@ -13,6 +13,12 @@ vLLM / SGLang) and keeps its interface. For each rollout batch it
    token, and the teacher's top-K at each span's first teacher token, mapped to the student
    ids of exactly the same text (none: log q −inf), on the span's first student token.
 
+A multi-turn trajectory (:attr:`~asyncopd_jax.cache.RolloutBatch.environment_mask`) is
+aligned turn by turn (:func:`~asyncopd_jax.teacher.span_alignment.join_turns`): each
+observation is decoded from the student's tokens and re-encoded with the teacher's, and the
+wrapped teacher reads it as context (its ``environment_mask``), so every later turn is
+scored after it; no span crosses an observation, and its tokens carry no score.
+
 The learner then reads the cache through :mod:`asyncopd_jax.estimators.spans`; staleness,
 recompute and importance weights are per student token as before, summed per span.
 
@@ -36,7 +42,7 @@ import numpy as np
 from asyncopd_jax.cache import RolloutBatch, TeacherScoreCache
 from asyncopd_jax.models.token_bytes import TokenBytes, token_bytes
 from asyncopd_jax.teacher.scorer import ScoringParams, Teacher, power_of_two
-from asyncopd_jax.teacher.span_alignment import AnswerAlignment, SpanAlignment, align_answer
+from asyncopd_jax.teacher.span_alignment import AnswerAlignment, SpanAlignment, align_answer, join_turns
 
 Array = jax.Array
 
@@ -54,15 +60,11 @@ def id_map(teacher: TokenBytes, student: TokenBytes, eos: tuple[int, int]) -> np
     return mapped
 
 
-def refuse_trajectories(batch: RolloutBatch, name: str) -> None:
-    """A ValueError where ``batch`` holds multi-turn trajectories (environment tokens): a
-    teacher of another tokenizer reads an answer's text from the student's tokens alone, and
-    would score the turns after an observation without it."""
-    if batch.environment_mask is not None and bool(np.any(np.asarray(batch.environment_mask))):
-        raise ValueError(
-            f"teacher {name!r} has another tokenizer than the student's: multi-turn trajectories (environment "
-            "tokens) cannot be re-tokenised for it yet; allowed: a teacher of the student's tokenizer"
-        )
+def pieces(environment: np.ndarray) -> list[tuple[int, int, bool]]:
+    """A trajectory's turns and observations in order: ``(start, stop, is an observation)``
+    of each run of equal ``environment`` ``[n]`` (True: an environment's token)."""
+    edges = (np.flatnonzero(np.diff(environment.astype(np.int8))) + 1).tolist()
+    return [(start, stop, bool(environment[start])) for start, stop in zip([0, *edges], [*edges, environment.size])]
 
 
 def lookup(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -123,23 +125,50 @@ class Retokenizer:
         table = id_map(teacher_bytes, student_bytes, (teacher_eos, student_eos[0]))
         return cls(student, teacher, tuple(student_eos), teacher_eos, student_bytes, teacher_bytes, table)
 
-    def align(self, ids: np.ndarray) -> AnswerAlignment:
-        """One answer's tokens (``[n]``, no padding) aligned to the teacher's tokens.
+    def align(self, ids: np.ndarray, environment: np.ndarray | None = None) -> AnswerAlignment:
+        """One answer's tokens (``[n]``, no padding) aligned to the teacher's tokens; a
+        multi-turn trajectory turn by turn, where ``environment`` ``[n]`` marks its
+        observations' tokens (module docstring).
 
         An answer whose text the teacher's tokens do not spell (start-up checked every
         student token alone; a normaliser can still rewrite a sequence of them) is left
         unscored, every token in no span, with a warning the first time: its tokens get no
-        loss and count in ``teacher/NAME/unscored_tokens``."""
-        stopped = bool(ids.size) and int(ids[-1]) in self.student_eos
+        loss and count in ``teacher/NAME/unscored_tokens``. A trajectory is left unscored
+        whole: its later turns would be scored after a context the teacher did not read."""
         try:
-            return align_answer(
-                self.student_bytes, self.teacher, self.teacher_bytes, ids, stopped=stopped, teacher_eos=self.teacher_eos
-            )
+            if environment is None or not environment.any():
+                return self._turn(ids, at_start=True)
+            parts = []
+            for start, stop, heard in pieces(environment):
+                piece = ids[start:stop]
+                parts.append(self.observation(piece) if heard else self._turn(piece, at_start=start == 0))
+            return join_turns(parts)
         except ValueError as err:
             if not self._warned:
                 self._warned.append(True)
                 logging.getLogger(__name__).warning("%s; the answer is not scored (warned once)", err)
             return AnswerAlignment([], SpanAlignment(np.full(ids.size, -1, np.int32), np.zeros(0, np.int32), 0), "")
+
+    def _turn(self, ids: np.ndarray, at_start: bool) -> AnswerAlignment:
+        """A student turn (an answer, or one turn of a trajectory) aligned alone."""
+        stopped = bool(ids.size) and int(ids[-1]) in self.student_eos
+        return align_answer(
+            self.student_bytes,
+            self.teacher,
+            self.teacher_bytes,
+            ids,
+            stopped=stopped,
+            teacher_eos=self.teacher_eos,
+            at_start=at_start,
+        )
+
+    def observation(self, ids: np.ndarray) -> AnswerAlignment:
+        """An observation's student tokens as the teacher reads them: decoded to text (special
+        tokens kept as their text: a chat template's markers) and encoded by the teacher, no
+        alignment asked (it is context, never scored)."""
+        text = self.student.decode(ids.tolist(), skip_special_tokens=False)
+        teacher_ids = self.teacher.encode(text, add_special_tokens=False) if text else []
+        return AnswerAlignment.observation(ids.size, list(teacher_ids), text)
 
 
 class CrossTokenizerTeacher:
@@ -169,10 +198,11 @@ class CrossTokenizerTeacher:
 
     def score(self, batch: RolloutBatch, key: Array | None = None) -> TeacherScoreCache:
         """The span cache of ``batch`` (its prompts: the teacher's, in teacher tokens)."""
-        refuse_trajectories(batch, self.name)
-        tokens, mask = np.asarray(batch.response_tokens), np.asarray(batch.response_mask, bool)
+        tokens, context = np.asarray(batch.response_tokens), np.asarray(batch.context_mask, bool)
+        environment = np.zeros_like(context) if batch.environment_mask is None else np.asarray(batch.environment_mask)
         b, t = tokens.shape
-        alignments = [self.tokens.align(tokens[row][mask[row]]) for row in range(b)]
+        columns = [np.flatnonzero(context[row]) for row in range(b)]  # each row's student and environment tokens
+        alignments = [self.tokens.align(tokens[row, at], environment[row, at]) for row, at in enumerate(columns)]
         room = (self.context or np.iinfo(np.int32).max) - int(np.shape(batch.prompt_tokens)[1])
         if room < 1:
             raise ValueError(
@@ -183,26 +213,35 @@ class CrossTokenizerTeacher:
         width = min(power_of_two(max(longest, 1)), room)  # few compiled shapes; never past the context
         teacher_tokens = np.zeros((b, width), np.int32)
         teacher_mask = np.zeros((b, width), bool)
+        teacher_environment = np.zeros((b, width), bool)
         for row, a in enumerate(alignments):
             n = min(len(a.teacher_ids), width)
             teacher_tokens[row, :n], teacher_mask[row, :n] = a.teacher_ids[:n], True
+            if a.environment is not None:
+                teacher_environment[row, :n] = a.environment[:n]
         scored = self.inner.score(
             RolloutBatch(
                 prompt_tokens=batch.prompt_tokens,
                 prompt_mask=batch.prompt_mask,
                 response_tokens=jnp.asarray(teacher_tokens),
-                response_mask=jnp.asarray(teacher_mask),
+                response_mask=jnp.asarray(teacher_mask & ~teacher_environment),
                 behavior_logp=jnp.zeros((b, width), jnp.float32),
                 token_version=jnp.zeros((b, width), jnp.int32),
+                environment_mask=None if batch.environment_mask is None else jnp.asarray(teacher_environment),
             ),
             key,
         )
         return self._map_back(alignments, jax.device_get(scored), (b, t), width)
 
     def _map_back(
-        self, alignments: list[AnswerAlignment], scored: TeacherScoreCache, shape: tuple[int, int], width: int
+        self,
+        alignments: list[AnswerAlignment],
+        scored: TeacherScoreCache,
+        shape: tuple[int, int],
+        width: int,
     ) -> TeacherScoreCache:
-        """The teacher-token cache ``scored`` at the student's positions (module docstring)."""
+        """The teacher-token cache ``scored`` at the student's positions (module docstring;
+        a row's tokens, student and environment, fill its first response columns)."""
         b, t = shape
         store = np.asarray(scored.token_logp).dtype
         token_logp = np.zeros((b, t), np.float32)
@@ -217,10 +256,13 @@ class CrossTokenizerTeacher:
         teacher_topk = np.asarray(scored.topk_logp, np.float32) if topk else None
         for row, a in enumerate(alignments):
             n = a.spans.spans
-            teacher_span = a.spans.teacher_span[:width]  # the teacher tokens scored
+            # the teacher tokens scored (past the width: cut) that are in a span (not an observation's)
+            teacher_at = np.flatnonzero(a.spans.teacher_span[:width] >= 0)
+            teacher_span = a.spans.teacher_span[teacher_at]
             # a span whose teacher tokens run past the scored width is not scored
-            complete = np.bincount(teacher_span, minlength=n) == np.bincount(a.spans.teacher_span, minlength=n)
-            sums = np.bincount(teacher_span, weights=teacher_logp[row, : teacher_span.size], minlength=n)
+            everything = np.bincount(a.spans.teacher_span[a.spans.teacher_span >= 0], minlength=n)
+            complete = np.bincount(teacher_span, minlength=n) == everything
+            sums = np.bincount(teacher_span, weights=teacher_logp[row, teacher_at], minlength=n)
             student = np.flatnonzero(a.spans.student_span >= 0)
             span_of = a.spans.student_span[student]
             first, last = _extremes(span_of, student, n)  # each span's first and last student token
@@ -230,7 +272,7 @@ class CrossTokenizerTeacher:
             span_end[row, last[scored_spans]] = True
             if teacher_ids is None or teacher_topk is None:
                 continue
-            at, _ = _extremes(teacher_span, np.arange(teacher_span.size), n)  # each span's first teacher token
+            at, _ = _extremes(teacher_span, teacher_at, n)  # each span's first teacher token
             starts = scored_spans[at[scored_spans] >= 0]
             ids = distinct(lookup(to_student, teacher_ids[row, at[starts]]))  # [spans, K]
             topk_ids[row, first[starts]] = np.maximum(ids, 0)
@@ -243,4 +285,4 @@ class CrossTokenizerTeacher:
         )
 
 
-__all__ = ["CrossTokenizerTeacher", "Retokenizer", "id_map"]
+__all__ = ["CrossTokenizerTeacher", "Retokenizer", "id_map", "pieces"]

@@ -20,7 +20,10 @@ The convention, used everywhere a span is read:
   is compared as any other span;
 * an answer cut at the length limit inside a UTF-8 character (or holding bytes that are
   not UTF-8) is aligned up to the last complete character: the student tokens past it are
-  in no span, and the teacher does not score them.
+  in no span, and the teacher does not score them;
+* a multi-turn trajectory is aligned turn by turn (:func:`join_turns`): each student turn
+  as an answer of its own (its stop token its EOS span), each observation between them
+  re-encoded for the teacher as context, in no span on either side.
 """
 
 from __future__ import annotations
@@ -97,21 +100,54 @@ class AnswerAlignment:
       spans: the :class:`SpanAlignment` of the student's answer tokens (EOS included) and
         ``teacher_ids``.
       text: the answer's text, as the teacher read it.
+      environment: ``[Tt]`` bool, the teacher tokens an environment wrote (a multi-turn
+        trajectory's observations, :func:`join_turns`; in no span), or None: none.
     """
 
     teacher_ids: list[int]
     spans: SpanAlignment
     text: str
+    environment: np.ndarray | None = None
+
+    @classmethod
+    def observation(cls, student_tokens: int, teacher_ids: list[int], text: str) -> AnswerAlignment:
+        """An environment's observation in a trajectory: ``student_tokens`` of the student's
+        and its ``teacher_ids``, context on both sides and in no span."""
+        n = len(teacher_ids)
+        spans = SpanAlignment(np.full(student_tokens, -1, np.int32), np.full(n, -1, np.int32), 0)
+        return cls(list(teacher_ids), spans, text, np.ones(n, bool))
 
 
-def answer_text(student: TokenBytes, ids: ArrayLike) -> tuple[bytes, np.ndarray]:
+def join_turns(parts: list[AnswerAlignment]) -> AnswerAlignment:
+    """A multi-turn trajectory's alignment from its pieces in order: each student turn
+    aligned alone (:func:`align_answer`) and each observation
+    (:meth:`AnswerAlignment.observation`). The spans are numbered on across the pieces, so a
+    span never crosses an observation: the two tokenisations meet at every turn's boundary,
+    where the environment's tokens cut both."""
+    student_span, teacher_span, environment = [], [], []
+    spans = 0
+    for part in parts:
+        s, t = part.spans.student_span, part.spans.teacher_span
+        student_span.append(np.where(s >= 0, s + spans, -1))
+        teacher_span.append(np.where(t >= 0, t + spans, -1))
+        environment.append(part.environment if part.environment is not None else np.zeros(t.size, bool))
+        spans += part.spans.spans
+    ids = [i for part in parts for i in part.teacher_ids]
+    joined = SpanAlignment(
+        np.concatenate(student_span).astype(np.int32), np.concatenate(teacher_span).astype(np.int32), spans
+    )
+    return AnswerAlignment(ids, joined, "".join(part.text for part in parts), np.concatenate(environment))
+
+
+def answer_text(student: TokenBytes, ids: ArrayLike, at_start: bool = True) -> tuple[bytes, np.ndarray]:
     """The bytes of an answer's tokens (no EOS) and ``[n]`` each token's share of them.
 
     A SentencePiece-style student's first ``▁`` is the encoder's, not the answer's: it is
-    dropped from the first token that holds it (as ``tokenizer.decode`` does)."""
+    dropped from the first token that holds it (as ``tokenizer.decode`` does), where the
+    tokens start the text (``at_start``; a later turn of a trajectory does not)."""
     lengths = student.lengths(ids)
     data = student.join(ids)
-    text = student.at_text_start(data)
+    text = student.at_text_start(data) if at_start else data
     if len(text) < len(data):
         lengths[int(np.argmax(lengths > 0))] -= 1
     return text, lengths
@@ -189,6 +225,7 @@ def align_answer(
     *,
     stopped: bool,
     teacher_eos: int,
+    at_start: bool = True,
 ) -> AnswerAlignment:
     """Align one student answer to the teacher's tokenisation of its text.
 
@@ -199,6 +236,8 @@ def align_answer(
       ids: the student's answer tokens, its EOS last when ``stopped``.
       stopped: the answer ends with the student's EOS (else it was cut at the limit).
       teacher_eos: the id the teacher's EOS span holds.
+      at_start: the answer starts the text (:func:`answer_text`); False for a trajectory's
+        later turns.
 
     Returns:
       The :class:`AnswerAlignment`; student tokens past the answer's last complete UTF-8
@@ -206,7 +245,7 @@ def align_answer(
     """
     ids = np.asarray(ids)
     body = ids[:-1] if stopped else ids
-    data, lengths = answer_text(student, body)
+    data, lengths = answer_text(student, body, at_start)
     keep = valid_prefix(data)
     ends = np.cumsum(lengths)
     whole = int(np.searchsorted(ends, keep, side="right"))  # tokens that end inside the text
@@ -235,6 +274,7 @@ __all__ = [
     "align_answer",
     "align_spans",
     "answer_text",
+    "join_turns",
     "teacher_tokens",
     "valid_prefix",
 ]

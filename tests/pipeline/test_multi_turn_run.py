@@ -94,3 +94,23 @@ def test_demo_tools_trains_with_its_teacher_behind_serve_teacher(tmp_path):
     first, last = records[0], records[-5:]
     assert sum(r["loss"] for r in last) / 5 < 0.8 * first["loss"], [round(r["loss"], 3) for r in records]
     assert sum(r["tool_calls_per_answer"] for r in last) / 5 > first["tool_calls_per_answer"]
+
+
+@pytest.mark.e2e  # a whole run: the end-to-end step (-m e2e)
+def test_a_teacher_of_another_tokenizer_distils_the_tool_task_across_observations(tmp_path):
+    """The byte-pair student (``builtin:student_tools_bpe``, 0 % held-out) under the character
+    teacher: every trajectory is re-tokenised turn by turn, the observations read by the
+    teacher as context, and scored by spans. 200 steps take it to ≥ 80 % of the teacher's
+    held-out accuracy (96.1 % and 96.9 % in two documented runs; one run measured 61 % at
+    step 150), calling the tool as the teacher does, with every student token scored."""
+    cfg = load_config(
+        "demo_tools",
+        [f"output_dir={tmp_path}", "name=cross", "train.steps=200", "train.eval_every=200", "task.eval_prompts=64"]
+        + ["student.path=builtin:student_tools_bpe"],
+    )
+    summary = Trainer(cfg, progress=False).run()
+    records = _records(tmp_path, "cross")
+    assert summary["student_before"] == 0.0 and summary["student_after"] >= 0.8 * summary["teacher_accuracy"], summary
+    calls = [r["tool_calls_per_answer"] for r in records[-10:]]
+    assert abs(sum(calls) / len(calls) - 1.0) <= 0.2, calls
+    assert all(r["teacher/teacher/unscored_tokens"] == 0 for r in records)

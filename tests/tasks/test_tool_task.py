@@ -65,5 +65,15 @@ def test_accuracy_is_measured_multi_turn(data, monkeypatch):
 
 
 def test_the_tool_task_needs_its_tokenizer():
-    with pytest.raises(ValueError, match="has no token 'C'"):
+    with pytest.raises(ValueError, match="has no token holding 'C'"):
         ToolTaskData(TaskConfig(name="tools"), build_tokenizer("characters"))
+
+
+def test_merged_tokens_that_write_a_call_all_open_one():
+    """Under the byte-pair tokenizer the call's ``C`` is merged (``C:``, ``C:1``, …): every
+    token holding it opens a call, and a teacher trajectory's first token is one of them."""
+    merged = ToolTaskData(TaskConfig(name="tools"), build_tokenizer("tools_merges"))
+    tokens = merged.tokenizer.convert_ids_to_tokens(list(merged.tool_call_ids))
+    assert len(tokens) > 3 and all("C" in t for t in tokens) and "C:" in tokens
+    batch = merged.sft_batch(np.random.default_rng(0), 8)
+    assert np.isin(np.asarray(batch.response_tokens)[:, 0], merged.tool_call_ids).all()

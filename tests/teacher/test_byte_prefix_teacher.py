@@ -400,9 +400,9 @@ def test_a_sentencepiece_students_leading_space_is_not_scored_as_text():
 
 
 @pytest.mark.parametrize("mapping", ["spans", "byte_prefix"])
-def test_a_teacher_of_another_tokenizer_refuses_multi_turn_trajectories(scored, mapping):
-    """Both read an answer's text from the student's tokens alone: a batch with environment
-    tokens is refused in one line, not scored without them (a batch with none scores as before)."""
+def test_an_environment_mask_of_no_observation_scores_as_single_turn(scored, mapping):
+    """Both mappings read a batch whose environment mask marks nothing as they read one with
+    none (trajectories with observations: ``tests/teacher/test_trajectory_spans.py``)."""
     from asyncopd_jax.teacher import TeacherScorer
     from asyncopd_jax.teacher.cross_tokenizer import CrossTokenizerTeacher
 
@@ -411,9 +411,8 @@ def test_a_teacher_of_another_tokenizer_refuses_multi_turn_trajectories(scored, 
         scorer = CrossTokenizerTeacher(TeacherScorer(teacher, ScoringParams(topk=4), pad_rows=True), pair, 128, "t")
     else:
         scorer = BytePrefixTeacher(local.trees, pair, ScoringParams(), "t")
-    environment = np.zeros(np.shape(batch.response_mask), bool)
-    scorer.score(dataclasses.replace(batch, environment_mask=jnp.asarray(environment)))  # none: scored
-    environment[0, 1] = True
-    trajectory = dataclasses.replace(batch, environment_mask=jnp.asarray(environment))
-    with pytest.raises(ValueError, match="teacher 't' has another tokenizer .* multi-turn trajectories"):
-        scorer.score(trajectory)
+    environment = jnp.zeros(np.shape(batch.response_mask), bool)
+    single, marked = scorer.score(batch), scorer.score(dataclasses.replace(batch, environment_mask=environment))
+    mask = np.asarray(batch.response_mask)
+    np.testing.assert_array_equal(np.asarray(marked.token_logp)[mask], np.asarray(single.token_logp)[mask])
+    np.testing.assert_array_equal(np.asarray(marked.topk_logp)[mask], np.asarray(single.topk_logp)[mask])

@@ -18,6 +18,9 @@
   ``tools`` tokenizer): ``asyncopd sft --model teacher --tokenizer tools --task name=tools
   --steps 400`` (100 % held-out: it calls the calculator once and copies its answer) and
   ``asyncopd sft --model student --tokenizer tools --task name=tools --steps 40`` (0 %).
+* ``student_tools_bpe``: the tool task's student over the ``tools_merges`` tokenizer (64
+  byte-pair merges of its characters), distilled from ``teacher_tools`` across tokenizers:
+  ``asyncopd sft --model student --tokenizer tools_merges --task name=tools --steps 40`` (0 %).
 * ``teacher_long``, ``student_long``: the models of the ``long_tailed`` config
   (``task.lengths = long_tailed``): ``teacher`` and ``student`` with a context of 1024
   positions, fine-tuned by ``asyncopd sft --init`` on long-tailed problems added left to
