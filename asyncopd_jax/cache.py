@@ -100,6 +100,8 @@ class RolloutBatch:
       tool_calls: ``[B]`` int32 or None (single-turn): the tool calls each trajectory made.
       tool_errors: ``[B]`` int32 or None: its observations that reported an error.
       environment_seconds: ``[B]`` fp32 or None: the time its environment steps took.
+      environment_blocked_seconds: ``[B]`` fp32 or None: of that time, what the rollout
+        spent blocked on environments with nothing to decode (the rest overlapped decoding).
     """
 
     prompt_tokens: Array
@@ -118,6 +120,7 @@ class RolloutBatch:
     tool_calls: Array | None = None
     tool_errors: Array | None = None
     environment_seconds: Array | None = None
+    environment_blocked_seconds: Array | None = None
 
     @staticmethod
     def axis(field: str) -> Literal["prompt", "response", "row"]:
@@ -125,7 +128,8 @@ class RolloutBatch:
         response's (``[B, T, ...]``), or none (``[B]``: a row's episode figures)."""
         if field.startswith("prompt_"):
             return "prompt"
-        return "row" if field in ("tool_calls", "tool_errors", "environment_seconds") else "response"
+        rows = ("tool_calls", "tool_errors", "environment_seconds", "environment_blocked_seconds")
+        return "row" if field in rows else "response"
 
     def __post_init__(self) -> None:
         _check_shapes(

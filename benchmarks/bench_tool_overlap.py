@@ -33,7 +33,8 @@ import numpy as np
 from flax import nnx
 
 from asyncopd_jax.config import TaskConfig
-from asyncopd_jax.environments import EnvironmentPool, Observation
+from asyncopd_jax.environments import EnvironmentPool
+from asyncopd_jax.environments.latency import Delayed, Latency
 from asyncopd_jax.models import from_pretrained
 from asyncopd_jax.sampling import ContinuousSampler, prompt_keys
 from asyncopd_jax.tasks import make_task
@@ -42,28 +43,10 @@ from asyncopd_jax.tasks.tokenizer import build_tokenizer
 from asyncopd_jax.tasks.tool_task import ToolTaskData
 
 
-class Sleeping:
-    """A problem's environment whose every step first sleeps its latency."""
-
-    def __init__(self, inner, latency: float):
-        self.inner, self.latency = inner, latency
-
-    def step(self, turn: str) -> Observation:
-        time.sleep(self.latency)
-        return self.inner.step(turn)
-
-
-def latencies(rng: np.random.Generator, n: int, median: float, law: str) -> np.ndarray:
-    """``n`` tool latencies (seconds): ``median`` each, or lognormal about it (σ = 1)."""
-    if law == "fixed":
-        return np.full(n, median)
-    return median * np.exp(rng.standard_normal(n))
-
-
 def run(data: ToolTaskData, engine, params, problems, args, overlapped: bool) -> dict[str, float]:
     """One pass over ``problems`` in groups of ``args.group``; what it took."""
     rng = np.random.default_rng(args.seed)
-    delays = latencies(rng, len(problems), args.latency, args.latency_law)
+    delays = Latency(args.latency, args.latency_law).draw(rng, len(problems))  # paired: the same in both modes
     pool = EnvironmentPool(workers=args.workers, timeout_s=60)
     stream = engine.open_stream(
         params, version=0, prompt_slots=data.prompt_slots, slots=args.slots, turns=data.turns(pool)
@@ -76,7 +59,7 @@ def run(data: ToolTaskData, engine, params, problems, args, overlapped: bool) ->
         if next_group < len(groups) and ready:
             rows = groups[next_group]
             chosen = [problems[i] for i in rows]
-            environments = [Sleeping(data.environment(p), float(delays[i])) for p, i in zip(chosen, rows)]
+            environments = [Delayed(data.environment(p), Latency(float(delays[i])), rng) for p, i in zip(chosen, rows)]
             keys = prompt_keys(jax.random.key(next_group), len(chosen))
             stream.submit(next_group, data.encode(chosen), keys, environments)
             next_group += 1

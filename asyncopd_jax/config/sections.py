@@ -9,6 +9,7 @@ import re
 from typing import Any, Literal
 
 from asyncopd_jax.config_checks import ConfigError, IdList, StorageLocation, check_fields, parse_id_list
+from asyncopd_jax.environments.latency import Latency
 from asyncopd_jax.teacher.client import ServerParams
 from asyncopd_jax.teacher.prompts import TeacherPrompt
 from asyncopd_jax.teacher.scorer import ScoringParams
@@ -34,7 +35,10 @@ class TaskConfig:
     eval_fraction: float = 0.05  # dataset: share of the examples held out (fixed by prompt hash)
     # tools (asyncopd_jax.tasks.tool_arith): a·b + c with the calculator, operands in [10, max_value]
     max_turns: int = 4  # tools: student turns an episode may take (then it ends)
-    tool_habit: Literal["whole", "steps"] = "whole"  # tools: how SFT trajectories call (one call, or two)
+    # tools: how SFT trajectories call: one call, two (the product, then the sum), or none (the
+    # answer written at once: a teacher without tools)
+    tool_habit: Literal["whole", "steps", "none"] = "whole"
+    tools: bool = True  # tools: the calculator answers calls (False: single-turn, a call ends the answer)
     eval_prompts: int = 256  # held-out problems evaluated (at most)
     seed: int = 0
 
@@ -330,6 +334,12 @@ class EnvironmentConfig:
     workers: int = 8  # environment steps at once
     timeout_s: float = 30.0  # a step still running after this is answered with a timeout observation
     max_output: int = 4096  # characters (or ids) an observation keeps; past them it is cut, saying so
+    # a latency added to every step, as a slow tool would take (studies, benchmarks): its median
+    # seconds (0: none), fixed or lognormal about the median with σ latency_sigma
+    # (asyncopd_jax.environments.latency)
+    latency_s: float = 0.0
+    latency_law: Literal["fixed", "lognormal"] = "fixed"
+    latency_sigma: float = 1.0
 
     def __post_init__(self) -> None:
         check_fields(
@@ -338,8 +348,15 @@ class EnvironmentConfig:
                 ("workers", self.workers, self.workers >= 1, ">= 1"),
                 ("timeout_s", self.timeout_s, self.timeout_s > 0, "> 0"),
                 ("max_output", self.max_output, self.max_output >= 1, ">= 1"),
+                ("latency_s", self.latency_s, self.latency_s >= 0, ">= 0"),
+                ("latency_sigma", self.latency_sigma, self.latency_sigma > 0, "> 0"),
             ],
         )
+
+    @property
+    def latency(self) -> Latency:
+        """The added step latency's law."""
+        return Latency(self.latency_s, self.latency_law, self.latency_sigma)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """A multi-turn rollout batch's episode figures for ``metrics.jsonl``: turns, tool calls,
-tool errors and observation tokens per answer, the environments' seconds, and the turns and
+tool errors and observation tokens per answer, the environments' seconds and the share of
+them the rollout kept decoding through (the rest it waited on tools), and the turns and
 calls per answer of each teacher's rows (multi-teacher tool use drifts toward over-calling
 in one teacher's rows while the aggregate loss shows nothing: arXiv 2607.07050)."""
 
@@ -28,7 +29,12 @@ def episode_stats(groups: list[RolloutGroup]) -> dict[str, float]:
         "observation_tokens": np.concatenate([np.asarray(g.batch.environment_mask).sum(axis=1) for g in multi]),
     }
     stats = {f"{what}_per_answer": float(values.mean()) for what, values in rows.items()}
-    stats["environment_s"] = float(sum(np.asarray(g.batch.environment_seconds).sum() for g in multi))
+    seconds = float(sum(np.asarray(g.batch.environment_seconds).sum() for g in multi))
+    blocked = float(sum(np.asarray(g.batch.environment_blocked_seconds).sum() for g in multi))
+    stats["environment_s"] = seconds
+    stats["environment_overlapped_s"] = seconds - blocked  # tool time during which the engine decoded
+    if seconds > 0:
+        stats["environment_overlap"] = 1.0 - blocked / seconds
     by_teacher: dict[str, list[np.ndarray]] = {}
     for g in multi:
         teacher = np.zeros(g.size, np.int32) if g.route is None else np.asarray(g.route.teacher)

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from asyncopd_jax.config import RunConfig
+from asyncopd_jax.environments.latency import delayed
 from asyncopd_jax.environments.pool import EnvironmentPool
 from asyncopd_jax.models.partitioning import parameter_shardings
 from asyncopd_jax.pipeline.devices import stage_devices, stage_mesh
@@ -80,7 +81,7 @@ def build_rollout_stage(
         version_timeout=cfg.stages.startup_timeout,
         router=models.router if cfg.needs_teacher_scores else None,
         turns=task.turns(pool) if pool is not None else None,
-        environment=task.environment if multi_turn else None,
+        environment=delayed(task.environment, env.latency, layout.seed) if multi_turn else None,
     )
     return RolloutStage(plan, mesh, producer, scoring)
 

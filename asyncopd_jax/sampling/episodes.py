@@ -60,6 +60,8 @@ class Episode:
     truncated: bool = False  # an observation left no room for another turn
     asked: float = 0.0  # when the last turn went to the environment (time.monotonic)
     seconds: float = 0.0  # environment time, summed over its steps
+    waited_when_asked: float = 0.0  # the stream's waiting_seconds when the last turn went out
+    blocked_seconds: float = 0.0  # of ``seconds``, those the stream waited with nothing to decode
 
 
 @dataclasses.dataclass
@@ -86,8 +88,10 @@ class EpisodeStats:
         self.environment_seconds += episode.seconds
 
 
-def record_step(episode: Episode, observation: Observation) -> None:
-    """An observation's figures into its episode."""
+def record_step(episode: Episode, observation: Observation, waited: float) -> None:
+    """An observation's figures into its episode (``waited``: the stream's
+    :attr:`EpisodeStats.waiting_seconds` now)."""
     episode.seconds += time.monotonic() - episode.asked
+    episode.blocked_seconds += waited - episode.waited_when_asked
     episode.tool_calls += observation.calls
     episode.tool_errors += observation.error is not None

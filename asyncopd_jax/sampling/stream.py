@@ -277,7 +277,7 @@ class ContinuousStream:
         last episode."""
         assert self.turns is not None
         episode = self.episodes[row]
-        record_step(episode, observation)
+        record_step(episode, observation, self.stats.episodes.waiting_seconds)
         group, index = self.group_of[row]
         g = self.groups[group]
         length = int(g.answers.length[index])
@@ -389,7 +389,7 @@ class ContinuousStream:
         turn = g.answers.tokens[index, begin:length]
         start = self.lengths[row]
         self.prompts[row][start + begin : start + length] = turn
-        episode.asked = time.monotonic()
+        episode.asked, episode.waited_when_asked = time.monotonic(), self.stats.episodes.waiting_seconds
         self.turns.pool.submit(row, episode.environment, self.turns.text(turn.tolist()))
         return None
 
@@ -409,4 +409,5 @@ class ContinuousStream:
             tool_calls=jnp.asarray([e.tool_calls for e in ended], jnp.int32),
             tool_errors=jnp.asarray([e.tool_errors for e in ended], jnp.int32),
             environment_seconds=jnp.asarray([e.seconds for e in ended], jnp.float32),
+            environment_blocked_seconds=jnp.asarray([e.blocked_seconds for e in ended], jnp.float32),
         )

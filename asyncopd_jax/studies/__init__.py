@@ -24,6 +24,7 @@ STUDIES: dict[str, str] = {
     "rl_staleness": "asyncopd_jax.studies.rl_staleness",
     "extrapolation": "asyncopd_jax.studies.extrapolation",
     "cross_tokenizer": "asyncopd_jax.studies.cross_tokenizer",
+    "multi_turn": "asyncopd_jax.studies.multi_turn",
 }
 
 

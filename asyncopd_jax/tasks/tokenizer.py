@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerFast
 
 from asyncopd_jax.tasks.arith import CHARS, random_solution, sample_problems
 from asyncopd_jax.tasks.tool_arith import CHARS as TOOL_CHARS
-from asyncopd_jax.tasks.tool_arith import HABITS
+from asyncopd_jax.tasks.tool_arith import Habit
 from asyncopd_jax.tasks.tool_arith import sample_problems as sample_tool_problems
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
@@ -36,7 +36,8 @@ TokenizerKind = Literal["characters", "merges", "tools", "tools_merges"]
 TOKENIZER_KINDS: tuple[TokenizerKind, ...] = ("characters", "merges", "tools", "tools_merges")
 MERGES_VOCAB_SIZE = 64  # 3 special tokens, the 16 characters, 45 merges
 _MERGES_CORPUS = (4000, 3, 99, 7)  # problems, operands, largest operand, seed: the text the merges are learned on
-_TOOL_MERGES_CORPUS = (4000, 99, 7)  # tool problems (both habits' trajectories), largest operand, seed
+_TOOL_MERGES_CORPUS = (4000, 99, 7)  # tool problems, largest operand, seed
+_TOOL_MERGES_HABITS: tuple[Habit, Habit] = ("whole", "steps")  # the merges are learned on calls of both kinds
 
 
 def build_tokenizer(kind: TokenizerKind = "characters") -> PreTrainedTokenizerFast:
@@ -74,13 +75,13 @@ def _merges() -> PreTrainedTokenizerFast:
 
 def _tool_merges() -> PreTrainedTokenizerFast:
     """BPE over the tool task's characters with :data:`MERGES_VOCAB_SIZE` tokens, learned
-    from a fixed draw of prompts, each with one habit's turns and observations as separate
+    from a fixed draw of prompts, each with one calling habit's turns and observations as separate
     texts (a merge never spans a turn's edge: an observation cuts the tokens there)."""
     n, largest, seed = _TOOL_MERGES_CORPUS
     problems = sample_tool_problems(np.random.default_rng(seed), n, largest, held_out=False)
     corpus = [p.prompt for p in problems]
     for i, problem in enumerate(problems):
-        for turn, observation in problem.trajectory(HABITS[i % len(HABITS)]):
+        for turn, observation in problem.trajectory(_TOOL_MERGES_HABITS[i % 2]):
             corpus += [turn, observation] if observation else [turn]
     return _learned_merges(corpus, TOOL_CHARS)
 

@@ -33,8 +33,8 @@ from asyncopd_jax.tasks.arith import CHARS as ARITH_CHARS
 
 CHARS = ARITH_CHARS + "*CRE"  # the tool tokenizer's characters: the arithmetic task's, a product, call, result, error
 CALL, RESULT = "C:", "R:"
-Habit = Literal["whole", "steps"]
-HABITS: tuple[Habit, ...] = ("whole", "steps")
+Habit = Literal["whole", "steps", "none"]
+HABITS: tuple[Habit, ...] = ("whole", "steps", "none")
 _ANSWER = re.compile(r"A=(\d+)$")
 
 
@@ -56,6 +56,8 @@ class ToolProblem:
 
     def trajectory(self, habit: Habit = "whole") -> list[tuple[str, str]]:
         """The teacher's turns with the observations after them (the last turn's: empty)."""
+        if habit == "none":  # no tool: the answer at once
+            return [(f"A={self.answer}", "")]
         if habit == "steps":
             product = self.a * self.b
             calls = [f"{self.a}*{self.b}", f"{product}+{self.c}"]

@@ -58,7 +58,8 @@ class ToolTaskData(PromptTask):
                 f"task.name = tools: tokenizer {name} has no token holding {CALL[0]!r} "
                 "(use the tools or tools_merges tokenizer)"
             )
-        self.tool_call_ids: tuple[int, ...] = tuple(calls)
+        # without tools (task.tools = False) no token calls: single-turn, a call ends the answer
+        self.tool_call_ids: tuple[int, ...] = tuple(calls) if task.tools else ()
 
     # --- a prompt task ---
 
@@ -140,7 +141,10 @@ class ToolTaskData(PromptTask):
         self, graphdef: nnx.GraphDef, params: nnx.State, items: Sequence[ToolProblem], temperature: float, seed: int
     ) -> RolloutBatch:
         """Multi-turn answers of ``(graphdef, params)`` to ``items``, through a continuous
-        stream whose environments are the calculator's (what :meth:`accuracy` scores)."""
+        stream whose environments are the calculator's (what :meth:`accuracy` scores);
+        single-turn ones without tools."""
+        if not self.tool_call_ids:
+            return super().rollout(graphdef, params, items, temperature, seed)
         sampler = evaluation_sampler(graphdef, self.sampling(temperature), self.pad_id)
         pool = EnvironmentPool(workers=4, timeout_s=30)
         try:

@@ -44,8 +44,9 @@ def test_the_teacher_as_student_calls_the_tool_once_an_answer_in_stage_processes
     """A rollout process, the trajectories through the spool: with the teacher as its own
     student every answer is a call, its observation and the answer (two turns, one call,
     ``R:<value>;`` observed), and the KL is zero on student tokens (the observations are
-    not scored as the student's)."""
-    placement = {"stages.placement": "processes", "train.steps": 4}
+    not scored as the student's). Each calculator step sleeps ``environment.latency_s`` first:
+    the batch's tool seconds count it for every call."""
+    placement = {"stages.placement": "processes", "train.steps": 4, "environment.latency_s": 0.03}
     cfg = _config(tmp_path, **{"student.path": "builtin:teacher_tools", **placement})
     summary = Trainer(cfg, progress=False).run()
     records = _records(tmp_path)
@@ -55,6 +56,7 @@ def test_the_teacher_as_student_calls_the_tool_once_an_answer_in_stage_processes
         assert r["tool_errors_per_answer"] == 0.0 and 6 <= r["observation_tokens_per_answer"] <= 7, r
         assert r["rollout_accuracy"] >= 0.9 and abs(r["loss"]) < 0.05, r
         assert r["teacher/teacher/tool_calls_per_answer"] == 1.0
+        assert r["environment_s"] >= 0.03 * 16, r  # 16 answers of one call each, 30 ms a step
     assert summary["student_before"] == 1.0  # the held-out evaluation is multi-turn too
 
 

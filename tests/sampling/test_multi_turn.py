@@ -247,3 +247,18 @@ def test_the_oldest_parked_sequence_is_evicted_first_and_its_pages_come_back():
     top = int(pages.top)
     pages, parked = evict(pages, parked, jnp.asarray(first))
     assert int(pages.top) == top + 1 + 3 and np.asarray(parked.row[parked.used]).tolist() == [7]
+
+
+def test_a_lone_trajectorys_tool_time_is_all_blocked_time():
+    """One prompt: while its tool sleeps the stream has nothing to decode, so each row's
+    blocked seconds are its environment seconds, counted per step (not what the stream
+    waited before the step was asked)."""
+    environment = Scripted(turns=3, seconds=0.05)
+    engine = _engine(_params(slots=1))
+    stream = engine.open_stream(MODELS[0][1], version=0, prompt_slots=PROMPT_SLOTS, turns=_turns())
+    stream.submit(None, PROMPTS[3:4], jax.random.split(jax.random.key(1), 1), [environment])
+    ((_, batch),) = run_stream(stream)
+    stream.turns.pool.close()
+    assert len(environment.seen) == 3  # three steps of 50 ms
+    seconds, blocked = float(batch.environment_seconds[0]), float(batch.environment_blocked_seconds[0])
+    assert seconds >= 0.15 and 0.8 * seconds <= blocked <= seconds + 0.01, (seconds, blocked)

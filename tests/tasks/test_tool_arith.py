@@ -15,7 +15,7 @@ def test_a_teacher_trajectory_is_what_the_environment_answers(habit):
     for problem in sample_problems(np.random.default_rng(0), 20, 99, held_out=False):
         env = environment()
         turns = problem.trajectory(habit)
-        assert len(turns) == (2 if habit == "whole" else 3)
+        assert len(turns) == {"none": 1, "whole": 2, "steps": 3}[habit]
         for turn, want in turns:
             observation = env.step(turn)
             assert observation.done == (want == "")

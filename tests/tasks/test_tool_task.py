@@ -10,7 +10,7 @@ from flax import nnx
 
 from asyncopd_jax.config import TaskConfig
 from asyncopd_jax.environments import EnvironmentPool
-from asyncopd_jax.models import from_pretrained
+from asyncopd_jax.models import from_pretrained, load_tokenizer
 from asyncopd_jax.tasks import ToolTaskData, make_task, tool_task
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.tasks.tokenizer import build_tokenizer
@@ -77,3 +77,23 @@ def test_merged_tokens_that_write_a_call_all_open_one():
     assert len(tokens) > 3 and all("C" in t for t in tokens) and "C:" in tokens
     batch = merged.sft_batch(np.random.default_rng(0), 8)
     assert np.isin(np.asarray(batch.response_tokens)[:, 0], merged.tool_call_ids).all()
+
+
+@pytest.mark.parametrize(
+    "model, kind", [("teacher_tools", "tools"), ("student_tools", "tools"), ("student_tools_bpe", "tools_merges")]
+)
+def test_each_shipped_tool_model_has_the_tokenizer_its_kind_builds(model, kind):
+    """The merges are learned at build time: a change to their corpus would leave the shipped
+    student's embedding reading other tokens."""
+    shipped = load_tokenizer(resolve_model_path(f"builtin:{model}"))
+    assert shipped.backend_tokenizer.to_str() == build_tokenizer(kind).backend_tokenizer.to_str()
+
+
+def test_without_tools_the_task_is_single_turn_and_the_none_habit_answers_at_once():
+    task = TaskConfig(name="tools", tools=False, tool_habit="none")
+    data = ToolTaskData(task, build_tokenizer("tools"))
+    assert data.tool_call_ids == ()
+    batch = data.sft_batch(np.random.default_rng(0), 4)
+    assert not np.asarray(batch.environment_mask).any()
+    text = data.tokenizer.decode(np.asarray(batch.response_tokens)[0], skip_special_tokens=True)
+    assert text.startswith("A=") and "C" not in text
