@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from asyncopd_jax.studies.report import Report, mean_spread, pyplot
-from asyncopd_jax.studies.training_runs import DEMO, LEDGER_KEYS, compact, run_trainings, train
+from asyncopd_jax.studies.training_runs import DEMO, LEDGER_KEYS, run_trainings, sft_arm, train
 from asyncopd_jax.studies.verdicts import beats
 
 KEYS = (*LEDGER_KEYS, "eval_accuracy", "tokens", "reverse_kl_signal", "entropy", "nonfinite_rows")
@@ -99,7 +99,6 @@ def train_sft_arm(work: Path, name: str, sets: list[str]) -> tuple[dict[str, Any
     from flax import nnx
 
     from asyncopd_jax.config import load_config
-    from asyncopd_jax.learner.sft import train_sft
     from asyncopd_jax.models import from_pretrained, load_tokenizer
     from asyncopd_jax.sampling import SamplingParams, make_sampler
     from asyncopd_jax.tasks.assets import resolve_model_path
@@ -122,7 +121,7 @@ def train_sft_arm(work: Path, name: str, sets: list[str]) -> tuple[dict[str, Any
         pad_id=teacher_task.pad_id,
     )
     rng, key = np.random.default_rng(cfg.seed), jax.random.key(cfg.seed)
-    steps, batch_size = cfg.train.steps, cfg.learner.batch_size
+    batch_size = cfg.learner.batch_size
 
     def batches():
         nonlocal key
@@ -134,25 +133,10 @@ def train_sft_arm(work: Path, name: str, sets: list[str]) -> tuple[dict[str, Any
                 problems, teacher_task.decode(answers), student_task.prompt_slots, student_task.max_new_tokens
             )
 
+    teacher_accuracy = teacher_task.accuracy(teacher_graph, teacher_state)
     model = from_pretrained(student_dir)
-    before = student_task.accuracy(*nnx.split(model))
-    records: list[dict[str, Any]] = []
-
-    def on_step(step: int, metrics: dict, graphdef: nnx.GraphDef, params: nnx.State) -> None:
-        record: dict[str, Any] = {"step": step, "loss": metrics["loss"], "tokens": metrics.get("tokens", np.nan)}
-        if step % cfg.train.eval_every == 0 or step == steps:
-            record["eval_accuracy"] = student_task.accuracy(graphdef, params)
-        records.append(record)
-
-    train_sft(model, batches(), steps, cfg.optim, on_step=on_step)
-    summary = {
-        "student_before": before,
-        "student_after": records[-1]["eval_accuracy"],
-        "teacher_accuracy": teacher_task.accuracy(teacher_graph, teacher_state),
-        "steps": steps,
-    }
-    result = {"sets": sets, "records": records, "summary": summary, "error": None}
-    return compact(name, result, ("step", "loss", "eval_accuracy")), time.perf_counter() - start
+    line = sft_arm(name, sets, model, batches(), cfg, student_task.accuracy, teacher_accuracy, {"tokens": "tokens"})
+    return line, time.perf_counter() - start
 
 
 def run(

@@ -40,7 +40,7 @@ import numpy as np
 
 from asyncopd_jax import configs
 from asyncopd_jax.studies.report import Report, mean_spread, pyplot
-from asyncopd_jax.studies.training_runs import LEDGER_KEYS, compact, run_trainings, train
+from asyncopd_jax.studies.training_runs import LEDGER_KEYS, run_trainings, sft_arm, train
 from asyncopd_jax.studies.verdicts import beats
 
 DEMO_TOOLS = configs.bundled("demo_tools")
@@ -184,7 +184,6 @@ def train_sft_arm(work: Path, name: str, sets: list[str]) -> tuple[dict[str, Any
     from flax import nnx
 
     from asyncopd_jax.config import load_config
-    from asyncopd_jax.learner.sft import train_sft
     from asyncopd_jax.models import from_pretrained, load_tokenizer
     from asyncopd_jax.tasks.assets import resolve_model_path
     from asyncopd_jax.tasks.tool_task import ToolTaskData
@@ -201,25 +200,11 @@ def train_sft_arm(work: Path, name: str, sets: list[str]) -> tuple[dict[str, Any
             _, problems = task.train_prompts(rng, cfg.learner.batch_size)
             yield task.rollout(teacher_graph, teacher_state, problems, temperature=1.0, seed=cfg.seed * 100_003 + step)
 
-    model = from_pretrained(student_dir)
-    before = task.accuracy(*nnx.split(model))
-    records: list[dict[str, Any]] = []
-
-    def on_step(step: int, metrics: dict, graphdef: nnx.GraphDef, params: nnx.State) -> None:
-        record: dict[str, Any] = {"step": step, "loss": metrics["loss"], "time": metrics["seconds"]}
-        if step % cfg.train.eval_every == 0 or step == steps:
-            record["eval_accuracy"] = task.accuracy(graphdef, params)
-        records.append(record)
-
-    train_sft(model, batches(), steps, cfg.optim, on_step=on_step)
-    summary = {
-        "student_before": before,
-        "student_after": records[-1]["eval_accuracy"],
-        "teacher_accuracy": task.accuracy(teacher_graph, teacher_state),
-        "steps": steps,
-    }
-    result = {"sets": sets, "records": records, "summary": summary, "error": None}
-    return compact(name, result, ("step", "loss", "time", "eval_accuracy")), time.perf_counter() - start
+    teacher_accuracy = task.accuracy(teacher_graph, teacher_state)
+    line = sft_arm(
+        name, sets, from_pretrained(student_dir), batches(), cfg, task.accuracy, teacher_accuracy, {"time": "seconds"}
+    )
+    return line, time.perf_counter() - start
 
 
 def run(

@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 import traceback
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, TypeVar
@@ -211,6 +211,47 @@ def train(
     what a study passes to :func:`run_trainings` (the pool's workers import it)."""
     start = time.perf_counter()
     return compact(name, run_training(work, name, sets, base), keys), time.perf_counter() - start
+
+
+def sft_arm(
+    name: str,
+    sets: list[str],
+    model: Any,
+    batches: Iterator,
+    cfg: Any,
+    accuracy: Callable[[Any, Any], float],
+    teacher_accuracy: float,
+    fields: Mapping[str, str],
+) -> dict[str, Any]:
+    """A study's SFT arm: ``model`` trained by :func:`~asyncopd_jax.learner.sft.train_sft`
+    on ``batches`` for ``cfg.train.steps`` steps with ``cfg.optim``, its held-out
+    ``accuracy(graphdef, params)`` before, every ``cfg.train.eval_every`` steps and at the
+    end. Returns its ledger line: each step's ``loss``, each record key of ``fields`` from
+    the step's metric it names (NaN where a step has none), and ``eval_accuracy``."""
+    from flax import nnx
+
+    from asyncopd_jax.learner.sft import train_sft
+
+    steps = cfg.train.steps
+    before = accuracy(*nnx.split(model))
+    records: list[dict[str, Any]] = []
+
+    def on_step(step: int, metrics: dict, graphdef: Any, params: Any) -> None:
+        record: dict[str, Any] = {"step": step, "loss": metrics["loss"]}
+        record.update({key: metrics.get(metric, np.nan) for key, metric in fields.items()})
+        if step % cfg.train.eval_every == 0 or step == steps:
+            record["eval_accuracy"] = accuracy(graphdef, params)
+        records.append(record)
+
+    train_sft(model, batches, steps, cfg.optim, on_step=on_step)
+    summary = {
+        "student_before": before,
+        "student_after": records[-1]["eval_accuracy"],
+        "teacher_accuracy": teacher_accuracy,
+        "steps": steps,
+    }
+    result = {"sets": sets, "records": records, "summary": summary, "error": None}
+    return compact(name, result, ("step", "loss", *fields, "eval_accuracy"))
 
 
 def default_jobs() -> int:

@@ -77,3 +77,16 @@ def test_the_quick_study_writes_its_report(tmp_path):
     assert (path.parent / "multi_turn" / "accuracy.png").is_file() and (
         path.parent / "multi_turn" / "calls.png"
     ).is_file()
+
+
+@pytest.mark.extended  # the teacher's multi-turn rollouts and two SFT steps, ~15 s: CI's second step
+def test_the_sft_arm_trains_on_the_teachers_trajectories_and_records_its_evaluations(tmp_path):
+    settings = multi_turn.Settings(
+        steps=2, batch_size=4, eval_every=2, eval_prompts=8, timed_steps=2, teacher_sft_steps=1, student_sft_steps=1
+    )
+    sets = multi_turn.sft_sets(0, settings)
+    line, seconds = multi_turn.train_sft_arm(tmp_path, "sft", sets)
+    assert line["name"] == "sft" and line["sets"] == sets and line["error"] is None and seconds > 0
+    assert line["columns"]["step"] == [1, 2] and all(np.isfinite(line["columns"]["loss"]))
+    assert line["columns"]["eval_accuracy"] == {"at": [1], "values": [line["summary"]["student_after"]]}
+    assert line["summary"]["teacher_accuracy"] == 1.0 and len(line["columns"]["time"]) == 2
