@@ -103,7 +103,7 @@ def main() -> None:
     data = make_task(TaskConfig(name="tools", eval_prompts=args.problems), build_tokenizer("tools"), max_new_tokens=0)
     assert isinstance(data, ToolTaskData)
     graphdef, params = nnx.split(from_pretrained(resolve_model_path("builtin:teacher_tools")))
-    engine = ContinuousSampler(graphdef, data.sampling(temperature=1.0), pad_id=data.pad_id)
+    engine = ContinuousSampler(graphdef, data.multi_turn_sampling(temperature=1.0), pad_id=data.pad_id)
     problems = list(data.eval_items)
     run(data, engine, params, problems[: args.group], args, overlapped=True)  # compile first
     print(

@@ -23,9 +23,11 @@ from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.environments.pool import EnvironmentPool
 from asyncopd_jax.environments.protocol import Environment
 from asyncopd_jax.models import encode_prompts
-from asyncopd_jax.sampling import Engine, SamplingParams, make_sampler
+from asyncopd_jax.sampling import Engine, SamplingParams, make_sampler, run_stream
 from asyncopd_jax.sampling.episodes import Turns
 from asyncopd_jax.tasks.tokenizer import EOS_ID, PAD_ID
+
+EVAL_SLOTS = 32  # slots of a multi-turn task's evaluation stream
 
 
 class PromptTask:
@@ -115,16 +117,41 @@ class PromptTask:
     def rollout(
         self, graphdef: nnx.GraphDef, params: nnx.State, items: Sequence[Any], temperature: float, seed: int
     ) -> RolloutBatch:
-        """The answers :meth:`accuracy` scores: one per item, single-turn (a multi-turn task
-        runs its environments here)."""
-        sampling = SamplingParams(
+        """The answers :meth:`accuracy` scores: one per item; a multi-turn task's through a
+        continuous stream of :data:`EVAL_SLOTS` slots, its environments answering."""
+        if not self.tool_call_ids:
+            sampling = SamplingParams(
+                temperature=temperature,
+                max_new_tokens=self.max_new_tokens,
+                stop_token_ids=(self.eos_id,),
+                chunk_steps=self.max_new_tokens,
+            )
+            sampler = evaluation_sampler(graphdef, sampling, self.pad_id)
+            return sampler.generate(params, self.encode(items), jax.random.key(seed), prompt_slots=self.prompt_slots)
+        sampler = evaluation_sampler(graphdef, self.multi_turn_sampling(temperature), self.pad_id)
+        pool = EnvironmentPool(workers=4, timeout_s=30)
+        try:
+            stream = sampler.open_stream(
+                params, version=0, prompt_slots=self.prompt_slots, slots=EVAL_SLOTS, turns=self.turns(pool)
+            )
+            keys = jax.random.split(jax.random.key(seed), len(items))
+            stream.submit(None, self.encode(items), keys, [self.environment(i) for i in items])
+            ((_, batch),) = run_stream(stream)
+        finally:
+            pool.close()
+        return batch
+
+    def multi_turn_sampling(self, temperature: float) -> SamplingParams:
+        """A multi-turn task's evaluation sampling: on the continuous engine, its turns calling."""
+        return SamplingParams(
             temperature=temperature,
             max_new_tokens=self.max_new_tokens,
             stop_token_ids=(self.eos_id,),
-            chunk_steps=self.max_new_tokens,
+            tool_call_ids=self.tool_call_ids,
+            engine="continuous",
+            slots=EVAL_SLOTS,
+            chunk_steps=16,
         )
-        sampler = evaluation_sampler(graphdef, sampling, self.pad_id)
-        return sampler.generate(params, self.encode(items), jax.random.key(seed), prompt_slots=self.prompt_slots)
 
 
 _SAMPLERS: dict = {}

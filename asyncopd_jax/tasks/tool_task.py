@@ -14,22 +14,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from transformers import PreTrainedTokenizerBase
 
 from asyncopd_jax.cache import RolloutBatch
 from asyncopd_jax.config import TaskConfig
 from asyncopd_jax.environments.pool import EnvironmentPool
 from asyncopd_jax.environments.protocol import Environment
-from asyncopd_jax.sampling import SamplingParams, left_pad, run_stream
+from asyncopd_jax.sampling import left_pad
 from asyncopd_jax.sampling.episodes import Turns
-from asyncopd_jax.tasks.prompt_task import PromptTask, evaluation_sampler
+from asyncopd_jax.tasks.prompt_task import PromptTask
 from asyncopd_jax.tasks.tool_arith import CALL, Habit, ToolProblem, environment, sample_problems, verify
 
-EVAL_SLOTS = 32  # slots of the evaluation's continuous stream
 SPARE_TURN = 12  # answer slots past the longest teacher trajectory: room for one more call
 
 
@@ -135,37 +132,4 @@ class ToolTaskData(PromptTask):
             behavior_logp=jnp.zeros(tokens.shape, jnp.float32),
             token_version=jnp.zeros(tokens.shape, jnp.int32),
             environment_mask=jnp.asarray(environment),
-        )
-
-    def rollout(
-        self, graphdef: nnx.GraphDef, params: nnx.State, items: Sequence[ToolProblem], temperature: float, seed: int
-    ) -> RolloutBatch:
-        """Multi-turn answers of ``(graphdef, params)`` to ``items``, through a continuous
-        stream whose environments are the calculator's (what :meth:`accuracy` scores);
-        single-turn ones without tools."""
-        if not self.tool_call_ids:
-            return super().rollout(graphdef, params, items, temperature, seed)
-        sampler = evaluation_sampler(graphdef, self.sampling(temperature), self.pad_id)
-        pool = EnvironmentPool(workers=4, timeout_s=30)
-        try:
-            stream = sampler.open_stream(
-                params, version=0, prompt_slots=self.prompt_slots, slots=EVAL_SLOTS, turns=self.turns(pool)
-            )
-            keys = jax.random.split(jax.random.key(seed), len(items))
-            stream.submit(None, self.encode(items), keys, [self.environment(i) for i in items])
-            ((_, batch),) = run_stream(stream)
-        finally:
-            pool.close()
-        return batch
-
-    def sampling(self, temperature: float) -> SamplingParams:
-        """The evaluation's sampling: multi-turn, on the continuous engine."""
-        return SamplingParams(
-            temperature=temperature,
-            max_new_tokens=self.max_new_tokens,
-            stop_token_ids=(self.eos_id,),
-            tool_call_ids=self.tool_call_ids,
-            engine="continuous",
-            slots=EVAL_SLOTS,
-            chunk_steps=16,
         )

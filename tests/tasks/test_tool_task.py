@@ -11,7 +11,7 @@ from flax import nnx
 from asyncopd_jax.config import TaskConfig
 from asyncopd_jax.environments import EnvironmentPool
 from asyncopd_jax.models import from_pretrained, load_tokenizer
-from asyncopd_jax.tasks import ToolTaskData, make_task, tool_task
+from asyncopd_jax.tasks import ToolTaskData, make_task, prompt_task
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.tasks.tokenizer import build_tokenizer
 from asyncopd_jax.tasks.tool_arith import ToolProblem
@@ -55,7 +55,7 @@ def test_turns_convert_a_turns_ids_to_text_and_an_observation_to_ids(data):
 def test_accuracy_is_measured_multi_turn(data, monkeypatch):
     """The shipped tool teacher answers every held-out problem with one call, its
     observation and the answer the calculator gave: all correct."""
-    monkeypatch.setattr(tool_task, "EVAL_SLOTS", 4)  # the engine's compile follows its slots: 11 s, not 27
+    monkeypatch.setattr(prompt_task, "EVAL_SLOTS", 4)  # the engine's compile follows its slots: 11 s, not 27
     graphdef, params = nnx.split(from_pretrained(resolve_model_path("builtin:teacher_tools")))
     batch = data.rollout(graphdef, params, data.eval_items, temperature=0.0, seed=0)
     environment = np.asarray(batch.environment_mask)

@@ -12,7 +12,7 @@ from flax import nnx
 
 from asyncopd_jax.config import TaskConfig
 from asyncopd_jax.models import from_pretrained
-from asyncopd_jax.tasks import ToolTaskData, make_task, tool_task
+from asyncopd_jax.tasks import ToolTaskData, make_task, prompt_task
 from asyncopd_jax.tasks.assets import resolve_model_path
 from asyncopd_jax.tasks.tokenizer import build_tokenizer
 from asyncopd_jax.teacher import ScoringParams, TeacherScorer
@@ -29,7 +29,7 @@ def trajectories():
     assert isinstance(data, ToolTaskData)
     graphdef, params = nnx.split(from_pretrained(resolve_model_path("builtin:student_tools")))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tool_task, "EVAL_SLOTS", 4)  # a short compile
+        patch.setattr(prompt_task, "EVAL_SLOTS", 4)  # a short compile
         batch = data.rollout(graphdef, params, data.eval_items, temperature=1.0, seed=3)
     assert np.asarray(batch.environment_mask).any(), "no answer called the calculator"
     return batch
