@@ -60,6 +60,11 @@ def validate(cfg: RunConfig) -> None:
             "teacher.prompt.template is invalid with train.diagnostics_every or the reverse_kl extrapolation probe: "
             "they compare the student and teacher under one prompt; allowed: no template, or those probes off"
         )
+    if cfg.environment.tools and cfg.task.name != "dataset":
+        raise ConfigError(
+            f"environment.tools = {list(cfg.environment.tools)} is for task.name = dataset (the tool task's "
+            f"calculator is its own: task.tools); allowed with task.name = {cfg.task.name}: []"
+        )
     if cfg.schedule.mode == "fixed_lag" and cfg.learner.mini_batches != 1:
         # One rollout batch per optimizer step, sampled in the learner's thread: with M
         # mini-batches the m-th would be k + m stale.

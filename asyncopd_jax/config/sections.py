@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from asyncopd_jax.config_checks import ConfigError, IdList, StorageLocation, check_fields, parse_id_list
 from asyncopd_jax.environments.latency import Latency
+from asyncopd_jax.environments.toolbox import TOOL_NAMES
 from asyncopd_jax.teacher.client import ServerParams
 from asyncopd_jax.teacher.prompts import TeacherPrompt
 from asyncopd_jax.teacher.scorer import ScoringParams
@@ -340,6 +341,10 @@ class EnvironmentConfig:
     latency_s: float = 0.0
     latency_law: Literal["fixed", "lognormal"] = "fixed"
     latency_sigma: float = 1.0
+    # task.name = dataset: the built-in tools its answers may call in the model's own format
+    # (Qwen3's <tool_call> JSON, through its chat template): calculator, python (the sandbox);
+    # none: single-turn. The built-in tool task brings its own calculator (task.tools).
+    tools: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_fields(
@@ -350,6 +355,12 @@ class EnvironmentConfig:
                 ("max_output", self.max_output, self.max_output >= 1, ">= 1"),
                 ("latency_s", self.latency_s, self.latency_s >= 0, ">= 0"),
                 ("latency_sigma", self.latency_sigma, self.latency_sigma > 0, "> 0"),
+                (
+                    "tools",
+                    list(self.tools),
+                    set(self.tools) <= set(TOOL_NAMES) and len(set(self.tools)) == len(self.tools),
+                    f"distinct names among {', '.join(TOOL_NAMES)}",
+                ),
             ],
         )
 

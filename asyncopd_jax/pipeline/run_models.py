@@ -13,6 +13,8 @@ import dataclasses
 from typing import Any
 
 from asyncopd_jax.config import ConfigError, RunConfig
+from asyncopd_jax.environments.protocol import Tool
+from asyncopd_jax.environments.toolbox import make_tools
 from asyncopd_jax.models import DecoderConfig
 from asyncopd_jax.pipeline.model_files import model_config, read_tokenizer
 from asyncopd_jax.pipeline.run_teachers import RunTeacher, read_teachers, resolve_teachers
@@ -38,6 +40,7 @@ class RunModels:
     student_config: DecoderConfig
     router: Router  # which teacher scores each prompt, under which prompt
     teachers: tuple[RunTeacher, ...] = ()
+    tools: tuple[Tool, ...] = ()  # a dataset task's (environment.tools), made at start-up
 
     @property
     def retokenizers(self) -> dict[str, Retokenizer]:
@@ -58,7 +61,7 @@ class RunModels:
         pair = self.retokenizers.get(name)
         if pair is None:
             return self.task
-        return make_task(cfg.task, pair.teacher, max_new_tokens=cfg.sampling.max_new_tokens)
+        return make_task(cfg.task, pair.teacher, max_new_tokens=cfg.sampling.max_new_tokens, tools=self.tools)
 
 
 def check_student(cfg: RunConfig, student: DecoderConfig) -> None:
@@ -79,7 +82,10 @@ def run_models(cfg: RunConfig) -> RunModels:
     check_student(cfg, student)
     tokenizer = read_tokenizer(cfg.student.path)
     found = read_teachers(cfg, tokenizer, student)
-    task = make_task(cfg.task, tokenizer, max_new_tokens=cfg.sampling.max_new_tokens, max_positions=found.context)
+    tools = make_tools(cfg.environment.tools)  # here, at start-up: the python sandbox refuses where it cannot isolate
+    task = make_task(
+        cfg.task, tokenizer, max_new_tokens=cfg.sampling.max_new_tokens, max_positions=found.context, tools=tools
+    )
     # the sampler stops at the tokenizer's EOS and at every EOS id of the student's config
     stop = tuple(dict.fromkeys((*cfg.sampling.stop_token_ids, task.eos_id, *student.eos_token_ids)))
     teachers, router = resolve_teachers(cfg, task, tokenizer, found, stop)
@@ -90,4 +96,4 @@ def run_models(cfg: RunConfig) -> RunModels:
             f"the continuous engine does; sampling.engine = {cfg.sampling.engine!r} is invalid, allowed: continuous"
         )
     sampling = dataclasses.replace(cfg.sampling, stop_token_ids=stop, tool_call_ids=task.tool_call_ids)
-    return RunModels(tokenizer, task, sampling, found.vocab_limit, student, router, teachers)
+    return RunModels(tokenizer, task, sampling, found.vocab_limit, student, router, teachers, tuple(tools))

@@ -8,9 +8,12 @@ by ``task.name``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from transformers import PreTrainedTokenizerBase
 
 from asyncopd_jax.config import TaskConfig
+from asyncopd_jax.environments.protocol import Tool
 from asyncopd_jax.tasks.builtin import TaskData, new_model, padded_vocab
 from asyncopd_jax.tasks.dataset_task import DatasetTask
 from asyncopd_jax.tasks.prompt_task import PromptTask
@@ -18,7 +21,12 @@ from asyncopd_jax.tasks.tool_task import ToolTaskData
 
 
 def make_task(
-    task: TaskConfig, tokenizer: PreTrainedTokenizerBase, *, max_new_tokens: int, max_positions: int | None = None
+    task: TaskConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_new_tokens: int,
+    max_positions: int | None = None,
+    tools: Sequence[Tool] = (),
 ) -> PromptTask:
     """The task ``task.name`` names: the built-in ``arith`` task or a user's ``dataset``.
 
@@ -28,9 +36,10 @@ def make_task(
     teacher's), must hold the longest prompt plus
     the answer: a ``ValueError`` (a ``DatasetError`` naming the rows for a dataset) if not,
     since positions past the context the model was trained on give silently degraded answers.
+    ``tools``: a dataset task's (``environment.tools``, :func:`~asyncopd_jax.environments.toolbox.make_tools`).
     """
     if task.name == "dataset":
-        return DatasetTask(task, tokenizer, max_new_tokens=max_new_tokens, max_positions=max_positions)
+        return DatasetTask(task, tokenizer, max_new_tokens=max_new_tokens, max_positions=max_positions, tools=tools)
     data = sft_data(task, tokenizer)
     answer = max(max_new_tokens, data.max_new_tokens)  # rollouts: sampling.max_new_tokens; evaluation: the task's
     if max_positions is not None and data.prompt_slots + answer > max_positions:

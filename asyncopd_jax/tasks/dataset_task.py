@@ -7,20 +7,35 @@ model fails before training with the rows named. A fixed share of the examples i
 for the held-out accuracy (``task.eval_fraction``, at most ``task.eval_prompts`` of them).
 Without an answer field (distillation needs none) rewards and accuracy are NaN: reported as
 "n/a", never trained on.
+
+With tools (``environment.tools``) the answers are multi-turn in the model's own format: a
+turn that opens a ``<tool_call>`` and ends on the stop token parks; its calls (Qwen3's
+``<tool_call>`` JSON, :func:`~asyncopd_jax.environments.tool_calls.parse_hermes`) run, and
+the outputs come back as the chat template's tool turn up to the next assistant turn
+(:mod:`asyncopd_jax.environments.chat_turns`). The tokenizer must have ``<tool_call>`` as
+one token and a template that writes tool turns: else the task refuses in one line.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from asyncopd_jax.config import TaskConfig
+from asyncopd_jax.environments.chat_turns import observation_text
+from asyncopd_jax.environments.pool import EnvironmentPool
+from asyncopd_jax.environments.protocol import Environment, Tool
+from asyncopd_jax.environments.tool_calls import parse_hermes
+from asyncopd_jax.environments.tool_environment import ToolEnvironment
+from asyncopd_jax.sampling.episodes import Turns
 from asyncopd_jax.tasks.dataset import DatasetError, Example, read_examples, rows_text, split_held_out
 from asyncopd_jax.tasks.math_grader import grade
 from asyncopd_jax.tasks.prompt_task import PromptTask
+
+TOOL_CALL = "<tool_call>"  # what opens a call in Qwen3's format (its tokenizer: one added token)
 
 
 class DatasetTask(PromptTask):
@@ -34,9 +49,15 @@ class DatasetTask(PromptTask):
         max_new_tokens: int,
         max_positions: int | None = None,
         require_answers: bool = False,
+        tools: Sequence[Tool] = (),
     ):
         super().__init__(tokenizer)
         self.path = task.path
+        self.tools, self.max_turns = list(tools), task.max_turns
+        if self.tools:
+            self.tool_call_ids = (self._tool_call_id(),)
+            self.stop_text = cast(str, tokenizer.convert_ids_to_tokens(self.eos_id))
+            observation_text(tokenizer, ["0"], self.stop_text)  # the template writes tool turns: else its one line
         examples = read_examples(
             task.path, task.prompt_field, task.answer_field or None, require_answers=require_answers
         )
@@ -56,6 +77,35 @@ class DatasetTask(PromptTask):
                 "max_position_embeddings of the student's and the teacher's config.json; shorten those prompts, drop "
                 "them, or lower sampling.max_new_tokens"
             )
+
+    def _tool_call_id(self) -> int:
+        """The id of ``<tool_call>``: one token of the tokenizer (a ValueError naming it if not)."""
+        ids = self.tokenizer.encode(TOOL_CALL, add_special_tokens=False)
+        if len(ids) != 1:
+            name = getattr(self.tokenizer, "name_or_path", "") or "(unnamed)"
+            raise ValueError(
+                f"environment.tools: tokenizer {name} writes {TOOL_CALL} as {len(ids)} tokens, not one; allowed: a "
+                "tokenizer with tool calls in Qwen3's format (an added token <tool_call>)"
+            )
+        return int(ids[0])
+
+    def environment(self, example: Example) -> Environment:
+        """The example's tools, called in Qwen3's format, answered in the template's tool turn."""
+        return ToolEnvironment(self.tools, self.max_turns, parse=parse_hermes, render=self._tool_turn)
+
+    def _tool_turn(self, outputs: list[str]) -> str:
+        return observation_text(self.tokenizer, outputs, self.stop_text)
+
+    def turns(self, pool: EnvironmentPool) -> Turns:
+        """A turn's text with its markers kept (``<tool_call>`` may be an added special token),
+        an observation's text in this tokenizer's ids."""
+        return Turns(pool=pool, text=self._turn_text, ids=self._observation_ids)
+
+    def _turn_text(self, ids: Sequence[int]) -> str:
+        return cast(str, self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    def _observation_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode(self, items: Sequence[Example]) -> list[list[int]]:
         return [self._ids[e] for e in items]
