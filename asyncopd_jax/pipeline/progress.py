@@ -55,6 +55,8 @@ class ProgressBar:
             post["acc"] = f"{record['rollout_accuracy']:.2f}"
         if "tool_calls_per_answer" in record:  # multi-turn: the tool calls an answer makes
             post["calls"] = f"{record['tool_calls_per_answer']:.2f}"
+        if "environment_overlap" in record:  # and the share of tool time the engine kept decoding
+            post["overlap"] = f"{record['environment_overlap']:.2f}"
         if self.last_eval is not None:
             post["eval"] = f"{self.last_eval:.2f}"
         self.bar.set_postfix(post, refresh=False)

@@ -451,7 +451,8 @@ class RunDir:
     @staticmethod
     def _plot_episodes(calls: Any, sizes: Any, steps: np.ndarray, records: list[dict[str, Any]]) -> None:
         """Multi-turn runs: tool calls and turns per answer (and each teacher's), then the
-        observation tokens and tool errors per answer."""
+        observation tokens and tool errors per answer and the share of tool time the engine
+        kept decoding other answers."""
 
         def series(key: str) -> np.ndarray:
             return np.array([r.get(key, np.nan) for r in records], float)
@@ -464,7 +465,8 @@ class RunDir:
         calls.set_title("per answer", fontsize=10)
         sizes.plot(steps, series("observation_tokens_per_answer"), lw=1, label="observation tokens")
         sizes.plot(steps, series("tool_errors_per_answer"), lw=1, label="tool errors")
-        sizes.set_title("per answer", fontsize=10)
+        sizes.plot(steps, series("environment_overlap"), lw=1, label="tool time overlapped (share)")
+        sizes.set_title("per answer; overlap: a share", fontsize=10)
         for ax in (calls, sizes):
             ax.set_xlabel("optimizer step")
             ax.legend(fontsize=8)
