@@ -281,6 +281,6 @@ def test_an_unknown_study_names_the_allowed_ones():
     with pytest.raises(
         ValueError,
         match="unknown study 'e9'; allowed: cache_bias_variance, cross_tokenizer, extrapolation, kl_direction, "
-        "rl_staleness, stabilisers, throughput",
+        "multi_turn, rl_staleness, stabilisers, throughput",
     ):
         get_study("e9")
