@@ -79,7 +79,7 @@ def test_the_quick_study_writes_its_report(tmp_path):
     ).is_file()
 
 
-@pytest.mark.extended  # the teacher's multi-turn rollouts and two SFT steps, ~15 s: CI's second step
+@pytest.mark.extended  # the teacher's rollouts and two SFT steps, ~45 s beside another worker: CI's second step
 def test_the_sft_arm_trains_on_the_teachers_trajectories_and_records_its_evaluations(tmp_path):
     settings = multi_turn.Settings(
         steps=2, batch_size=4, eval_every=2, eval_prompts=8, timed_steps=2, teacher_sft_steps=1, student_sft_steps=1
