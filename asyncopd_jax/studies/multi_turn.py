@@ -164,10 +164,15 @@ def arm_sets(arm: str, seed: int, s: Settings, models: dict[str, Path]) -> list[
     return [*_common(seed, s, timed=True), f"schedule.mode={schedule}", *LATENCIES[latency]]
 
 
+def timed_arms() -> list[str]:
+    """The sync and fully async arms under each tool latency (``schedule-latency``): what
+    they measure is steps a second, so they train one at a time, alone."""
+    return [f"{schedule}-{latency}" for latency in LATENCIES for schedule in SCHEDULES]
+
+
 def arms() -> list[str]:
     """The OPD arms, trained by the pipeline (the SFT arm apart)."""
-    timed = [f"{schedule}-{latency}" for latency in LATENCIES for schedule in SCHEDULES]
-    return ["multi_turn_opd", "single_turn_no_tools", "two_teachers", *timed]
+    return ["multi_turn_opd", "single_turn_no_tools", "two_teachers", *timed_arms()]
 
 
 def sft_sets(seed: int, s: Settings) -> list[str]:
@@ -227,7 +232,7 @@ def run(
     step = functools.partial(train, base=DEMO_TOOLS, keys=KEYS)
     runs = {(arm, seed): (f"{arm}-s{seed}", arm_sets(arm, seed, s, models)) for seed in range(seeds) for arm in arms()}
     # the timed arms one at a time, alone on the machine: their figure is steps a second
-    timed = {key: run for key, run in runs.items() if "sync" in key[0]}
+    timed = {key: run for key, run in runs.items() if key[0] in timed_arms()}
     results = run_trainings(work, ledger, {k: v for k, v in runs.items() if k not in timed}, jobs=jobs, train=step)
     results.update(run_trainings(work, ledger, timed, jobs=1, train=step))
     sft = {
@@ -454,4 +459,15 @@ def _write_report(
     return report.write()
 
 
-__all__ = ["FULL", "QUICK", "Settings", "arm_sets", "arms", "made_models", "run", "speed_up", "train_sft_arm"]
+__all__ = [
+    "FULL",
+    "QUICK",
+    "Settings",
+    "arm_sets",
+    "arms",
+    "timed_arms",
+    "made_models",
+    "run",
+    "speed_up",
+    "train_sft_arm",
+]

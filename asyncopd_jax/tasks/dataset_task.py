@@ -99,13 +99,10 @@ class DatasetTask(PromptTask):
     def turns(self, pool: EnvironmentPool) -> Turns:
         """A turn's text with its markers kept (``<tool_call>`` may be an added special token),
         an observation's text in this tokenizer's ids."""
-        return Turns(pool=pool, text=self._turn_text, ids=self._observation_ids)
+        return Turns(pool=pool, text=self._turn_text, ids=self.text_ids)
 
     def _turn_text(self, ids: Sequence[int]) -> str:
         return cast(str, self.tokenizer.decode(list(ids), skip_special_tokens=False))
-
-    def _observation_ids(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode(self, items: Sequence[Example]) -> list[list[int]]:
         return [self._ids[e] for e in items]

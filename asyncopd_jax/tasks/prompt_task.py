@@ -84,6 +84,11 @@ class PromptTask:
     def encode(self, items: Sequence[Any]) -> list[list[int]]:
         return encode_prompts(self.tokenizer, [self.prompt_text(i) for i in items])
 
+    def text_ids(self, text: str) -> list[int]:
+        """``text``'s ids as they continue a sequence (no special tokens added): a multi-turn
+        task's observations and turns."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def decode(self, batch: RolloutBatch) -> list[str]:
         tokens, mask = np.asarray(batch.response_tokens), np.asarray(batch.response_mask)
         # one sequence in, one string out (decode's type also covers a batch: a list)

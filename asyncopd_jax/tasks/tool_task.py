@@ -90,13 +90,10 @@ class ToolTaskData(PromptTask):
     def turns(self, pool: EnvironmentPool) -> Turns:
         """The multi-turn rollouts' :class:`Turns` over ``pool``: a turn's text without its
         EOS, an observation's text in this tokenizer's ids."""
-        return Turns(pool=pool, text=self._text, ids=self._ids)
+        return Turns(pool=pool, text=self._text, ids=self.text_ids)
 
     def _text(self, ids: Sequence[int]) -> str:
         return cast(str, self.tokenizer.decode(list(ids), skip_special_tokens=True))
-
-    def _ids(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     # --- data ---
 
@@ -106,8 +103,8 @@ class ToolTaskData(PromptTask):
         ids: list[int] = []
         environment: list[bool] = []
         for turn, observation in problem.trajectory(habit):
-            said = self._ids(turn) + [self.eos_id]
-            heard = self._ids(observation) if observation else []
+            said = self.text_ids(turn) + [self.eos_id]
+            heard = self.text_ids(observation) if observation else []
             ids += said + heard
             environment += [False] * len(said) + [True] * len(heard)
         return np.asarray(ids, np.int32), np.asarray(environment, bool)

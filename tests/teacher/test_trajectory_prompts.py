@@ -28,7 +28,7 @@ def test_each_teacher_scores_its_trajectories_under_its_own_prompt_with_the_obse
     batch = task.sft_batch(np.random.default_rng(0), 4, habit="steps")  # two observations a row
     problems = sample_problems(np.random.default_rng(0), 4, task.task.max_value, held_out=False)
     # teacher b's own prompt: the student's with "+" before it (a template such as "+{prompt}")
-    own, own_mask = left_pad([task._ids("+" + p.prompt) for p in problems], task.pad_id, task.prompt_slots + 1)
+    own, own_mask = left_pad([task.text_ids("+" + p.prompt) for p in problems], task.pad_id, task.prompt_slots + 1)
     plain, plain_mask = left_pad(task.encode(problems), task.pad_id, task.prompt_slots + 1)
     route = TeacherRoute(
         teacher=np.array([0, 1, 0, 1]),

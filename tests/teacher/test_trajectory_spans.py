@@ -55,7 +55,7 @@ def _batch(task: ToolTaskData, prompts: ToolTaskData, cut: int = 0) -> RolloutBa
     if cut:
         ids, heard = rows[CUT]
         rows[CUT] = ids[:-cut], heard[:-cut]
-    error = task._ids("R:E;")
+    error = task.text_ids("R:E;")
     ids, heard = rows[1]
     start = int(np.argmax(heard))
     stop = start + int(np.argmin(heard[start:]))
