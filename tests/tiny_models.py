@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from asyncopd_jax.models import Decoder, DecoderConfig
+from asyncopd_jax.models.lora import LoRAParams, adapters, add_adapters
 from asyncopd_jax.sampling import SamplingParams
 
 
@@ -53,6 +54,15 @@ def tiny_decoder(seed: int = 0, family: str = "qwen3", vocab: int = 61, scale: f
         value = var[...]
         if value.ndim == 2:
             var[...] = jax.random.normal(next(keys), value.shape) * scale / jnp.sqrt(value.shape[0])
+    return model
+
+
+def tiny_lora_decoder(params: LoRAParams, seed: int = 0) -> Decoder:
+    """:func:`tiny_decoder` with adapters (``params``) whose B is random: a fresh B is zero,
+    which would give A no gradient and hide a wrong A."""
+    model = add_adapters(tiny_decoder(seed, scale=0.7), params, nnx.Rngs(seed))
+    for i, (_, module) in enumerate(adapters(model)):
+        module.lora_b[...] = 0.3 * jax.random.normal(jax.random.key(100 + i), module.lora_b.shape)
     return model
 
 

@@ -19,6 +19,7 @@ from asyncopd_jax.config.sections import (
     RLConfig,
     ScheduleConfig,
     StagesConfig,
+    StudentSource,
     TaskConfig,
     TeacherSource,
     TrainConfig,
@@ -39,7 +40,7 @@ class RunConfig:
     # "rl": reinforce from the task's rewards (see RLConfig; the estimator is a stabiliser).
     algorithm: Literal["opd", "rl"] = "opd"
     task: TaskConfig = TaskConfig()
-    student: ModelSource = ModelSource()
+    student: StudentSource = StudentSource()
     teacher: TeacherSource = TeacherSource()
     # several teachers (each a `teacher` section with its own `name`), instead of `teacher`;
     # each prompt is scored by one of them, picked as `routing` says
@@ -121,6 +122,13 @@ class RunConfig:
         """The dtype of the policy's weights as the samplers receive them
         (``stages.snapshot_dtype``; auto: ``student.dtype``)."""
         return self.student.dtype if self.stages.snapshot_dtype == "auto" else self.stages.snapshot_dtype
+
+    @property
+    def dropout_seed(self) -> int | None:
+        """The seed of the LoRA adapters' dropout masks in the learner's forward (None: no
+        dropout; :func:`asyncopd_jax.learner.step.dropout_key`)."""
+        lora = self.student.lora
+        return self.seed if lora.enabled and lora.dropout else None
 
     @property
     def group_size(self) -> int:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from asyncopd_jax.config_checks import ConfigError, IdList, StorageLocation, check_fields, parse_id_list
 from asyncopd_jax.environments.latency import Latency
 from asyncopd_jax.environments.toolbox import TOOL_NAMES
+from asyncopd_jax.models.lora import LoRAParams
 from asyncopd_jax.teacher.client import ServerParams
 from asyncopd_jax.teacher.prompts import TeacherPrompt
 from asyncopd_jax.teacher.scorer import ScoringParams
@@ -75,6 +76,14 @@ class ModelSource:
     # is Pallas splash attention on TPU, a pure-JAX flash attention on GPU, the plain one on
     # CPU (asyncopd_jax.models.attention); the long-sequence ones never hold [S, S] scores.
     attention: Literal["auto", "xla", "blockwise", "splash"] = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class StudentSource(ModelSource):
+    """The student: its starting weights, and (``lora.rank`` > 0) the LoRA adapters the
+    learner trains on them instead of the whole model (:mod:`asyncopd_jax.models.lora`)."""
+
+    lora: LoRAParams = LoRAParams()
 
 
 TEACHER_NAME = re.compile(r"[A-Za-z0-9_-]+")  # a teacher's name is part of its metrics' names

@@ -28,6 +28,7 @@ from flax import nnx
 
 from asyncopd_jax.models.attention import Implementation, causal_attention
 from asyncopd_jax.models.config import DecoderConfig, rope_inverse_frequencies
+from asyncopd_jax.models.lora import NO_ADAPTERS, LoRAParams, add_adapters
 from asyncopd_jax.models.moe import SparseMoE
 from asyncopd_jax.models.paged_attention import PagedImplementation, PagedKVCache, PagedWrite, paged_attention
 from asyncopd_jax.models.partitioning import constrain
@@ -413,10 +414,16 @@ def abstract_decoder(
     dtype: jnp.dtype | str,
     vocab_limit: int | None = None,
     attention: Implementation = "xla",
+    lora: LoRAParams = NO_ADAPTERS,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """A decoder's graph and parameters as shapes and dtypes (nothing allocated): what a
-    stage needs to receive weights into, or a plan to compile at."""
-    model = nnx.eval_shape(lambda: Decoder(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+    stage needs to receive weights into, or a plan to compile at; with ``lora``'s adapters
+    (:mod:`asyncopd_jax.models.lora`) where it has a rank."""
+
+    def build() -> Decoder:
+        return add_adapters(Decoder(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)), lora, nnx.Rngs(0))
+
+    model = nnx.eval_shape(build)
     model.vocab_limit = vocab_limit
     model.attention = attention
     return nnx.split(model)

@@ -28,6 +28,7 @@ from safetensors.flax import save_file
 
 from asyncopd_jax.models.config import DecoderConfig, read_hf_config, read_json
 from asyncopd_jax.models.decoder import Decoder
+from asyncopd_jax.models.lora import merge_adapters
 from asyncopd_jax.models.partitioning import parameter_spec
 
 SINGLE_FILE = "model.safetensors"
@@ -211,7 +212,7 @@ def save_pretrained(
     """Write ``model`` in the Hugging Face layout, loadable by ``transformers``.
 
     Args:
-      model: the decoder.
+      model: the decoder (a LoRA student's adapters folded into its weights).
       path: output directory (created).
       dtype: tensor dtype on disk; default: the model's parameter dtype.
       max_shard_bytes: above this, weights are split into shards with an index file.
@@ -219,6 +220,7 @@ def save_pretrained(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     dtype = jnp.dtype(dtype or model.dtype)
+    model = merge_adapters(model)  # a LoRA student is written merged, as transformers loads it
     config = model.config
     (path / "config.json").write_text(json.dumps(config.to_hf_dict(dtype.name), indent=2) + "\n")
 

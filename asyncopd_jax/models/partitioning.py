@@ -57,6 +57,13 @@ PARAMETER_AXES: dict[tuple[str, ...], Logical] = {
     ("experts", "down_proj"): ("expert", "mlp", "embed"),  # [E, I, H]
 }
 
+#: A LoRA adapter (models/lora.py) lies as its projection's kernel ``[in, out]`` does:
+#: ``lora_a [in, r]`` split as ``in``, ``lora_b [r, out]`` as ``out``; the rank is never split.
+ADAPTERS: dict[str, Any] = {
+    "lora_a": lambda kernel: (kernel[0], None),
+    "lora_b": lambda kernel: (None, kernel[1]),
+}
+
 #: Logical axis → the mesh axes it is split over (absent: replicated). Activations name
 #: their dimensions too: ``batch`` rows, ``act_heads`` (a head dimension of q, k, v and the
 #: KV cache), ``positions`` (the sequence positions of the learner's LM-head gather, which
@@ -98,7 +105,10 @@ def parameter_axes(path: Sequence[Any]) -> Logical | None:
     counters: replicated)."""
     names = _names(path)
     for end in range(len(names), 1, -1):  # the path may go on: (..., "q_proj", "kernel", "value")
-        axes = PARAMETER_AXES.get(names[end - 2 : end])
+        module, leaf = names[end - 2 : end]
+        if leaf in ADAPTERS and (module, "kernel") in PARAMETER_AXES:
+            return ADAPTERS[leaf](PARAMETER_AXES[module, "kernel"])
+        axes = PARAMETER_AXES.get((module, leaf))
         if axes is not None:
             return axes
     return None

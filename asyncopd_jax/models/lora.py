@@ -1,0 +1,246 @@
+"""LoRA adapters on the decoder's projections (Hu et al., 2021):
+``y = x W + b + (α / r) · (dropout(x) A) B``, ``A [in, r]``, ``B [r, out]``.
+
+The base weights ``W``, ``b`` stay where a plain projection keeps them (``…q_proj.kernel``),
+so checkpoints, the partition rules and every reader of the base are unchanged; the
+adapters are ``…q_proj.lora_a`` and ``…q_proj.lora_b``, held as Flax's own
+``nnx.LoRAParam`` (a subclass of ``nnx.Param``), which is how the learner tells what it
+trains (:func:`split_adapters`) and how a snapshot ships only them.
+
+Why our module and not ``nnx.LoRALinear`` or qwix: ``nnx.LoRA`` computes ``x A B`` with
+neither the α / r scale nor dropout, which PEFT (and every recipe quoting a rank and an
+alpha) assumes, and nests its adapters one module deeper (``…q_proj.lora.lora_a``); qwix
+intercepts the model's operations at call time by module path, a second dependency whose
+adapters lie outside our one table of partition rules. The low-rank path is one line; the
+variable type is Flax's.
+
+``B`` starts at zero (both inits), so a model with fresh adapters computes exactly what its
+base does: training starts from the base student.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Iterator
+from typing import Any, Literal, TypeVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from asyncopd_jax.config_checks import ConfigError, check_fields
+
+Array = jax.Array
+M = TypeVar("M", bound=nnx.Module)
+
+#: The projections an adapter may sit on (PEFT's ``target_modules`` names for Qwen / Llama).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAParams:
+    """``student.lora``: rank 0 trains the whole student (no adapters).
+
+    Attributes:
+      rank: r, the adapters' inner width.
+      alpha: α; the adapters' output is scaled by α / r (PEFT's ``lora_alpha``).
+      dropout: the probability an input feature is dropped on the adapter's path (the
+        learner's forward only: sampling, π_prox and evaluation run without it).
+      targets: regular expressions, each matched in full against a projection's name
+        (``q_proj``) or its whole path (``layers.3.self_attn.q_proj``); a pattern that matches
+        no projection is an error (the default, every projection the model has: a mixture of
+        experts' attention).
+      init: ``A``'s initialisation: ``kaiming`` (uniform in ±1 / √in, PEFT's default) or
+        ``gaussian`` (normal, standard deviation 1 / r); ``B`` starts at zero either way.
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = PROJECTIONS
+    init: Literal["kaiming", "gaussian"] = "kaiming"
+
+    def __post_init__(self) -> None:
+        check_fields(
+            "student.lora",
+            [
+                ("rank", self.rank, self.rank >= 0, ">= 0 (0: no adapters)"),
+                ("alpha", self.alpha, self.alpha > 0, "> 0"),
+                ("dropout", self.dropout, 0 <= self.dropout < 1, "in [0, 1)"),
+                ("targets", self.targets, bool(self.targets), "at least one pattern"),
+            ],
+        )
+        for pattern in self.targets:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ConfigError(f"student.lora.targets: {pattern!r} is not a regular expression ({err})") from None
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """α / r, the factor on the adapters' output."""
+        return self.alpha / self.rank
+
+
+NO_ADAPTERS = LoRAParams()  # rank 0: the whole model is trained
+
+
+class LoRALinear(nnx.Module):
+    """A projection with an adapter: ``y = x W + b + scale · (dropout(x) A) B``.
+
+    ``kernel [in, out]`` and ``bias [out]`` are the base projection's own variables (the
+    same objects, not copies); ``lora_a [in, r]``, ``lora_b [r, out]`` the adapter's.
+    """
+
+    # The key of this forward's dropout (None: no dropout), set by :func:`with_dropout` on a
+    # model merged inside the learner's traced loss; never part of the model's state.
+    dropout_key: Array | None = None
+
+    def __init__(self, base: nnx.Linear, params: LoRAParams, rngs: nnx.Rngs):
+        self.kernel = base.kernel
+        self.bias = base.bias
+        fan_in, fan_out = base.kernel.shape
+        dtype = base.kernel[...].dtype
+        if params.init == "kaiming":
+            bound = 1 / math.sqrt(fan_in)
+            a = jax.random.uniform(rngs.params(), (fan_in, params.rank), dtype, -bound, bound)
+        else:
+            a = jax.random.normal(rngs.params(), (fan_in, params.rank), dtype) / params.rank
+        self.lora_a = nnx.LoRAParam(a)
+        self.lora_b = nnx.LoRAParam(jnp.zeros((params.rank, fan_out), dtype))
+        self.scale = params.scale
+        self.dropout = params.dropout
+
+    def __call__(self, x: Array) -> Array:
+        """``x [..., in]`` → ``[..., out]``, in the dtype of the weights (mixed precision casts them)."""
+        y = jnp.dot(x, self.kernel[...])
+        if self.bias is not None:
+            y = y + self.bias[...]
+        if self.dropout and self.dropout_key is not None:
+            keep = jax.random.bernoulli(self.dropout_key, 1 - self.dropout, x.shape)
+            x = jnp.where(keep, x / (1 - self.dropout), 0).astype(x.dtype)
+        return y + self.scale * jnp.dot(jnp.dot(x, self.lora_a[...]), self.lora_b[...])
+
+    def delta(self) -> Array:
+        """``ΔW = scale · A B`` ``[in, out]``, in fp32."""
+        a, b = self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32)
+        return self.scale * (a @ b)
+
+
+def _paths(model: nnx.Module) -> Iterator[tuple[str, nnx.Module, str, nnx.Module]]:
+    """``(dotted path, parent, attribute, module)`` for every submodule of ``model``."""
+    for path, module in nnx.iter_graph(model):
+        if not isinstance(module, nnx.Module) or not path:
+            continue
+        parent: Any = model
+        for key in path[:-1]:
+            parent = parent[key] if isinstance(key, int) else getattr(parent, str(key))
+        yield ".".join(str(k) for k in path), parent, str(path[-1]), module
+
+
+def add_adapters(model: M, params: LoRAParams, rngs: nnx.Rngs) -> M:
+    """``model`` with an adapter on every projection ``params.targets`` names (in place; the
+    model is returned). Only the attention and MLP projections of :data:`PROJECTIONS` take
+    adapters: a pattern matching anything else (a mixture's experts or router, the LM
+    head), or nothing at all, is an error naming it."""
+    if not params.enabled:
+        return model
+    matched = {pattern: False for pattern in params.targets}
+    chosen = []
+    for path, parent, attribute, module in list(_paths(model)):
+        name = path.rsplit(".", 1)[-1]
+        hits = [p for p in params.targets if re.fullmatch(p, name) or re.fullmatch(p, path)]
+        if not hits:
+            continue
+        if name not in PROJECTIONS or not isinstance(module, nnx.Linear):
+            raise ValueError(
+                f"student.lora.targets: {hits[0]!r} matches {path}, which cannot take an adapter; "
+                f"allowed: the attention and MLP projections ({', '.join(PROJECTIONS)}) of dense layers"
+            )
+        matched.update(dict.fromkeys(hits, True))
+        chosen.append((parent, attribute, module))
+    missing = [p for p, hit in matched.items() if not hit]
+    if missing and params.targets != PROJECTIONS:  # the default: whichever projections the model has
+        raise ValueError(f"student.lora.targets: {missing[0]!r} matches no projection of the student")
+    for parent, attribute, module in chosen:
+        setattr(parent, attribute, LoRALinear(module, params, rngs))
+    return model
+
+
+def adapters(model: nnx.Module) -> list[tuple[str, LoRALinear]]:
+    """The model's adapted projections with their dotted paths, in the model's order."""
+    return [(path, module) for path, _, _, module in _paths(model) if isinstance(module, LoRALinear)]
+
+
+def has_adapters(state: nnx.State) -> bool:
+    """Whether a model state holds adapters (``nnx.LoRAParam`` variables)."""
+    return bool(jax.tree_util.tree_leaves(nnx.filter_state(state, nnx.LoRAParam)))
+
+
+def split_adapters(state: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """``(trained, frozen)``: with adapters, the adapters and everything else; without, the
+    whole state and an empty one (a student without adapters trains all its weights)."""
+    if has_adapters(state):
+        trained, frozen = nnx.split_state(state, nnx.LoRAParam, ...)
+        return trained, frozen
+    return state, nnx.State({})
+
+
+def join(trained: nnx.State, frozen: nnx.State) -> nnx.State:
+    """The whole state again from :func:`split_adapters`' two parts."""
+    return nnx.merge_state(trained, frozen)
+
+
+def with_dropout(model: M, key: Array | None) -> M:
+    """``model`` (merged inside a traced function) with this forward's dropout keys, one per
+    adapter (``key`` None: none); a model without adapters or dropout is unchanged."""
+    if key is None:
+        return model
+    for i, (_, module) in enumerate(adapters(model)):
+        if module.dropout:
+            module.dropout_key = jax.random.fold_in(key, i)
+    return model
+
+
+def merge_adapters(model: M) -> M:
+    """A copy of ``model`` with each adapter folded into its base (``W ← W + scale · A B``,
+    computed in fp32 and cast to ``W``'s dtype) and replaced by a plain projection: the
+    merged student, as a checkpoint or a sampler without adapters holds it (``model`` is
+    left as it was; the copy shares its other arrays)."""
+    model = nnx.clone(model)
+    for _, parent, attribute, module in list(_paths(model)):
+        if isinstance(module, LoRALinear):
+            setattr(parent, attribute, _merged(module))
+    return model
+
+
+def _merged(module: LoRALinear) -> nnx.Linear:
+    """A plain projection holding ``module``'s base plus its adapter's ``ΔW``."""
+    kernel = module.kernel[...]
+    make = functools.partial(nnx.Linear, *kernel.shape, use_bias=module.bias is not None, dtype=None)
+    plain = nnx.eval_shape(lambda: make(rngs=nnx.Rngs(0)))  # its shape only: the weights are set below
+    plain.kernel = nnx.Param((kernel.astype(jnp.float32) + module.delta()).astype(kernel.dtype))
+    plain.bias = module.bias
+    return plain
+
+
+__all__ = [
+    "NO_ADAPTERS",
+    "PROJECTIONS",
+    "LoRALinear",
+    "LoRAParams",
+    "add_adapters",
+    "adapters",
+    "has_adapters",
+    "join",
+    "merge_adapters",
+    "split_adapters",
+    "with_dropout",
+]
