@@ -11,6 +11,13 @@ weights). The best point becomes both the new weights and the new anchor.
 Only attention and MLP projection weights move (:func:`is_movable`); embeddings, norms and
 the LM head keep their θ_t values, and the optimizer's moments are not touched.
 
+A LoRA student (:mod:`asyncopd_jax.models.lora`) is extrapolated on its adapters ``A`` and
+``B``, not on ``ΔW = s·A B``: the base never moves, so θ is the adapters. With δA, δB the
+changes since the anchor, the two differ only at second order in them:
+``(A + f·δA)(B + f·δB) = AB + f·(δA B + A δB) + f²·δA δB`` against
+``AB + f·(δA B + A δB + δA δB)``. And only A and B keep the weights a rank-r adapter that a
+version can ship as such; ``ΔW`` extrapolated needs rank 2r in general.
+
 The functions here are pure functions of parameter pytrees; the probe is any
 ``score(params) -> float`` (higher is better), so the search is testable on toy problems
 and the learner supplies the real probe (accuracy of sampled answers).

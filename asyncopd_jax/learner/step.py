@@ -43,6 +43,7 @@ from asyncopd_jax.learner.packing import plan_micro_batches, take_micro_batch
 from asyncopd_jax.learner.sharding import batch_shardings, put, state_shardings
 from asyncopd_jax.metrics import Metrics, combine, identity, weighted
 from asyncopd_jax.models.decoder import Decoder, Remat, cast_floating
+from asyncopd_jax.models.lora import join, split_adapters, with_dropout
 from asyncopd_jax.models.partitioning import mesh_context
 
 if TYPE_CHECKING:
@@ -54,7 +55,11 @@ Array = jax.Array
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """Parameters, optimizer state and the policy version (optimizer steps taken)."""
+    """Parameters, optimizer state and the policy version (optimizer steps taken).
+
+    ``params`` is the whole model; the optimizer's state covers only what is trained
+    (:func:`~asyncopd_jax.models.lora.split_adapters`): a student with LoRA adapters keeps
+    moments for its adapters alone, its base weights frozen."""
 
     params: nnx.State
     opt_state: optax.OptState
@@ -254,17 +259,27 @@ Accumulated = tuple[nnx.State, Array, Metrics]  # (gradients, loss, metrics) com
 
 
 def _micro_batch(
-    graphdef: nnx.GraphDef, loss_fn: LossFn, params: nnx.State, mb: LearnerBatch, total: Array, denominator: Array
+    graphdef: nnx.GraphDef,
+    loss_fn: LossFn,
+    params: nnx.State,
+    mb: LearnerBatch,
+    total: Array,
+    denominator: Array,
+    dropout_key: Array | None = None,
 ) -> Accumulated:
-    """Gradients, loss and metrics of one micro-batch as its share of the mini-batch: the
-    loss is already normalised by the mini-batch's ``denominator``; the metrics are the
-    micro-batch's :func:`~asyncopd_jax.metrics.weighted` share, its token means weighted by
-    its share of the mini-batch's ``total`` tokens."""
+    """Gradients (of what is trained: the adapters of a LoRA student, else every weight),
+    loss and metrics of one micro-batch as its share of the mini-batch: the loss is already
+    normalised by the mini-batch's ``denominator``; the metrics are the micro-batch's
+    :func:`~asyncopd_jax.metrics.weighted` share, its token means weighted by its share of
+    the mini-batch's ``total`` tokens. ``dropout_key`` (None: none) drives the adapters'
+    dropout."""
+    trained, frozen = split_adapters(params)
 
-    def objective(p):
-        return loss_fn(loss_model(graphdef, p, loss_fn.compute_dtype), mb, denominator)
+    def objective(t):
+        model = with_dropout(loss_model(graphdef, join(t, frozen), loss_fn.compute_dtype), dropout_key)
+        return loss_fn(model, mb, denominator)
 
-    (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trained)
     weight = jnp.sum(mb.rollout.response_mask) / jnp.maximum(total, 1.0)
     return grads, loss, weighted(metrics, weight)
 
@@ -294,25 +309,41 @@ def _apply(optimizer: optax.GradientTransformation, state: TrainState, acc: Accu
     with the same weights), and it reports ``update_norm`` 0.
     """
     grads, loss, parts = acc
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    trained, frozen = split_adapters(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, trained)
+    params = optax.apply_updates(trained, updates)
     grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
     has_tokens = total > 0
     params, opt_state = jax.tree_util.tree_map(
-        lambda new, old: jnp.where(finite & has_tokens, new, old), (params, opt_state), (state.params, state.opt_state)
+        lambda new, old: jnp.where(finite & has_tokens, new, old), (params, opt_state), (trained, state.opt_state)
     )
+    params = join(params, frozen)
     update_norm = jnp.where(has_tokens, update_norm, 0.0)  # a non-finite norm with tokens is kept: it stops the run
     metrics = {**parts.as_dict(), "loss": loss, "grad_norm": grad_norm, "update_norm": update_norm, "tokens": total}
     return TrainState(params=params, opt_state=opt_state, step=state.step + finite.astype(state.step.dtype)), metrics
 
 
+def dropout_key(seed: int | None, step: Array | int, micro_batch: Array | int) -> Array | None:
+    """The adapters' dropout key of one micro-batch of optimizer step ``step`` (None without
+    dropout: ``seed`` None): a new mask every step and micro-batch, the same on a rerun."""
+    if seed is None:
+        return None
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), micro_batch)
+
+
 def train_step_function(
-    graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, loss_fn: LossFn, *, micro_batches: int = 1
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    loss_fn: LossFn,
+    *,
+    micro_batches: int = 1,
+    dropout_seed: int | None = None,
 ) -> Callable[[TrainState, LearnerBatch], tuple[checkify.Error | None, tuple[TrainState, dict[str, Array]]]]:
     """The train step as a pure function, to jit (:func:`make_train_step`) or to compile ahead
     of time at shapes only (:mod:`asyncopd_jax.scale.plan`): ``(state, batch) → (error,
-    (state, metrics))``, ``error`` the loss's functionalised input checks (None if it makes none)."""
+    (state, metrics))``, ``error`` the loss's functionalised input checks (None if it makes none).
+    ``dropout_seed`` (None: no dropout) seeds the adapters' dropout (:func:`dropout_key`)."""
 
     def step(state: TrainState, batch: LearnerBatch):
         batch, dropped = drop_nonfinite_rows(batch)  # before `total`: the mean is over the rows kept
@@ -320,16 +351,19 @@ def train_step_function(
         denominator = _denominator(loss_fn, batch)
         micro_batched = _split_micro_batches(batch, micro_batches)
         first = jax.tree_util.tree_map(lambda x: x[0], micro_batched)
-        shapes = jax.eval_shape(lambda: _micro_batch(graphdef, loss_fn, state.params, first, total, denominator))
+
+        def part(mb: LearnerBatch, index: Array | int) -> Accumulated:
+            key = dropout_key(dropout_seed, state.step, index)
+            return _micro_batch(graphdef, loss_fn, state.params, mb, total, denominator, key)
+
+        shapes = jax.eval_shape(lambda: part(first, 0))
         zeros = (
-            jax.tree_util.tree_map(jnp.zeros_like, state.params),
+            jax.tree_util.tree_map(jnp.zeros_like, shapes[0]),
             jnp.zeros((), jnp.float32),
             identity(shapes[2]),
         )
         acc, _ = jax.lax.scan(
-            lambda acc, mb: (_add(acc, _micro_batch(graphdef, loss_fn, state.params, mb, total, denominator)), None),
-            zeros,
-            micro_batched,
+            lambda acc, item: (_add(acc, part(*item)), None), zeros, (micro_batched, jnp.arange(micro_batches))
         )
         state, metrics = _apply(optimizer, state, acc, total)
         return state, {**metrics, "nonfinite_rows": jnp.sum(dropped)}
@@ -359,6 +393,7 @@ def make_train_step(
     micro_batches: int = 1,
     mesh: jax.sharding.Mesh | None = None,
     state_example: TrainState | None = None,
+    dropout_seed: int | None = None,
 ) -> Callable[[TrainState, LearnerBatch], tuple[TrainState, dict[str, Array]]]:
     """A jitted ``(state, batch) → (state, metrics)`` doing one optimizer step.
 
@@ -369,11 +404,11 @@ def make_train_step(
     :func:`~asyncopd_jax.learner.faults.drop_nonfinite_rows`); the state is donated, and
     comes back unchanged if the loss, gradient or update is not finite. With ``mesh`` (and a
     ``state_example`` to derive shardings from) parameters and optimizer state are
-    FSDP-sharded and the batch is split over ``(data, fsdp)``.
+    FSDP-sharded and the batch is split over ``(data, fsdp)``. ``dropout_seed``: the
+    adapters' dropout (:func:`dropout_key`; None: none).
     """
-    jitted = jit_train_step(
-        train_step_function(graphdef, optimizer, loss_fn, micro_batches=micro_batches), mesh, state_example
-    )
+    function = train_step_function(graphdef, optimizer, loss_fn, micro_batches=micro_batches, dropout_seed=dropout_seed)
+    jitted = jit_train_step(function, mesh, state_example)
 
     def place(batch: LearnerBatch) -> LearnerBatch:
         return batch if mesh is None else put(batch, batch_shardings(batch, mesh))
@@ -396,6 +431,7 @@ def make_packed_train_step(
     bucket: int = 8,
     mesh: jax.sharding.Mesh | None = None,
     state_example: TrainState | None = None,
+    dropout_seed: int | None = None,
 ) -> Callable[[TrainState, LearnerBatch], tuple[TrainState, dict[str, Array]]]:
     """As :func:`make_train_step`, with dynamic batching: the mini-batch is cut into
     token-budget micro-batches of similar-length rows, each trimmed to its own slots
@@ -435,12 +471,13 @@ def make_packed_train_step(
         total = jnp.asarray(response_mask.sum(), jnp.float32)
         denominator = _denominator(loss_fn, batch)  # of the untrimmed mini-batch: its T is the horizon
         acc = None
-        for plan in plans:
+        for index, plan in enumerate(plans):
             mb = take_micro_batch(batch, plan)
             if mesh is not None:
                 mb = jax.device_put(mb, batch_shardings(mb, mesh))
+            key = dropout_key(dropout_seed, state.step, index)
             with mesh_context(mesh):
-                error, part = gradients(state.params, mb, total, denominator)
+                error, part = gradients(state.params, mb, total, denominator, key)
             _throw(error)
             acc = part if acc is None else add(acc, part)
         state, metrics = apply(state, acc, total)
@@ -459,23 +496,25 @@ def make_packed_train_step(
 def create_train_state(
     model: Decoder, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh | None = None
 ) -> tuple[nnx.GraphDef, TrainState]:
-    """Split ``model`` into graph and parameters and initialise the optimizer, on ``mesh``.
+    """Split ``model`` into graph and parameters and initialise the optimizer (for what is
+    trained: :func:`~asyncopd_jax.models.lora.split_adapters`), on ``mesh``.
 
     With a mesh the parameters are placed by :func:`state_shardings` (a no-op for weights
     loaded there already) and the optimizer state is created there by a jitted ``init``
     whose outputs are sharded the same way: no moment is ever whole on one device."""
     graphdef, params = nnx.split(model)
     if mesh is None:
-        return graphdef, TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
+        return graphdef, initial_state(params, optimizer)
     params = jax.device_put(params, state_shardings(params, mesh))
-    abstract = jax.eval_shape(
-        lambda p: TrainState(params=p, opt_state=optimizer.init(p), step=jnp.zeros((), jnp.int32)), params
-    )
-    init = jax.jit(
-        lambda p: TrainState(params=p, opt_state=optimizer.init(p), step=jnp.zeros((), jnp.int32)),
-        out_shardings=state_shardings(abstract, mesh),
-    )
+    initial = functools.partial(initial_state, optimizer=optimizer)
+    init = jax.jit(initial, out_shardings=state_shardings(jax.eval_shape(initial, params), mesh))
     return graphdef, init(params)
+
+
+def initial_state(params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
+    """Step 0: ``params`` and the optimizer's state of what is trained (a LoRA student's
+    adapters alone: :func:`~asyncopd_jax.models.lora.split_adapters`)."""
+    return TrainState(params=params, opt_state=optimizer.init(split_adapters(params)[0]), step=jnp.zeros((), jnp.int32))
 
 
 def make_proximal_fn(

@@ -36,7 +36,7 @@ from asyncopd_jax.learner.sharding import put
 from asyncopd_jax.pipeline.devices import stage_devices
 from asyncopd_jax.pipeline.episode_stats import episode_stats
 from asyncopd_jax.pipeline.layout import Layout
-from asyncopd_jax.pipeline.model_loading import load_model
+from asyncopd_jax.pipeline.model_loading import load_student
 from asyncopd_jax.pipeline.run_models import RunModels
 from asyncopd_jax.pipeline.run_teachers import teacher_head
 from asyncopd_jax.pipeline.staleness import RolloutGroup
@@ -59,7 +59,7 @@ class LearnerStage:
         self.mesh = make_mesh(learner.mesh, stage_devices(layout, layout.learner, multi_process))
         self.optimizer = make_optimizer(cfg.optim, cfg.train.steps)
         self.lr = learning_rate_schedule(cfg.optim, cfg.train.steps)
-        student = load_model(cfg.student, models.vocab_limit, self.mesh)
+        student = load_student(cfg, models.vocab_limit, self.mesh)
         self.graphdef, self.state = create_train_state(student, self.optimizer, self.mesh)
         self.loss = PolicyLoss.from_config(cfg, self._teacher_heads(cfg, models))
         if learner.token_budget:  # dynamic batching (one learner process: RunConfig.check_learner_processes)
@@ -71,6 +71,7 @@ class LearnerStage:
                 bucket=learner.token_bucket,
                 mesh=self.mesh,
                 state_example=self.state,
+                dropout_seed=cfg.dropout_seed,
             )
         else:
             self.train_step = make_train_step(
@@ -80,6 +81,7 @@ class LearnerStage:
                 micro_batches=learner.micro_batches,
                 mesh=self.mesh,
                 state_example=self.state,
+                dropout_seed=cfg.dropout_seed,
             )
         self.proximal = make_proximal_fn(self.graphdef, self.loss, self.mesh) if self.loss.needs_proximal else None
 

@@ -14,6 +14,7 @@ from asyncopd_jax.config import ModelSource, RunConfig
 from asyncopd_jax.models import Decoder, from_pretrained, load_tokenizer
 from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.decoder import abstract_decoder
+from asyncopd_jax.models.lora import add_adapters
 from asyncopd_jax.pipeline.run_models import RunModels
 from asyncopd_jax.tasks.assets import resolve_model_path
 
@@ -27,10 +28,16 @@ def load_model(source: ModelSource, vocab_limit: int | None, mesh: Mesh) -> Deco
     return model
 
 
+def load_student(cfg: RunConfig, vocab_limit: int | None, mesh: Mesh) -> Decoder:
+    """The student the learner starts from: its weights (:func:`load_model`) and, where
+    ``student.lora`` has a rank, fresh adapters on them (seeded by the run's seed)."""
+    return add_adapters(load_model(cfg.student, vocab_limit, mesh), cfg.student.lora, nnx.Rngs(cfg.seed))
+
+
 def student_graph(cfg: RunConfig, models: RunModels) -> tuple[nnx.GraphDef, Any]:
     """The student's graph and abstract parameters (shapes and dtypes; nothing allocated):
     what a rollout stage needs to receive the policy's weights, in the published dtype."""
-    return abstract_decoder(models.student_config, cfg.published_dtype, models.vocab_limit)
+    return abstract_decoder(models.student_config, cfg.published_dtype, models.vocab_limit, lora=cfg.student.lora)
 
 
 def load_model_and_tokenizer(path: str, dtype: str) -> tuple[nnx.Module, Any]:

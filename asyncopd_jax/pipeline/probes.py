@@ -22,6 +22,7 @@ from asyncopd_jax.config import RunConfig
 from asyncopd_jax.learner import distributed, state_shardings
 from asyncopd_jax.learner.extrapolation import Extrapolator
 from asyncopd_jax.learner.update_geometry import update_geometry
+from asyncopd_jax.models.lora import join, split_adapters
 from asyncopd_jax.models.partitioning import parameter_shardings
 from asyncopd_jax.pipeline.diagnostics import ProbeDiagnostics
 from asyncopd_jax.pipeline.learner_stage import LearnerStage
@@ -91,7 +92,8 @@ class Probes:
         """At the start of the loop (after a resume: from the restored weights)."""
         params = self.learner.state.params
         if self.extrapolation_probe is not None:
-            self.extrapolator = Extrapolator(params, self.cfg.learner.extrapolation.factors)
+            # anchored on what is trained: a LoRA student's adapters (its base never moves)
+            self.extrapolator = Extrapolator(split_adapters(params)[0], self.cfg.learner.extrapolation.factors)
         if self.cfg.train.update_geometry_every:  # θ_0 and θ_s of the update-geometry diagnostic, on the host
             self.geometry_params = [distributed.gather(params)] * 2
 
@@ -121,11 +123,12 @@ class Probes:
             return distributed.from_leader(probe(full) if self.leader else 0.0)
 
         start = time.perf_counter()
+        trained, frozen = split_adapters(self.learner.state.params)
         with self.tracer.span("extrapolate", step=step):
-            params, jump = self.extrapolator.after_update(step, self.learner.state.params, score)
+            trained, jump = self.extrapolator.after_update(step, trained, lambda t: score(join(t, frozen)))
         if jump is None:
             return {}
-        self.learner.state = dataclasses.replace(self.learner.state, params=params)
+        self.learner.state = dataclasses.replace(self.learner.state, params=join(trained, frozen))
         return {
             **jump.metrics(),
             "extrapolation_tried": [list(t) for t in jump.tried],

@@ -22,14 +22,22 @@ import optax
 
 from asyncopd_jax.config import DistributedConfig, EstimatorConfig, MeshConfig
 from asyncopd_jax.learner import PolicyLoss, create_train_state, distributed, make_mesh, make_train_step
+from asyncopd_jax.models import Decoder
+from asyncopd_jax.models.lora import LoRAParams
 from asyncopd_jax.pipeline.run_outputs import RunDir
 from tests.learner.batches import make_learner_batch
-from tests.tiny_models import tiny_decoder
+from tests.tiny_models import tiny_decoder, tiny_lora_decoder
 from tests.waits import WAIT_S
 
 MESH = MeshConfig(data=-1, fsdp=2)
+LORA = LoRAParams(rank=3, alpha=5.0)  # the student of a LoRA run (ASYNCOPD_TEST_LORA=1)
 ESTIMATOR = "reverse_kl_mc"
 STEPS = 2
+
+
+def student() -> Decoder:
+    """The tests' tiny student; with ``ASYNCOPD_TEST_LORA=1``, with adapters on it."""
+    return tiny_lora_decoder(LORA) if os.environ.get("ASYNCOPD_TEST_LORA") == "1" else tiny_decoder(0, scale=0.7)
 
 
 def optimizer() -> optax.GradientTransformation:
@@ -49,7 +57,7 @@ def main(out: str, process_id: int, num_processes: int, port: int, run_dir: str)
     assert jax.process_count() == num_processes and jax.device_count() > jax.local_device_count()
     batch = make_learner_batch()
     mesh = make_mesh(MESH)
-    graphdef, state = create_train_state(tiny_decoder(0, scale=0.7), optimizer(), mesh)
+    graphdef, state = create_train_state(student(), optimizer(), mesh)
     step = make_train_step(
         graphdef, optimizer(), PolicyLoss(EstimatorConfig(ESTIMATOR)), mesh=mesh, state_example=state
     )

@@ -21,7 +21,6 @@ from asyncopd_jax.storage import location, open_store, records
 from tests.learner import distributed_worker as worker
 from tests.learner.batches import make_learner_batch
 from tests.storage.fixtures import pointed_at
-from tests.tiny_models import tiny_decoder
 from tests.waits import communicate_all
 from tests.xla_flags import host_devices
 
@@ -38,7 +37,7 @@ def _one_process_reference():
     """The same two steps on one process whose mesh has the same shape (2 × 2 devices)."""
     batch = make_learner_batch()
     mesh = make_mesh(worker.MESH, devices=jax.devices()[:4])
-    graphdef, state = create_train_state(tiny_decoder(0, scale=0.7), worker.optimizer(), mesh)
+    graphdef, state = create_train_state(worker.student(), worker.optimizer(), mesh)
     step = make_train_step(
         graphdef, worker.optimizer(), PolicyLoss(EstimatorConfig(worker.ESTIMATOR)), mesh=mesh, state_example=state
     )
@@ -53,7 +52,7 @@ def _run_workers(tmp_path: Path, *run_dir: str) -> None:
     """The two learner processes of :mod:`tests.learner.distributed_worker`, to the end."""
     port = _free_port()
     env = {
-        **os.environ,
+        **os.environ,  # ASYNCOPD_TEST_LORA included
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": host_devices(2),
         "PYTHONPATH": str(ROOT),
@@ -90,6 +89,16 @@ def _check_result(tmp_path: Path) -> None:
 
 @pytest.mark.e2e  # two learner processes: the end-to-end step (-m e2e)
 def test_two_learner_processes_equal_one(tmp_path):
+    _run_workers(tmp_path)
+    _check_result(tmp_path)
+
+
+@pytest.mark.e2e
+def test_two_learner_processes_train_a_lora_student_as_one(tmp_path, monkeypatch):
+    """The adapters (and only they: the frozen base is compared too) trained over two
+    processes, sharded as their base kernels, equal one process's; the checkpoint of a
+    LoRA train state round-trips."""
+    monkeypatch.setenv("ASYNCOPD_TEST_LORA", "1")  # read by the workers and by the reference
     _run_workers(tmp_path)
     _check_result(tmp_path)
 

@@ -1,0 +1,93 @@
+"""A LoRA student through whole runs, in each placement (issue 58): the sampler decodes with
+the adapters the learner trains, the base never moves, a run resumes with its adapters
+and their moments, and the student is written merged."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from asyncopd_jax.models import from_pretrained
+from asyncopd_jax.models.lora import adapters, split_adapters
+from asyncopd_jax.pipeline.trainer import Trainer
+from tests.pipeline.test_trainer import _config, models  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.e2e  # whole runs: the end-to-end step (-m e2e)
+
+LORA = {
+    "student.lora.rank": 2,
+    "student.lora.alpha": 7,
+    "student.lora.targets": "[q_proj, v_proj, down_proj]",
+    "optim.learning_rate": 0.05,
+}
+PLACEMENTS = {"threads": {}, "processes": {"stages.placement": "processes"}}
+
+
+def _leaves(state) -> dict[str, np.ndarray]:
+    return {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(state)}
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_the_sampler_decodes_with_the_adapters_the_learner_trains(models, tmp_path, placement):  # noqa: F811
+    """Synchronous, one mini-batch a batch: every step trains on answers of the weights it
+    starts from, so the importance ratio is 1 on every token, once the adapters have moved
+    too (a sampler without them would be off from step 2)."""
+    cfg = _config(models, tmp_path, **{"schedule.mode": "sync", "train.steps": 6, **LORA, **PLACEMENTS[placement]})
+    trainer = Trainer(cfg, progress=False)
+    _, start = nnx.split(nnx.merge(trainer.learner.graphdef, jax.device_get(trainer.learner.state.params)))
+    trainer.run()
+    final = jax.device_get(trainer.learner.state.params)
+    before, after = _leaves(start), _leaves(final)
+    trained = {k for k in before if k.endswith(("lora_a", "lora_b"))}
+    assert len(trained) == 12  # 3 projections × 2 layers × (A, B)
+    assert all(np.abs(after[k] - before[k]).max() > 1e-3 for k in trained)
+    assert all(np.array_equal(after[k], before[k]) for k in before.keys() - trained)  # the base is frozen
+    records = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["staleness_max"] for r in records] == [0] * 6
+    for r in records:
+        assert abs(r["importance_ratio_max"] - 1) < 2e-3 and abs(r["importance_ratio_mean"] - 1) < 2e-4, r["step"]
+    # written merged, in the Hugging Face layout
+    written = from_pretrained(tmp_path / "t" / "student")
+    assert not adapters(written)
+    tokens = np.asarray([[5, 9, 3, 17, 22, 4]])
+    want = nnx.merge(trainer.learner.graphdef, final)(tokens)
+    np.testing.assert_allclose(np.asarray(written(tokens)), np.asarray(want), atol=2e-5)
+
+
+def test_dropout_acts_in_the_learners_forward_alone(models, tmp_path):  # noqa: F811
+    """The same synchronous run with dropout 0.3: the learner's log-probs now differ from the
+    sampler's (which decodes without dropout) once B has moved, so the ratio leaves 1."""
+    sets = {"schedule.mode": "sync", "train.steps": 3, **LORA, "student.lora.dropout": 0.3}
+    Trainer(_config(models, tmp_path, **sets), progress=False).run()
+    records = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert abs(records[0]["importance_ratio_max"] - 1) < 2e-3  # B = 0 at step 1: dropout changes nothing
+    assert all(abs(r["importance_ratio_max"] - 1) > 1e-2 for r in records[1:])
+
+
+def test_a_lora_run_resumes_with_its_adapters_and_their_moments(models, tmp_path):  # noqa: F811
+    sets = {"schedule.mode": "fully_async", "train.steps": 6, **LORA, "student.lora.dropout": 0.1}
+    cfg = _config(models, tmp_path, **sets)
+    trainer = Trainer(cfg, progress=False)
+    saved = {}
+    real_save = trainer.run_dir.save_checkpoint
+
+    def recording_save(step, state, meta):
+        saved[step] = jax.device_get(state)
+        real_save(step, state, meta)
+
+    trainer.run_dir.save_checkpoint = recording_save
+    trainer.run()
+    cfg = _config(models, tmp_path, **{**sets, "train.steps": 8})
+    resumed = Trainer(cfg, resume=True, progress=False)
+    assert resumed.start_step == 6
+    restored = jax.device_get(resumed.state)
+    for want, got in zip(jax.tree_util.tree_leaves(saved[6]), jax.tree_util.tree_leaves(restored)):
+        np.testing.assert_array_equal(got, want)
+    trained, _ = split_adapters(restored.params)
+    moments = [x for x in jax.tree_util.tree_leaves(restored.opt_state) if np.ndim(x) == 2]
+    assert sum(m.size for m in moments) == 2 * sum(x.size for x in jax.tree_util.tree_leaves(trained))
+    assert resumed.run()["steps"] == 8
