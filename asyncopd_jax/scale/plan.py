@@ -31,10 +31,11 @@ from asyncopd_jax.learner.step import (
     LearnerBatch,
     PolicyLoss,
     TrainState,
+    initial_state,
     jit_train_step,
     train_step_function,
 )
-from asyncopd_jax.models.attention import resolve_implementation
+from asyncopd_jax.models.attention import Implementation, resolve_implementation
 from asyncopd_jax.models.config import DecoderConfig
 from asyncopd_jax.models.decoder import Remat, abstract_decoder, cast_floating
 from asyncopd_jax.models.moe import ExchangeBytes, exchange_bytes, expert_layout, routed_exchange
@@ -143,10 +144,24 @@ def target_platform(devices: list) -> str:
     return "gpu" if platform == "cpu" else platform
 
 
+def student_decoder(
+    cfg: RunConfig,
+    config: DecoderConfig,
+    dtype: str,
+    vocab_limit: int | None = None,
+    attention: Implementation = "xla",
+) -> tuple[nnx.GraphDef, Any]:
+    """The student's graph and parameters as shapes, with its LoRA adapters
+    (``student.lora``): the learner trains them and the sampler decodes with them."""
+    return abstract_decoder(config, dtype, vocab_limit, attention, lora=cfg.student.lora)
+
+
 def abstract_train_state(cfg: RunConfig, params: Any) -> TrainState:
-    """The learner's state (parameters, optimizer state, step) as shapes."""
+    """The learner's state (parameters, optimizer state, step) as shapes: as the run makes it
+    (:func:`~asyncopd_jax.learner.step.initial_state`: a LoRA student's moments are its
+    adapters' alone)."""
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
-    return jax.eval_shape(lambda p: TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)), params)
+    return jax.eval_shape(lambda p: initial_state(p, optimizer), params)
 
 
 def learner_state_bytes(cfg: RunConfig, config: DecoderConfig, devices: list, vocab_limit: int | None = None) -> int:
@@ -154,7 +169,7 @@ def learner_state_bytes(cfg: RunConfig, config: DecoderConfig, devices: list, vo
     over ``devices``: shapes placed by the run's shardings, nothing compiled. A lower bound of
     the step's peak, which rules a chip count out before a compile would."""
     mesh = make_mesh(cfg.learner.mesh, devices)
-    _, params = abstract_decoder(config, cfg.student.dtype, vocab_limit)
+    _, params = student_decoder(cfg, config, cfg.student.dtype, vocab_limit)
     state = abstract_train_state(cfg, params)
     return bytes_per_device(with_shardings(state, state_shardings(state, mesh)))
 
@@ -176,7 +191,7 @@ def compile_learner_step(
     learner's mesh (``learner.mesh`` over ``devices``), as the run jits it."""
     mesh = make_mesh(cfg.learner.mesh, devices)
     attention = resolve_implementation(cfg.student.attention, target_platform(devices))
-    graphdef, params = abstract_decoder(config, cfg.student.dtype, vocab_limit, attention)
+    graphdef, params = student_decoder(cfg, config, cfg.student.dtype, vocab_limit, attention)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     state = abstract_train_state(cfg, params)
     rows = cfg.learner.batch_size // cfg.learner.mini_batches
@@ -187,9 +202,10 @@ def compile_learner_step(
     def step_on(graph: nnx.GraphDef, remat: Remat) -> Callable:
         def step(state: TrainState, batch: LearnerBatch, heads: tuple) -> Any:
             with_heads = dataclasses.replace(PolicyLoss.from_config(cfg, heads), remat=remat)
-            return train_step_function(graph, optimizer, with_heads, micro_batches=cfg.learner.micro_batches)(
-                state, batch
+            function = train_step_function(
+                graph, optimizer, with_heads, micro_batches=cfg.learner.micro_batches, dropout_seed=cfg.dropout_seed
             )
+            return function(state, batch)
 
         return step
 
@@ -204,7 +220,7 @@ def compile_learner_step(
     figures = _figures("learner step", len(mesh.devices.flat), rows, tokens, lowered)
 
     # the work, counted on the plain attention (a Pallas kernel's dots are not in the jaxpr)
-    plain, _ = abstract_decoder(config, cfg.student.dtype, vocab_limit, "xla")
+    plain, _ = student_decoder(cfg, config, cfg.student.dtype, vocab_limit, "xla")
 
     def counted(remat: Remat) -> float:
         return matmul_flops(step_on(plain, remat), state, batch, heads) / len(devices)
@@ -293,7 +309,7 @@ def rollout_engine(
 ) -> Engine:
     """The rollout stage's engine at the planned answer length, on ``mesh`` (None: the
     default device), for what it says of itself: its programs' shapes, its cost."""
-    graphdef, _ = abstract_decoder(config, cfg.student.dtype, vocab_limit)
+    graphdef, _ = student_decoder(cfg, config, cfg.student.dtype, vocab_limit)
     return make_sampler(graphdef, rollout_sampling(cfg, shapes), mesh=mesh)
 
 
@@ -321,7 +337,7 @@ def compile_sampler(
     loop's body once) and the KV cache's rewrite after a weight swap, each holding the
     weights as the rollout stage receives them (the published dtype, by the partition rules)."""
     mesh = stage_mesh(devices, cfg.stages.rollout_mesh)
-    graphdef, params = abstract_decoder(config, cfg.published_dtype, vocab_limit)
+    graphdef, params = student_decoder(cfg, config, cfg.published_dtype, vocab_limit)
     sampling = rollout_sampling(cfg, shapes)
     weights = with_shardings(params, parameter_shardings(params, mesh))
     # the rows one decode call holds: the group's (static), or ``sampling.slots`` over the
@@ -346,7 +362,7 @@ def sampler_weights(cfg: RunConfig, config: DecoderConfig, devices: list, vocab_
     """The student's parameters as a rollout stage receives them (the published dtype, placed
     by the partition rules on ``stages.rollout_mesh`` over ``devices``): shapes only."""
     mesh = stage_mesh(devices, cfg.stages.rollout_mesh)
-    _, params = abstract_decoder(config, cfg.published_dtype, vocab_limit)
+    _, params = student_decoder(cfg, config, cfg.published_dtype, vocab_limit)
     return with_shardings(params, parameter_shardings(params, mesh))
 
 
@@ -499,7 +515,7 @@ def make_plan(
     sampler = compile_sampler(cfg, student, devices_of("rollout"), shapes, group, vocab_limit)
     engine = rollout_engine(cfg, student, shapes)  # what the engine says of its cost and programs
     held = decode_bytes(cfg, student, devices_of("rollout"), shapes, vocab_limit)
-    _, published = abstract_decoder(student, cfg.published_dtype, vocab_limit)
+    _, published = student_decoder(cfg, student, cfg.published_dtype, vocab_limit)
     swap = swap_figures(
         layout.snapshots,
         published,

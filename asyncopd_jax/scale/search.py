@@ -42,7 +42,6 @@ from typing import Any
 
 from asyncopd_jax.config import MeshConfig, RunConfig, TeacherSource
 from asyncopd_jax.models.config import DecoderConfig
-from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.pipeline.layout import SnapshotChannel
 from asyncopd_jax.sampling import Engine, SamplingParams
 from asyncopd_jax.scale.balance import Answers, DecodeBytes, RolloutCost, rollout_seconds
@@ -61,6 +60,7 @@ from asyncopd_jax.scale.plan import (
     rollout_engine,
     sampler_weights,
     sampler_work,
+    student_decoder,
     teacher_weight_bytes,
 )
 from asyncopd_jax.scale.swaps import DEFAULT_STORAGE_BYTES_PER_S, bytes_per_device, swap_figures
@@ -459,7 +459,7 @@ def splits(
         False: SnapshotChannel(in_memory=True, directory="", format="", keep=0, temporary=False),
         True: SnapshotChannel(in_memory=False, directory="", format="safetensors", keep=0, temporary=False),
     }
-    _, published = abstract_decoder(search.models.student, cfg.published_dtype, search.models.vocab_limit)
+    _, published = student_decoder(cfg, search.models.student, cfg.published_dtype, search.models.vocab_limit)
     found = []
     for l_chips, seconds in learners.items():
         for r_chips, sampler in samplers.items():

@@ -24,6 +24,7 @@ from asyncopd_jax.learner.optimizer import make_optimizer
 from asyncopd_jax.learner.step import create_train_state
 from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.decoder import Decoder, abstract_decoder
+from asyncopd_jax.models.lora import add_adapters
 from asyncopd_jax.scale import plan as plan_module
 from asyncopd_jax.scale.balance import Answers, RolloutCost
 from asyncopd_jax.scale.chips import CHIPS, Topology, get_topology
@@ -274,11 +275,13 @@ class _Stop(Exception):
     """Raised by a stand-in to end a compile once it has seen what it was handed."""
 
 
-def test_the_planned_learner_step_holds_the_runs_train_state(monkeypatch):
+@pytest.mark.parametrize("sets", [[], ["student.lora.rank=4", "student.lora.targets=[q_proj, down_proj]"]])
+def test_the_planned_learner_step_holds_the_runs_train_state(monkeypatch, sets):
     """Bug guarded: the abstract train state the plan compiles the learner step for unlike
-    the run's (its step counter a float: ``jnp.zeros((), None)``), so that the plan
-    compiles another program than the run's. The state is caught where it is laid out, and
-    compared leaf by leaf with the one ``create_train_state`` makes for the run."""
+    the run's (its step counter a float: ``jnp.zeros((), None)``; a LoRA student's adapters
+    missing, or moments for its frozen base), so that the plan compiles another program
+    than the run's. The state is caught where it is laid out, and compared leaf by leaf
+    with the one ``create_train_state`` makes for the run."""
     seen = []
 
     def caught(state, mesh):
@@ -286,15 +289,32 @@ def test_the_planned_learner_step_holds_the_runs_train_state(monkeypatch):
         raise _Stop
 
     monkeypatch.setattr(plan_module, "state_shardings", caught)
-    cfg = load_config(configs.DEMO, [])
+    cfg = load_config(configs.DEMO, sets)
     config, _ = architecture(cfg.student)
     with pytest.raises(_Stop):
         plan_module.compile_learner_step(cfg, config, jax.devices()[:1], Shapes(8, 16))
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
-    _, run = create_train_state(Decoder(config, rngs=nnx.Rngs(0)), optimizer)
+    student = add_adapters(Decoder(config, rngs=nnx.Rngs(0)), cfg.student.lora, nnx.Rngs(0))
+    _, run = create_train_state(student, optimizer)
     leaves = lambda tree: [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(tree)]  # noqa: E731
     assert (seen[0].step.shape, seen[0].step.dtype) == ((), jnp.int32)
     assert leaves(seen[0]) == leaves(run)
+
+
+def test_a_lora_learner_holds_no_moments_for_its_frozen_base():
+    """Qwen3-1.7B in fp32 on one chip: trained whole, its state is the weights and Adam's two
+    moments (3×); with rank 16 on the 7 projections, the weights and the adapters' moments."""
+    cfg = load_config(configs.DEMO, ["student.path=/models/Qwen3-1.7B"])
+    config, _ = architecture(cfg.student)
+    full = plan_module.learner_state_bytes(cfg, config, jax.devices()[:1])
+    lora = load_config(configs.DEMO, ["student.path=/models/Qwen3-1.7B", "student.lora.rank=16"])
+    adapted = plan_module.learner_state_bytes(lora, config, jax.devices()[:1])
+    weights = 4 * sum(x.size for x in jax.tree_util.tree_leaves(abstract_decoder(config, "float32")[1]))
+    assert full == pytest.approx(3 * weights, rel=1e-3)
+    c = config  # rank 16 on q, k, v, o, gate, up, down of each layer: 16 · (in + out) each, 3× (weights, μ, ν)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = (c.hidden_size + q) * 2 + (c.hidden_size + kv) * 2 + (c.hidden_size + c.intermediate_size) * 3
+    assert adapted == pytest.approx(weights + 3 * 4 * 16 * per_layer * c.num_hidden_layers, rel=1e-3)
 
 
 # Written for survivors of the sampled mutation run of 2026-11-26 with seed 37 (a second
