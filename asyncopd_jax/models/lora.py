@@ -179,6 +179,13 @@ def adapters(model: nnx.Module) -> list[tuple[str, LoRALinear]]:
     return [(path, module) for path, _, _, module in _paths(model) if isinstance(module, LoRALinear)]
 
 
+def projections(model: nnx.Module) -> list[str]:
+    """The dotted paths of the projections that can take an adapter (those of
+    :data:`PROJECTIONS` in dense layers), adapted or not."""
+    kinds = (nnx.Linear, LoRALinear)
+    return [p for p, _, _, m in _paths(model) if p.rsplit(".", 1)[-1] in PROJECTIONS and isinstance(m, kinds)]
+
+
 def has_adapters(state: nnx.State) -> bool:
     """Whether a model state holds adapters (``nnx.LoRAParam`` variables)."""
     return bool(jax.tree_util.tree_leaves(nnx.filter_state(state, nnx.LoRAParam)))
@@ -241,6 +248,7 @@ __all__ = [
     "has_adapters",
     "join",
     "merge_adapters",
+    "projections",
     "split_adapters",
     "with_dropout",
 ]

@@ -36,6 +36,7 @@ from asyncopd_jax.config import RunConfig
 from asyncopd_jax.learner import TrainState, distributed
 from asyncopd_jax.learner.faults import nonfinite_step_error, step_is_finite
 from asyncopd_jax.models import save_pretrained
+from asyncopd_jax.models.lora_checkpoint import save_adapters
 from asyncopd_jax.pipeline.compose import build_process, start_stages
 from asyncopd_jax.pipeline.evaluation import BackgroundEval, EvalResult
 from asyncopd_jax.pipeline.exchange import Exchange
@@ -327,9 +328,12 @@ class Trainer:
             "stage_seconds": self.tracer.totals(),
         }
         if self.leader:
-            save_pretrained(student, self.run_dir.path / "student")  # Hugging Face layout
+            save_pretrained(student, self.run_dir.path / "student")  # Hugging Face layout (merged)
             self.data.tokenizer.save_pretrained(self.run_dir.path / "student")
             self.run_dir.upload_tree("student")
+            if cfg.student.lora.enabled:  # and the adapters alone, where peft and vLLM load them
+                save_adapters(student, self.run_dir.path / "adapter", cfg.student.lora, base_model=cfg.student.path)
+                self.run_dir.upload_tree("adapter")
             self.run_dir.write_summary(summary)
             kind = "RL, " if cfg.algorithm == "rl" else ""
             report = self.run_dir.write_report(

@@ -38,9 +38,10 @@ def serve_teacher_command(model: str, port: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "asyncopd_jax.entry", "serve-teacher", "--model", model, "--port", str(port), *extra]
 
 
-def vllm_command(python: str, model: Path, port: int, max_logprobs: int = 32) -> list[str]:
+def vllm_command(python: str, model: Path, port: int, max_logprobs: int = 32, *extra: str) -> list[str]:
     """vLLM's OpenAI server for the model directory as it is (``--dtype float32``, as our
-    scorer) from the interpreter ``python`` of an environment with vLLM installed."""
+    scorer) from the interpreter ``python`` of an environment with vLLM installed
+    (``extra``: more flags, e.g. ``--enable-lora``)."""
     return [
         python,
         "-m",
@@ -58,6 +59,7 @@ def vllm_command(python: str, model: Path, port: int, max_logprobs: int = 32) ->
         # the CPU backend reserves this share of the machine's memory for its KV cache
         "--gpu-memory-utilization",
         "0.15",
+        *extra,
     ]
 
 

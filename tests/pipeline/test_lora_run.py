@@ -50,6 +50,10 @@ def test_the_sampler_decodes_with_the_adapters_the_learner_trains(models, tmp_pa
     assert [r["staleness_max"] for r in records] == [0] * 6
     for r in records:
         assert abs(r["importance_ratio_max"] - 1) < 2e-3 and abs(r["importance_ratio_mean"] - 1) < 2e-4, r["step"]
+    # the adapters alone in PEFT's layout (tests/models/test_lora_checkpoint.py loads them with peft)
+    adapter = json.loads((tmp_path / "t" / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"], adapter["target_modules"]) == (2, 7, ["down_proj", "q_proj", "v_proj"])
+    assert adapter["base_model_name_or_path"] == str(models / "student")
     # written merged, in the Hugging Face layout
     written = from_pretrained(tmp_path / "t" / "student")
     assert not adapters(written)

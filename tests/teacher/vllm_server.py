@@ -34,10 +34,10 @@ def vllm_python() -> str:
 
 
 @contextlib.contextmanager
-def vllm_server(model: Path, log: Path, *, max_logprobs: int = 32) -> Iterator[str]:
-    """Serve ``model`` with vLLM until the block ends; yields its base URL."""
+def vllm_server(model: Path, log: Path, *extra: str, max_logprobs: int = 32) -> Iterator[str]:
+    """Serve ``model`` with vLLM (``extra``: more flags) until the block ends; yields its base URL."""
     port = free_port()
-    command = launch.vllm_command(vllm_python(), model, port, max_logprobs)
+    command = launch.vllm_command(vllm_python(), model, port, max_logprobs, *extra)
     try:
         with launch.running(command, port, log, launch.VLLM_START_S, launch.vllm_env()) as url:
             yield url
