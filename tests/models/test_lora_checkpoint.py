@@ -34,9 +34,10 @@ def base(tmp_path_factory):
     "params, targets",
     [
         (LoRAParams(rank=4, alpha=12.0), ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]),
-        (
+        pytest.param(  # CI time: the second step
             LoRAParams(rank=2, alpha=3.0, targets=(r"layers\.1\.self_attn\.(q|v)_proj",)),
             ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"],
+            marks=pytest.mark.extended,
         ),
     ],
     ids=["every_projection", "by_path"],

@@ -301,6 +301,7 @@ def test_the_planned_learner_step_holds_the_runs_train_state(monkeypatch, sets):
     assert leaves(seen[0]) == leaves(run)
 
 
+@pytest.mark.extended  # CI time (~8 s: Qwen3-1.7B's shapes built three times): the second step
 def test_a_lora_learner_holds_no_moments_for_its_frozen_base():
     """Qwen3-1.7B in fp32 on one chip: trained whole, its state is the weights and Adam's two
     moments (3×); with rank 16 on the 7 projections, the weights and the adapters' moments."""
