@@ -154,3 +154,19 @@ def test_dropout_masks_repeat_on_a_rerun_and_change_with_the_step(learner_batch)
     first, _ = step(jax.tree_util.tree_map(jnp.copy, state), learner_batch)
     second, _ = step(later, learner_batch)
     assert not np.array_equal(_leaves(first.params)[name], _leaves(second.params)[name])
+
+
+@pytest.mark.extended  # CI time (~6 s: three steps compiled): the second step
+def test_rematerialised_layers_give_a_lora_step_with_dropout_its_plain_update(learner_batch):
+    """``learner.remat`` re-runs each layer in the backward pass from its split state: the
+    adapters' dropout keys must reach the recomputation, or its masks (and gradients) differ."""
+    params = dataclasses.replace(PARAMS, dropout=0.3)
+    updates = {}
+    for remat in ("none", "layer", "dots"):
+        loss = dataclasses.replace(LOSS, remat=remat)
+        graphdef, state = create_train_state(_student(params), optax.sgd(1.0))
+        state, _ = make_train_step(graphdef, optax.sgd(1.0), loss, dropout_seed=5)(state, learner_batch)
+        updates[remat] = _leaves(jax.device_get(state.params))
+    for remat in ("layer", "dots"):
+        for name, value in updates["none"].items():
+            np.testing.assert_allclose(updates[remat][name], value, rtol=1e-5, atol=1e-6, err_msg=f"{remat} {name}")
