@@ -37,15 +37,11 @@ def learner_batch():
     return make_learner_batch()
 
 
-def _student(params: LoRAParams = PARAMS):
-    return tiny_lora_decoder(params)
-
-
 def _run(
     batch, *, steps=1, optimizer=None, mesh=None, micro_batches=1, token_budget=0, dropout_seed=None, params=PARAMS
 ):
     optimizer = optimizer or optax.sgd(1.0)
-    graphdef, state = create_train_state(_student(params), optimizer, mesh)
+    graphdef, state = create_train_state(tiny_lora_decoder(params), optimizer, mesh)
     if token_budget:
         step = make_packed_train_step(
             graphdef,
@@ -77,7 +73,7 @@ def _leaves(state: nnx.State) -> dict[str, np.ndarray]:
 
 def test_a_lora_step_moves_the_adapters_alone_with_moments_for_them_alone(learner_batch):
     optimizer = make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=0, schedule="constant"), 10)
-    _, start = nnx.split(_student())
+    _, start = nnx.split(tiny_lora_decoder(PARAMS))
     _, state = _run(learner_batch, steps=3, optimizer=optimizer)
     before, after = _leaves(start), _leaves(state.params)
     assert before.keys() == after.keys()
@@ -97,7 +93,7 @@ def test_lora_gradients_are_those_of_the_merged_weight(learner_batch):
     computed, then a plain projection): by the chain rule ``∂L/∂A = s·X^T (∂L/∂Y) B^T``
     equals ``s·(∂L/∂W') B^T``, a different computation of the same numbers. One SGD step
     of rate 1 moves each adapter by minus its gradient."""
-    graphdef, start = nnx.split(_student())
+    graphdef, start = nnx.split(tiny_lora_decoder(PARAMS))
     _, state = _run(learner_batch)
     trained, frozen = split_adapters(start)
     denominator = loss_denominator(learner_batch.rollout.response_mask, LOSS.aggregation)
@@ -148,7 +144,7 @@ def test_dropout_masks_repeat_on_a_rerun_and_change_with_the_step(learner_batch)
     assert np.abs(b[name] - a[name]).max() > 1e-4 and np.abs(b[name] - d[name]).max() > 1e-4
     # the key folds in the step: the same weights at step 1 draw another mask than at step 0
     optimizer = optax.sgd(1.0)
-    graphdef, state = create_train_state(_student(params), optimizer)
+    graphdef, state = create_train_state(tiny_lora_decoder(params), optimizer)
     step = make_train_step(graphdef, optimizer, LOSS, dropout_seed=5)
     later = dataclasses.replace(state, step=jnp.ones((), jnp.int32))
     first, _ = step(jax.tree_util.tree_map(jnp.copy, state), learner_batch)
@@ -164,7 +160,7 @@ def test_rematerialised_layers_give_a_lora_step_with_dropout_its_plain_update(le
     updates = {}
     for remat in ("none", "layer", "dots"):
         loss = dataclasses.replace(LOSS, remat=remat)
-        graphdef, state = create_train_state(_student(params), optax.sgd(1.0))
+        graphdef, state = create_train_state(tiny_lora_decoder(params), optax.sgd(1.0))
         state, _ = make_train_step(graphdef, optax.sgd(1.0), loss, dropout_seed=5)(state, learner_batch)
         updates[remat] = _leaves(jax.device_get(state.params))
     for remat in ("layer", "dots"):

@@ -30,12 +30,8 @@ PARAMS = LoRAParams(rank=3, alpha=5.0)  # α / r = 5/3: a scale of 1 or 2 would 
 TOKENS = jnp.asarray([[5, 9, 3, 17, 22, 4], [8, 8, 30, 2, 11, 6]])
 
 
-def _adapted(params: LoRAParams = PARAMS) -> Decoder:
-    return tiny_lora_decoder(params)
-
-
 def test_an_adapted_projection_is_its_base_plus_the_scaled_low_rank_path():
-    model = _adapted()
+    model = tiny_lora_decoder(PARAMS)
     path, module = adapters(model)[0]
     x = np.asarray(jax.random.normal(jax.random.key(1), (2, 4, module.kernel.shape[0])))
     w, a, b = (np.asarray(v[...], np.float64) for v in (module.kernel, module.lora_a, module.lora_b))
@@ -112,7 +108,7 @@ def test_a_bad_lora_setting_is_one_line_naming_its_field(field, value, allowed):
 
 
 def test_merging_folds_each_adapter_into_its_base_and_leaves_the_model_as_it_was():
-    model = _adapted()
+    model = tiny_lora_decoder(PARAMS)
     want = np.asarray(model(TOKENS))
     merged = merge_adapters(model)
     assert not adapters(merged) and len(adapters(model)) == 14  # a copy; the original keeps its adapters
@@ -126,7 +122,7 @@ def test_merging_folds_each_adapter_into_its_base_and_leaves_the_model_as_it_was
 
 
 def test_a_lora_student_is_written_merged_as_transformers_loads_it(tmp_path):
-    model = _adapted()
+    model = tiny_lora_decoder(PARAMS)
     save_pretrained(model, tmp_path)
     loaded = from_pretrained(tmp_path)
     assert not adapters(loaded)
@@ -134,13 +130,13 @@ def test_a_lora_student_is_written_merged_as_transformers_loads_it(tmp_path):
 
 
 def test_split_adapters_parts_the_trained_from_the_frozen_and_join_undoes_it():
-    graphdef, state = nnx.split(_adapted())
+    graphdef, state = nnx.split(tiny_lora_decoder(PARAMS))
     trained, frozen = split_adapters(state)
     assert has_adapters(state) and not has_adapters(frozen)
     names = {".".join(map(str, k)) for k, _ in nnx.to_flat_state(trained)}
     assert len(names) == 28 and all(n.endswith(("lora_a", "lora_b")) for n in names)
     model = nnx.merge(graphdef, join(trained, frozen))
-    np.testing.assert_array_equal(np.asarray(model(TOKENS)), np.asarray(_adapted()(TOKENS)))
+    np.testing.assert_array_equal(np.asarray(model(TOKENS)), np.asarray(tiny_lora_decoder(PARAMS)(TOKENS)))
     # without adapters every weight is trained
     _, plain = nnx.split(tiny_decoder(0))
     everything, nothing = split_adapters(plain)
@@ -150,11 +146,11 @@ def test_split_adapters_parts_the_trained_from_the_frozen_and_join_undoes_it():
 
 def test_dropout_acts_on_the_adapters_path_only_and_only_with_a_key():
     params = LoRAParams(rank=3, alpha=5.0, dropout=0.5)
-    model = _adapted(params=params)
+    model = tiny_lora_decoder(params)
     _, module = adapters(model)[0]
     x = jax.random.normal(jax.random.key(1), (64, module.kernel.shape[0]))
     plain = np.asarray(module(x))
-    np.testing.assert_array_equal(np.asarray(_adapted(params=PARAMS).layers[0].mlp.down_proj(x)), plain)
+    np.testing.assert_array_equal(np.asarray(tiny_lora_decoder(PARAMS).layers[0].mlp.down_proj(x)), plain)
     graphdef, state = nnx.split(model)
 
     def forward(key):
@@ -186,4 +182,4 @@ def test_adapters_lie_as_their_base_kernels_on_a_mesh():
         assert parameter_spec(("layers", 0, "self_attn", name, "kernel"), (32, 32), mesh) == kernel
         assert parameter_spec(("layers", 0, "self_attn", name, "lora_a", "value"), (32, 4), mesh) == a
         assert parameter_spec(("layers", 0, "self_attn", name, "lora_b"), (4, 32), mesh) == b
-    assert isinstance(adapters(_adapted())[0][1], LoRALinear)
+    assert isinstance(adapters(tiny_lora_decoder(PARAMS))[0][1], LoRALinear)
