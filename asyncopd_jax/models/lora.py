@@ -55,6 +55,10 @@ class LoRAParams:
         experts' attention).
       init: ``A``'s initialisation: ``kaiming`` (uniform in ±1 / √in, PEFT's default) or
         ``gaussian`` (normal, standard deviation 1 / r); ``B`` starts at zero either way.
+      sampler: how the rollout stages apply each version's adapters: ``merged`` into the
+        base weights once, at the swap (then decoding a plain model), or ``unmerged``, as
+        two thin products per projection in every decode step
+        (:mod:`~asyncopd_jax.pipeline.adapter_snapshots`; docs/lora.md measures both).
     """
 
     rank: int = 0
@@ -62,6 +66,7 @@ class LoRAParams:
     dropout: float = 0.0
     targets: tuple[str, ...] = PROJECTIONS
     init: Literal["kaiming", "gaussian"] = "kaiming"
+    sampler: Literal["merged", "unmerged"] = "merged"
 
     def __post_init__(self) -> None:
         check_fields(
@@ -127,11 +132,6 @@ class LoRALinear(nnx.Module):
             keep = jax.random.bernoulli(self.dropout_key, 1 - self.dropout, x.shape)
             x = jnp.where(keep, x / (1 - self.dropout), 0).astype(x.dtype)
         return y + self.scale * jnp.dot(jnp.dot(x, self.lora_a[...]), self.lora_b[...])
-
-    def delta(self) -> Array:
-        """``ΔW = scale · A B`` ``[in, out]``, in fp32."""
-        a, b = self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32)
-        return self.scale * (a @ b)
 
 
 def _paths(model: nnx.Module) -> Iterator[tuple[str, nnx.Module, str, nnx.Module]]:
@@ -216,24 +216,55 @@ def with_dropout(model: M, key: Array | None) -> M:
     return model
 
 
+def merged_kernel(kernel: Array, a: Array, b: Array, scale: float) -> Array:
+    """``W + scale · A B`` (``kernel [in, out]``, ``a [in, r]``, ``b [r, out]``), computed in
+    fp32 and cast to ``W``'s dtype."""
+    f32 = jnp.float32
+    return (kernel.astype(f32) + scale * (a.astype(f32) @ b.astype(f32))).astype(kernel.dtype)
+
+
+def merged_state(state: nnx.State, scale: float) -> nnx.State:
+    """The state of the merged model (:func:`merge_adapters`) from a LoRA model's state:
+    each adapted ``kernel`` replaced by :func:`merged_kernel`, the adapters dropped. A pure
+    function of its arrays (jit it: a sampler merging at every swap), always from the base
+    ``W``: merging version after version never accumulates. A state without adapters is
+    returned as it is."""
+    trained, frozen = split_adapters(state)
+    if not has_adapters(state):
+        return state
+    pieces = dict(nnx.to_flat_state(trained))
+    flat = []
+    for path, variable in nnx.to_flat_state(frozen):
+        a = pieces.get((*path[:-1], "lora_a"))
+        if path[-1] == "kernel" and a is not None:
+            b = pieces[(*path[:-1], "lora_b")]
+            variable = variable.replace(merged_kernel(variable[...], a[...], b[...], scale))
+        flat.append((path, variable))
+    return nnx.from_flat_state(flat)
+
+
 def merge_adapters(model: M) -> M:
-    """A copy of ``model`` with each adapter folded into its base (``W ← W + scale · A B``,
-    computed in fp32 and cast to ``W``'s dtype) and replaced by a plain projection: the
-    merged student, as a checkpoint or a sampler without adapters holds it (``model`` is
-    left as it was; the copy shares its other arrays)."""
+    """A copy of ``model`` with each adapter folded into its base (:func:`merged_kernel`)
+    and replaced by a plain projection: the merged student, as a checkpoint holds it
+    (``model`` is left as it was; the copy shares its other arrays)."""
+    found = adapters(model)
+    if not found:
+        return model
+    merged = merged_state(nnx.state(model), found[0][1].scale)  # one LoRAParams: one scale
     model = nnx.clone(model)
     for _, parent, attribute, module in list(_paths(model)):
         if isinstance(module, LoRALinear):
-            setattr(parent, attribute, _merged(module))
+            setattr(parent, attribute, _plain_like(module))
+    nnx.update(model, merged)
     return model
 
 
-def _merged(module: LoRALinear) -> nnx.Linear:
-    """A plain projection holding ``module``'s base plus its adapter's ``ΔW``."""
-    kernel = module.kernel[...]
-    make = functools.partial(nnx.Linear, *kernel.shape, use_bias=module.bias is not None, dtype=None)
-    plain = nnx.eval_shape(lambda: make(rngs=nnx.Rngs(0)))  # its shape only: the weights are set below
-    plain.kernel = nnx.Param((kernel.astype(jnp.float32) + module.delta()).astype(kernel.dtype))
+def _plain_like(module: LoRALinear) -> nnx.Linear:
+    """A plain projection of ``module``'s shape (its weights set by the caller)."""
+    shape = module.kernel.shape
+    make = functools.partial(nnx.Linear, *shape, use_bias=module.bias is not None, dtype=None)
+    plain = nnx.eval_shape(lambda: make(rngs=nnx.Rngs(0)))
+    plain.kernel = nnx.Param(module.kernel[...])
     plain.bias = module.bias
     return plain
 
@@ -248,6 +279,8 @@ __all__ = [
     "has_adapters",
     "join",
     "merge_adapters",
+    "merged_kernel",
+    "merged_state",
     "projections",
     "split_adapters",
     "with_dropout",

@@ -22,29 +22,25 @@ compiles the stages' functions on meshes made by the same
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from collections.abc import Sequence
 
 from asyncopd_jax.config import RunConfig
-from asyncopd_jax.learner import distributed, state_shardings
-from asyncopd_jax.pipeline.devices import with_shardings
 from asyncopd_jax.pipeline.exchange import Exchange
-from asyncopd_jax.pipeline.layout import LEARNER_PROCESS, Layout, StagePlan
+from asyncopd_jax.pipeline.layout import LEARNER_PROCESS, Layout
 from asyncopd_jax.pipeline.learner_stage import LearnerStage
-from asyncopd_jax.pipeline.model_loading import student_graph
-from asyncopd_jax.pipeline.object_snapshots import ObjectSnapshotStore
+from asyncopd_jax.pipeline.model_loading import merges_at_swap, sampler_graph
 from asyncopd_jax.pipeline.placements import Stages
 from asyncopd_jax.pipeline.placements.fixed_lag import FixedLagRollouts
 from asyncopd_jax.pipeline.placements.multihost import FollowerStages, LeaderStages
 from asyncopd_jax.pipeline.placements.stage_processes import StageProcesses
 from asyncopd_jax.pipeline.placements.threads import RolloutPool
-from asyncopd_jax.pipeline.rollout_stage import RolloutStage, build_rollout_stage, rollout_shardings
+from asyncopd_jax.pipeline.rollout_stage import RolloutStage, build_rollout_stage
 from asyncopd_jax.pipeline.run_models import RunModels, run_models
 from asyncopd_jax.pipeline.scoring_stage import ScoringStage, build_scoring_stage
-from asyncopd_jax.pipeline.snapshots import DiskSnapshotStore, InMemorySnapshotStore, SnapshotStore
+from asyncopd_jax.pipeline.snapshots import SnapshotStore
 from asyncopd_jax.pipeline.staleness import StalenessBuffer
 from asyncopd_jax.pipeline.trace import Tracer
-from asyncopd_jax.storage import is_url, open_store
+from asyncopd_jax.pipeline.weights_channel import learner_snapshots, reader_snapshots, sampler_view
 
 
 @dataclasses.dataclass
@@ -83,19 +79,21 @@ def build_process(
     learner = LearnerStage(cfg, layout, models, multi_process) if name == LEARNER_PROCESS else None
     scoring_plan = next((s for s in hosted if s.role == "scoring"), None)
     scoring = build_scoring_stage(cfg, layout, scoring_plan, models) if scoring_plan is not None and leader else None
-    snapshots = _learner_snapshots(cfg, layout, learner, leader) if learner is not None else None
-    # the policy's graph: the learner's own where it is here, else built from the student's config
-    graphdef = learner.graphdef if learner is not None else student_graph(cfg, models)[0]
+    snapshots = learner_snapshots(cfg, layout, learner, leader) if learner is not None else None
+    # the sampler's graph: the learner's own where it is here (unless the adapters are merged
+    # at the swap: a plain model), else built from the student's config
+    graphdef = learner.graphdef if learner is not None and not merges_at_swap(cfg) else sampler_graph(cfg, models)
     rollouts = tuple(
         build_rollout_stage(
             cfg,
             layout,
             plan,
             models,
-            snapshots=(
+            snapshots=sampler_view(
+                cfg,
                 snapshots
                 if layout.snapshots.in_memory and snapshots is not None
-                else _reader(cfg, layout, plan, models)
+                else reader_snapshots(cfg, layout, plan, models),
             ),
             tracer=tracer,
             scoring=scoring,
@@ -107,51 +105,6 @@ def build_process(
         if plan.role == "rollout" and leader
     )
     return RunProcess(cfg, layout, name, models, tracer, learner, scoring, rollouts, snapshots, leader, multi_process)
-
-
-def _learner_snapshots(cfg: RunConfig, layout: Layout, learner: LearnerStage, leader: bool) -> SnapshotStore:
-    """The learner's end of the weights channel: a device-to-device copy onto the rollout
-    threads' devices (in memory), or versioned snapshots on disk."""
-    channel, params = layout.snapshots, learner.state.params
-    if channel.in_memory:
-        rollout = layout.of_role("rollout")[0]
-        return InMemorySnapshotStore(keep=channel.keep, shardings=rollout_shardings(cfg, layout, rollout, params))
-    # Versions left by an earlier incarnation of this run may be newer than the restored
-    # policy; rollouts from them would be refused as "future". The learner is the only
-    # writer and no reader runs yet, so start from an empty directory.
-    if leader:
-        if is_url(channel.directory):
-            store = open_store(channel.directory)
-            for key in store.list(""):
-                store.delete(key)
-        else:
-            shutil.rmtree(channel.directory, ignore_errors=True)
-    distributed.barrier("snapshot directory emptied")
-    abstract = with_shardings(params, state_shardings(params, learner.mesh))
-    return _stored_snapshots(layout, abstract, read_only=False, reader="learner")
-
-
-def _reader(cfg: RunConfig, layout: Layout, plan: StagePlan, models: RunModels) -> SnapshotStore:
-    """A rollout stage's reading end of the stored snapshots: each version restored straight
-    into the stage's own shardings."""
-    _, abstract = student_graph(cfg, models)
-    placed = with_shardings(abstract, rollout_shardings(cfg, layout, plan, abstract))
-    return _stored_snapshots(layout, placed, read_only=True, reader=plan.name)
-
-
-def _stored_snapshots(layout: Layout, abstract, *, read_only: bool, reader: str) -> SnapshotStore:
-    """The snapshot store of the layout's channel in its format (one writer, many readers)."""
-    channel = layout.snapshots
-    if channel.format == "objects":
-        return ObjectSnapshotStore(
-            open_store(channel.directory),
-            abstract,
-            keep=channel.keep,
-            read_only=read_only,
-            full_every=channel.full_every,
-            reader=reader,
-        )
-    return DiskSnapshotStore(channel.directory, abstract, keep=channel.keep, read_only=read_only, format=channel.format)
 
 
 def start_stages(

@@ -14,7 +14,7 @@ from asyncopd_jax.config import ModelSource, RunConfig
 from asyncopd_jax.models import Decoder, from_pretrained, load_tokenizer
 from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.decoder import abstract_decoder
-from asyncopd_jax.models.lora import add_adapters
+from asyncopd_jax.models.lora import NO_ADAPTERS, add_adapters
 from asyncopd_jax.pipeline.run_models import RunModels
 from asyncopd_jax.tasks.assets import resolve_model_path
 
@@ -38,6 +38,19 @@ def student_graph(cfg: RunConfig, models: RunModels) -> tuple[nnx.GraphDef, Any]
     """The student's graph and abstract parameters (shapes and dtypes; nothing allocated):
     what a rollout stage needs to receive the policy's weights, in the published dtype."""
     return abstract_decoder(models.student_config, cfg.published_dtype, models.vocab_limit, lora=cfg.student.lora)
+
+
+def merges_at_swap(cfg: RunConfig) -> bool:
+    """Whether the rollout stages fold a LoRA student's adapters into its base at each swap
+    (and decode a plain model) rather than decode them unmerged."""
+    return cfg.student.lora.enabled and cfg.student.lora.sampler == "merged"
+
+
+def sampler_graph(cfg: RunConfig, models: RunModels) -> nnx.GraphDef:
+    """The graph a rollout stage decodes with: the student's, without its adapters when they
+    are merged at the swap."""
+    lora = NO_ADAPTERS if merges_at_swap(cfg) else cfg.student.lora
+    return abstract_decoder(models.student_config, cfg.published_dtype, models.vocab_limit, lora=lora)[0]
 
 
 def load_model_and_tokenizer(path: str, dtype: str) -> tuple[nnx.Module, Any]:

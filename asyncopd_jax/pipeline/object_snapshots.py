@@ -112,6 +112,7 @@ class ObjectSnapshotStore:
         self._since_full = 0
         # the last committed version, for metrics.jsonl: its number, payload bytes and whether it is full
         self.last_published: dict[str, int] = {}
+        self._committed: VersionRecord | None = None  # set by the writing thread, read by flush
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pins = LeaseClock(PIN_LEASE_S)
@@ -144,11 +145,7 @@ class ObjectSnapshotStore:
                 raise FileExistsError(f"{self.url}: snapshot {version} was committed by another writer")
             self._published = (version, leaves)
             self._since_full = 0 if record.base is None else self._since_full + 1
-            self.last_published = {
-                "snapshot_version": version,
-                "snapshot_bytes": record.nbytes,
-                "snapshot_full": int(record.base is None),
-            }
+            self._committed = record
         except BaseException as err:  # noqa: BLE001 - raised by flush
             self._error = err
 
@@ -176,6 +173,13 @@ class ObjectSnapshotStore:
         if self._error is not None:
             err, self._error = self._error, None
             raise err
+        record, self._committed = self._committed, None
+        if record is not None:  # read here, not on the writing thread: the record of this version alone
+            self.last_published = {
+                "snapshot_version": record.version,
+                "snapshot_bytes": record.nbytes,
+                "snapshot_full": int(record.base is None),
+            }
         if not self.read_only and distributed.is_leader():
             self._retire()
 

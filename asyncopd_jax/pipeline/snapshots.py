@@ -46,7 +46,15 @@ FLAT_FILE = "params.safetensors"
 
 
 class SnapshotStore(Protocol):
+    """The weights channel's interface. ``last_published``: the last committed version's
+    record for ``metrics.jsonl`` (``snapshot_version``, ``snapshot_bytes``: what it shipped;
+    a store may add its own fields), {} before the first."""
+
+    @property
+    def last_published(self) -> dict[str, int]: ...
+
     def publish(self, version: int, params: nnx.State) -> None: ...
+    def flush(self) -> None: ...  # the version published last is committed on return
     def latest_version(self) -> int | None: ...
     def load(self, version: int | None = None) -> tuple[int, nnx.State]: ...
     def wait_for(self, version: int, timeout: float = 300.0) -> None: ...
@@ -69,6 +77,10 @@ def as_published(tree: Any, dtype: str) -> Any:
     return jax.tree_util.tree_map(cast, tree)
 
 
+def _nbytes(tree: Any) -> int:
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
 def _copy(params: nnx.State) -> nnx.State:
     return jax.tree_util.tree_map(jnp.copy, params)
 
@@ -84,15 +96,20 @@ class InMemorySnapshotStore:
         self.shardings = shardings
         self._versions: dict[int, nnx.State] = {}
         self._cond = threading.Condition()
+        self.last_published: dict[str, int] = {}
 
     def publish(self, version: int, params: nnx.State) -> None:
         # Dispatched asynchronously: the learner goes on while the copy runs.
         snapshot = _copy(params) if self.shardings is None else jax.device_put(params, self.shardings, may_alias=False)
+        self.last_published = {"snapshot_version": version, "snapshot_bytes": _nbytes(params)}
         with self._cond:
             self._versions[version] = snapshot
             for old in sorted(self._versions)[: -self.keep]:
                 del self._versions[old]
             self._cond.notify_all()
+
+    def flush(self) -> None:
+        pass  # committed as it is published
 
     def latest_version(self) -> int | None:
         with self._cond:
@@ -200,6 +217,8 @@ class DiskSnapshotStore:
         )
         self.read_only = read_only
         self._last: tuple[int, nnx.State] | None = None  # the version this store read last
+        self._saving: int | None = None  # the version being written
+        self.last_published: dict[str, int] = {}
         self._writer = None
         if not read_only:
             self._writer = ocp.StandardCheckpointer() if format == "orbax" else _SafetensorsWriter()
@@ -212,6 +231,7 @@ class DiskSnapshotStore:
             raise RuntimeError(f"this snapshot store is read-only (a reader of {self.root})")
         self.flush()  # one save in flight at a time (the previous one commits first); raises if root is gone
         self._writer.save(self.root / str(version), nnx.to_pure_dict(params))
+        self._saving = version
 
     def flush(self) -> None:
         """Wait until the last published version is committed, then drop old versions."""
@@ -223,6 +243,13 @@ class DiskSnapshotStore:
             if not self.root.is_dir():
                 raise _gone(self.root) from err
             raise
+        if self._saving is not None and jax.process_index() == 0:
+            files = (self.root / str(self._saving)).rglob("*")
+            self.last_published = {
+                "snapshot_version": self._saving,
+                "snapshot_bytes": sum(f.stat().st_size for f in files if f.is_file()),
+            }
+        self._saving = None
         self._remove_old()
 
     def _remove_old(self) -> None:

@@ -271,8 +271,8 @@ class Trainer:
                 with self.tracer.span("publish", version=version):
                     self._publish_weights(snapshots, version)
                 # the version before it is committed now (one write in flight at a time):
-                # its bytes go into the next step's record (stored snapshots in objects only)
-                self._published = dict(getattr(snapshots, "last_published", {}))
+                # its bytes go into the next step's record
+                self._published = dict(snapshots.last_published)
                 if self._eval_due:  # a step of this batch was due: evaluate what it published
                     self._evaluate_in_background(version)
                     self._eval_due = False

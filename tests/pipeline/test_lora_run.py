@@ -5,6 +5,10 @@ and their moments, and the student is written merged."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+import time
 
 import jax
 import numpy as np
@@ -13,8 +17,14 @@ from flax import nnx
 
 from asyncopd_jax.models import from_pretrained
 from asyncopd_jax.models.lora import adapters, split_adapters
+from asyncopd_jax.pipeline.adapter_snapshots import MergedAtSwap
+from asyncopd_jax.pipeline.snapshots import as_published
 from asyncopd_jax.pipeline.trainer import Trainer
+from asyncopd_jax.storage import open_store
+from tests.pipeline.test_bucket_faults import _Nth
 from tests.pipeline.test_trainer import _config, models  # noqa: F401 - fixture
+from tests.storage import servers
+from tests.storage.fixtures import pointed_at
 
 pytestmark = pytest.mark.e2e  # whole runs: the end-to-end step (-m e2e)
 
@@ -31,13 +41,18 @@ def _leaves(state) -> dict[str, np.ndarray]:
     return {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(state)}
 
 
+@pytest.mark.parametrize("sampler", ["merged", "unmerged"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_the_sampler_decodes_with_the_adapters_the_learner_trains(models, tmp_path, placement):  # noqa: F811
+def test_the_sampler_decodes_with_the_adapters_the_learner_trains(models, tmp_path, placement, sampler):  # noqa: F811
     """Synchronous, one mini-batch a batch: every step trains on answers of the weights it
     starts from, so the importance ratio is 1 on every token, once the adapters have moved
-    too (a sampler without them would be off from step 2)."""
-    cfg = _config(models, tmp_path, **{"schedule.mode": "sync", "train.steps": 6, **LORA, **PLACEMENTS[placement]})
+    too (a sampler without them would be off from step 2), whether it merges them into its
+    weights at each swap or decodes them unmerged; each version ships the adapters alone."""
+    sets = {"schedule.mode": "sync", "train.steps": 6, **LORA, "student.lora.sampler": sampler}
+    cfg = _config(models, tmp_path, **{**sets, **PLACEMENTS[placement]})
     trainer = Trainer(cfg, progress=False)
+    if placement == "threads":  # (a stage process builds its view with the same sampler_view)
+        assert isinstance(trainer.process.rollouts[0].producer.snapshots, MergedAtSwap) == (sampler == "merged")
     _, start = nnx.split(nnx.merge(trainer.learner.graphdef, jax.device_get(trainer.learner.state.params)))
     trainer.run()
     final = jax.device_get(trainer.learner.state.params)
@@ -50,6 +65,16 @@ def test_the_sampler_decodes_with_the_adapters_the_learner_trains(models, tmp_pa
     assert [r["staleness_max"] for r in records] == [0] * 6
     for r in records:
         assert abs(r["importance_ratio_max"] - 1) < 2e-3 and abs(r["importance_ratio_mean"] - 1) < 2e-4, r["step"]
+    # each version shipped its adapters alone (stored: with a header, as a sparse delta
+    # where that is smaller), the base once
+    adapter_bytes, base_bytes = (
+        sum(x.nbytes for x in jax.tree_util.tree_leaves(as_published(part, cfg.published_dtype)))
+        for part in split_adapters(final)
+    )
+    for r in records[1:]:
+        full = r.get("snapshot_full", 1)
+        assert adapter_bytes * full <= r["snapshot_bytes"] < adapter_bytes + 2048, (r["step"], r["snapshot_bytes"])
+        assert base_bytes <= r["snapshot_base_bytes"] < base_bytes + 4096, (r["step"], r["snapshot_base_bytes"])
     # the adapters alone in PEFT's layout (tests/models/test_lora_checkpoint.py loads them with peft)
     adapter = json.loads((tmp_path / "t" / "adapter" / "adapter_config.json").read_text())
     assert (adapter["r"], adapter["lora_alpha"], adapter["target_modules"]) == (2, 7, ["down_proj", "q_proj", "v_proj"])
@@ -95,3 +120,40 @@ def test_a_lora_run_resumes_with_its_adapters_and_their_moments(models, tmp_path
     moments = [x for x in jax.tree_util.tree_leaves(restored.opt_state) if np.ndim(x) == 2]
     assert sum(m.size for m in moments) == 2 * sum(x.size for x in jax.tree_util.tree_leaves(trained))
     assert resumed.run()["steps"] == 8
+
+
+def test_a_sampler_killed_mid_swap_is_restarted_and_never_samples_half_an_adapter(models, tmp_path, s3_server):  # noqa: F811
+    """A run in a bucket (snapshots as objects): the proxy holds rollout-0's read of the
+    4th adapter version's payload, and rollout-0 is killed (SIGKILL) meanwhile, in the
+    middle of swapping that version in. Its successor starts from the base and the newest
+    adapters; every step of the synchronous run still trains on answers sampled from exactly
+    the weights the learner published (ratio 1 on every token), the dead reader's pin
+    notwithstanding."""
+    proxy = servers.Proxy(s3_server.port)
+
+    def adapter_read(seen: servers.Seen) -> bool:  # rollout-0 reading an adapter version's payload
+        return (
+            seen.method == "GET" and "/snapshots/adapters/versions/" in seen.path and seen.path.endswith(".safetensors")
+        )
+
+    held = _Nth(adapter_read, 4)
+    proxy.delay(held, 2.0)
+    with pointed_at("s3", proxy.endpoint) as url:
+        sets = {"schedule.mode": "sync", "train.steps": 8, **LORA, "stages.placement": "processes"}
+        cfg = _config(models, tmp_path, **{**sets, "output_dir": url, "stages.restarts": 1})
+        trainer = Trainer(cfg, progress=False)
+        killed: dict[str, float] = {}
+
+        def kill_on_hold() -> None:
+            if held.hit.wait(300):
+                time.sleep(0.3)  # the read is in the proxy: the swap has begun, its adapters not arrived
+                os.kill(trainer.stages.pids["rollout-0"], signal.SIGKILL)
+                killed["at"] = time.monotonic()
+
+        threading.Thread(target=kill_on_hold, daemon=True).start()
+        trainer.run()
+        assert "at" in killed and trainer.stages.restarts_left == 0, "rollout-0 was not killed mid-swap and restarted"
+        records = [json.loads(line) for line in open_store(f"{url}/t").read("metrics.jsonl").data.decode().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for r in records:
+        assert r["staleness_max"] == 0 and abs(r["importance_ratio_max"] - 1) < 2e-3, r["step"]
