@@ -474,7 +474,7 @@ def _add_study(sub: _SubCommands, common: argparse.ArgumentParser) -> None:
         "name",
         help="the study: kl_direction (E1), stabilisers (E2), cache_bias_variance (E3), "
         "throughput (E4), rl_staleness (AReaL's η ablation), extrapolation (EffOPD), cross_tokenizer "
-        "(a teacher of another tokenizer)",
+        "(a teacher of another tokenizer), multi_turn, lora (LoRA students against full training)",
     )
     study.add_argument("--quick", action="store_true", help="a minutes-long version (its numbers are not findings)")
     study.add_argument("--seeds", type=int, default=3, help="independent seeds")

@@ -89,6 +89,12 @@ class LoRAParams:
         return self.rank > 0
 
     @property
+    def merged_at_swap(self) -> bool:
+        """Whether the rollout stages fold the adapters into the base at each swap (and
+        decode a plain model) rather than decode them unmerged."""
+        return self.enabled and self.sampler == "merged"
+
+    @property
     def scale(self) -> float:
         """α / r, the factor on the adapters' output."""
         return self.alpha / self.rank
@@ -112,7 +118,10 @@ class LoRALinear(nnx.Module):
         self.kernel = base.kernel
         self.bias = base.bias
         fan_in, fan_out = base.kernel.shape
-        dtype = base.kernel[...].dtype
+        # fp32 over any base (PEFT's autocast_adapter_dtype does the same): the adapters are
+        # what the learner trains, and AdamW's steps on bf16 weights round away; the frozen
+        # base may be bf16 (no master copy needed, half the bytes)
+        dtype = jnp.promote_types(base.kernel[...].dtype, jnp.float32)
         if params.init == "kaiming":
             bound = 1 / math.sqrt(fan_in)
             a = jax.random.uniform(rngs.params(), (fan_in, params.rank), dtype, -bound, bound)
@@ -124,14 +133,17 @@ class LoRALinear(nnx.Module):
         self.dropout = params.dropout
 
     def __call__(self, x: Array) -> Array:
-        """``x [..., in]`` → ``[..., out]``, in the dtype of the weights (mixed precision casts them)."""
-        y = jnp.dot(x, self.kernel[...])
+        """``x [..., in]`` → ``[..., out]``, in the dtype of the weights (mixed precision casts
+        them; fp32 adapters over a bf16 base compute in the base's dtype)."""
+        kernel = self.kernel[...]
+        y = jnp.dot(x, kernel)
         if self.bias is not None:
             y = y + self.bias[...]
         if self.dropout and self.dropout_key is not None:
             keep = jax.random.bernoulli(self.dropout_key, 1 - self.dropout, x.shape)
             x = jnp.where(keep, x / (1 - self.dropout), 0).astype(x.dtype)
-        return y + self.scale * jnp.dot(jnp.dot(x, self.lora_a[...]), self.lora_b[...])
+        a, b = self.lora_a[...].astype(kernel.dtype), self.lora_b[...].astype(kernel.dtype)
+        return y + (self.scale * jnp.dot(jnp.dot(x, a), b)).astype(y.dtype)
 
 
 def _paths(model: nnx.Module) -> Iterator[tuple[str, nnx.Module, str, nnx.Module]]:
@@ -187,8 +199,8 @@ def projections(model: nnx.Module) -> list[str]:
 
 
 def has_adapters(state: nnx.State) -> bool:
-    """Whether a model state holds adapters (``nnx.LoRAParam`` variables)."""
-    return bool(jax.tree_util.tree_leaves(nnx.filter_state(state, nnx.LoRAParam)))
+    """Whether a model state holds adapters (``nnx.LoRAParam`` variables; any other tree: no)."""
+    return isinstance(state, nnx.State) and bool(jax.tree_util.tree_leaves(nnx.filter_state(state, nnx.LoRAParam)))
 
 
 def split_adapters(state: nnx.State) -> tuple[nnx.State, nnx.State]:
@@ -214,6 +226,18 @@ def with_dropout(model: M, key: Array | None) -> M:
         if module.dropout:
             module.dropout_key = jax.random.fold_in(key, i)
     return model
+
+
+def adapted_kernels(state: nnx.State) -> nnx.State:
+    """The base kernels of ``state``'s adapted projections: what a merge rewrites (arrays or
+    shapes)."""
+    trained, frozen = split_adapters(state)
+    if not has_adapters(state):
+        return nnx.State({})
+    modules = {path[:-1] for path, _ in nnx.to_flat_state(trained)}
+    return nnx.from_flat_state(
+        [(p, v) for p, v in nnx.to_flat_state(frozen) if p[-1] == "kernel" and p[:-1] in modules]
+    )
 
 
 def merged_kernel(kernel: Array, a: Array, b: Array, scale: float) -> Array:
@@ -274,6 +298,7 @@ __all__ = [
     "PROJECTIONS",
     "LoRALinear",
     "LoRAParams",
+    "adapted_kernels",
     "add_adapters",
     "adapters",
     "has_adapters",

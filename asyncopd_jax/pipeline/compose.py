@@ -28,7 +28,7 @@ from asyncopd_jax.config import RunConfig
 from asyncopd_jax.pipeline.exchange import Exchange
 from asyncopd_jax.pipeline.layout import LEARNER_PROCESS, Layout
 from asyncopd_jax.pipeline.learner_stage import LearnerStage
-from asyncopd_jax.pipeline.model_loading import merges_at_swap, sampler_graph
+from asyncopd_jax.pipeline.model_loading import sampler_graph
 from asyncopd_jax.pipeline.placements import Stages
 from asyncopd_jax.pipeline.placements.fixed_lag import FixedLagRollouts
 from asyncopd_jax.pipeline.placements.multihost import FollowerStages, LeaderStages
@@ -82,7 +82,8 @@ def build_process(
     snapshots = learner_snapshots(cfg, layout, learner, leader) if learner is not None else None
     # the sampler's graph: the learner's own where it is here (unless the adapters are merged
     # at the swap: a plain model), else built from the student's config
-    graphdef = learner.graphdef if learner is not None and not merges_at_swap(cfg) else sampler_graph(cfg, models)
+    own = learner is not None and not cfg.student.lora.merged_at_swap
+    graphdef = learner.graphdef if learner is not None and own else sampler_graph(cfg, models)
     rollouts = tuple(
         build_rollout_stage(
             cfg,

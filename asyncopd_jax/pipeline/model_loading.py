@@ -40,16 +40,10 @@ def student_graph(cfg: RunConfig, models: RunModels) -> tuple[nnx.GraphDef, Any]
     return abstract_decoder(models.student_config, cfg.published_dtype, models.vocab_limit, lora=cfg.student.lora)
 
 
-def merges_at_swap(cfg: RunConfig) -> bool:
-    """Whether the rollout stages fold a LoRA student's adapters into its base at each swap
-    (and decode a plain model) rather than decode them unmerged."""
-    return cfg.student.lora.enabled and cfg.student.lora.sampler == "merged"
-
-
 def sampler_graph(cfg: RunConfig, models: RunModels) -> nnx.GraphDef:
     """The graph a rollout stage decodes with: the student's, without its adapters when they
     are merged at the swap."""
-    lora = NO_ADAPTERS if merges_at_swap(cfg) else cfg.student.lora
+    lora = NO_ADAPTERS if cfg.student.lora.merged_at_swap else cfg.student.lora
     return abstract_decoder(models.student_config, cfg.published_dtype, models.vocab_limit, lora=lora)[0]
 
 

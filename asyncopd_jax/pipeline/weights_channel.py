@@ -26,7 +26,7 @@ from asyncopd_jax.pipeline.adapter_snapshots import AdapterSnapshots, MergedAtSw
 from asyncopd_jax.pipeline.devices import with_shardings
 from asyncopd_jax.pipeline.layout import Layout, SnapshotChannel, StagePlan
 from asyncopd_jax.pipeline.learner_stage import LearnerStage
-from asyncopd_jax.pipeline.model_loading import merges_at_swap, student_graph
+from asyncopd_jax.pipeline.model_loading import student_graph
 from asyncopd_jax.pipeline.object_snapshots import ObjectSnapshotStore
 from asyncopd_jax.pipeline.rollout_stage import rollout_shardings
 from asyncopd_jax.pipeline.run_models import RunModels
@@ -72,7 +72,7 @@ def reader_snapshots(cfg: RunConfig, layout: Layout, plan: StagePlan, models: Ru
 def sampler_view(cfg: RunConfig, snapshots: SnapshotStore) -> SnapshotStore:
     """What a rollout stage samples from: ``snapshots`` itself, or, when a LoRA student's
     adapters are merged at the swap, each version merged into the base."""
-    return MergedAtSwap(snapshots, cfg.student.lora.scale) if merges_at_swap(cfg) else snapshots
+    return MergedAtSwap(snapshots, cfg.student.lora.scale) if cfg.student.lora.merged_at_swap else snapshots
 
 
 def stored_snapshots(channel: SnapshotChannel, abstract: Any, *, read_only: bool, reader: str) -> SnapshotStore:

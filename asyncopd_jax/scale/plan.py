@@ -35,7 +35,7 @@ from asyncopd_jax.learner.step import (
     jit_train_step,
     train_step_function,
 )
-from asyncopd_jax.models.attention import Implementation, resolve_implementation
+from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.config import DecoderConfig
 from asyncopd_jax.models.decoder import Remat, abstract_decoder, cast_floating
 from asyncopd_jax.models.moe import ExchangeBytes, exchange_bytes, expert_layout, routed_exchange
@@ -47,6 +47,7 @@ from asyncopd_jax.scale.balance import Answers, DecodeBytes, RolloutCost, rollou
 from asyncopd_jax.scale.chips import GIB, Chip, Topology
 from asyncopd_jax.scale.flops import matmul_flops, transformer_flops
 from asyncopd_jax.scale.learner_inputs import abstract_learner_batch, architecture, hidden_teachers, teacher_heads
+from asyncopd_jax.scale.student_shapes import received_weights, resident_bytes, sampler_weights, student_decoder
 from asyncopd_jax.scale.swaps import DEFAULT_STORAGE_BYTES_PER_S, SwapFigures, bytes_per_device, swap_figures
 from asyncopd_jax.teacher.scorer import teacher_score_function
 
@@ -91,11 +92,15 @@ class StageFigures:
     # At uniform routing (in the roofline), and where one chip holds every token's experts.
     interconnect_bytes: float = 0.0
     interconnect_worst_bytes: float = 0.0
+    # held on the chip beside the call's arguments (a sampler merging a LoRA student's
+    # versions: the base and adapters it merges from)
+    resident_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
-        """Arguments + outputs not aliased to an argument + temporaries: the most this call holds."""
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+        """Arguments + outputs not aliased to an argument + temporaries (+ what the stage holds
+        beside the call): the most this call holds."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.resident_bytes
 
     def roofline_seconds(self, chip: Chip) -> float:
         """``max(FLOPs / peak, bytes / bandwidth, link bytes / link bandwidth)``: the executed
@@ -142,18 +147,6 @@ def target_platform(devices: list) -> str:
     XLA:CPU devices stand in for GPUs (``attention: auto`` then resolves as on the GPUs)."""
     platform = devices[0].platform
     return "gpu" if platform == "cpu" else platform
-
-
-def student_decoder(
-    cfg: RunConfig,
-    config: DecoderConfig,
-    dtype: str,
-    vocab_limit: int | None = None,
-    attention: Implementation = "xla",
-) -> tuple[nnx.GraphDef, Any]:
-    """The student's graph and parameters as shapes, with its LoRA adapters
-    (``student.lora``): the learner trains them and the sampler decodes with them."""
-    return abstract_decoder(config, dtype, vocab_limit, attention, lora=cfg.student.lora)
 
 
 def abstract_train_state(cfg: RunConfig, params: Any) -> TrainState:
@@ -309,7 +302,7 @@ def rollout_engine(
 ) -> Engine:
     """The rollout stage's engine at the planned answer length, on ``mesh`` (None: the
     default device), for what it says of itself: its programs' shapes, its cost."""
-    graphdef, _ = student_decoder(cfg, config, cfg.student.dtype, vocab_limit)
+    graphdef, _ = student_decoder(cfg, config, cfg.student.dtype, vocab_limit, decoded=True)
     return make_sampler(graphdef, rollout_sampling(cfg, shapes), mesh=mesh)
 
 
@@ -335,11 +328,13 @@ def compile_sampler(
     for one group of ``rows`` prompts: prefill, one decode step (a chunk of
     ``sampling.chunk_steps`` steps compiled, its figures per step: the compiler counts a
     loop's body once) and the KV cache's rewrite after a weight swap, each holding the
-    weights as the rollout stage receives them (the published dtype, by the partition rules)."""
+    weights as the rollout stage decodes with them (the published dtype, by the partition
+    rules), beside what it holds to merge a LoRA student's versions (:func:`resident_bytes`)."""
     mesh = stage_mesh(devices, cfg.stages.rollout_mesh)
-    graphdef, params = student_decoder(cfg, config, cfg.published_dtype, vocab_limit)
+    graphdef, _ = student_decoder(cfg, config, cfg.published_dtype, vocab_limit, decoded=True)
     sampling = rollout_sampling(cfg, shapes)
-    weights = with_shardings(params, parameter_shardings(params, mesh))
+    weights = sampler_weights(cfg, config, devices, vocab_limit)
+    resident = resident_bytes(cfg, config, devices, vocab_limit)
     # the rows one decode call holds: the group's (static), or ``sampling.slots`` over the
     # paged pool (continuous: its prefill admits a whole set of slots at once, the worst
     # case, and its decode reads every page of the longest sequence)
@@ -354,16 +349,9 @@ def compile_sampler(
     for name, low in lowered.items():
         f = _figures(f"sampler {name}", n, rows, tokens[name], low)
         flops = work[name] / n
-        figures.append(dataclasses.replace(f, executed_flops=flops, model_flops=flops, textbook_flops=flops))
+        f = dataclasses.replace(f, executed_flops=flops, model_flops=flops, textbook_flops=flops)
+        figures.append(dataclasses.replace(f, resident_bytes=resident))
     return figures
-
-
-def sampler_weights(cfg: RunConfig, config: DecoderConfig, devices: list, vocab_limit: int | None = None) -> Any:
-    """The student's parameters as a rollout stage receives them (the published dtype, placed
-    by the partition rules on ``stages.rollout_mesh`` over ``devices``): shapes only."""
-    mesh = stage_mesh(devices, cfg.stages.rollout_mesh)
-    _, params = student_decoder(cfg, config, cfg.published_dtype, vocab_limit)
-    return with_shardings(params, parameter_shardings(params, mesh))
 
 
 def decode_bytes(
@@ -519,11 +507,12 @@ def make_plan(
     swap = swap_figures(
         layout.snapshots,
         published,
-        sampler_weights(cfg, student, devices_of("rollout"), vocab_limit),
+        received_weights(cfg, student, devices_of("rollout"), vocab_limit),
         learner_chips=len(devices_of("learner")),
         samplers=rollouts,
         chip=chips,
         storage_bytes_per_s=storage_bytes_per_s,
+        merge=cfg.student.lora.merged_at_swap,
     )
     prefill, decode, recompute = (f.roofline_seconds(chips) for f in sampler)
     rollout = rollout_seconds(

@@ -58,11 +58,10 @@ from asyncopd_jax.scale.plan import (
     make_plan,
     read_models,
     rollout_engine,
-    sampler_weights,
     sampler_work,
-    student_decoder,
     teacher_weight_bytes,
 )
+from asyncopd_jax.scale.student_shapes import received_weights, resident_bytes, sampler_weights, student_decoder
 from asyncopd_jax.scale.swaps import DEFAULT_STORAGE_BYTES_PER_S, bytes_per_device, swap_figures
 
 FIT = 0.9  # of a chip's HBM a stage's peak may reach: the rest is the runtime's and fragmentation's
@@ -268,7 +267,9 @@ def sampler_fit(
     r_data, _ = mesh_split(len(devices), models.student.num_key_value_heads)
     base = sampler_config(cfg, len(devices), r_data, 0, models)
     page = cfg.sampling.page_size
+    # the weights it decodes with, and what it keeps beside them to merge a LoRA student's versions
     received = bytes_per_device(sampler_weights(base, models.student, devices, models.vocab_limit))
+    received += resident_bytes(base, models.student, devices, models.vocab_limit)
     held = sampler_bytes(base, models, devices, shapes)  # per chip: not the slots' count
     longest = -(-(answers.prompt + answers.limit) // page)
     for slots in reversed(powers_of_two(cfg.learner.batch_size)):
@@ -432,7 +433,7 @@ def sampler_figures(search: Search) -> dict[int, SamplerFigures]:
             )
             continue
         trial = sampler_config(cfg, count, fit.slots, fit.kv_pages, models)
-        received = sampler_weights(trial, models.student, devices, models.vocab_limit)
+        received = received_weights(trial, models.student, devices, models.vocab_limit)
         # a whole set of slots' prompts, and the recompute of S whole sequences: compute-bound
         # calls, whose roofline is their textbook FLOPs
         work = sampler_work(search.head, fit.slots, shapes)

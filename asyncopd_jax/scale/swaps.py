@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from asyncopd_jax.models.lora import adapted_kernels, split_adapters
 from asyncopd_jax.pipeline.layout import SnapshotChannel
 from asyncopd_jax.scale.chips import Chip
 
@@ -88,15 +89,26 @@ class SwapFigures:
     delta_bytes: float | None = None
     delta_seconds: float | None = None
     delta_full_every: int = DELTA_FULL_EVERY
+    # a LoRA student: the whole student's bytes (its versions ship the adapters alone, the
+    # base once), and the seconds of a merge into the sampler's weights (in load_seconds)
+    full_bytes: int = 0
+    merge_seconds: float = 0.0
 
     def describe(self) -> str:
+        shipped = f"{_gb(self.published_bytes)} published"
+        if self.full_bytes > self.published_bytes:
+            shipped += (
+                f" (the adapters alone: {100 * self.published_bytes / self.full_bytes:.2f} % of the full "
+                f"version's {_gb(self.full_bytes)}, whose base ships once)"
+            )
+        merge = f", {self.merge_seconds:.3f} s of it merging them into its weights" if self.merge_seconds else ""
         line = (
-            f"a weight swap per published version ({self.route}): {self.published_bytes / 1e9:.2f} GB published, "
+            f"a weight swap per published version ({self.route}): {shipped}, "
             f"learner {self.publish_seconds:.3f} s, each sampler {self.load_seconds:.3f} s to load "
-            f"({self.reader_chip_bytes / 1e9:.2f} GB)"
+            f"({_gb(self.reader_chip_bytes)}{merge})"
         )
-        if self.route.startswith("in memory"):
-            return line
+        if self.route.startswith("in memory") or self.full_bytes > self.published_bytes:
+            return line  # (adapters: no delta figure measured)
         if self.delta_bytes is None or self.delta_seconds is None:
             return (
                 f"{line}; sparse deltas would save nothing (32-bit weights change in every element each step; "
@@ -109,6 +121,10 @@ class SwapFigures:
         )
 
 
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e9:.4f} GB"
+
+
 def swap_figures(
     channel: SnapshotChannel,
     params: Any,
@@ -118,8 +134,13 @@ def swap_figures(
     samplers: int,
     chip: Chip,
     storage_bytes_per_s: float = DEFAULT_STORAGE_BYTES_PER_S,
+    merge: bool = False,
 ) -> SwapFigures:
     """The cost of one version on ``channel`` (module docstring).
+
+    A LoRA student's versions ship its adapters alone (``pipeline/adapter_snapshots.py``: the
+    base once); ``merge``: each sampler then folds them into its weights, reading and
+    writing every adapted kernel at its chip's memory bandwidth.
 
     Args:
       params: the published parameters (``ShapeDtypeStruct`` s; their shardings unused).
@@ -129,28 +150,34 @@ def swap_figures(
       chip: the topology's chip (its interconnect).
       storage_bytes_per_s: the storage route's rate, each way.
     """
-    published = total_bytes(params)
+    shipped, received = split_adapters(params)[0], split_adapters(sampler_params)[0]
+    published, full = total_bytes(shipped), total_bytes(params)
+    merge_seconds = 2 * bytes_per_device(adapted_kernels(sampler_params)) / chip.hbm_bytes_per_s if merge else 0.0
     if channel.in_memory:
-        per_chip = bytes_per_device(sampler_params)
+        per_chip = bytes_per_device(received)
         rate = chip.copy_bytes_per_s
         return SwapFigures(
             route="in memory: device to device over the chips' links",
             published_bytes=published,
             reader_chip_bytes=per_chip,
             publish_seconds=samplers * published / learner_chips / rate,
-            load_seconds=per_chip / rate,
+            load_seconds=per_chip / rate + merge_seconds,
+            full_bytes=full,
+            merge_seconds=merge_seconds,
         )
     every = channel.full_every if channel.format == "objects" else DELTA_FULL_EVERY
     # 32-bit weights move in every element each step: a delta would be the whole version
-    narrow = all(np.dtype(x.dtype).itemsize <= 2 for x in jax.tree_util.tree_leaves(params))
-    delta = published * (1 + (every - 1) * DELTA_FRACTION) / every if narrow else None
+    narrow = all(np.dtype(x.dtype).itemsize <= 2 for x in jax.tree_util.tree_leaves(shipped))
+    delta = published * (1 + (every - 1) * DELTA_FRACTION) / every if narrow and published == full else None
     return SwapFigures(
         route=f"{channel.format} through storage at {storage_bytes_per_s / 1e9:.2f} GB/s",
         published_bytes=published,
         reader_chip_bytes=published,
         publish_seconds=published / storage_bytes_per_s,
-        load_seconds=published / storage_bytes_per_s,
+        load_seconds=published / storage_bytes_per_s + merge_seconds,
         delta_bytes=delta,
         delta_seconds=None if delta is None else delta / storage_bytes_per_s,
         delta_full_every=every,
+        full_bytes=full,
+        merge_seconds=merge_seconds,
     )

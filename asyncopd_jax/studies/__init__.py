@@ -25,6 +25,7 @@ STUDIES: dict[str, str] = {
     "extrapolation": "asyncopd_jax.studies.extrapolation",
     "cross_tokenizer": "asyncopd_jax.studies.cross_tokenizer",
     "multi_turn": "asyncopd_jax.studies.multi_turn",
+    "lora": "asyncopd_jax.studies.lora",
 }
 
 

@@ -35,7 +35,10 @@ import jax
 import numpy as np
 
 from asyncopd_jax.studies.report import Report, mean_spread, pyplot
-from asyncopd_jax.studies.training_runs import DEMO, LEDGER_KEYS, run_trainings, sft_arm, train
+from asyncopd_jax.studies.training_runs import DEMO, LEDGER_KEYS, run_trainings, sft_arm, steps_to, train
+from asyncopd_jax.studies.training_runs import accuracy_curve as curve
+from asyncopd_jax.studies.training_runs import final_accuracy as final
+from asyncopd_jax.studies.training_runs import mean_accuracy as mean_curve
 from asyncopd_jax.studies.verdicts import beats
 
 KEYS = (*LEDGER_KEYS, "eval_accuracy", "tokens", "reverse_kl_signal", "entropy", "nonfinite_rows")
@@ -161,17 +164,6 @@ def run(
     return _write_report(Path(out_dir), results, s, seeds, command)
 
 
-def curve(result: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(eval steps, held-out accuracy) of a run."""
-    points = [(r["step"], r["eval_accuracy"]) for r in result["records"] if "eval_accuracy" in r]
-    return np.array([p[0] for p in points]), np.array([p[1] for p in points], float)
-
-
-def final(results: dict, arm: str, seeds: int) -> np.ndarray:
-    """Each seed's final held-out accuracy of ``arm``."""
-    return np.array([results[arm, seed]["summary"].get("student_after", np.nan) for seed in range(seeds)], float)
-
-
 def tokens_per_answer(result: dict, batch_size: int, first: bool) -> float:
     """Mean answer tokens of a run's first (or last) 5 batches (fewer in a shorter run), per answer."""
     values = [r["tokens"] for r in result["records"] if "tokens" in r]
@@ -202,20 +194,6 @@ def verdict(cross: np.ndarray, same: np.ndarray) -> str:
         f"{within} {WITHIN * 100:.0f} points: cross-tokenizer OPD ends {abs(gap) * 100:.1f} points {side} "
         "same-tokenizer OPD"
     )
-
-
-def mean_curve(results: dict, arm: str, seeds: int) -> tuple[np.ndarray, np.ndarray]:
-    """(eval steps, mean held-out accuracy over the seeds) of ``arm``."""
-    curves = [curve(results[arm, seed]) for seed in range(seeds)]
-    steps = curves[0][0]
-    return steps, np.mean([c[1] for c in curves if len(c[1]) == len(steps)], axis=0)
-
-
-def steps_to(results: dict, arm: str, seeds: int, target: float) -> float:
-    """The first evaluation step at which ``arm``'s mean accuracy reaches ``target`` (NaN: never)."""
-    steps, accuracy = mean_curve(results, arm, seeds)
-    hit = np.flatnonzero(accuracy >= target)
-    return float(steps[hit[0]]) if hit.size else np.nan
 
 
 def _why(results: dict, s: Settings, seeds: int) -> str:

@@ -96,6 +96,34 @@ def mean_curve(results: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int
     return steps, (np.nanmean(same, axis=0) if steps else np.array([]))
 
 
+# --- held-out accuracy of runs keyed (arm, seed) -------------------------------------------------
+
+
+def accuracy_curve(result: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(eval steps, held-out accuracy) of a run."""
+    points = [(r["step"], r["eval_accuracy"]) for r in result["records"] if "eval_accuracy" in r]
+    return np.array([p[0] for p in points]), np.array([p[1] for p in points], float)
+
+
+def final_accuracy(results: dict, arm: str, seeds: int) -> np.ndarray:
+    """Each seed's final held-out accuracy of ``arm``."""
+    return np.array([results[arm, seed]["summary"].get("student_after", np.nan) for seed in range(seeds)], float)
+
+
+def mean_accuracy(results: dict, arm: str, seeds: int) -> tuple[np.ndarray, np.ndarray]:
+    """(eval steps, mean held-out accuracy over the seeds) of ``arm``."""
+    curves = [accuracy_curve(results[arm, seed]) for seed in range(seeds)]
+    steps = curves[0][0]
+    return steps, np.mean([c[1] for c in curves if len(c[1]) == len(steps)], axis=0)
+
+
+def steps_to(results: dict, arm: str, seeds: int, target: float) -> float:
+    """The first evaluation step at which ``arm``'s mean accuracy reaches ``target`` (NaN: never)."""
+    steps, accuracy = mean_accuracy(results, arm, seeds)
+    hit = np.flatnonzero(accuracy >= target)
+    return float(steps[hit[0]]) if hit.size else np.nan
+
+
 def run_training(work: Path, name: str, sets: Sequence[str], base: Path = DEMO) -> dict[str, Any]:
     """Train the config ``base`` with ``sets`` (``--set`` style overrides) as run ``name``.
 

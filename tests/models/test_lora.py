@@ -40,6 +40,24 @@ def test_an_adapted_projection_is_its_base_plus_the_scaled_low_rank_path():
     assert a.shape == (w.shape[0], 3) and b.shape == (3, w.shape[1])
 
 
+def test_a_bfloat16_base_takes_float32_adapters_and_computes_in_bfloat16():
+    """The frozen base may be bf16; the trained adapters stay fp32 (AdamW's small steps on
+    bf16 weights would round away), cast to the base's dtype in the forward."""
+    base = tiny_decoder(0, scale=0.7)
+    nnx.update(base, jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), nnx.state(base)))
+    model = add_adapters(base, PARAMS, nnx.Rngs(0))
+    _, module = adapters(model)[0]
+    assert module.kernel[...].dtype == jnp.bfloat16
+    assert module.lora_a[...].dtype == module.lora_b[...].dtype == jnp.float32
+    module.lora_b[...] = 0.3 * jax.random.normal(jax.random.key(5), module.lora_b.shape)
+    x = jax.random.normal(jax.random.key(1), (2, module.kernel.shape[0])).astype(jnp.bfloat16)
+    y = module(x)
+    bf = lambda v: v[...].astype(jnp.bfloat16)  # noqa: E731
+    want = jnp.dot(x, bf(module.kernel)) + (5.0 / 3.0 * jnp.dot(jnp.dot(x, bf(module.lora_a)), bf(module.lora_b)))
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32), rtol=2e-2)
+
+
 def test_fresh_adapters_compute_exactly_what_the_base_does():
     base = tiny_decoder(0, scale=0.7)
     want = np.asarray(base(TOKENS))

@@ -25,6 +25,7 @@ from asyncopd_jax.learner.step import create_train_state
 from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.decoder import Decoder, abstract_decoder
 from asyncopd_jax.models.lora import add_adapters
+from asyncopd_jax.pipeline.layout import SnapshotChannel
 from asyncopd_jax.scale import plan as plan_module
 from asyncopd_jax.scale.balance import Answers, RolloutCost
 from asyncopd_jax.scale.chips import CHIPS, Topology, get_topology
@@ -37,7 +38,8 @@ from asyncopd_jax.scale.plan import (
     make_plan,
 )
 from asyncopd_jax.scale.report import format_plan
-from asyncopd_jax.scale.swaps import SwapFigures
+from asyncopd_jax.scale.student_shapes import received_weights, resident_bytes, sampler_weights, student_decoder
+from asyncopd_jax.scale.swaps import SwapFigures, swap_figures
 
 
 class _Refused:
@@ -316,6 +318,51 @@ def test_a_lora_learner_holds_no_moments_for_its_frozen_base():
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     per_layer = (c.hidden_size + q) * 2 + (c.hidden_size + kv) * 2 + (c.hidden_size + c.intermediate_size) * 3
     assert adapted == pytest.approx(weights + 3 * 4 * 16 * per_layer * c.num_hidden_layers, rel=1e-3)
+
+
+@pytest.mark.extended  # CI time (~6 s: Qwen3-1.7B's shapes built three times): the second step
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_a_lora_version_ships_its_adapters_alone_and_the_sampler_merges_them(in_memory):
+    """Issue 58's figure: Qwen3-1.7B in fp32, rank 16 on the 7 projections of every layer: a
+    version ships the adapters alone, about 1 % of the whole student (the acceptance asks at
+    most 5 %); a sampler that merges them reads and writes every adapted kernel once per
+    version, and keeps the base and adapters beside the weights it decodes with."""
+    cfg = load_config(configs.DEMO, ["student.path=/models/Qwen3-1.7B", "student.lora.rank=16"])
+    config, _ = architecture(cfg.student)
+    devices = jax.devices()[:1]
+    _, published = student_decoder(cfg, config, cfg.published_dtype)
+    channel = SnapshotChannel(in_memory=in_memory, directory="", format="safetensors", keep=3, temporary=False)
+    received = received_weights(cfg, config, devices)
+    chip = CHIPS["v6e"]
+    swap = swap_figures(channel, published, received, learner_chips=2, samplers=1, chip=chip, merge=True)
+    c = config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    adapters = (
+        4
+        * 16
+        * c.num_hidden_layers
+        * ((c.hidden_size + q) * 2 + (c.hidden_size + kv) * 2 + (c.hidden_size + c.intermediate_size) * 3)
+    )
+    kernels = (
+        4
+        * c.num_hidden_layers
+        * (2 * c.hidden_size * q + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size)
+    )
+    base = 4 * sum(x.size for x in jax.tree_util.tree_leaves(abstract_decoder(config, "float32")[1]))
+    assert (swap.published_bytes, swap.full_bytes) == (adapters, base + adapters)
+    assert swap.published_bytes / swap.full_bytes < 0.05
+    assert swap.merge_seconds == pytest.approx(2 * kernels / chip.hbm_bytes_per_s)
+    rate = chip.copy_bytes_per_s if in_memory else 1e9
+    assert swap.load_seconds == pytest.approx(adapters / rate + swap.merge_seconds)
+    assert f"the adapters alone: {100 * adapters / (base + adapters):.2f} % of the full version" in swap.describe()
+    # the sampler decodes a plain model and holds the base and adapters beside it
+    assert sampler_weights(cfg, config, devices) is not None
+    assert not jax.tree_util.tree_leaves(nnx.filter_state(sampler_weights(cfg, config, devices), nnx.LoRAParam))
+    assert resident_bytes(cfg, config, devices) == base + adapters
+    unmerged = load_config(
+        configs.DEMO, [*["student.path=/models/Qwen3-1.7B", "student.lora.rank=16"], "student.lora.sampler=unmerged"]
+    )
+    assert resident_bytes(unmerged, config, devices) == 0
 
 
 # Written for survivors of the sampled mutation run of 2026-11-26 with seed 37 (a second

@@ -18,7 +18,7 @@ from asyncopd_jax.scale import plan as plan_module
 from asyncopd_jax.scale import search as search_module
 from asyncopd_jax.scale.balance import Answers
 from asyncopd_jax.scale.chips import CHIPS, get_topology
-from asyncopd_jax.scale.plan import Shapes, StageFigures, decode_bytes, read_models, sampler_weights
+from asyncopd_jax.scale.plan import Shapes, StageFigures, decode_bytes, read_models
 from asyncopd_jax.scale.report import format_balanced
 from asyncopd_jax.scale.search import (
     Split,
@@ -29,6 +29,7 @@ from asyncopd_jax.scale.search import (
     sampler_fit,
     scoring_mesh_split,
 )
+from asyncopd_jax.scale.student_shapes import sampler_weights
 from asyncopd_jax.scale.swaps import bytes_per_device
 
 SHAPES = Shapes(prompt_tokens=16, response_tokens=24)

@@ -280,7 +280,7 @@ def test_the_quick_study_writes_its_report(tmp_path):
 def test_an_unknown_study_names_the_allowed_ones():
     with pytest.raises(
         ValueError,
-        match="unknown study 'e9'; allowed: cache_bias_variance, cross_tokenizer, extrapolation, kl_direction, "
+        match="unknown study 'e9'; allowed: cache_bias_variance, cross_tokenizer, extrapolation, kl_direction, lora, "
         "multi_turn, rl_staleness, stabilisers, throughput",
     ):
         get_study("e9")
