@@ -31,6 +31,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from bench_sampler import timed  # this directory: run as a script, as every benchmark is
 from flax import nnx
 
 from asyncopd_jax.models import Decoder, from_pretrained
@@ -50,16 +51,6 @@ def base_model(shape: str) -> Decoder:
         (Path(tmp) / "config.json").write_text((ARCHITECTURES / "Qwen3-0.6B" / "config.json").read_text())
         config, _ = read_hf_config(Path(tmp))
     return Decoder(config, rngs=nnx.Rngs(0))
-
-
-def median_s(fn, repeats: int) -> float:
-    fn()  # compiles
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure(shape: str, args: argparse.Namespace) -> dict:
@@ -95,7 +86,7 @@ def measure(shape: str, args: argparse.Namespace) -> dict:
         times = {}
         for new in (1, args.new):
             sampler = Sampler(g, SamplingParams(temperature=1.0, max_new_tokens=new, chunk_steps=new))
-            times[new] = median_s(
+            times[new] = timed(
                 lambda sampler=sampler, s=s: jax.block_until_ready(
                     sampler.generate(s, prompts, jax.random.key(0)).response_tokens
                 ),

@@ -4,6 +4,7 @@ against today's three teachers (in the vLLM step)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -193,3 +194,26 @@ def test_bench_tool_overlap_reports_both_modes_at_a_tiny_size():
     calls = [int(row[-1]) for row in rows if row[:1] in (["overlapped"], ["group"])]
     assert calls == [32, 32], done.stdout  # the shipped tool teacher calls once an answer
     assert "speed-up of overlapping tool calls with decoding" in done.stdout
+
+
+def test_bench_lora_sampler_runs_on_the_demos_student():
+    """Merged at the swap against unmerged in the decode (docs/lora.md), at a tiny size."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_lora_sampler.py"),
+            "--shapes",
+            "demo",
+            "--new",
+            "4",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.splitlines()[-1])
+    assert figures["adapter_parameters"] == 38912  # rank 16 on the 7 projections of the demo's student
+    assert set(figures["swap_s"]) == set(figures["decode_step_s"]) == {"merged", "unmerged"}

@@ -16,6 +16,7 @@ from asyncopd_jax.models.attention import resolve_implementation
 from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.models.lora import NO_ADAPTERS, add_adapters
 from asyncopd_jax.pipeline.run_models import RunModels
+from asyncopd_jax.pipeline.snapshots import as_published
 from asyncopd_jax.tasks.assets import resolve_model_path
 
 
@@ -37,7 +38,10 @@ def load_student(cfg: RunConfig, vocab_limit: int | None, mesh: Mesh) -> Decoder
 def student_graph(cfg: RunConfig, models: RunModels) -> tuple[nnx.GraphDef, Any]:
     """The student's graph and abstract parameters (shapes and dtypes; nothing allocated):
     what a rollout stage needs to receive the policy's weights, in the published dtype."""
-    return abstract_decoder(models.student_config, cfg.published_dtype, models.vocab_limit, lora=cfg.student.lora)
+    graphdef, abstract = abstract_decoder(
+        models.student_config, cfg.published_dtype, models.vocab_limit, lora=cfg.student.lora
+    )
+    return graphdef, as_published(abstract, cfg.published_dtype)  # a LoRA student's fp32 adapters too
 
 
 def sampler_graph(cfg: RunConfig, models: RunModels) -> nnx.GraphDef:

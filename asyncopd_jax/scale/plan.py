@@ -47,7 +47,13 @@ from asyncopd_jax.scale.balance import Answers, DecodeBytes, RolloutCost, rollou
 from asyncopd_jax.scale.chips import GIB, Chip, Topology
 from asyncopd_jax.scale.flops import matmul_flops, transformer_flops
 from asyncopd_jax.scale.learner_inputs import abstract_learner_batch, architecture, hidden_teachers, teacher_heads
-from asyncopd_jax.scale.student_shapes import received_weights, resident_bytes, sampler_weights, student_decoder
+from asyncopd_jax.scale.student_shapes import (
+    published_student,
+    received_weights,
+    resident_bytes,
+    sampler_weights,
+    student_decoder,
+)
 from asyncopd_jax.scale.swaps import DEFAULT_STORAGE_BYTES_PER_S, SwapFigures, bytes_per_device, swap_figures
 from asyncopd_jax.teacher.scorer import teacher_score_function
 
@@ -503,7 +509,7 @@ def make_plan(
     sampler = compile_sampler(cfg, student, devices_of("rollout"), shapes, group, vocab_limit)
     engine = rollout_engine(cfg, student, shapes)  # what the engine says of its cost and programs
     held = decode_bytes(cfg, student, devices_of("rollout"), shapes, vocab_limit)
-    _, published = student_decoder(cfg, student, cfg.published_dtype, vocab_limit)
+    _, published = published_student(cfg, student, vocab_limit)
     swap = swap_figures(
         layout.snapshots,
         published,

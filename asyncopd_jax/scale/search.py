@@ -61,7 +61,12 @@ from asyncopd_jax.scale.plan import (
     sampler_work,
     teacher_weight_bytes,
 )
-from asyncopd_jax.scale.student_shapes import received_weights, resident_bytes, sampler_weights, student_decoder
+from asyncopd_jax.scale.student_shapes import (
+    published_student,
+    received_weights,
+    resident_bytes,
+    sampler_weights,
+)
 from asyncopd_jax.scale.swaps import DEFAULT_STORAGE_BYTES_PER_S, bytes_per_device, swap_figures
 
 FIT = 0.9  # of a chip's HBM a stage's peak may reach: the rest is the runtime's and fragmentation's
@@ -460,7 +465,7 @@ def splits(
         False: SnapshotChannel(in_memory=True, directory="", format="", keep=0, temporary=False),
         True: SnapshotChannel(in_memory=False, directory="", format="safetensors", keep=0, temporary=False),
     }
-    _, published = student_decoder(cfg, search.models.student, cfg.published_dtype, search.models.vocab_limit)
+    _, published = published_student(cfg, search.models.student, search.models.vocab_limit)
     found = []
     for l_chips, seconds in learners.items():
         for r_chips, sampler in samplers.items():

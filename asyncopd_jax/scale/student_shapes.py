@@ -20,6 +20,7 @@ from asyncopd_jax.models.decoder import abstract_decoder
 from asyncopd_jax.models.lora import NO_ADAPTERS
 from asyncopd_jax.models.partitioning import parameter_shardings
 from asyncopd_jax.pipeline.devices import stage_mesh, with_shardings
+from asyncopd_jax.pipeline.snapshots import as_published
 from asyncopd_jax.scale.swaps import bytes_per_device
 
 
@@ -39,12 +40,21 @@ def student_decoder(
     return abstract_decoder(config, dtype, vocab_limit, attention, lora=lora)
 
 
+def published_student(
+    cfg: RunConfig, config: DecoderConfig, vocab_limit: int | None = None, decoded: bool = False
+) -> tuple[nnx.GraphDef, Any]:
+    """The student as the channel ships it: every floating weight in the published dtype
+    (``stages.snapshot_dtype``; a LoRA student's fp32 adapters too, as the trainer casts them)."""
+    graphdef, params = student_decoder(cfg, config, cfg.published_dtype, vocab_limit, decoded=decoded)
+    return graphdef, as_published(params, cfg.published_dtype)
+
+
 def received_weights(cfg: RunConfig, config: DecoderConfig, devices: list, vocab_limit: int | None = None) -> Any:
     """The student's parameters as a rollout stage receives them (the published dtype, with a
     LoRA student's adapters, placed by the partition rules on ``stages.rollout_mesh`` over
     ``devices``): shapes only."""
     mesh = stage_mesh(devices, cfg.stages.rollout_mesh)
-    _, params = student_decoder(cfg, config, cfg.published_dtype, vocab_limit)
+    _, params = published_student(cfg, config, vocab_limit)
     return with_shardings(params, parameter_shardings(params, mesh))
 
 
@@ -54,7 +64,7 @@ def sampler_weights(cfg: RunConfig, config: DecoderConfig, devices: list, vocab_
     if not cfg.student.lora.merged_at_swap:
         return received_weights(cfg, config, devices, vocab_limit)
     mesh = stage_mesh(devices, cfg.stages.rollout_mesh)
-    _, params = student_decoder(cfg, config, cfg.published_dtype, vocab_limit, decoded=True)
+    _, params = published_student(cfg, config, vocab_limit, decoded=True)
     return with_shardings(params, parameter_shardings(params, mesh))
 
 

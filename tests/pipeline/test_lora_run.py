@@ -87,6 +87,21 @@ def test_the_sampler_decodes_with_the_adapters_the_learner_trains(models, tmp_pa
     np.testing.assert_allclose(np.asarray(written(tokens)), np.asarray(want), atol=2e-5)
 
 
+def test_a_bfloat16_base_with_float32_adapters_ships_them_as_bfloat16_to_stage_processes(models, tmp_path):  # noqa: F811
+    """``student.dtype: bfloat16``: the frozen base has no fp32 master, the adapters do; the
+    samplers receive every weight in the published dtype (bf16), the adapters included, in
+    the shapes their readers expect."""
+    sets = {"schedule.mode": "sync", "train.steps": 3, **LORA, "student.dtype": "bfloat16"}
+    cfg = _config(models, tmp_path, **{**sets, "stages.placement": "processes"})
+    trainer = Trainer(cfg, progress=False)
+    trained, _ = split_adapters(trainer.learner.state.params)
+    assert {x.dtype for x in jax.tree_util.tree_leaves(trained)} == {np.dtype("float32")}
+    assert trainer.run()["steps"] == 3
+    records = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    bf16 = sum(x.size * 2 for x in jax.tree_util.tree_leaves(trained))
+    assert all(r["snapshot_bytes"] < bf16 + 2048 for r in records[1:]), [r["snapshot_bytes"] for r in records]
+
+
 def test_dropout_acts_in_the_learners_forward_alone(models, tmp_path):  # noqa: F811
     """The same synchronous run with dropout 0.3: the learner's log-probs now differ from the
     sampler's (which decodes without dropout) once B has moved, so the ratio leaves 1."""
