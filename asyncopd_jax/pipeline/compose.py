@@ -82,8 +82,8 @@ def build_process(
     snapshots = learner_snapshots(cfg, layout, learner, leader) if learner is not None else None
     # the sampler's graph: the learner's own where it is here (unless the adapters are merged
     # at the swap: a plain model), else built from the student's config
-    own = learner is not None and not cfg.student.lora.merged_at_swap
-    graphdef = learner.graphdef if learner is not None and own else sampler_graph(cfg, models)
+    merged = cfg.student.lora.merged_at_swap
+    graphdef = learner.graphdef if learner is not None and not merged else sampler_graph(cfg, models)
     rollouts = tuple(
         build_rollout_stage(
             cfg,

@@ -26,7 +26,12 @@ from tests.storage.fixtures import pointed_at
 from tests.tiny_models import tiny_lora_decoder
 
 LORA = LoRAParams(rank=2, alpha=3.0, targets=("q_proj", "v_proj", "down_proj"))
-FORMATS = ["safetensors", "orbax", "objects"]
+# the fast suite: the flat file; the second step: Orbax and objects (the digest test covers objects here too)
+FORMATS = [
+    "safetensors",
+    pytest.param("orbax", marks=pytest.mark.extended),
+    pytest.param("objects", marks=pytest.mark.extended),
+]
 
 
 def _versions(count: int) -> tuple[nnx.GraphDef, list[nnx.State]]:
