@@ -3,8 +3,8 @@ rank 16 on the 7 projections) compiled by XLA's TPU compiler for its learner's 2
 as ``asyncopd plan`` compiles it, reduced to one layer at Qwen3-8B's widths and the whole
 vocabulary, on short rows (the state, not the activations, is what is compared): the
 learner's arguments are the bf16 base and the adapters with their fp32 moments, a sixth of
-full training's (fp32 master weights and two moments) on the same chips. Two compiles: 298 s
-on this project's 2-core machine beside two training runs (2026-11-29). The full-depth
+full training's (fp32 master weights and two moments) on the same chips. Two compiles: 144 s
+on this project's 2-core machine (2026-11-29). The full-depth
 figures, and the merging sampler's, are in docs/scaling.md (``asyncopd plan``).
 
 Skipped where libtpu is not installed; CI installs it (``.ci/run``) and runs this file.
