@@ -228,16 +228,24 @@ def with_dropout(model: M, key: Array | None) -> M:
     return model
 
 
+def _adapted(state: nnx.State) -> tuple[nnx.State, dict[tuple, tuple[Any, Any]]]:
+    """``(frozen, {path of an adapted kernel: (its lora_a, its lora_b)})`` of ``state``: the
+    base and, for each kernel that has an adapter, the adapter's two variables."""
+    trained, frozen = split_adapters(state)
+    pieces = dict(nnx.to_flat_state(trained)) if has_adapters(state) else {}
+    pairs = {
+        (*path[:-1], "kernel"): (a, pieces[(*path[:-1], "lora_b")])
+        for path, a in pieces.items()
+        if path[-1] == "lora_a"
+    }
+    return frozen, pairs
+
+
 def adapted_kernels(state: nnx.State) -> nnx.State:
     """The base kernels of ``state``'s adapted projections: what a merge rewrites (arrays or
     shapes)."""
-    trained, frozen = split_adapters(state)
-    if not has_adapters(state):
-        return nnx.State({})
-    modules = {path[:-1] for path, _ in nnx.to_flat_state(trained)}
-    return nnx.from_flat_state(
-        [(p, v) for p, v in nnx.to_flat_state(frozen) if p[-1] == "kernel" and p[:-1] in modules]
-    )
+    frozen, pairs = _adapted(state)
+    return nnx.from_flat_state([(p, v) for p, v in nnx.to_flat_state(frozen) if p in pairs])
 
 
 def merged_kernel(kernel: Array, a: Array, b: Array, scale: float) -> Array:
@@ -253,15 +261,13 @@ def merged_state(state: nnx.State, scale: float) -> nnx.State:
     function of its arrays (jit it: a sampler merging at every swap), always from the base
     ``W``: merging version after version never accumulates. A state without adapters is
     returned as it is."""
-    trained, frozen = split_adapters(state)
     if not has_adapters(state):
         return state
-    pieces = dict(nnx.to_flat_state(trained))
+    frozen, pairs = _adapted(state)
     flat = []
     for path, variable in nnx.to_flat_state(frozen):
-        a = pieces.get((*path[:-1], "lora_a"))
-        if path[-1] == "kernel" and a is not None:
-            b = pieces[(*path[:-1], "lora_b")]
+        if path in pairs:
+            a, b = pairs[path]
             variable = variable.replace(merged_kernel(variable[...], a[...], b[...], scale))
         flat.append((path, variable))
     return nnx.from_flat_state(flat)
