@@ -16,7 +16,9 @@ A LoRA student (:mod:`asyncopd_jax.models.lora`) is extrapolated on its adapters
 changes since the anchor, the two differ only at second order in them:
 ``(A + f·δA)(B + f·δB) = AB + f·(δA B + A δB) + f²·δA δB`` against
 ``AB + f·(δA B + A δB + δA δB)``. And only A and B keep the weights a rank-r adapter that a
-version can ship as such; ``ΔW`` extrapolated needs rank 2r in general.
+version can ship as such; ``ΔW`` extrapolated needs rank 2r in general. Weights such a
+student trains whole beside its adapters (``student.lora.modules_to_save``: the embedding,
+the norms) follow the rule above and keep their θ_t values.
 
 The functions here are pure functions of parameter pytrees; the probe is any
 ``score(params) -> float`` (higher is better), so the search is testable on toy problems

@@ -59,7 +59,7 @@ class TrainState:
 
     ``params`` is the whole model; the optimizer's state covers only what is trained
     (:func:`~asyncopd_jax.models.lora.split_adapters`): a student with LoRA adapters keeps
-    moments for its adapters alone, its base weights frozen."""
+    moments for its adapters (and the modules it trains whole) alone, its base frozen."""
 
     params: nnx.State
     opt_state: optax.OptState

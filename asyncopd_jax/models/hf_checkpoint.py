@@ -37,7 +37,7 @@ INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _hf_names(path: tuple, shape: tuple[int, ...]) -> tuple[list[str], bool, bool]:
+def hf_names(path: tuple, shape: tuple[int, ...]) -> tuple[list[str], bool, bool]:
     """Our parameter path → (its Hugging Face tensor names, whether each is transposed,
     whether they are stacked on our axis 0): one name, or for stacked experts
     (``…experts.gate_proj``, ``shape [E, …]``) one per expert, each the transpose of its slice."""
@@ -163,7 +163,7 @@ def from_pretrained(
     with contextlib.ExitStack() as stack:
         handles = {f: _open(f, stack) for f in sorted(set(files.values()))}
         for key, variable in nnx.to_flat_state(state):
-            names, transpose, stacked = _hf_names(key, variable.shape)
+            names, transpose, stacked = hf_names(key, variable.shape)
             shape = tuple(variable.shape[1:] if stacked else variable.shape)  # of each tensor
             tensors = []
             for name in names:
@@ -226,7 +226,7 @@ def save_pretrained(
 
     tensors: dict[str, jax.Array] = {}
     for key, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        names, transpose, stacked = _hf_names(key, variable.shape)
+        names, transpose, stacked = hf_names(key, variable.shape)
         value = jnp.asarray(variable[...], dtype)
         for name, part in zip(names, value if stacked else [value]):
             tensors[name] = jnp.asarray(part.T if transpose else part)  # contiguous copy

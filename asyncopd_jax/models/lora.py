@@ -7,6 +7,12 @@ adapters are ``…q_proj.lora_a`` and ``…q_proj.lora_b``, held as Flax's own
 ``nnx.LoRAParam`` (a subclass of ``nnx.Param``), which is how the learner tells what it
 trains (:func:`split_adapters`) and how a snapshot ships only them.
 
+Beside the adapters, ``student.lora.modules_to_save`` names modules trained whole (PEFT's
+``modules_to_save``: the embedding, the norms): their weights stay where they are, retyped
+:class:`WholeParam`, so they train, ship with every version and export as PEFT saves them.
+A small student needs them: the built-in student's frozen embedding and norms held rank 16
+and rank 64 alike at ~90 % of the teacher (docs/lora.md).
+
 Why our module and not ``nnx.LoRALinear`` or qwix: ``nnx.LoRA`` computes ``x A B`` with
 neither the α / r scale nor dropout, which PEFT (and every recipe quoting a rank and an
 alpha) assumes, and nests its adapters one module deeper (``…q_proj.lora.lora_a``); qwix
@@ -59,6 +65,11 @@ class LoRAParams:
         base weights once, at the swap (then decoding a plain model), or ``unmerged``, as
         two thin products per projection in every decode step
         (:mod:`~asyncopd_jax.pipeline.adapter_snapshots`; docs/lora.md measures both).
+      modules_to_save: regular expressions, each matched in full against a module's name
+        (``norm``, ``embed_tokens``) or its whole path (``layers.0.input_layernorm``), whose
+        weights are trained whole beside the adapters (PEFT's ``modules_to_save``); a pattern
+        matching no module, or a module holding an adapter, is an error. A tied head trains
+        with its embedding.
     """
 
     rank: int = 0
@@ -67,6 +78,7 @@ class LoRAParams:
     targets: tuple[str, ...] = PROJECTIONS
     init: Literal["kaiming", "gaussian"] = "kaiming"
     sampler: Literal["merged", "unmerged"] = "merged"
+    modules_to_save: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_fields(
@@ -78,11 +90,17 @@ class LoRAParams:
                 ("targets", self.targets, bool(self.targets), "at least one pattern"),
             ],
         )
-        for pattern in self.targets:
+        if self.modules_to_save and not self.enabled:
+            raise ConfigError(
+                "student.lora.modules_to_save: set with rank 0, which trains the whole student already; "
+                "give student.lora.rank > 0 or drop modules_to_save"
+            )
+        patterns = [("targets", p) for p in self.targets] + [("modules_to_save", p) for p in self.modules_to_save]
+        for field, pattern in patterns:
             try:
                 re.compile(pattern)
             except re.error as err:
-                raise ConfigError(f"student.lora.targets: {pattern!r} is not a regular expression ({err})") from None
+                raise ConfigError(f"student.lora.{field}: {pattern!r} is not a regular expression ({err})") from None
 
     @property
     def enabled(self) -> bool:
@@ -101,6 +119,16 @@ class LoRAParams:
 
 
 NO_ADAPTERS = LoRAParams()  # rank 0: the whole model is trained
+
+
+class WholeParam(nnx.Param):
+    """A weight of a LoRA student trained whole beside its adapters (a module of
+    ``student.lora.modules_to_save``): a ``Param`` still, so every reader of the model's
+    weights sees it as one, told apart only where the trained set is chosen."""
+
+
+#: The variables a LoRA student's learner trains and each version ships: :func:`split_adapters`.
+TRAINED = nnx.Any(nnx.LoRAParam, WholeParam)
 
 
 class LoRALinear(nnx.Module):
@@ -157,18 +185,25 @@ def _paths(model: nnx.Module) -> Iterator[tuple[str, nnx.Module, str, nnx.Module
         yield ".".join(str(k) for k in path), parent, str(path[-1]), module
 
 
+def _matches(patterns: tuple[str, ...], path: str) -> list[str]:
+    """The patterns that match a module's dotted ``path`` or its name in full."""
+    name = path.rsplit(".", 1)[-1]
+    return [p for p in patterns if re.fullmatch(p, name) or re.fullmatch(p, path)]
+
+
 def add_adapters(model: M, params: LoRAParams, rngs: nnx.Rngs) -> M:
     """``model`` with an adapter on every projection ``params.targets`` names (in place; the
-    model is returned). Only the attention and MLP projections of :data:`PROJECTIONS` take
-    adapters: a pattern matching anything else (a mixture's experts or router, the LM
-    head), or nothing at all, is an error naming it."""
+    model is returned), and the weights of the modules ``params.modules_to_save`` names
+    retyped :class:`WholeParam`. Only the attention and MLP projections of
+    :data:`PROJECTIONS` take adapters: a pattern matching anything else (a mixture's
+    experts or router, the LM head), or nothing at all, is an error naming it."""
     if not params.enabled:
         return model
     matched = {pattern: False for pattern in params.targets}
     chosen = []
     for path, parent, attribute, module in list(_paths(model)):
         name = path.rsplit(".", 1)[-1]
-        hits = [p for p in params.targets if re.fullmatch(p, name) or re.fullmatch(p, path)]
+        hits = _matches(params.targets, path)
         if not hits:
             continue
         if name not in PROJECTIONS or not isinstance(module, nnx.Linear):
@@ -183,7 +218,31 @@ def add_adapters(model: M, params: LoRAParams, rngs: nnx.Rngs) -> M:
         raise ValueError(f"student.lora.targets: {missing[0]!r} matches no projection of the student")
     for parent, attribute, module in chosen:
         setattr(parent, attribute, LoRALinear(module, params, rngs))
+    _train_whole(model, params.modules_to_save)
     return model
+
+
+def _train_whole(model: nnx.Module, patterns: tuple[str, ...]) -> None:
+    """Retype every ``Param`` of the modules ``patterns`` name as :class:`WholeParam` (in
+    place; metadata kept); an error names a pattern matching nothing or a module that holds
+    an adapter."""
+    matched = dict.fromkeys(patterns, False)
+    for path, _, _, module in list(_paths(model)):
+        hits = _matches(patterns, path)
+        if not hits:
+            continue
+        if adapters(module) or isinstance(module, LoRALinear):
+            raise ValueError(
+                f"student.lora.modules_to_save: {hits[0]!r} matches {path}, which holds an adapter; "
+                "name the modules to train whole (the embedding, the norms), not an adapted projection or its parents"
+            )
+        matched.update(dict.fromkeys(hits, True))
+        for attribute, variable in list(vars(module).items()):
+            if type(variable) is nnx.Param:  # not a subtype: an adapter, or retyped already
+                setattr(module, attribute, WholeParam(variable[...], **variable.get_metadata()))
+    missing = [p for p, hit in matched.items() if not hit]
+    if missing:
+        raise ValueError(f"student.lora.modules_to_save: {missing[0]!r} matches no module of the student")
 
 
 def adapters(model: nnx.Module) -> list[tuple[str, LoRALinear]]:
@@ -204,12 +263,19 @@ def has_adapters(state: nnx.State) -> bool:
 
 
 def split_adapters(state: nnx.State) -> tuple[nnx.State, nnx.State]:
-    """``(trained, frozen)``: with adapters, the adapters and everything else; without, the
-    whole state and an empty one (a student without adapters trains all its weights)."""
+    """``(trained, frozen)``: with adapters, the adapters and the weights trained whole
+    (:data:`TRAINED`) and everything else; without, the whole state and an empty one (a
+    student without adapters trains all its weights)."""
     if has_adapters(state):
-        trained, frozen = nnx.split_state(state, nnx.LoRAParam, ...)
+        trained, frozen = nnx.split_state(state, TRAINED, ...)
         return trained, frozen
     return state, nnx.State({})
+
+
+def without_adapters(state: nnx.State) -> nnx.State:
+    """``state`` without its adapters' variables: the structure of its merged state
+    (:func:`merged_state`), weights trained whole included."""
+    return nnx.split_state(state, nnx.LoRAParam, ...)[1] if has_adapters(state) else state
 
 
 def join(trained: nnx.State, frozen: nnx.State) -> nnx.State:
@@ -229,16 +295,16 @@ def with_dropout(model: M, key: Array | None) -> M:
 
 
 def _adapted(state: nnx.State) -> tuple[nnx.State, dict[tuple, tuple[Any, Any]]]:
-    """``(frozen, {path of an adapted kernel: (its lora_a, its lora_b)})`` of ``state``: the
-    base and, for each kernel that has an adapter, the adapter's two variables."""
-    trained, frozen = split_adapters(state)
-    pieces = dict(nnx.to_flat_state(trained)) if has_adapters(state) else {}
+    """``(rest, {path of an adapted kernel: (its lora_a, its lora_b)})`` of ``state``: every
+    variable but the adapters and, for each kernel that has an adapter, the adapter's two
+    variables."""
+    pieces = dict(nnx.to_flat_state(nnx.filter_state(state, nnx.LoRAParam))) if has_adapters(state) else {}
     pairs = {
         (*path[:-1], "kernel"): (a, pieces[(*path[:-1], "lora_b")])
         for path, a in pieces.items()
         if path[-1] == "lora_a"
     }
-    return frozen, pairs
+    return without_adapters(state), pairs
 
 
 def adapted_kernels(state: nnx.State) -> nnx.State:
@@ -257,7 +323,8 @@ def merged_kernel(kernel: Array, a: Array, b: Array, scale: float) -> Array:
 
 def merged_state(state: nnx.State, scale: float) -> nnx.State:
     """The state of the merged model (:func:`merge_adapters`) from a LoRA model's state:
-    each adapted ``kernel`` replaced by :func:`merged_kernel`, the adapters dropped. A pure
+    each adapted ``kernel`` replaced by :func:`merged_kernel`, the adapters dropped, weights
+    trained whole (:class:`WholeParam`) as they are. A pure
     function of its arrays (jit it: a sampler merging at every swap), always from the base
     ``W``: merging version after version never accumulates. A state without adapters is
     returned as it is."""
@@ -302,8 +369,10 @@ def _plain_like(module: LoRALinear) -> nnx.Linear:
 __all__ = [
     "NO_ADAPTERS",
     "PROJECTIONS",
+    "TRAINED",
     "LoRALinear",
     "LoRAParams",
+    "WholeParam",
     "adapted_kernels",
     "add_adapters",
     "adapters",
@@ -315,4 +384,5 @@ __all__ = [
     "projections",
     "split_adapters",
     "with_dropout",
+    "without_adapters",
 ]

@@ -11,6 +11,14 @@ and scales ``B A x`` by ``lora_alpha / r`` itself (without ``use_rslora``), whic
 scale: the matrices are written unscaled. ``target_modules`` lists the projections' names
 when every projection of those names has an adapter, else each adapted module's full name
 (PEFT matches an entry against a module's name or its dotted ending).
+
+Modules trained whole (``student.lora.modules_to_save``) are PEFT's ``modules_to_save``,
+listed by full name (PEFT matches them by ending, and ``norm`` ends ``q_norm`` too), their
+weights under the same prefix as transformers names them (``…model.norm.weight``). A tied
+head follows its embedding: ``ensure_weight_tying`` makes PEFT tie its copy of the head to
+its copy of the embedding. vLLM (0.32) loads such an adapter's projections only: it takes
+full modules for a classifier's head alone (``vllm/lora/model_manager.py``,
+``_validate_modules_to_save``), so serve the merged model there.
 """
 
 from __future__ import annotations
@@ -20,14 +28,17 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from safetensors.numpy import save_file
 
 from asyncopd_jax.models.decoder import Decoder
-from asyncopd_jax.models.lora import LoRAParams, adapters, projections
+from asyncopd_jax.models.hf_checkpoint import hf_names
+from asyncopd_jax.models.lora import LoRAParams, WholeParam, adapters, projections
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_PREFIX = "base_model.model.model."  # PEFT's wrapper, then transformers' CausalLM (model.)
+_PEFT = "base_model.model."  # PEFT's wrapper around transformers' CausalLM
+_PREFIX = _PEFT + "model."  # the CausalLM's decoder
 
 
 def _targets(model: Decoder) -> list[str]:
@@ -38,6 +49,17 @@ def _targets(model: Decoder) -> list[str]:
     if adapted == {path for path in projections(model) if path.rsplit(".", 1)[1] in names}:
         return names
     return [f"model.{path}" for path in sorted(adapted)]
+
+
+def _whole(model: Decoder) -> dict[str, np.ndarray]:
+    """The weights trained whole, fp32, by their transformers names (``model.norm.weight``)."""
+    tensors = {}
+    for path, variable in nnx.to_flat_state(nnx.state(model, WholeParam)):
+        names, transpose, stacked = hf_names(path, variable.shape)
+        value = np.asarray(variable[...].astype(jnp.float32))
+        for name, part in zip(names, value if stacked else [value]):
+            tensors[name] = np.ascontiguousarray(part.T if transpose else part)
+    return tensors
 
 
 def save_adapters(model: Decoder, path: str | Path, params: LoRAParams, base_model: str = "") -> None:
@@ -54,6 +76,12 @@ def save_adapters(model: Decoder, path: str | Path, params: LoRAParams, base_mod
         b = np.asarray(module.lora_b[...].astype(jnp.float32))  # [r, out]
         tensors[f"{_PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(a.T)
         tensors[f"{_PREFIX}{name}.lora_B.weight"] = np.ascontiguousarray(b.T)
+    whole = _whole(model)
+    tied = "model.embed_tokens.weight" in whole and model.config.tie_word_embeddings
+    if tied:  # PEFT saves its tied copy of the head too, and loads it by that name
+        whole["lm_head.weight"] = whole["model.embed_tokens.weight"]
+    tensors.update({f"{_PEFT}{name}": value for name, value in whole.items()})
+    saved = sorted({name.rsplit(".", 1)[0] for name in whole} - ({"lm_head"} if tied else set()))
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -62,6 +90,8 @@ def save_adapters(model: Decoder, path: str | Path, params: LoRAParams, base_mod
         "lora_alpha": params.alpha,
         "lora_dropout": params.dropout,
         "target_modules": _targets(model),
+        "modules_to_save": saved or None,
+        "ensure_weight_tying": tied,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,

@@ -41,7 +41,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from asyncopd_jax.models.lora import join, merged_state, split_adapters
+from asyncopd_jax.models.lora import join, merged_state, split_adapters, without_adapters
 from asyncopd_jax.pipeline.snapshots import SnapshotStore
 
 BASE_VERSION = 0  # the base store holds one version
@@ -134,7 +134,7 @@ class MergedAtSwap:
             return self._last
         start = time.perf_counter()
         if self._merge is None:  # each merged kernel lies as its base does
-            shardings = jax.tree_util.tree_map(lambda x: x.sharding, split_adapters(state)[1])
+            shardings = jax.tree_util.tree_map(lambda x: x.sharding, without_adapters(state))
             self._merge = jax.jit(functools.partial(merged_state, scale=self.scale), out_shardings=shardings)
         merged = jax.block_until_ready(self._merge(state))  # whole before the stream sees it
         self.last_merge_s = time.perf_counter() - start

@@ -88,6 +88,25 @@ def test_a_lora_step_moves_the_adapters_alone_with_moments_for_them_alone(learne
     assert moments == 2 * sum(before[k].size for k in adapter)  # Adam's μ and ν of the adapters, nothing else
 
 
+def test_modules_to_save_move_with_the_adapters_and_have_moments_of_their_own(learner_batch):
+    """``modules_to_save`` (the embedding, every norm): those weights move with the adapters
+    and Adam keeps their moments; every other base weight stays bit for bit."""
+    params = LoRAParams(rank=3, alpha=5.0, modules_to_save=("embed_tokens", ".*norm"))
+    optimizer = make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=0, schedule="constant"), 10)
+    _, start = nnx.split(tiny_lora_decoder(params))
+    _, state = _run(learner_batch, steps=3, optimizer=optimizer, params=params)
+    before, after = _leaves(start), _leaves(state.params)
+    trained = {k for k in before if k.endswith(("lora_a", "lora_b", "norm.weight", "embedding"))}
+    assert len(trained) == 28 + 1 + 2 * 4 + 1  # adapters, embedding, each layer's four norms, the final norm
+    for name in before:
+        if name in trained:
+            assert np.abs(after[name] - before[name]).max() > 1e-4, name
+        else:
+            np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+    moments = sum(x.size for x in jax.tree_util.tree_leaves(state.opt_state) if np.ndim(x))
+    assert moments == 2 * sum(before[k].size for k in trained)
+
+
 def test_lora_gradients_are_those_of_the_merged_weight(learner_batch):
     """The oracle differentiates the loss of the merged model (each ``W' = W + s·A B``
     computed, then a plain projection): by the chain rule ``∂L/∂A = s·X^T (∂L/∂Y) B^T``

@@ -15,11 +15,13 @@ from asyncopd_jax.models import Decoder, from_pretrained, save_pretrained
 from asyncopd_jax.models.lora import (
     LoRALinear,
     LoRAParams,
+    WholeParam,
     adapters,
     add_adapters,
     has_adapters,
     join,
     merge_adapters,
+    merged_state,
     split_adapters,
     with_dropout,
 )
@@ -160,6 +162,57 @@ def test_split_adapters_parts_the_trained_from_the_frozen_and_join_undoes_it():
     everything, nothing = split_adapters(plain)
     assert len(jax.tree_util.tree_leaves(everything)) == len(jax.tree_util.tree_leaves(plain))
     assert not jax.tree_util.tree_leaves(nothing)
+
+
+SAVED = LoRAParams(rank=3, alpha=5.0, modules_to_save=("embed_tokens", r".*_layernorm"))
+
+
+def test_modules_to_save_train_whole_ship_with_the_adapters_and_stay_through_a_merge():
+    model = tiny_lora_decoder(SAVED)
+    whole = {".".join(map(str, k)) for k, _ in nnx.to_flat_state(nnx.state(model, WholeParam))}
+    assert whole == {"embed_tokens.embedding"} | {
+        f"layers.{i}.{n}_layernorm.weight" for i in range(2) for n in ("input", "post_attention")
+    }
+    graphdef, state = nnx.split(model)
+    trained, frozen = split_adapters(state)
+    names = {".".join(map(str, k)) for k, _ in nnx.to_flat_state(trained)}
+    assert names == whole | {n for n in names if n.endswith(("lora_a", "lora_b"))} and len(names) == 28 + 5
+    assert not {".".join(map(str, k)) for k, _ in nnx.to_flat_state(frozen)} & whole
+    # moved whole weights change the model, and its merged state keeps them
+    before = np.asarray(model(TOKENS))
+    nnx.update(model, jax.tree_util.tree_map(lambda x: x + 0.2, nnx.state(model, WholeParam)))
+    want = np.asarray(model(TOKENS))
+    assert np.abs(want - before).max() > 1e-2
+    merged = merged_state(nnx.state(model), SAVED.scale)
+    assert not has_adapters(merged) and nnx.to_flat_state(nnx.state(merged, WholeParam))
+    np.testing.assert_allclose(np.asarray(merge_adapters(model)(TOKENS)), want, atol=2e-5)
+    plain = nnx.merge(nnx.split(tiny_decoder(0))[0], merged)  # what a merging sampler decodes
+    np.testing.assert_allclose(np.asarray(plain(TOKENS)), want, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "patterns, message",
+    [
+        (("nope",), "'nope' matches no module of the student"),
+        (("layers",), "'layers' matches layers, which holds an adapter"),
+        (("up_proj",), r"'up_proj' matches layers\.0\.mlp\.up_proj, which holds an adapter"),
+    ],
+)
+def test_a_module_to_save_that_matches_nothing_or_holds_an_adapter_is_refused(patterns, message):
+    with pytest.raises(ValueError, match=rf"student\.lora\.modules_to_save: {message}"):
+        tiny_lora_decoder(LoRAParams(rank=2, modules_to_save=patterns))
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["student.lora.modules_to_save=[norm]"], "set with rank 0"),
+        (["student.lora.rank=2", "student.lora.modules_to_save=['(norm']"], "'\\(norm' is not a regular expression"),
+    ],
+)
+def test_bad_modules_to_save_are_one_line_naming_the_field(sets, message):
+    with pytest.raises(ConfigError, match=rf"student\.lora\.modules_to_save: {message}"):
+        load_config("demo", sets)
 
 
 def test_dropout_acts_on_the_adapters_path_only_and_only_with_a_key():

@@ -45,10 +45,12 @@ def _leaves(state) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_the_sampler_decodes_with_the_adapters_the_learner_trains(models, tmp_path, placement, sampler):  # noqa: F811
     """Synchronous, one mini-batch a batch: every step trains on answers of the weights it
-    starts from, so the importance ratio is 1 on every token, once the adapters have moved
-    too (a sampler without them would be off from step 2), whether it merges them into its
-    weights at each swap or decodes them unmerged; each version ships the adapters alone."""
+    starts from, so the importance ratio is 1 on every token, once the adapters and the
+    modules trained whole (the tied embedding, the final norm) have moved too (a sampler
+    without either would be off from step 2), whether it merges the adapters into its
+    weights at each swap or decodes them unmerged; each version ships those alone."""
     sets = {"schedule.mode": "sync", "train.steps": 6, **LORA, "student.lora.sampler": sampler}
+    sets["student.lora.modules_to_save"] = "[embed_tokens, norm]"
     cfg = _config(models, tmp_path, **{**sets, **PLACEMENTS[placement]})
     trainer = Trainer(cfg, progress=False)
     if placement == "threads":  # (a stage process builds its view with the same sampler_view)
@@ -57,8 +59,8 @@ def test_the_sampler_decodes_with_the_adapters_the_learner_trains(models, tmp_pa
     trainer.run()
     final = jax.device_get(trainer.learner.state.params)
     before, after = _leaves(start), _leaves(final)
-    trained = {k for k in before if k.endswith(("lora_a", "lora_b"))}
-    assert len(trained) == 12  # 3 projections × 2 layers × (A, B)
+    trained = {k for k in before if k.endswith(("lora_a", "lora_b"))} | {"embed_tokens.embedding", "norm.weight"}
+    assert len(trained) == 14  # 3 projections × 2 layers × (A, B), the embedding, the final norm
     assert all(np.abs(after[k] - before[k]).max() > 1e-3 for k in trained)
     assert all(np.array_equal(after[k], before[k]) for k in before.keys() - trained)  # the base is frozen
     records = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
@@ -78,6 +80,7 @@ def test_the_sampler_decodes_with_the_adapters_the_learner_trains(models, tmp_pa
     # the adapters alone in PEFT's layout (tests/models/test_lora_checkpoint.py loads them with peft)
     adapter = json.loads((tmp_path / "t" / "adapter" / "adapter_config.json").read_text())
     assert (adapter["r"], adapter["lora_alpha"], adapter["target_modules"]) == (2, 7, ["down_proj", "q_proj", "v_proj"])
+    assert adapter["modules_to_save"] == ["model.embed_tokens", "model.norm"] and adapter["ensure_weight_tying"]
     assert adapter["base_model_name_or_path"] == str(models / "student")
     # written merged, in the Hugging Face layout
     written = from_pretrained(tmp_path / "t" / "student")

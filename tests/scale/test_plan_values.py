@@ -277,7 +277,14 @@ class _Stop(Exception):
     """Raised by a stand-in to end a compile once it has seen what it was handed."""
 
 
-@pytest.mark.parametrize("sets", [[], ["student.lora.rank=4", "student.lora.targets=[q_proj, down_proj]"]])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],
+        ["student.lora.rank=4", "student.lora.targets=[q_proj, down_proj]"],
+        ["student.lora.rank=2", "student.lora.modules_to_save=[embed_tokens, '.*norm']"],
+    ],
+)
 def test_the_planned_learner_step_holds_the_runs_train_state(monkeypatch, sets):
     """Bug guarded: the abstract train state the plan compiles the learner step for unlike
     the run's (its step counter a float: ``jnp.zeros((), None)``; a LoRA student's adapters
@@ -363,6 +370,15 @@ def test_a_lora_version_ships_its_adapters_alone_and_the_sampler_merges_them(in_
         configs.DEMO, [*["student.path=/models/Qwen3-1.7B", "student.lora.rank=16"], "student.lora.sampler=unmerged"]
     )
     assert resident_bytes(unmerged, config, devices) == 0
+    # the tied embedding trained whole ships with every version: its V × H fp32 weights
+    saved = load_config(
+        configs.DEMO,
+        [*["student.path=/models/Qwen3-1.7B", "student.lora.rank=16"], "student.lora.modules_to_save=[embed_tokens]"],
+    )
+    _, published = student_decoder(saved, config, saved.published_dtype)
+    received = received_weights(saved, config, devices)
+    swap = swap_figures(channel, published, received, learner_chips=2, samplers=1, chip=chip, merge=True)
+    assert (swap.published_bytes, swap.full_bytes) == (adapters + 4 * c.vocab_size * c.hidden_size, base + adapters)
 
 
 # Written for survivors of the sampled mutation run of 2026-11-26 with seed 37 (a second

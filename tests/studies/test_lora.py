@@ -24,6 +24,11 @@ from asyncopd_jax.studies.lora import acceptance, version_bytes
         ({"full": 1000, "rank 16": 1500, "rank 4": 1400, "rank 1": np.nan}, "rank 4", "does not hold"),
         ({"full": np.nan, "rank 16": 1400, "rank 4": np.nan, "rank 1": np.nan}, "rank 16", "full training never did"),
         ({"full": 900, "rank 16": np.nan, "rank 4": np.nan, "rank 1": np.nan}, None, "no LoRA arm reached"),
+        (
+            {"full": 1000, "rank 16": np.nan, "rank 16 + embedding, norms": 1200, "rank 1 + embedding, norms": 1100},
+            "rank 1 + embedding, norms",
+            "1.10× full training's 1000 steps: the acceptance (at most 1.25×) holds",
+        ),
     ],
 )
 def test_the_acceptance_takes_the_fastest_rank_against_full_training(steps, best, claim):
@@ -49,10 +54,10 @@ def test_the_quick_study_tunes_on_seed_0_and_writes_its_report(tmp_path):
     path = lora.run(tmp_path / "docs", tmp_path / "work", quick=True, seeds=2, command="asyncopd study lora --quick")
     text = path.read_text()
     lines = [json.loads(line) for line in (tmp_path / "docs" / "lora" / "runs.jsonl").read_text().splitlines()]
-    # the grid (5 runs, seed 0) and seed 1 of each of the 4 arms at its tuned rate
-    assert len(lines) == 9 and sum(line["name"].endswith("-s1") for line in lines) == 4
+    # the grid (8 runs, seed 0) and seed 1 of each of the 7 arms at its tuned rate
+    assert len(lines) == 15 and sum(line["name"].endswith("-s1") for line in lines) == 7
     rank1 = {line["name"]: line["summary"]["student_after"] for line in lines if line["name"].startswith("rank1-")}
     chosen = max(lora.QUICK.grid["rank 1"], key=lambda lr: rank1[f"rank1-lr{lr:g}-s0"])
     assert f"rank1-lr{chosen:g}-s1" in rank1  # seed 1 ran at the rate seed 0 chose
-    assert "## Verdict" in text and "student.lora.rank=4" in text
+    assert "## Verdict" in text and "student.lora.rank=4" in text and "modules_to_save=['embed_tokens'" in text
     assert (tmp_path / "docs" / "lora" / "accuracy.png").is_file()
