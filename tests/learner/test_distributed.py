@@ -95,9 +95,10 @@ def test_two_learner_processes_equal_one(tmp_path):
 
 @pytest.mark.e2e
 def test_two_learner_processes_train_a_lora_student_as_one(tmp_path, monkeypatch):
-    """The adapters (and only they: the frozen base is compared too) trained over two
-    processes, sharded as their base kernels, equal one process's; the checkpoint of a
-    LoRA train state round-trips."""
+    """The adapters and the modules trained whole beside them (the embedding, the norms),
+    and only they (the frozen base is compared too), trained over two processes, the
+    adapters sharded as their base kernels, equal one process's; the checkpoint of a LoRA
+    train state round-trips."""
     monkeypatch.setenv("ASYNCOPD_TEST_LORA", "1")  # read by the workers and by the reference
     _run_workers(tmp_path)
     _check_result(tmp_path)
