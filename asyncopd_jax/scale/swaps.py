@@ -89,8 +89,8 @@ class SwapFigures:
     delta_bytes: float | None = None
     delta_seconds: float | None = None
     delta_full_every: int = DELTA_FULL_EVERY
-    # a LoRA student: the whole student's bytes (its versions ship the adapters alone, the
-    # base once), and the seconds of a merge into the sampler's weights (in load_seconds)
+    # a LoRA student: the whole student's bytes (its versions ship what trains alone, the
+    # frozen base once), and the seconds of a merge into the sampler's weights (in load_seconds)
     full_bytes: int = 0
     merge_seconds: float = 0.0
 
@@ -98,8 +98,9 @@ class SwapFigures:
         shipped = f"{_gb(self.published_bytes)} published"
         if self.full_bytes > self.published_bytes:
             shipped += (
-                f" (the adapters alone: {100 * self.published_bytes / self.full_bytes:.2f} % of the full "
-                f"version's {_gb(self.full_bytes)}, whose base ships once)"
+                f" (what trains alone, the adapters and any modules_to_save: "
+                f"{100 * self.published_bytes / self.full_bytes:.2f} % of the full version's "
+                f"{_gb(self.full_bytes)}, whose frozen base ships once)"
             )
         merge = f", {self.merge_seconds:.3f} s of it merging them into its weights" if self.merge_seconds else ""
         line = (
