@@ -223,9 +223,9 @@ def add_adapters(model: M, params: LoRAParams, rngs: nnx.Rngs) -> M:
 
 
 def _train_whole(model: nnx.Module, patterns: tuple[str, ...]) -> None:
-    """Retype every ``Param`` of the modules ``patterns`` name as :class:`WholeParam` (in
-    place; metadata kept); an error names a pattern matching nothing or a module that holds
-    an adapter."""
+    """Retype every ``Param`` of the modules ``patterns`` name, and of their submodules, as
+    :class:`WholeParam` (in place; metadata kept); an error names a pattern matching nothing
+    or a module that holds an adapter."""
     matched = dict.fromkeys(patterns, False)
     for path, _, _, module in list(_paths(model)):
         hits = _matches(patterns, path)
@@ -237,9 +237,10 @@ def _train_whole(model: nnx.Module, patterns: tuple[str, ...]) -> None:
                 "name the modules to train whole (the embedding, the norms), not an adapted projection or its parents"
             )
         matched.update(dict.fromkeys(hits, True))
-        for attribute, variable in list(vars(module).items()):
-            if type(variable) is nnx.Param:  # not a subtype: an adapter, or retyped already
-                setattr(module, attribute, WholeParam(variable[...], **variable.get_metadata()))
+        for owner in [module, *(inner for _, _, _, inner in _paths(module))]:  # its submodules' weights too
+            for attribute, variable in list(vars(owner).items()):
+                if type(variable) is nnx.Param:  # not a subtype: an adapter, or retyped already
+                    setattr(owner, attribute, WholeParam(variable[...], **variable.get_metadata()))
     missing = [p for p, hit in matched.items() if not hit]
     if missing:
         raise ValueError(f"student.lora.modules_to_save: {missing[0]!r} matches no module of the student")

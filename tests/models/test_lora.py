@@ -203,6 +203,15 @@ def test_a_module_to_save_that_matches_nothing_or_holds_an_adapter_is_refused(pa
         tiny_lora_decoder(LoRAParams(rank=2, modules_to_save=patterns))
 
 
+def test_a_module_to_save_trains_its_submodules_weights_too():
+    """``self_attn`` with adapters on the MLP alone: its projections and q / k norms, nested
+    one module down, all train whole."""
+    model = tiny_lora_decoder(LoRAParams(rank=2, targets=("up_proj",), modules_to_save=(r"layers\.0\.self_attn",)))
+    whole = {".".join(map(str, k)) for k, _ in nnx.to_flat_state(nnx.state(model, WholeParam))}
+    names = ("q_proj.kernel", "k_proj.kernel", "v_proj.kernel", "o_proj.kernel", "q_norm.weight", "k_norm.weight")
+    assert whole == {f"layers.0.self_attn.{n}" for n in names}
+
+
 @pytest.mark.parametrize(
     "sets, message",
     [
