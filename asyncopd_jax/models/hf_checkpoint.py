@@ -37,7 +37,7 @@ INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def hf_names(path: tuple, shape: tuple[int, ...]) -> tuple[list[str], bool, bool]:
+def _hf_names(path: tuple, shape: tuple[int, ...]) -> tuple[list[str], bool, bool]:
     """Our parameter path → (its Hugging Face tensor names, whether each is transposed,
     whether they are stacked on our axis 0): one name, or for stacked experts
     (``…experts.gate_proj``, ``shape [E, …]``) one per expert, each the transpose of its slice."""
@@ -163,7 +163,7 @@ def from_pretrained(
     with contextlib.ExitStack() as stack:
         handles = {f: _open(f, stack) for f in sorted(set(files.values()))}
         for key, variable in nnx.to_flat_state(state):
-            names, transpose, stacked = hf_names(key, variable.shape)
+            names, transpose, stacked = _hf_names(key, variable.shape)
             shape = tuple(variable.shape[1:] if stacked else variable.shape)  # of each tensor
             tensors = []
             for name in names:
@@ -206,6 +206,18 @@ def from_pretrained(
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def hf_tensors(state: nnx.State, dtype: jnp.dtype | str) -> dict[str, jax.Array]:
+    """``state``'s weights by their Hugging Face names, in ``dtype``, laid out as transformers
+    stores them (``[out, in]`` kernels, one tensor per expert)."""
+    tensors: dict[str, jax.Array] = {}
+    for key, variable in nnx.to_flat_state(state):
+        names, transpose, stacked = _hf_names(key, variable.shape)
+        value = jnp.asarray(variable[...], dtype)
+        for name, part in zip(names, value if stacked else [value]):
+            tensors[name] = jnp.asarray(part.T if transpose else part)  # contiguous copy
+    return tensors
+
+
 def save_pretrained(
     model: Decoder, path: str | Path, *, dtype: jnp.dtype | str | None = None, max_shard_bytes: int = 5 * 2**30
 ) -> None:
@@ -224,12 +236,7 @@ def save_pretrained(
     config = model.config
     (path / "config.json").write_text(json.dumps(config.to_hf_dict(dtype.name), indent=2) + "\n")
 
-    tensors: dict[str, jax.Array] = {}
-    for key, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        names, transpose, stacked = hf_names(key, variable.shape)
-        value = jnp.asarray(variable[...], dtype)
-        for name, part in zip(names, value if stacked else [value]):
-            tensors[name] = jnp.asarray(part.T if transpose else part)  # contiguous copy
+    tensors = hf_tensors(nnx.state(model, nnx.Param), dtype)
 
     shards: list[dict[str, jax.Array]] = [{}]
     size = 0

@@ -32,7 +32,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from asyncopd_jax.models.decoder import Decoder
-from asyncopd_jax.models.hf_checkpoint import hf_names
+from asyncopd_jax.models.hf_checkpoint import hf_tensors
 from asyncopd_jax.models.lora import LoRAParams, WholeParam, adapters, projections
 
 CONFIG_FILE = "adapter_config.json"
@@ -51,17 +51,6 @@ def _targets(model: Decoder) -> list[str]:
     return [f"model.{path}" for path in sorted(adapted)]
 
 
-def _whole(model: Decoder) -> dict[str, np.ndarray]:
-    """The weights trained whole, fp32, by their transformers names (``model.norm.weight``)."""
-    tensors = {}
-    for path, variable in nnx.to_flat_state(nnx.state(model, WholeParam)):
-        names, transpose, stacked = hf_names(path, variable.shape)
-        value = np.asarray(variable[...].astype(jnp.float32))
-        for name, part in zip(names, value if stacked else [value]):
-            tensors[name] = np.ascontiguousarray(part.T if transpose else part)
-    return tensors
-
-
 def save_adapters(model: Decoder, path: str | Path, params: LoRAParams, base_model: str = "") -> None:
     """Write ``model``'s adapters to the directory ``path`` (created) in PEFT's layout, in
     fp32; ``base_model``: the base's location, recorded as ``base_model_name_or_path``."""
@@ -76,7 +65,8 @@ def save_adapters(model: Decoder, path: str | Path, params: LoRAParams, base_mod
         b = np.asarray(module.lora_b[...].astype(jnp.float32))  # [r, out]
         tensors[f"{_PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(a.T)
         tensors[f"{_PREFIX}{name}.lora_B.weight"] = np.ascontiguousarray(b.T)
-    whole = _whole(model)
+    # the weights trained whole, fp32, by their transformers names (model.norm.weight)
+    whole = {name: np.asarray(t) for name, t in hf_tensors(nnx.state(model, WholeParam), jnp.float32).items()}
     tied = "model.embed_tokens.weight" in whole and model.config.tie_word_embeddings
     if tied:  # PEFT saves its tied copy of the head too, and loads it by that name
         whole["lm_head.weight"] = whole["model.embed_tokens.weight"]
