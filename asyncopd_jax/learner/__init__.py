@@ -2,7 +2,7 @@
 
 from asyncopd_jax.learner import distributed
 from asyncopd_jax.learner.faults import NonFiniteLoss, drop_nonfinite_rows, nonfinite_rows
-from asyncopd_jax.learner.optimizer import learning_rate_schedule, make_optimizer
+from asyncopd_jax.learner.optimizer import learning_rate_schedule, make_optimizer, run_optimizer
 from asyncopd_jax.learner.sharding import batch_shardings, make_mesh, state_shardings
 from asyncopd_jax.learner.step import (
     LearnerBatch,
@@ -28,6 +28,7 @@ __all__ = [
     "learning_rate_schedule",
     "make_mesh",
     "make_optimizer",
+    "run_optimizer",
     "make_packed_train_step",
     "make_proximal_fn",
     "make_train_step",

@@ -70,6 +70,10 @@ class LoRAParams:
         weights are trained whole beside the adapters (PEFT's ``modules_to_save``); a pattern
         matching no module, or a module holding an adapter, is an error. A tied head trains
         with its embedding.
+      loraplus_lr_ratio: λ of LoRA+ (Hayou et al., 2024; PEFT's ``create_loraplus_optimizer``
+        and TRL's setting of that name): ``B`` learns at λ × the learning rate, ``A`` and the
+        modules trained whole at the rate itself (1: plain LoRA;
+        :func:`~asyncopd_jax.learner.optimizer.make_optimizer`).
     """
 
     rank: int = 0
@@ -79,6 +83,7 @@ class LoRAParams:
     init: Literal["kaiming", "gaussian"] = "kaiming"
     sampler: Literal["merged", "unmerged"] = "merged"
     modules_to_save: tuple[str, ...] = ()
+    loraplus_lr_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         check_fields(
@@ -88,13 +93,18 @@ class LoRAParams:
                 ("alpha", self.alpha, self.alpha > 0, "> 0"),
                 ("dropout", self.dropout, 0 <= self.dropout < 1, "in [0, 1)"),
                 ("targets", self.targets, bool(self.targets), "at least one pattern"),
+                ("loraplus_lr_ratio", self.loraplus_lr_ratio, self.loraplus_lr_ratio > 0, "> 0"),
             ],
         )
-        if self.modules_to_save and not self.enabled:
-            raise ConfigError(
-                "student.lora.modules_to_save: set with rank 0, which trains the whole student already; "
-                "give student.lora.rank > 0 or drop modules_to_save"
-            )
+        for field, unset in (
+            ("modules_to_save", not self.modules_to_save),
+            ("loraplus_lr_ratio", self.loraplus_lr_ratio == 1),
+        ):
+            if not unset and not self.enabled:
+                raise ConfigError(
+                    f"student.lora.{field}: set with rank 0, which trains the whole student without adapters; "
+                    f"give student.lora.rank > 0 or drop {field}"
+                )
         patterns = [("targets", p) for p in self.targets] + [("modules_to_save", p) for p in self.modules_to_save]
         for field, pattern in patterns:
             try:

@@ -26,10 +26,10 @@ from asyncopd_jax.learner import (
     create_train_state,
     distributed,
     make_mesh,
-    make_optimizer,
     make_packed_train_step,
     make_proximal_fn,
     make_train_step,
+    run_optimizer,
 )
 from asyncopd_jax.learner.optimizer import learning_rate_schedule
 from asyncopd_jax.learner.sharding import put
@@ -57,7 +57,7 @@ class LearnerStage:
         learner = cfg.learner
         self.cfg, self.multi_process = cfg, multi_process
         self.mesh = make_mesh(learner.mesh, stage_devices(layout, layout.learner, multi_process))
-        self.optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+        self.optimizer = run_optimizer(cfg)
         self.lr = learning_rate_schedule(cfg.optim, cfg.train.steps)
         student = load_student(cfg, models.vocab_limit, self.mesh)
         self.graphdef, self.state = create_train_state(student, self.optimizer, self.mesh)

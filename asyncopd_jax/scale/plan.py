@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asyncopd_jax.config import RunConfig, TeacherSource
-from asyncopd_jax.learner.optimizer import make_optimizer
+from asyncopd_jax.learner.optimizer import run_optimizer
 from asyncopd_jax.learner.sharding import batch_shardings, make_mesh, state_shardings
 from asyncopd_jax.learner.step import (
     LearnerBatch,
@@ -159,7 +159,7 @@ def abstract_train_state(cfg: RunConfig, params: Any) -> TrainState:
     """The learner's state (parameters, optimizer state, step) as shapes: as the run makes it
     (:func:`~asyncopd_jax.learner.step.initial_state`: a LoRA student's moments are its
     adapters' alone)."""
-    optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+    optimizer = run_optimizer(cfg)
     return jax.eval_shape(lambda p: initial_state(p, optimizer), params)
 
 
@@ -191,7 +191,7 @@ def compile_learner_step(
     mesh = make_mesh(cfg.learner.mesh, devices)
     attention = resolve_implementation(cfg.student.attention, target_platform(devices))
     graphdef, params = student_decoder(cfg, config, cfg.student.dtype, vocab_limit, attention)
-    optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+    optimizer = run_optimizer(cfg)
     state = abstract_train_state(cfg, params)
     rows = cfg.learner.batch_size // cfg.learner.mini_batches
     batch = abstract_learner_batch(cfg, rows, shapes, (graphdef, params))

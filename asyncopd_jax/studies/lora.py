@@ -49,9 +49,11 @@ KEYS = (*LEDGER_KEYS, "eval_accuracy", "snapshot_bytes", "snapshot_base_bytes")
 class Arm:
     rank: int  # 0: full training
     modules_to_save: tuple[str, ...] = ()  # trained whole beside the adapters
+    loraplus_lr_ratio: float = 1.0  # LoRA+: B learns at this multiple of the learning rate
 
 
 SAVED = ("embed_tokens", ".*norm")  # the tied embedding (and head) and every norm
+LORAPLUS = 16.0  # loraplus_lr_ratio: 2^4, the value axolotl's docs recommend for it
 ARMS = {
     "full": Arm(0),
     "rank 16": Arm(16),
@@ -60,6 +62,8 @@ ARMS = {
     "rank 16 + embedding, norms": Arm(16, SAVED),
     "rank 4 + embedding, norms": Arm(4, SAVED),
     "rank 1 + embedding, norms": Arm(1, SAVED),
+    # LoRA+ at PEFT's recommended ratio, on the best arm above (docs/study/lora.md before it)
+    "rank 16 + embedding, norms, LoRA+ λ = 16": Arm(16, SAVED, LORAPLUS),
 }
 ALPHA = 32.0
 TARGETS = (0.90, 0.94)  # shares of the teacher's accuracy
@@ -90,6 +94,9 @@ FULL = Settings(
         "rank 16 + embedding, norms": (2.5e-3, 5e-3, 1e-2, 2e-2),
         "rank 4 + embedding, norms": (2.5e-3, 5e-3, 1e-2, 2e-2),
         "rank 1 + embedding, norms": (2.5e-3, 5e-3, 1e-2, 2e-2),
+        # the rate of A and of the whole weights (B's: 16×), from the arm's best without LoRA+
+        # (1e-2) down: LoRA+'s authors advise A about half plain LoRA's rate (their README)
+        "rank 16 + embedding, norms, LoRA+ λ = 16": (2.5e-3, 5e-3, 1e-2),
     },
 )
 QUICK = Settings(
@@ -105,19 +112,22 @@ QUICK = Settings(
         "rank 16 + embedding, norms": (5e-3,),
         "rank 4 + embedding, norms": (5e-3,),
         "rank 1 + embedding, norms": (5e-3,),
+        "rank 16 + embedding, norms, LoRA+ λ = 16": (2.5e-3,),
     },
 )
 
 
 def _name(arm: str, learning_rate: float, seed: int) -> str:
-    return f"{re.sub(r'[^a-z0-9]', '', arm)}-lr{learning_rate:g}-s{seed}"
+    return f"{re.sub(r'[^a-z0-9]', '', arm.lower())}-lr{learning_rate:g}-s{seed}"
 
 
 def _sets(arm: str, learning_rate: float, seed: int, s: Settings) -> list[str]:
-    rank, saved = ARMS[arm].rank, ARMS[arm].modules_to_save
+    rank, saved, ratio = ARMS[arm].rank, ARMS[arm].modules_to_save, ARMS[arm].loraplus_lr_ratio
     lora = [f"student.lora.rank={rank}", f"student.lora.alpha={ALPHA}"] if rank else []
     if saved:
         lora.append(f"student.lora.modules_to_save=[{', '.join(repr(p) for p in saved)}]")
+    if ratio != 1:
+        lora.append(f"student.lora.loraplus_lr_ratio={ratio:g}")
     return [
         f"seed={seed}",
         *lora,

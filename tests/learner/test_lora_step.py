@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from asyncopd_jax.config import EstimatorConfig, MeshConfig, OptimConfig
+from asyncopd_jax.config import ConfigError, EstimatorConfig, MeshConfig, OptimConfig, load_config
 from asyncopd_jax.estimators.reductions import loss_denominator
 from asyncopd_jax.learner import (
     PolicyLoss,
@@ -22,6 +22,7 @@ from asyncopd_jax.learner import (
     make_optimizer,
     make_packed_train_step,
     make_train_step,
+    run_optimizer,
 )
 from asyncopd_jax.learner.step import loss_model
 from asyncopd_jax.models.lora import LoRAParams, join, merge_adapters, split_adapters
@@ -105,6 +106,42 @@ def test_modules_to_save_move_with_the_adapters_and_have_moments_of_their_own(le
             np.testing.assert_array_equal(after[name], before[name], err_msg=name)
     moments = sum(x.size for x in jax.tree_util.tree_leaves(state.opt_state) if np.ndim(x))
     assert moments == 2 * sum(before[k].size for k in trained)
+
+
+def first_updates(optimizer: optax.GradientTransformation, params: LoRAParams) -> dict[str, np.ndarray]:
+    """``optimizer``'s first update of a LoRA student's trained weights under gradients of
+    ones: AdamW's first step is about ``-lr`` everywhere (plus the decay's ``-lr·wd·w``)."""
+    trained, _ = split_adapters(nnx.state(tiny_lora_decoder(params)))
+    grads = jax.tree_util.tree_map(jnp.ones_like, trained)
+    updates, _ = optimizer.update(grads, optimizer.init(trained), trained)
+    return _leaves(updates)
+
+
+def test_loraplus_moves_b_at_its_ratio_and_a_and_the_whole_weights_at_the_rate():
+    """``student.lora.loraplus_lr_ratio`` λ, through the run's optimizer: each ``B``'s update
+    is λ times plain LoRA's, decay included; ``A``'s and the whole weights' are plain LoRA's."""
+    sets = [
+        "student.lora.rank=3",
+        "student.lora.modules_to_save=[embed_tokens, '.*norm']",
+        "optim.learning_rate=0.01",
+        "optim.weight_decay=0.1",
+        "optim.warmup_steps=0",
+    ]
+    params = load_config("demo", sets).student.lora
+    plain = first_updates(run_optimizer(load_config("demo", sets)), params)
+    plus = first_updates(run_optimizer(load_config("demo", [*sets, "student.lora.loraplus_lr_ratio=4"])), params)
+    assert {k for k in plain if k.endswith("lora_b")} and {k for k in plain if k.endswith("embedding")}
+    for name, update in plain.items():
+        ratio = 4 if name.endswith("lora_b") else 1
+        assert np.abs(update).min() > 1e-3, name  # every weight moves: the comparison is not of zeros
+        np.testing.assert_allclose(plus[name], ratio * update, rtol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("sets", [["student.lora.loraplus_lr_ratio=0"], ["student.lora.loraplus_lr_ratio=2"]])
+def test_a_bad_loraplus_ratio_is_one_line_naming_its_field(sets):
+    with pytest.raises(ConfigError, match=r"student\.lora\.loraplus_lr_ratio") as err:
+        load_config("demo", sets)  # 0, and a ratio for a student without adapters (rank 0)
+    assert "\n" not in str(err.value)
 
 
 def test_lora_gradients_are_those_of_the_merged_weight(learner_batch):

@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from asyncopd_jax.learner import make_optimizer
 from asyncopd_jax.models import from_pretrained
 from asyncopd_jax.models.lora import adapters, split_adapters
 from asyncopd_jax.pipeline.adapter_snapshots import MergedAtSwap
 from asyncopd_jax.pipeline.snapshots import as_published
 from asyncopd_jax.pipeline.trainer import Trainer
 from asyncopd_jax.storage import open_store
+from tests.learner.test_lora_step import first_updates
 from tests.pipeline.test_bucket_faults import _Nth
 from tests.pipeline.test_trainer import _config, models  # noqa: F401 - fixture
 from tests.storage import servers
@@ -118,8 +120,14 @@ def test_dropout_acts_in_the_learners_forward_alone(models, tmp_path):  # noqa: 
 def test_a_lora_run_resumes_with_its_adapters_and_their_moments(models, tmp_path):  # noqa: F811
     sets = {"schedule.mode": "fully_async", "train.steps": 6, **LORA, "student.lora.dropout": 0.1}
     sets["student.lora.modules_to_save"] = "[embed_tokens, '.*norm']"  # restored as WholeParam, with moments
+    sets["student.lora.loraplus_lr_ratio"] = 4
     cfg = _config(models, tmp_path, **sets)
     trainer = Trainer(cfg, progress=False)
+    # the learner's optimizer is the config's: B's updates at 4× plain LoRA's
+    plus = first_updates(trainer.learner.optimizer, cfg.student.lora)
+    plain = first_updates(make_optimizer(cfg.optim, cfg.train.steps), cfg.student.lora)
+    for name, update in plain.items():
+        np.testing.assert_allclose(plus[name], (4 if name.endswith("lora_b") else 1) * update, rtol=1e-6)
     saved = {}
     real_save = trainer.run_dir.save_checkpoint
 
