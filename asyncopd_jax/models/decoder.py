@@ -32,6 +32,7 @@ from asyncopd_jax.models.lora import NO_ADAPTERS, LoRAParams, add_adapters
 from asyncopd_jax.models.moe import SparseMoE
 from asyncopd_jax.models.paged_attention import PagedImplementation, PagedKVCache, PagedWrite, paged_attention
 from asyncopd_jax.models.partitioning import constrain
+from asyncopd_jax.models.shape_keys import shape_keys
 
 Array = jax.Array
 
@@ -421,7 +422,7 @@ def abstract_decoder(
     (:mod:`asyncopd_jax.models.lora`) where it has a rank."""
 
     def build() -> Decoder:
-        return add_adapters(Decoder(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)), lora, nnx.Rngs(0))
+        return add_adapters(Decoder(config, dtype=jnp.dtype(dtype), rngs=shape_keys()), lora, shape_keys())
 
     model = nnx.eval_shape(build)
     model.vocab_limit = vocab_limit

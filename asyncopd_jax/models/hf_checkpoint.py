@@ -30,6 +30,7 @@ from asyncopd_jax.models.config import DecoderConfig, read_hf_config, read_json
 from asyncopd_jax.models.decoder import Decoder
 from asyncopd_jax.models.lora import merge_adapters
 from asyncopd_jax.models.partitioning import parameter_spec
+from asyncopd_jax.models.shape_keys import shape_keys
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -155,7 +156,7 @@ def from_pretrained(
     config, saved_dtype = read_hf_config(path)
     dtype = jnp.dtype(dtype or saved_dtype or "float32")
 
-    abstract = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=shape_keys()))
     graphdef, state = nnx.split(abstract)
     files = _tensor_files(path)
     loaded = {}

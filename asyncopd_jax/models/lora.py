@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from asyncopd_jax.config_checks import ConfigError, check_fields
+from asyncopd_jax.models.shape_keys import shape_keys
 
 Array = jax.Array
 M = TypeVar("M", bound=nnx.Module)
@@ -96,11 +97,9 @@ class LoRAParams:
                 ("loraplus_lr_ratio", self.loraplus_lr_ratio, self.loraplus_lr_ratio > 0, "> 0"),
             ],
         )
-        for field, unset in (
-            ("modules_to_save", not self.modules_to_save),
-            ("loraplus_lr_ratio", self.loraplus_lr_ratio == 1),
-        ):
-            if not unset and not self.enabled:
+        given_fields = {"modules_to_save": bool(self.modules_to_save), "loraplus_lr_ratio": self.loraplus_lr_ratio != 1}
+        for field, given in given_fields.items():
+            if given and not self.enabled:
                 raise ConfigError(
                     f"student.lora.{field}: set with rank 0, which trains the whole student without adapters; "
                     f"give student.lora.rank > 0 or drop {field}"
@@ -371,7 +370,7 @@ def _plain_like(module: LoRALinear) -> nnx.Linear:
     """A plain projection of ``module``'s shape (its weights set by the caller)."""
     shape = module.kernel.shape
     make = functools.partial(nnx.Linear, *shape, use_bias=module.bias is not None, dtype=None)
-    plain = nnx.eval_shape(lambda: make(rngs=nnx.Rngs(0)))
+    plain = nnx.eval_shape(lambda: make(rngs=shape_keys()))
     plain.kernel = nnx.Param(module.kernel[...])
     plain.bias = module.bias
     return plain
