@@ -284,7 +284,7 @@ def _steps(steps: float) -> str:
 
 def _curves(report: Report, results: dict, seeds: int, teacher: float) -> None:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, ax = plt.subplots(figsize=(9.0, 4.0), layout="constrained")
     for arm in ARMS:
         steps, accuracy = mean_accuracy(results, arm, seeds)
         style = "--" if ARMS[arm].modules_to_save else "-"
@@ -293,5 +293,5 @@ def _curves(report: Report, results: dict, seeds: int, teacher: float) -> None:
         ax.axhline(100 * target, color="grey", linewidth=0.6, linestyle=":")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("held-out accuracy, % of the teacher")
-    ax.legend()
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))  # beside the curves, not over them
     report.figure(fig, "accuracy.png", f"Held-out accuracy, mean of {seeds} seed(s), each arm at its learning rate.")
