@@ -44,6 +44,21 @@ class CheckpointSaveFailed(OSError):
     """A checkpoint could not be written; the message names the last good one."""
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint holds a train state of another layout than the run's config builds
+    (a changed LoRA rank, targets or ``modules_to_save``, a changed model); the message
+    names the first weight that differs."""
+
+
+def state_layout(state: Any) -> list[str]:
+    """Every leaf of a train state as ``"path shape dtype"``, in the order a checkpoint
+    stores them (leaf ``i`` is saved as ``"{i:05d}"``): what a resume must find again."""
+    return [
+        f"{jax.tree_util.keystr(path)} {tuple(leaf.shape)} {np.dtype(leaf.dtype).name}"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+    ]
+
+
 def _io_reason(err: BaseException) -> str:
     """The operating system's reason inside an Orbax / TensorStore error (they carry it as
     ``[os_error_code='28']``), else the error's first line."""
@@ -269,6 +284,7 @@ class RunDir:
         """
         leaves = jax.tree_util.tree_leaves(state)
         flat = {f"{i:05d}": leaf for i, leaf in enumerate(leaves)}
+        meta = {**meta, "layout": state_layout(state)}  # checked by restore_checkpoint
         state = ocp.args.PyTreeSave(flat) if self.part else ocp.args.StandardSave(flat)
         try:
             self.checkpoints.save(step, args=ocp.args.Composite(state=state, meta=ocp.args.JsonSave(meta)), force=True)
@@ -354,7 +370,12 @@ class RunDir:
         self._checkpoints = self._open_checkpoints(remove_unfinished=True)
 
     def restore_checkpoint(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
-        """Restore onto the structure, shapes and shardings of ``abstract_state``."""
+        """Restore onto the structure, shapes and shardings of ``abstract_state``.
+
+        Raises:
+          CheckpointMismatch: the checkpoint's leaves are not ``abstract_state``'s (by path,
+            shape and dtype; a checkpoint written before layouts were recorded is not checked).
+        """
         if step is None:  # process 0's answer: the others must restore the same step
             latest = self.latest_checkpoint()
             step = int(distributed.from_leader(-1 if latest is None else latest))
@@ -362,6 +383,8 @@ class RunDir:
             raise FileNotFoundError(f"no checkpoint in {self.where('checkpoints')} to resume from")
         if self.store is not None:
             self._stage_checkpoint(step)
+        saved = self.checkpoints.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        self._check_layout(step, saved.get("layout"), state_layout(abstract_state))
         leaves, treedef = jax.tree_util.tree_flatten(abstract_state)
         target = {f"{i:05d}": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for i, x in enumerate(leaves)}
         state = (
@@ -372,6 +395,20 @@ class RunDir:
         restored = self.checkpoints.restore(step, args=ocp.args.Composite(state=state, meta=ocp.args.JsonRestore()))
         flat = restored["state"]
         return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in sorted(flat)]), dict(restored["meta"])
+
+    def _check_layout(self, step: int, saved: list[str] | None, wanted: list[str]) -> None:
+        """Raise :class:`CheckpointMismatch` naming the first leaf where ``saved`` (the
+        checkpoint's layout; None: not recorded) and ``wanted`` differ."""
+        if saved is None or saved == wanted:
+            return
+        first = next((i for i, (a, b) in enumerate(zip(saved, wanted)) if a != b), min(len(saved), len(wanted)))
+        was = saved[first] if first < len(saved) else "nothing"
+        now = wanted[first] if first < len(wanted) else "nothing"
+        raise CheckpointMismatch(
+            f"resume: checkpoint {step} in {self.where('checkpoints')} holds a train state of {len(saved)} arrays, "
+            f"this config builds {len(wanted)}; array {first} was {was}, is now {now}: resume with the settings "
+            "the run was saved with (its config.yaml), such as student.lora's rank, targets and modules_to_save"
+        )
 
     def close(self) -> None:
         if self._checkpoints is not None:

@@ -11,10 +11,14 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 
-from asyncopd_jax.pipeline.run_outputs import CheckpointSaveFailed, RunDir
+from asyncopd_jax.models.lora import LoRAParams, split_adapters
+from asyncopd_jax.pipeline.run_outputs import CheckpointMismatch, CheckpointSaveFailed, RunDir
+from tests.tiny_models import tiny_lora_decoder
 
 
 def test_a_torn_last_metrics_line_is_skipped_and_dropped_on_resume(tmp_path):
@@ -87,3 +91,37 @@ def test_the_unfinished_save_of_a_killed_run_is_removed_on_resume(tmp_path):
     assert run.latest_checkpoint() is None
     run.save_checkpoint(3, _state(10), {"step": 3})
     assert sorted(p.name for p in directory.iterdir()) == ["3"]
+
+
+def _lora_state(**lora) -> dict:
+    """A LoRA student's parameters and AdamW's moments, as the learner checkpoints them."""
+    params = nnx.state(tiny_lora_decoder(LoRAParams(**lora)))
+    return {"params": params, "opt": optax.adam(1e-3).init(split_adapters(params)[0])}
+
+
+@pytest.mark.parametrize(
+    "changed, first",
+    [
+        (
+            {"rank": 3},
+            r"array 1 was \['opt'\]\[0\]\.mu\['layers'\]\[0\]\['mlp'\]\['down_proj'\]\['lora_a'\]\.value "
+            r"\(64, 2\) float32, is now .*\(64, 3\) float32",
+        ),
+        ({"rank": 2, "targets": ("q_proj", "v_proj")}, r"holds a train state of \d+ arrays, this config builds \d+"),
+        ({"rank": 2, "modules_to_save": ("norm",)}, r"array \d+ was .*"),
+    ],
+    ids=["rank", "targets", "modules_to_save"],
+)
+def test_a_checkpoint_of_another_lora_layout_is_refused_in_one_line_naming_an_array(tmp_path, changed, first):
+    """Leaves are saved by position: a resume whose config builds other adapters (a rank,
+    the targets, what trains whole) must stop, not restore them into the wrong weights."""
+    run = RunDir(tmp_path / "run")
+    saved = _lora_state(rank=2)
+    run.save_checkpoint(4, saved, {"step": 4})
+    with pytest.raises(CheckpointMismatch, match=r"resume: checkpoint 4 in .* " + first) as err:
+        run.restore_checkpoint(_lora_state(**changed))
+    assert "\n" not in str(err.value) and "config.yaml" in str(err.value)
+    restored, meta = run.restore_checkpoint(_lora_state(rank=2))  # the settings it was saved with
+    assert meta["step"] == 4
+    for want, got in zip(jax.tree_util.tree_leaves(saved), jax.tree_util.tree_leaves(restored)):
+        np.testing.assert_array_equal(got, want)
