@@ -71,8 +71,8 @@ class LoRAParams:
         weights are trained whole beside the adapters (PEFT's ``modules_to_save``); a pattern
         matching no module, or a module holding an adapter, is an error. A tied head trains
         with its embedding.
-      loraplus_lr_ratio: λ of LoRA+ (Hayou et al., 2024; PEFT's ``create_loraplus_optimizer``
-        and TRL's setting of that name): ``B`` learns at λ × the learning rate, ``A`` and the
+      loraplus_lr_ratio: λ of LoRA+ (Hayou et al., 2024; the name of PEFT's
+        ``create_loraplus_optimizer`` argument): ``B`` learns at λ × the learning rate, ``A`` and the
         modules trained whole at the rate itself (1: plain LoRA;
         :func:`~asyncopd_jax.learner.optimizer.make_optimizer`).
     """

@@ -62,7 +62,7 @@ ARMS = {
     "rank 16 + embedding, norms": Arm(16, SAVED),
     "rank 4 + embedding, norms": Arm(4, SAVED),
     "rank 1 + embedding, norms": Arm(1, SAVED),
-    # LoRA+ at PEFT's recommended ratio, on the best arm above (docs/study/lora.md before it)
+    # LoRA+ at the ratio axolotl's docs recommend, on the best arm above (docs/lora.md)
     "rank 16 + embedding, norms, LoRA+ λ = 16": Arm(16, SAVED, LORAPLUS),
 }
 ALPHA = 32.0
