@@ -27,10 +27,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
 from asyncopd_jax.models.config import DecoderConfig, read_hf_config, read_json
-from asyncopd_jax.models.decoder import Decoder
+from asyncopd_jax.models.decoder import Decoder, abstract_decoder
 from asyncopd_jax.models.lora import merge_adapters
 from asyncopd_jax.models.partitioning import parameter_spec
-from asyncopd_jax.models.shape_keys import shape_keys
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -156,8 +155,7 @@ def from_pretrained(
     config, saved_dtype = read_hf_config(path)
     dtype = jnp.dtype(dtype or saved_dtype or "float32")
 
-    abstract = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=shape_keys()))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = abstract_decoder(config, dtype)
     files = _tensor_files(path)
     loaded = {}
     used: set[str] = set()

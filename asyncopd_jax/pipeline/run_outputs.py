@@ -392,9 +392,8 @@ class RunDir:
             if self.part
             else ocp.args.StandardRestore(target)
         )
-        restored = self.checkpoints.restore(step, args=ocp.args.Composite(state=state, meta=ocp.args.JsonRestore()))
-        flat = restored["state"]
-        return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in sorted(flat)]), dict(restored["meta"])
+        flat = self.checkpoints.restore(step, args=ocp.args.Composite(state=state))["state"]
+        return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in sorted(flat)]), dict(saved)
 
     def _check_layout(self, step: int, saved: list[str] | None, wanted: list[str]) -> None:
         """Raise :class:`CheckpointMismatch` naming the first leaf where ``saved`` (the
